@@ -1,0 +1,87 @@
+"""torchao output: tensor subclasses saved as safetensors through transformers' TorchAo integration.
+
+The recipe's scheme maps to the torchao config of the same grid; transformers quantizes each Linear with it
+while loading, on the current device. Tests check that torchao's dequantized weights equal the scheme's.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+from torch import nn
+
+from quantkit import models
+from quantkit.plan import ModulePlan
+from quantkit.registry import Recipe
+from quantkit.schemes import Granularity, QDtype, QuantScheme, ScaleDtype
+
+
+def unsupported(scheme: QuantScheme) -> str | None:
+    try:
+        torchao_config(scheme)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def torchao_config(scheme: QuantScheme):
+    """The torchao config whose grid is the scheme's, or ValueError."""
+    import torch
+    from torchao.quantization import (
+        Float8DynamicActivationFloat8WeightConfig,
+        Int8DynamicActivationInt8WeightConfig,
+        Int8DynamicActivationIntxWeightConfig,
+        Int8WeightOnlyConfig,
+        IntxWeightOnlyConfig,
+        MappingType,
+        PerAxis,
+        PerGroup,
+        PerRow,
+    )
+
+    w, a = scheme.weights, scheme.activations
+    per_channel = w.granularity is Granularity.CHANNEL
+    granularity = PerAxis(0) if per_channel else PerGroup(w.group_size)
+    mapping = MappingType.SYMMETRIC if w.symmetric else MappingType.ASYMMETRIC
+    float32_scale = w.scale_dtype is ScaleDtype.FLOAT32
+    if w.dtype is QDtype.FLOAT8:
+        if a is not None and a.dtype is QDtype.FLOAT8:
+            return Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())
+        raise ValueError("torchao has float8 weights only with float8 dynamic activations")
+    if a is not None and a.dtype is QDtype.FLOAT8:
+        raise ValueError("torchao has no integer-weight, float8-activation config")
+    if w.dtype is QDtype.INT8 and per_channel and w.symmetric and float32_scale:
+        if a is None:
+            return Int8WeightOnlyConfig(granularity=PerRow())
+        if a.symmetric:
+            return Int8DynamicActivationInt8WeightConfig(granularity=PerRow())
+    if float32_scale:
+        raise ValueError("torchao's int configs keep scales in the model's dtype here; use scale_dtype: model")
+    dtype = torch.int4 if w.dtype is QDtype.INT4 else torch.int8
+    if a is None:
+        return IntxWeightOnlyConfig(weight_dtype=dtype, granularity=granularity, mapping_type=mapping)
+    if a.symmetric:
+        raise ValueError("torchao's int8-activation, intx-weight config quantizes activations asymmetrically")
+    return Int8DynamicActivationIntxWeightConfig(weight_dtype=dtype, weight_granularity=granularity, weight_mapping_type=mapping)
+
+
+def transformers_config(plan: list[ModulePlan]):
+    from torchao.quantization import FqnToConfig
+    from transformers import TorchAoConfig
+
+    fqn_to_config = {entry.name: torchao_config(entry.scheme) for entry in plan if entry.quantized}
+    skipped = [entry.name for entry in plan if not entry.quantized]
+    return TorchAoConfig(FqnToConfig(fqn_to_config), modules_to_not_convert=skipped or None)
+
+
+def quantize(
+    src: Path, plan: list[ModulePlan], recipe: Recipe, dtype: str = "auto", trust_remote_code: bool = False,
+    on_module: Callable[[str], None] | None = None,
+) -> nn.Module:
+    """torchao quantizes while transformers loads, so there is no per-module callback (`on_module` unused)."""
+    return models.load_model(src, dtype, trust_remote_code, quantization_config=transformers_config(plan))
+
+
+def save(model: nn.Module, out_dir: Path) -> None:
+    model.save_pretrained(out_dir)

@@ -1,0 +1,86 @@
+"""`finalize`: turn a model directory into a quantized artifact (post-training quantization)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from torch import nn
+
+from quantkit import hardware, models, runtime
+from quantkit.export import atomic, check_supported, exporter, metadata
+from quantkit.plan import ModulePlan, plan_model
+from quantkit.progress import QUIET, Progress
+from quantkit.registry import Format, Recipe
+
+
+@dataclass
+class FinalizeResult:
+    dst: Path
+    recipe: Recipe
+    format: Format
+    plan: list[ModulePlan]
+    seconds: float
+    source_bytes: int
+    output_bytes: int
+    threads: int
+
+
+@dataclass
+class Prepared:
+    src: Path
+    format: Format
+    plan: list[ModulePlan]
+
+
+def prepare(src: str | Path, recipe: Recipe, fmt: Format | None = None, trust_remote_code: bool = False) -> Prepared:
+    """Every check that needs no weights: format, hardware, source directory, module plan."""
+    fmt = fmt or recipe.format
+    check_supported(recipe, fmt)
+    hardware.check(recipe, fmt)
+    src = models.check_model_dir(src)
+    config = models.load_config(src, trust_remote_code)
+    plan = plan_model(models.meta_model(config, trust_remote_code), recipe)
+    return Prepared(src=src, format=fmt, plan=plan)
+
+
+def quantize_model(
+    prepared: Prepared, recipe: Recipe, dtype: str = "auto", trust_remote_code: bool = False, progress: Progress = QUIET
+) -> nn.Module:
+    """The quantized model in memory, exactly as the artifact will compute."""
+    todo = sum(entry.quantized for entry in prepared.plan)
+    with progress.task(f"Quantizing ({recipe.name}, {prepared.format.value})", total=todo) as advance:
+        model = exporter(prepared.format).quantize(
+            prepared.src, prepared.plan, recipe, dtype, trust_remote_code, on_module=lambda name: advance()
+        )
+    return model
+
+
+def finalize(
+    src: str | Path,
+    dst: str | Path,
+    recipe: Recipe,
+    fmt: Format | None = None,
+    overwrite: bool = False,
+    dtype: str = "auto",
+    threads: int | None = None,
+    trust_remote_code: bool = False,
+    progress: Progress = QUIET,
+) -> FinalizeResult:
+    start = time.perf_counter()
+    dst = Path(dst)
+    atomic.check_destination(dst, overwrite)
+    prepared = prepare(src, recipe, fmt, trust_remote_code)
+    used_threads = runtime.set_threads(threads)
+    model = quantize_model(prepared, recipe, dtype, trust_remote_code, progress)
+    with atomic.atomic_directory(dst, overwrite) as tmp:
+        with progress.task(f"Writing {dst}", total=None):
+            exporter(prepared.format).save(model, tmp)
+            models.copy_tokenizer(prepared.src, tmp)
+            info = metadata.build(recipe, prepared.format, prepared.plan, prepared.src, models.fingerprint(prepared.src))
+            metadata.write(tmp, info)
+    return FinalizeResult(
+        dst=dst, recipe=recipe, format=prepared.format, plan=prepared.plan, seconds=time.perf_counter() - start,
+        source_bytes=models.weights_size(prepared.src), output_bytes=models.weights_size(dst), threads=used_threads,
+    )

@@ -1,0 +1,41 @@
+"""Checks that a format's kernels can run here, before any weight is loaded."""
+
+from __future__ import annotations
+
+import importlib.util
+
+from quantkit.errors import HardwareError
+from quantkit.registry import Format, Recipe
+
+
+def cuda_capability() -> tuple[int, int] | None:
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_capability()
+
+
+def missing_requirement(recipe: Recipe, fmt: Format) -> str | None:
+    """What this machine lacks for `recipe` in `fmt`, or None."""
+    req = recipe.requirement(fmt)
+    if req.cuda_capability:
+        need = tuple(int(x) for x in req.cuda_capability.split("."))
+        have = cuda_capability()
+        if have is None:
+            return f"a CUDA GPU with compute capability {req.cuda_capability}+ (this machine has no CUDA GPU)"
+        if have < need:
+            return f"a CUDA GPU with compute capability {req.cuda_capability}+ (this one is {have[0]}.{have[1]})"
+    for package in req.packages:
+        if importlib.util.find_spec(package) is None:
+            return f"the '{package}' package (pip install {package})"
+    return None
+
+
+def check(recipe: Recipe, fmt: Format) -> None:
+    missing = missing_requirement(recipe, fmt)
+    if missing is None:
+        return
+    working = [f.value for f in Format if f is not fmt and missing_requirement(recipe, f) is None]
+    hint = f"; use --format {working[0]}, which runs here" if working else ""
+    raise HardwareError(f"recipe '{recipe.name}' in format {fmt.value} needs {missing}{hint}")

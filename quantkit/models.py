@@ -1,0 +1,97 @@
+"""Loading and inspecting Hugging Face causal-LM directories."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from quantkit.errors import SourceModelError
+
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "generation_config.json",
+)
+DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def check_model_dir(path: str | Path) -> Path:
+    """A directory with config.json and safetensors weights, or SourceModelError saying what is missing."""
+    path = Path(path)
+    if not path.exists():
+        raise SourceModelError(f"{path} does not exist; pass a Hugging Face model directory")
+    if not path.is_dir():
+        raise SourceModelError(f"{path} is a file; pass a Hugging Face model directory (config.json + *.safetensors)")
+    if not (path / "config.json").is_file():
+        raise SourceModelError(f"{path} has no config.json; it is not a Hugging Face model directory")
+    if not list(path.glob("*.safetensors")):
+        raise SourceModelError(f"{path} has no *.safetensors weights; save the model with safe_serialization (pickle checkpoints are not loaded)")
+    return path
+
+
+def read_config_json(path: str | Path) -> dict[str, Any]:
+    try:
+        return json.loads((Path(path) / "config.json").read_text())
+    except json.JSONDecodeError as exc:
+        raise SourceModelError(f"{path}/config.json is not valid JSON ({exc.msg})") from exc
+
+
+def load_config(path: Path, trust_remote_code: bool = False):
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (ValueError, KeyError, OSError) as exc:
+        raise SourceModelError(f"{path}: cannot read the model config ({str(exc).splitlines()[0]})") from exc
+
+
+def meta_model(config, trust_remote_code: bool = False) -> nn.Module:
+    """The model's module tree without weights (for planning before anything is loaded)."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    except ValueError as exc:
+        raise SourceModelError(f"not a causal language model ({str(exc).splitlines()[0]})") from exc
+
+
+def load_model(path: Path, dtype: str = "auto", trust_remote_code: bool = False, **kwargs) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    if dtype not in DTYPES:
+        raise SourceModelError(f"unknown dtype '{dtype}'; use one of {', '.join(DTYPES)}")
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code, **kwargs
+    )
+    return model.eval()
+
+
+def copy_tokenizer(src: Path, dst: Path) -> list[str]:
+    copied = []
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copy2(src / name, dst / name)
+            copied.append(name)
+    return copied
+
+
+def fingerprint(path: Path) -> str:
+    """sha256 over config.json and every safetensors file, in name order."""
+    digest = hashlib.sha256()
+    for file in [path / "config.json", *sorted(path.glob("*.safetensors"))]:
+        digest.update(file.name.encode())
+        with open(file, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 23), b""):
+                digest.update(chunk)
+    return "sha256:" + digest.hexdigest()
+
+
+def weights_size(path: Path) -> int:
+    """Bytes of the safetensors weights in a model directory."""
+    return sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))

@@ -1,0 +1,71 @@
+"""Which Linear modules a recipe quantizes, and with which group size.
+
+Policy for a Linear whose input size the recipe's group size does not divide (`on_indivisible`):
+`smaller-group` halves the group size until it divides (down to 16) and reports the change;
+if no such size exists, or the policy is `skip`, the layer stays in full precision and is reported.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from torch import nn
+
+from quantkit.registry import IndivisiblePolicy, Recipe
+from quantkit.schemes import Granularity, QuantScheme
+
+MIN_GROUP_SIZE = 16
+
+
+@dataclass(frozen=True)
+class ModulePlan:
+    name: str
+    in_features: int
+    out_features: int
+    scheme: QuantScheme | None  # None: left in full precision
+    note: str = ""  # why it is skipped, or how its group size changed
+
+    @property
+    def quantized(self) -> bool:
+        return self.scheme is not None
+
+
+def is_ignored(name: str, patterns: tuple[str, ...]) -> bool:
+    """`re:PATTERN` matches by regular expression (re.search); a plain entry matches the name or its tail."""
+    for pattern in patterns:
+        if pattern.startswith("re:"):
+            if re.search(pattern[3:], name):
+                return True
+        elif name == pattern or name.endswith("." + pattern):
+            return True
+    return False
+
+
+def fitting_group_size(in_features: int, group_size: int) -> int | None:
+    size = group_size
+    while size >= MIN_GROUP_SIZE:
+        if in_features % size == 0:
+            return size
+        size //= 2
+    return None
+
+
+def plan_module(name: str, module: nn.Linear, recipe: Recipe) -> ModulePlan:
+    shape = dict(name=name, in_features=module.in_features, out_features=module.out_features)
+    if is_ignored(name, recipe.ignore):
+        return ModulePlan(**shape, scheme=None, note="ignored by recipe")
+    scheme, weights = recipe.scheme, recipe.scheme.weights
+    if weights.granularity is not Granularity.GROUP or module.in_features % weights.group_size == 0:
+        return ModulePlan(**shape, scheme=scheme)
+    smaller = fitting_group_size(module.in_features, weights.group_size)
+    if recipe.on_indivisible is IndivisiblePolicy.SMALLER_GROUP and smaller is not None:
+        note = f"group size {weights.group_size} -> {smaller} (input size {module.in_features})"
+        return ModulePlan(**shape, scheme=scheme.with_group_size(smaller), note=note)
+    note = f"left in full precision: group size {weights.group_size} does not divide input size {module.in_features}"
+    return ModulePlan(**shape, scheme=None, note=note)
+
+
+def plan_model(model: nn.Module, recipe: Recipe) -> list[ModulePlan]:
+    """One entry per nn.Linear, in module order. Works on a meta-device model (no weights needed)."""
+    return [plan_module(name, m, recipe) for name, m in model.named_modules() if isinstance(m, nn.Linear)]

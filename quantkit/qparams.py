@@ -1,0 +1,99 @@
+"""Quantization parameters on a scheme's grid, computed with torchao's primitives.
+
+`quantize_weight` is round-to-nearest on the grid a `WeightSpec` defines; every algorithm, the QAT fake
+quantizer and every exporter produce or consume the `QuantizedWeight` it returns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torchao.quantization.quant_primitives import (
+    MappingType,
+    _choose_scale_float8,
+    _dequantize_affine_float8,
+    _quantize_affine_float8,
+    choose_qparams_affine,
+    dequantize_affine,
+    quantize_affine,
+)
+
+from quantkit.schemes import Granularity, ScaleDtype, WeightSpec
+
+_EPS = torch.finfo(torch.float32).eps
+
+
+@dataclass
+class QuantizedWeight:
+    """qdata: int8 holding the grid's integers, or float8_e4m3fn. scale/zero_point: [out, in // group]."""
+
+    qdata: torch.Tensor
+    scale: torch.Tensor
+    zero_point: torch.Tensor | None
+    spec: WeightSpec
+
+    @property
+    def group_size(self) -> int:
+        return self.qdata.shape[1] // self.scale.shape[1]
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        dtype = dtype or self.scale.dtype
+        if self.spec.dtype.is_float:
+            return _dequantize_affine_float8(self.qdata, self.scale, output_dtype=dtype)
+        qmin, qmax = self.spec.dtype.qrange
+        zero = self.zero_point if self.zero_point is not None else torch.zeros_like(self.scale, dtype=torch.int8)
+        block = (1, self.group_size)
+        return dequantize_affine(self.qdata, block, self.scale, zero, torch.int8, qmin, qmax, output_dtype=dtype)
+
+
+def block_size(weight: torch.Tensor, spec: WeightSpec) -> tuple[int, int]:
+    if spec.granularity is Granularity.GROUP:
+        if weight.shape[1] % spec.group_size:
+            raise ValueError(f"group size {spec.group_size} does not divide input size {weight.shape[1]}")
+        return (1, spec.group_size)
+    return (1, weight.shape[1])
+
+
+def scale_dtype(weight: torch.Tensor, spec: WeightSpec) -> torch.dtype:
+    return torch.float32 if spec.scale_dtype is ScaleDtype.FLOAT32 else weight.dtype
+
+
+def choose_qparams(weight: torch.Tensor, spec: WeightSpec) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Min/max scales (and integer zero points for asymmetric grids) for a 2-D weight."""
+    block = block_size(weight, spec)
+    shape = (weight.shape[0], weight.shape[1] // block[1])
+    if spec.dtype.is_float:
+        scale = _choose_scale_float8(weight, block_size=list(block), float8_dtype=torch.float8_e4m3fn)
+        return scale.to(scale_dtype(weight, spec)).reshape(shape), None
+    qmin, qmax = spec.dtype.qrange
+    mapping = MappingType.SYMMETRIC if spec.symmetric else MappingType.ASYMMETRIC
+    scale, zero = choose_qparams_affine(
+        weight, mapping, block, torch.int8, qmin, qmax, eps=_EPS,
+        scale_dtype=scale_dtype(weight, spec), zero_point_dtype=torch.int8,
+    )
+    return scale.reshape(shape), (None if spec.symmetric else zero.reshape(shape))
+
+
+def quantize_with(weight: torch.Tensor, spec: WeightSpec, scale: torch.Tensor, zero: torch.Tensor | None) -> QuantizedWeight:
+    """Round `weight` to the grid given by precomputed qparams (GPTQ and friends reuse this)."""
+    block = block_size(weight, spec)
+    if spec.dtype.is_float:
+        qdata = _quantize_affine_float8(weight, scale, torch.float8_e4m3fn)
+    else:
+        qmin, qmax = spec.dtype.qrange
+        z = zero if zero is not None else torch.zeros_like(scale, dtype=torch.int8)
+        qdata = quantize_affine(weight, block, scale, z, torch.int8, qmin, qmax)
+    return QuantizedWeight(qdata=qdata, scale=scale, zero_point=zero, spec=spec)
+
+
+def quantize_weight(weight: torch.Tensor, spec: WeightSpec) -> QuantizedWeight:
+    """Round-to-nearest quantization of a 2-D weight [out, in] on the spec's grid."""
+    with torch.no_grad():
+        scale, zero = choose_qparams(weight, spec)
+        return quantize_with(weight, spec, scale, zero)
+
+
+def fake_quantize_weight(weight: torch.Tensor, spec: WeightSpec) -> torch.Tensor:
+    """The weight as the quantized model sees it: quantize, then dequantize to the weight's dtype."""
+    return quantize_weight(weight, spec).dequantize(weight.dtype)

@@ -1,0 +1,235 @@
+"""The one recipe registry: every command resolves recipe names here.
+
+A recipe is a YAML file under `recipes/` (shipped inside the package as `quantkit.recipes`); its name is its
+file name. A name and a path are different inputs: a value ending in .yaml/.yml or containing a path
+separator is read as a file, anything else is looked up as a name, and a mistyped name gets close matches.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from dataclasses import asdict, dataclass, field
+from enum import Enum
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from quantkit.errors import RecipeError, RecipeNotFoundError
+from quantkit.schemes import ActivationSpec, Granularity, QDtype, QuantScheme, ScaleDtype, SchemeError, WeightSpec
+
+
+class Format(str, Enum):
+    COMPRESSED_TENSORS = "compressed-tensors"
+    TORCHAO = "torchao"
+
+
+class Algorithm(str, Enum):
+    RTN = "rtn"
+
+
+class IndivisiblePolicy(str, Enum):
+    """What to do with a Linear whose input size the group size does not divide."""
+
+    SMALLER_GROUP = "smaller-group"  # the largest group size that divides it, halving down to 16
+    SKIP = "skip"  # leave the layer in full precision
+
+
+@dataclass(frozen=True)
+class Requirement:
+    """What a format's kernels need. Checked before any weight is loaded."""
+
+    cuda_capability: str | None = None  # e.g. "8.9"
+    packages: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Calibration:
+    num_samples: int = 128
+    seq_len: int = 512
+    dataset: str | None = None
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    description: str
+    scheme: QuantScheme
+    format: Format
+    algorithm: Algorithm = Algorithm.RTN
+    calibration: Calibration = field(default_factory=Calibration)
+    ignore: tuple[str, ...] = ("lm_head",)
+    on_indivisible: IndivisiblePolicy = IndivisiblePolicy.SMALLER_GROUP
+    requires: dict[Format, Requirement] = field(default_factory=dict)
+    source: str = ""
+
+    def requirement(self, fmt: Format) -> Requirement:
+        return self.requires.get(fmt, Requirement())
+
+    def to_dict(self) -> dict[str, Any]:
+        """The recipe as resolved, JSON-ready (used by `recipes show` and quantkit.json)."""
+        return _plain(asdict(self))
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Enum):
+        return value.value
+    if isinstance(value, dict):
+        return {_plain(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+# ---------------------------------------------------------------- lookup
+
+
+def _recipe_files() -> dict[str, Path]:
+    """Every shipped recipe, found recursively; works from a wheel and from a source checkout."""
+    root = resources.files("quantkit.recipes")
+    found: dict[str, Path] = {}
+    for path in sorted(Path(str(root)).rglob("*.y*ml")):
+        if path.suffix in (".yaml", ".yml"):
+            found[path.stem] = path
+    return found
+
+
+def list_recipes() -> list[Recipe]:
+    return [load_recipe_file(path) for path in _recipe_files().values()]
+
+
+def recipe_names() -> list[str]:
+    return sorted(_recipe_files())
+
+
+def _looks_like_path(value: str) -> bool:
+    return value.endswith((".yaml", ".yml")) or os.sep in value or "/" in value
+
+
+def resolve(name_or_path: str) -> Recipe:
+    """A recipe name (`int4-weight-only`) or a path to a recipe YAML file."""
+    if _looks_like_path(name_or_path):
+        path = Path(name_or_path)
+        if not path.is_file():
+            raise RecipeNotFoundError(f"recipe file {name_or_path} does not exist; pass a recipe name or an existing .yaml file")
+        return load_recipe_file(path)
+    files = _recipe_files()
+    if name_or_path not in files:
+        close = difflib.get_close_matches(name_or_path, list(files), n=3, cutoff=0.5)
+        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        raise RecipeNotFoundError(f"unknown recipe '{name_or_path}'{hint} (see `quantkit recipes list`)")
+    return load_recipe_file(files[name_or_path])
+
+
+# ---------------------------------------------------------------- parsing
+
+_TOP_KEYS = {"description", "scheme", "algorithm", "calibration", "format", "ignore", "on_indivisible", "requires"}
+
+
+def load_recipe_file(path: Path) -> Recipe:
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except yaml.YAMLError as exc:
+        raise RecipeError(f"{path}: not valid YAML ({exc.__class__.__name__}); fix the file's syntax") from exc
+    if not isinstance(data, dict):
+        raise RecipeError(f"{path}: a recipe is a mapping with keys {sorted(_TOP_KEYS)}")
+    try:
+        return parse_recipe(Path(path).stem, data, source=str(path))
+    except SchemeError as exc:
+        raise RecipeError(f"{path}: {exc}") from exc
+
+
+def parse_recipe(name: str, data: dict[str, Any], source: str = "") -> Recipe:
+    unknown = set(data) - _TOP_KEYS
+    if unknown:
+        raise SchemeError(sorted(unknown)[0], f"unknown key; allowed keys are {sorted(_TOP_KEYS)}")
+    scheme = _parse_scheme(_mapping(data, "scheme", required=True))
+    algorithm = _mapping(data, "algorithm") or {"name": "rtn"}
+    return Recipe(
+        name=name,
+        description=str(data.get("description", "")),
+        scheme=scheme,
+        format=_enum(data.get("format"), Format, "format", required=True),
+        algorithm=_enum(algorithm.get("name"), Algorithm, "algorithm.name", required=True),
+        calibration=_parse_calibration(_mapping(data, "calibration") or {}),
+        ignore=tuple(_str_list(data.get("ignore", ["lm_head"]), "ignore")),
+        on_indivisible=_enum(data.get("on_indivisible", "smaller-group"), IndivisiblePolicy, "on_indivisible"),
+        requires=_parse_requires(_mapping(data, "requires") or {}),
+        source=source,
+    )
+
+
+def _parse_scheme(data: dict[str, Any]) -> QuantScheme:
+    w = _mapping(data, "weights", required=True, where="scheme.")
+    weights = WeightSpec(
+        dtype=_enum(w.get("dtype"), QDtype, "scheme.weights.dtype", required=True),
+        granularity=_enum(w.get("granularity"), Granularity, "scheme.weights.granularity", required=True),
+        group_size=w.get("group_size"),
+        symmetric=_bool(w.get("symmetric", True), "scheme.weights.symmetric"),
+        scale_dtype=_enum(w.get("scale_dtype", "model"), ScaleDtype, "scheme.weights.scale_dtype"),
+    )
+    a = _mapping(data, "activations", where="scheme.")
+    activations = None
+    if a:
+        activations = ActivationSpec(
+            dtype=_enum(a.get("dtype"), QDtype, "scheme.activations.dtype", required=True),
+            granularity=_enum(a.get("granularity", "token"), Granularity, "scheme.activations.granularity"),
+            symmetric=_bool(a.get("symmetric", True), "scheme.activations.symmetric"),
+            dynamic=_bool(a.get("dynamic", True), "scheme.activations.dynamic"),
+        )
+    return QuantScheme(weights=weights, activations=activations)
+
+
+def _parse_calibration(data: dict[str, Any]) -> Calibration:
+    allowed = {"num_samples", "seq_len", "dataset"}
+    if set(data) - allowed:
+        raise SchemeError(f"calibration.{sorted(set(data) - allowed)[0]}", f"unknown key; allowed keys are {sorted(allowed)}")
+    return Calibration(**data)
+
+
+def _parse_requires(data: dict[str, Any]) -> dict[Format, Requirement]:
+    out = {}
+    for key, req in data.items():
+        fmt = _enum(key, Format, "requires")
+        req = req or {}
+        cap = req.get("cuda_capability")
+        out[fmt] = Requirement(
+            cuda_capability=str(cap) if cap is not None else None,
+            packages=tuple(_str_list(req.get("packages", []), f"requires.{key}.packages")),
+        )
+    return out
+
+
+def _mapping(data: dict[str, Any], key: str, required: bool = False, where: str = "") -> dict[str, Any] | None:
+    value = data.get(key)
+    if value is None:
+        if required:
+            raise SchemeError(where + key, "is required")
+        return None
+    if not isinstance(value, dict):
+        raise SchemeError(where + key, "must be a mapping")
+    return value
+
+
+def _enum(value: Any, enum: type[Enum], field_name: str, required: bool = False) -> Any:
+    allowed = ", ".join(e.value for e in enum)
+    if value is None and required:
+        raise SchemeError(field_name, f"is required; allowed: {allowed}")
+    try:
+        return enum(value)
+    except ValueError:
+        raise SchemeError(field_name, f"'{value}' is not allowed; allowed: {allowed}") from None
+
+
+def _bool(value: Any, field_name: str) -> bool:
+    if not isinstance(value, bool):
+        raise SchemeError(field_name, f"'{value}' is not allowed; use true or false")
+    return value
+
+
+def _str_list(value: Any, field_name: str) -> list[str]:
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise SchemeError(field_name, "must be a list of strings")
+    return value

@@ -1,0 +1,114 @@
+"""Quantization schemes: what a quantized weight and activation look like.
+
+A scheme is the one definition of a recipe's grid. The quantizer (`algorithms.rtn`), the QAT fake quantizer
+and every exporter follow it. This module holds plain data and validation only; it imports no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from enum import Enum
+
+
+class QDtype(str, Enum):
+    INT4 = "int4"
+    INT8 = "int8"
+    FLOAT8 = "float8_e4m3fn"
+
+    @property
+    def is_float(self) -> bool:
+        return self is QDtype.FLOAT8
+
+    @property
+    def bits(self) -> int:
+        return 4 if self is QDtype.INT4 else 8
+
+    @property
+    def qrange(self) -> tuple[float, float]:
+        """The representable range: the full two's-complement range for ints, +-448 for float8 e4m3."""
+        return {QDtype.INT4: (-8, 7), QDtype.INT8: (-128, 127), QDtype.FLOAT8: (-448.0, 448.0)}[self]
+
+
+class Granularity(str, Enum):
+    GROUP = "group"  # weights: one scale per `group_size` input columns of each output row
+    CHANNEL = "channel"  # weights: one scale per output row
+    TOKEN = "token"  # activations: one scale per token, computed at run time
+
+
+class ScaleDtype(str, Enum):
+    FLOAT32 = "float32"
+    MODEL = "model"  # the dtype of the model's weights (bf16 for a bf16 model)
+
+
+class SchemeError(ValueError):
+    """A scheme field has a value that is not allowed; `field` names it."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+@dataclass(frozen=True)
+class WeightSpec:
+    """How weights are stored. Asymmetric grids use an integer zero point in the quantized dtype's range."""
+
+    dtype: QDtype
+    granularity: Granularity
+    group_size: int | None = None
+    symmetric: bool = True
+    scale_dtype: ScaleDtype = ScaleDtype.MODEL
+
+    def __post_init__(self) -> None:
+        if self.granularity is Granularity.TOKEN:
+            raise SchemeError("weights.granularity", "weights are quantized per 'group' or per 'channel', not per 'token'")
+        if self.granularity is Granularity.GROUP:
+            if not isinstance(self.group_size, int) or self.group_size < 2:
+                raise SchemeError("weights.group_size", "granularity 'group' needs an integer group_size >= 2 (e.g. 128)")
+        elif self.group_size is not None:
+            raise SchemeError("weights.group_size", "only granularity 'group' takes a group_size; remove it or use granularity: group")
+        if self.dtype.is_float and (not self.symmetric or self.granularity is not Granularity.CHANNEL):
+            raise SchemeError("weights", "float8 weights are symmetric and per 'channel'")
+
+    @property
+    def is_asymmetric(self) -> bool:
+        return not self.symmetric
+
+    def describe(self) -> str:
+        grain = f"g{self.group_size}" if self.granularity is Granularity.GROUP else "per-channel"
+        return f"{self.dtype.value} {'sym' if self.symmetric else 'asym'} {grain}"
+
+
+@dataclass(frozen=True)
+class ActivationSpec:
+    """How activations are quantized at run time (dynamic, per token)."""
+
+    dtype: QDtype
+    granularity: Granularity = Granularity.TOKEN
+    symmetric: bool = True
+    dynamic: bool = True
+
+    def __post_init__(self) -> None:
+        if self.dtype is QDtype.INT4:
+            raise SchemeError("activations.dtype", "activations are int8 or float8_e4m3fn")
+        if self.granularity is not Granularity.TOKEN:
+            raise SchemeError("activations.granularity", "activations are quantized per 'token'")
+        if not self.dynamic:
+            raise SchemeError("activations.dynamic", "static activation scales need a calibrated algorithm; use dynamic: true")
+        if self.dtype.is_float and not self.symmetric:
+            raise SchemeError("activations.symmetric", "float8 activations are symmetric")
+
+    def describe(self) -> str:
+        return f"{self.dtype.value} {'sym' if self.symmetric else 'asym'} per-token dynamic"
+
+
+@dataclass(frozen=True)
+class QuantScheme:
+    weights: WeightSpec
+    activations: ActivationSpec | None = None
+
+    def with_group_size(self, group_size: int) -> QuantScheme:
+        return replace(self, weights=replace(self.weights, group_size=group_size))
+
+    def describe(self) -> str:
+        acts = self.activations.describe() if self.activations else "none (16-bit)"
+        return f"weights {self.weights.describe()}; activations {acts}"
