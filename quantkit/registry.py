@@ -12,8 +12,9 @@ import os
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 from importlib import resources
+from importlib.resources.abc import Traversable
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import yaml
 
@@ -86,14 +87,18 @@ def _plain(value: Any) -> Any:
 # ---------------------------------------------------------------- lookup
 
 
-def _recipe_files() -> dict[str, Path]:
-    """Every shipped recipe, found recursively; works from a wheel and from a source checkout."""
-    root = resources.files("quantkit.recipes")
-    found: dict[str, Path] = {}
-    for path in sorted(Path(str(root)).rglob("*.y*ml")):
-        if path.suffix in (".yaml", ".yml"):
-            found[path.stem] = path
-    return found
+def _walk(folder: Traversable) -> Iterator[Traversable]:
+    for entry in folder.iterdir():
+        if entry.is_dir():
+            yield from _walk(entry)
+        elif entry.name.endswith((".yaml", ".yml")):
+            yield entry
+
+
+def _recipe_files() -> dict[str, Traversable]:
+    """Every shipped recipe, found recursively in the installed package (wheel or source checkout)."""
+    entries = sorted(_walk(resources.files("quantkit.recipes")), key=lambda e: e.name)
+    return {entry.name.rsplit(".", 1)[0]: entry for entry in entries}
 
 
 def list_recipes() -> list[Recipe]:
@@ -128,15 +133,15 @@ def resolve(name_or_path: str) -> Recipe:
 _TOP_KEYS = {"description", "scheme", "algorithm", "calibration", "format", "ignore", "on_indivisible", "requires"}
 
 
-def load_recipe_file(path: Path) -> Recipe:
+def load_recipe_file(path: Path | Traversable) -> Recipe:
     try:
-        data = yaml.safe_load(Path(path).read_text())
+        data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as exc:
         raise RecipeError(f"{path}: not valid YAML ({exc.__class__.__name__}); fix the file's syntax") from exc
     if not isinstance(data, dict):
         raise RecipeError(f"{path}: a recipe is a mapping with keys {sorted(_TOP_KEYS)}")
     try:
-        return parse_recipe(Path(path).stem, data, source=str(path))
+        return parse_recipe(path.name.rsplit(".", 1)[0], data, source=str(path))
     except SchemeError as exc:
         raise RecipeError(f"{path}: {exc}") from exc
 
@@ -162,6 +167,14 @@ def parse_recipe(name: str, data: dict[str, Any], source: str = "") -> Recipe:
 
 
 def _parse_scheme(data: dict[str, Any]) -> QuantScheme:
+    try:
+        return _build_scheme(data)
+    except SchemeError as exc:
+        field_name = exc.field if exc.field.startswith("scheme.") else f"scheme.{exc.field}"
+        raise SchemeError(field_name, exc.message) from None
+
+
+def _build_scheme(data: dict[str, Any]) -> QuantScheme:
     w = _mapping(data, "weights", required=True, where="scheme.")
     weights = WeightSpec(
         dtype=_enum(w.get("dtype"), QDtype, "scheme.weights.dtype", required=True),

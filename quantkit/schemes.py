@@ -46,6 +46,7 @@ class SchemeError(ValueError):
     def __init__(self, field: str, message: str):
         super().__init__(f"{field}: {message}")
         self.field = field
+        self.message = message
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,64 @@
+"""`quantkit finalize SRC DST --quantize R`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from quantkit import registry
+from quantkit.cli.console import human_bytes, out
+from quantkit.cli.options import DtypeChoice, DtypeOpt, FormatOpt, ModelDirArg, QuantizeOpt, QuietOpt, ThreadsOpt, TrustRemoteCodeOpt
+
+
+def finalize(
+    src: ModelDirArg,
+    dst: Annotated[Path, typer.Argument(help="Output directory (written atomically; refused if it exists).")],
+    quantize: QuantizeOpt,
+    format: FormatOpt = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace DST if it exists.")] = False,
+    dtype: DtypeOpt = DtypeChoice.auto,
+    threads: ThreadsOpt = None,
+    trust_remote_code: TrustRemoteCodeOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Quantize a model into a low-bit artifact that plain transformers (and vLLM) load.
+
+    Examples:
+
+      quantkit finalize ./my-model ./my-model-int4 --quantize int4-weight-only
+
+      quantkit finalize ./my-model ./my-model-fp8 -q float8-dynamic-act-float8-weight --format compressed-tensors
+
+      quantkit finalize ./my-model ./out -q ./my-recipe.yaml --overwrite
+    """
+    from quantkit.finalize import finalize as run
+    from quantkit.progress import Progress
+
+    recipe = registry.resolve(quantize)
+    fmt = registry.Format(format.value) if format else None
+    result = run(
+        src, dst, recipe, fmt, overwrite=overwrite, dtype=dtype.value, threads=threads,
+        trust_remote_code=trust_remote_code, progress=Progress(enabled=not quiet),
+    )
+    if not quiet:
+        print_summary(result)
+
+
+def print_summary(result) -> None:
+    from rich.table import Table
+
+    quantized = [e for e in result.plan if e.quantized]
+    changed = [e for e in quantized if e.note]
+    left_out = [e for e in result.plan if not e.quantized]
+    table = Table(title=f"{result.recipe.name} -> {result.dst} ({result.format.value})", show_header=False)
+    table.add_row("modules quantized", f"{len(quantized)} of {len(result.plan)} Linear")
+    for entry in changed:
+        table.add_row("  group size changed", f"{entry.name}: {entry.note}")
+    for entry in left_out:
+        table.add_row("  left in full precision", f"{entry.name}: {entry.note}")
+    ratio = result.source_bytes / max(1, result.output_bytes)
+    table.add_row("weights on disk", f"{human_bytes(result.source_bytes)} -> {human_bytes(result.output_bytes)} ({ratio:.2f}x smaller)")
+    table.add_row("time", f"{result.seconds:.1f} s on {result.threads} threads")
+    out.print(table)

@@ -1,0 +1,70 @@
+"""The `quantkit` app: commands, and the one mapping from library errors to messages and exit codes.
+
+Exit codes: 0 ok, 1 runtime failure, 2 usage error, 3 accuracy gate failed. QUANTKIT_DEBUG=1 shows tracebacks.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Callable
+
+import typer
+
+from quantkit.cli import eval as eval_cmd
+from quantkit.cli import finalize as finalize_cmd
+from quantkit.cli import recipes as recipes_cmd
+from quantkit.cli.console import err
+
+app = typer.Typer(
+    name="quantkit",
+    help="Make language models smaller and faster by quantization: finalize (PTQ) a model, evaluate it, list recipes.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+def handle_errors(fn: Callable) -> Callable:
+    """Library errors become one line on stderr and their exit code; nothing else leaks a traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        from quantkit.errors import QuantkitError
+
+        try:
+            return fn(*args, **kwargs)
+        except QuantkitError as exc:
+            if os.environ.get("QUANTKIT_DEBUG"):
+                raise
+            err.print(f"[red]error:[/red] {exc}", highlight=False, markup=True, soft_wrap=True)
+            raise typer.Exit(exc.exit_code) from None
+        except KeyboardInterrupt:
+            err.print("interrupted; nothing was written")
+            raise typer.Exit(130) from None
+        except (typer.Exit, typer.Abort):
+            raise
+        except Exception as exc:  # a failure we did not anticipate: still one line, exit 1
+            if os.environ.get("QUANTKIT_DEBUG"):
+                raise
+            err.print(f"[red]error:[/red] {type(exc).__name__}: {exc} (set QUANTKIT_DEBUG=1 for the traceback)",
+                      highlight=False, soft_wrap=True)
+            raise typer.Exit(1) from None
+
+    return wrapper
+
+
+app.command("finalize", no_args_is_help=True)(handle_errors(finalize_cmd.finalize))
+app.command("eval", no_args_is_help=True)(handle_errors(eval_cmd.evaluate))
+recipes_app = typer.Typer(help="List and inspect quantization recipes.", no_args_is_help=True)
+recipes_app.command("list")(handle_errors(recipes_cmd.list_recipes))
+recipes_app.command("show")(handle_errors(recipes_cmd.show))
+app.add_typer(recipes_app, name="recipes")
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,38 @@
+"""Options shared by several commands, defined once so every command says the same thing the same way."""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+
+class FormatChoice(str, Enum):
+    compressed_tensors = "compressed-tensors"
+    torchao = "torchao"
+
+
+class DtypeChoice(str, Enum):
+    auto = "auto"
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+QuantizeOpt = Annotated[
+    str, typer.Option("--quantize", "-q", help="Recipe name (see `quantkit recipes list`) or a path to a recipe .yaml file.")
+]
+FormatOpt = Annotated[
+    Optional[FormatChoice], typer.Option("--format", help="Output format; default: the recipe's.", show_default=False)
+]
+DtypeOpt = Annotated[DtypeChoice, typer.Option("--dtype", help="dtype to load the model in; auto keeps the checkpoint's.")]
+ThreadsOpt = Annotated[
+    Optional[int], typer.Option("--threads", min=1, help="torch threads; default: the cores available.", show_default=False)
+]
+QuietOpt = Annotated[bool, typer.Option("--quiet", help="No progress bars or tables; errors only.")]
+TrustRemoteCodeOpt = Annotated[
+    bool, typer.Option("--trust-remote-code", help="Allow model code from the model directory to run (off by default).")
+]
+ModelDirArg = Annotated[Path, typer.Argument(help="A Hugging Face causal-LM directory (config.json, *.safetensors, tokenizer).")]

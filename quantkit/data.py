@@ -1,0 +1,181 @@
+"""Dataset specs to token ids: local .txt/.jsonl/.parquet files or `datasets` hub specs, plus the windows
+and blocks that evaluation and calibration cut from the token stream.
+
+User content is only ever parsed as text, JSON or parquet: no pickle, no remote code.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from quantkit.errors import DataError, UsageError
+
+LOCAL_SUFFIXES = (".txt", ".jsonl", ".json", ".parquet")
+DEFAULT_SPLIT = "test"
+_SPEC_HINT = "pass a .txt/.jsonl/.parquet file or a datasets spec like wikitext:wikitext-2-raw-v1:test"
+
+
+def load_texts(spec: str, text_field: str = "text") -> list[str]:
+    """The documents named by `spec`: a local file if it exists or has a data suffix, else a hub spec
+    `name[:config][:split]` (split defaults to "test")."""
+    path = Path(spec)
+    if path.exists() or path.suffix.lower() in LOCAL_SUFFIXES:
+        texts = _load_local(path, text_field)
+    else:
+        texts = _load_hub(spec, text_field)
+    if not any(texts):
+        raise DataError(f"{spec} has no text (every '{text_field}' value is empty)")
+    return texts
+
+
+def _load_local(path: Path, text_field: str) -> list[str]:
+    if not path.exists():
+        raise DataError(f"{path} does not exist; {_SPEC_HINT}")
+    if path.is_dir():
+        raise DataError(f"{path} is a directory; {_SPEC_HINT}")
+    suffix = path.suffix.lower()
+    if suffix == ".txt":
+        return [path.read_text(encoding="utf-8", errors="replace")]
+    if suffix in (".jsonl", ".json"):
+        return _read_json_lines(path, text_field)
+    if suffix == ".parquet":
+        return _read_parquet(path, text_field)
+    raise DataError(f"{path}: unknown file type '{suffix}'; {_SPEC_HINT}")
+
+
+def _read_json_lines(path: Path, text_field: str) -> list[str]:
+    """One JSON object per line; blank lines are skipped. Errors name the line number."""
+    texts = []
+    with open(path, encoding="utf-8") as fh:
+        for number, line in enumerate(fh, start=1):
+            if line.strip():
+                texts.append(_field_of(_parse_json_line(line, path, number), text_field, f"{path}:{number}"))
+    return texts
+
+
+def _parse_json_line(line: str, path: Path, number: int) -> dict:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise DataError(f"{path}:{number} is not valid JSON ({exc.msg}); each line must be one JSON object") from exc
+    if not isinstance(record, dict):
+        raise DataError(f"{path}:{number} is a JSON {type(record).__name__}, not an object; write one JSON object per line")
+    return record
+
+
+def _field_of(record: dict, text_field: str, where: str) -> str:
+    if text_field not in record:
+        keys = ", ".join(sorted(map(str, record))) or "none"
+        raise DataError(f"{where} has no field '{text_field}' (fields: {keys}); pass --text-field NAME")
+    value = record[text_field]
+    if not isinstance(value, str):
+        raise DataError(f"{where}: field '{text_field}' is a {type(value).__name__}, not a string")
+    return value
+
+
+def _read_parquet(path: Path, text_field: str) -> list[str]:
+    import datasets
+
+    try:
+        table = datasets.load_dataset("parquet", data_files=str(path), split="train")
+    except Exception as exc:  # a corrupt file surfaces as many arrow/datasets error types
+        raise DataError(f"{path}: cannot read parquet ({_first_line(exc)})") from exc
+    return _column_of(table, text_field, str(path))
+
+
+def _column_of(table, text_field: str, where: str) -> list[str]:
+    if text_field not in table.column_names:
+        columns = ", ".join(table.column_names) or "none"
+        raise DataError(f"{where} has no column '{text_field}' (columns: {columns}); pass --text-field NAME")
+    return [value or "" for value in table[text_field]]
+
+
+def parse_hub_spec(spec: str) -> tuple[str, str | None, str]:
+    """`name[:config][:split]` -> (name, config, split)."""
+    parts = spec.split(":")
+    if len(parts) > 3 or not all(parts):
+        raise DataError(f"'{spec}' is not a file or a datasets spec; {_SPEC_HINT}")
+    name, config, split = (parts + [None, None])[:3]
+    return name, config, split or DEFAULT_SPLIT
+
+
+def _load_hub(spec: str, text_field: str) -> list[str]:
+    import datasets
+
+    name, config, split = parse_hub_spec(spec)
+    try:
+        table = datasets.load_dataset(name, config, split=split)
+    except Exception as exc:  # offline, unknown name, bad config/split: all reported the same way
+        raise DataError(
+            f"cannot load datasets spec '{spec}' from the hub ({_first_line(exc)}); "
+            f"without network access, pass a local .txt/.jsonl/.parquet file"
+        ) from exc
+    return _column_of(table, text_field, spec)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def tokenize(tokenizer, texts: list[str]) -> torch.Tensor:
+    """The texts joined with blank lines, encoded without special tokens: a 1-D LongTensor."""
+    ids = tokenizer("\n\n".join(texts), add_special_tokens=False)["input_ids"]
+    if not ids:
+        raise DataError("the dataset gives no tokens; check the file or --text-field")
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def eval_windows(
+    num_tokens: int, seq_len: int, stride: int | None = None, max_samples: int | None = None
+) -> list[tuple[int, int, int]]:
+    """Strided-perplexity windows (begin, end, target_begin): tokens [begin, end) are fed and tokens
+    [target_begin, end) are scored. Every token but the first is scored exactly once.
+
+    Each window after the first scores up to `stride` new tokens with `seq_len - stride` tokens of context.
+    A scored token needs at least one token before it in its window, so stride == seq_len behaves as
+    seq_len - 1 (windows overlap by that one token). `max_samples` keeps only the first windows.
+    """
+    _check_window_args(num_tokens, seq_len, stride, max_samples)
+    context = max(1, seq_len - (stride or seq_len))
+    windows = [(0, min(seq_len, num_tokens), 1)]
+    while windows[-1][1] < num_tokens and (max_samples is None or len(windows) < max_samples):
+        target_begin = windows[-1][1]
+        begin = target_begin - context
+        windows.append((begin, min(begin + seq_len, num_tokens), target_begin))
+    return windows
+
+
+def _check_window_args(num_tokens: int, seq_len: int, stride: int | None, max_samples: int | None) -> None:
+    if seq_len < 2:
+        raise DataError(f"seq_len must be at least 2 (got {seq_len})")
+    if stride is not None and not 0 < stride <= seq_len:
+        raise DataError(f"stride must be between 1 and seq_len={seq_len} (got {stride})")
+    if max_samples is not None and max_samples < 1:
+        raise DataError(f"max_samples must be at least 1 (got {max_samples})")
+    if num_tokens < 2:
+        raise DataError(f"the dataset gives {num_tokens} token(s); perplexity needs at least 2")
+
+
+def sample_blocks(ids: torch.Tensor, num_samples: int, seq_len: int, seed: int = 0) -> torch.Tensor:
+    """`num_samples` blocks of `seq_len` tokens at random offsets, [num_samples, seq_len]; the same seed
+    gives the same blocks."""
+    if num_samples < 1 or seq_len < 1:
+        raise DataError(f"num_samples and seq_len must be positive (got {num_samples}, {seq_len})")
+    if ids.numel() < seq_len + 1:
+        raise DataError(f"the dataset gives {ids.numel()} tokens; calibration with seq_len={seq_len} needs at least {seq_len + 1}")
+    generator = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, ids.numel() - seq_len, (num_samples,), generator=generator)
+    return torch.stack([ids[start : start + seq_len] for start in starts.tolist()])
+
+
+def rank_slice(num_samples: int, rank: int, world_size: int) -> range:
+    """This rank's contiguous share of range(num_samples); the first `num_samples % world_size` ranks get one more."""
+    if num_samples < 0 or world_size < 1 or not 0 <= rank < world_size:
+        raise UsageError(f"cannot split {num_samples} samples for rank {rank} of world size {world_size}")
+    base, extra = divmod(num_samples, world_size)
+    start = rank * base + min(rank, extra)
+    return range(start, start + base + (rank < extra))

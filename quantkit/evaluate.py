@@ -1,0 +1,186 @@
+"""Measuring models: strided perplexity, per-model reports, and the accuracy gate."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+import torch.nn.functional as F
+
+from quantkit.data import eval_windows
+from quantkit.errors import SourceModelError, UsageError
+from quantkit.export import metadata
+from quantkit.models import check_model_dir, load_model, read_config_json, weights_size
+from quantkit.progress import QUIET, Progress
+
+IGNORE_INDEX = -100
+# Any one of these makes a directory loadable by AutoTokenizer.
+TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+Window = tuple[int, int, int]
+
+
+@dataclass
+class PerplexityResult:
+    perplexity: float
+    nll: float  # mean negative log-likelihood per scored token
+    tokens: int  # scored tokens
+    seconds: float
+    tokens_per_second: float  # tokens fed through the model (context included) per wall second
+    seq_len: int = 0  # effective window length, after clipping to the model's max_position_embeddings
+
+
+@dataclass
+class ModelReport:
+    path: str
+    label: str
+    recipe: str | None
+    format: str | None
+    size_bytes: int
+    perplexity: PerplexityResult
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def effective_seq_len(model, seq_len: int) -> int:
+    """`seq_len`, clipped to the model's max_position_embeddings when it has a smaller one."""
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    return min(seq_len, limit) if limit else seq_len
+
+
+def perplexity(
+    model,
+    ids: torch.Tensor,
+    seq_len: int = 512,
+    stride: int | None = None,
+    batch_size: int = 1,
+    max_samples: int | None = None,
+    progress: Progress = QUIET,
+) -> PerplexityResult:
+    """exp(mean NLL) over `ids` (1-D), scored in the windows of `quantkit.data.eval_windows`."""
+    if batch_size < 1:
+        raise UsageError(f"batch_size must be at least 1 (got {batch_size})")
+    clipped = effective_seq_len(model, seq_len)
+    if stride is not None and stride <= seq_len:  # a stride valid for the requested length stays valid
+        stride = min(stride, clipped)
+    seq_len = clipped
+    windows = eval_windows(ids.numel(), seq_len, stride, max_samples)
+    device = next(model.parameters()).device
+    total_nll, scored, fed = 0.0, 0, 0
+    start = time.perf_counter()
+    with torch.inference_mode(), progress.task("Perplexity", total=len(windows)) as advance:
+        for batch in _batches(windows, batch_size):
+            inputs, labels = _window_tensors(ids, batch)
+            nll, count = _sum_nll(model, inputs.to(device), labels.to(device))
+            total_nll, scored, fed = total_nll + nll, scored + count, fed + inputs.numel()
+            advance(len(batch))
+    seconds = time.perf_counter() - start
+    return PerplexityResult(
+        perplexity=math.exp(total_nll / scored), nll=total_nll / scored, tokens=scored,
+        seconds=seconds, tokens_per_second=fed / seconds if seconds > 0 else float("inf"), seq_len=seq_len,
+    )
+
+
+def _batches(windows: list[Window], batch_size: int) -> Iterator[list[Window]]:
+    """Consecutive windows of equal length, at most `batch_size` at a time (so no padding is needed)."""
+    batch: list[Window] = []
+    for window in windows:
+        if batch and (len(batch) == batch_size or _length(window) != _length(batch[0])):
+            yield batch
+            batch = []
+        batch.append(window)
+    if batch:
+        yield batch
+
+
+def _length(window: Window) -> int:
+    return window[1] - window[0]
+
+
+def _window_tensors(ids: torch.Tensor, batch: list[Window]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs [B, L] and labels [B, L] with IGNORE_INDEX before each window's target_begin."""
+    inputs = torch.stack([ids[begin:end] for begin, end, _ in batch])
+    labels = inputs.clone()
+    for row, (begin, _, target_begin) in enumerate(batch):
+        labels[row, : target_begin - begin] = IGNORE_INDEX
+    return inputs, labels
+
+
+def _sum_nll(model, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[float, int]:
+    """Summed NLL of the labelled tokens (position t predicts token t + 1) and how many there are."""
+    logits = model(input_ids=inputs, use_cache=False).logits[:, :-1].float()
+    targets = labels[:, 1:]
+    nll = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum")
+    return nll.item(), int((targets != IGNORE_INDEX).sum())
+
+
+def load_eval_model(
+    path: str | Path, trust_remote_code: bool = False, tokenizer_path: str | Path | None = None, dtype: str = "auto"
+):
+    """(model, tokenizer) for a source or quantized model directory. Quantized directories (compressed-tensors
+    or torchao `quantization_config` in config.json) load through plain transformers."""
+    path = check_model_dir(path)
+    tokenizer = load_tokenizer(Path(tokenizer_path) if tokenizer_path else path, trust_remote_code)
+    return load_model(path, dtype=dtype, trust_remote_code=trust_remote_code), tokenizer
+
+
+def load_tokenizer(path: Path, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+
+    if not path.is_dir() or not any((path / name).is_file() for name in TOKENIZER_MARKERS):
+        raise SourceModelError(f"{path} has no tokenizer files; pass --tokenizer DIR")
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, KeyError) as exc:
+        raise SourceModelError(f"{path}: cannot load the tokenizer ({str(exc).splitlines()[0]}); pass --tokenizer DIR") from exc
+
+
+def describe(path: str | Path) -> tuple[str | None, str | None]:
+    """(recipe name, format) from quantkit.json; the format falls back to config.json's quant_method."""
+    made = metadata.read(Path(path)) or {}
+    recipe = (made.get("recipe") or {}).get("name")
+    fmt = made.get("format")
+    if fmt is None:
+        fmt = (read_config_json(path).get("quantization_config") or {}).get("quant_method")
+    return recipe, fmt
+
+
+def make_report(
+    path: str | Path, label: str, result: PerplexityResult, recipe: str | None = None
+) -> ModelReport:
+    """A report for the model at `path`; `recipe` (e.g. a previewed recipe) overrides quantkit.json's."""
+    found_recipe, fmt = describe(path)
+    return ModelReport(
+        path=str(path), label=label, recipe=recipe or found_recipe, format=fmt,
+        size_bytes=weights_size(Path(path)), perplexity=result,
+    )
+
+
+def gate(reports: list[ModelReport], baseline_label: str, max_increase_pct: float) -> list[str]:
+    """One message per model whose perplexity rose more than `max_increase_pct` percent over the baseline's."""
+    baseline = _find(reports, baseline_label)
+    base = baseline.perplexity.perplexity
+    failures = []
+    for report in reports:
+        if report is baseline:
+            continue
+        increase = (report.perplexity.perplexity / base - 1.0) * 100.0
+        if not increase <= max_increase_pct:  # NaN fails too
+            failures.append(
+                f"{report.label}: perplexity {report.perplexity.perplexity:.4g} is {increase:+.2f}% over "
+                f"{baseline.label} ({base:.4g}); the limit is +{max_increase_pct:g}%"
+            )
+    return failures
+
+
+def _find(reports: list[ModelReport], label: str) -> ModelReport:
+    for report in reports:
+        if report.label == label:
+            return report
+    labels = ", ".join(r.label for r in reports) or "none"
+    raise UsageError(f"baseline '{label}' is not among the evaluated models ({labels})")

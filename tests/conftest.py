@@ -1,0 +1,41 @@
+"""Shared fixtures: tiny models built from a config, text generated here (no downloads, no ../shared)."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+_WORDS = (
+    "the a quantized model weight scale group token layer small fast bit integer float value error round grid "
+    "river stone light night morning king queen castle garden winter summer ship sea wind song bread house"
+).split()
+
+
+def make_text(n_words: int, seed: int = 0) -> str:
+    """Deterministic pseudo-English: sentences of common words, with line breaks."""
+    rng = random.Random(seed)
+    lines, line = [], []
+    for i in range(n_words):
+        line.append(rng.choice(_WORDS))
+        if len(line) >= rng.randint(6, 14):
+            lines.append(" ".join(line).capitalize() + ".")
+            line = []
+    lines.append(" ".join(line))
+    return "\n".join(lines)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A tiny float32 Llama (hidden 64, MLP 176: a width 128 and 32 do not divide) with a BPE tokenizer."""
+    from quantkit.tiny import build_tiny_llama
+
+    return build_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama", make_text(3000))
+
+
+@pytest.fixture(scope="session")
+def text_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("data") / "eval.txt"
+    path.write_text(make_text(1500, seed=1))
+    return path

@@ -1,0 +1,71 @@
+"""The scheme's grid equals torchao's, exactly (atol=0), for every shipped recipe and both float dtypes."""
+
+import pytest
+import torch
+
+from quantkit import registry
+from quantkit.export.torchao import torchao_config
+from quantkit.qparams import QuantizedWeight, fake_quantize_weight, quantize_weight
+from quantkit.schemes import Granularity, QDtype, WeightSpec
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _weight(dtype, out=48, inp=256, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return (torch.randn(out, inp, generator=generator) * 0.05).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", [n for n in registry.recipe_names() if not n.startswith("float8")])
+def test_integer_grids_equal_torchao_configs(name, dtype):
+    from torchao.quantization import quantize_
+
+    scheme = registry.resolve(name).scheme
+    linear = torch.nn.Linear(256, 48, bias=False).to(dtype)
+    linear.weight.data = _weight(dtype)
+    ours = fake_quantize_weight(linear.weight.data, scheme.weights)
+    quantize_(linear, torchao_config(scheme))
+    torch.testing.assert_close(ours, linear.weight.dequantize(), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_float8_grid_equals_torchao_float8_tensor(dtype):
+    from torchao.quantization import PerRow
+    from torchao.quantization.quantize_.workflows.float8.float8_tensor import Float8Tensor
+
+    spec = registry.resolve("float8-dynamic-act-float8-weight").scheme.weights
+    weight = _weight(dtype)
+    theirs = Float8Tensor.from_hp(weight, granularity=PerRow())
+    ours = quantize_weight(weight, spec)
+    assert torch.equal(ours.qdata.view(torch.uint8), theirs.qdata.view(torch.uint8))
+    torch.testing.assert_close(ours.scale.flatten(), theirs.scale.flatten().to(ours.scale.dtype), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("bits, qmin, qmax", [(QDtype.INT4, -8, 7), (QDtype.INT8, -128, 127)])
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_integers_stay_in_range_and_round_trip(bits, qmin, qmax, symmetric):
+    spec = WeightSpec(bits, Granularity.GROUP, group_size=32, symmetric=symmetric)
+    qw = quantize_weight(_weight(torch.float32), spec)
+    assert qw.qdata.dtype == torch.int8 and qmin <= qw.qdata.min() and qw.qdata.max() <= qmax
+    assert qw.scale.shape == (48, 256 // 32)
+    assert (qw.zero_point is None) == symmetric
+    again = quantize_weight(qw.dequantize(), spec)  # a grid point quantizes to itself
+    assert torch.equal(again.qdata, qw.qdata)
+
+
+def test_rtn_error_is_at_most_half_a_step():
+    spec = WeightSpec(QDtype.INT8, Granularity.CHANNEL)
+    weight = _weight(torch.float32)
+    qw = quantize_weight(weight, spec)
+    assert ((qw.dequantize() - weight).abs() <= qw.scale / 2 + 1e-7).all()
+
+
+def test_group_size_must_divide():
+    with pytest.raises(ValueError, match="does not divide"):
+        quantize_weight(_weight(torch.float32, inp=96), WeightSpec(QDtype.INT4, Granularity.GROUP, group_size=64))
+
+
+def test_quantized_weight_reports_its_group_size():
+    qw = quantize_weight(_weight(torch.float32), WeightSpec(QDtype.INT4, Granularity.GROUP, group_size=64))
+    assert isinstance(qw, QuantizedWeight) and qw.group_size == 64

@@ -1,0 +1,103 @@
+from pathlib import Path
+
+import pytest
+
+from quantkit import registry
+from quantkit.errors import RecipeError, RecipeNotFoundError
+from quantkit.registry import Format, IndivisiblePolicy
+from quantkit.schemes import Granularity, QDtype
+
+RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
+SHIPPED = sorted(RECIPES_DIR.rglob("*.yaml"))
+CORE = {
+    "int4-weight-only", "int8-dynamic-act-int4-weight", "float8-dynamic-act-float8-weight",
+    "int8-weight-only", "int8-dynamic-act-int8-weight",
+}
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=[p.stem for p in SHIPPED])
+def test_every_shipped_recipe_is_valid(path):
+    recipe = registry.load_recipe_file(path)
+    assert recipe.name == path.stem
+    assert recipe.description
+    assert recipe.scheme.weights.dtype in QDtype
+
+
+def test_installed_registry_lists_exactly_the_shipped_files():
+    assert registry.recipe_names() == sorted(p.stem for p in SHIPPED)
+    assert CORE <= set(registry.recipe_names())
+
+
+def test_core_recipes_mean_their_torchao_namesakes():
+    int4 = registry.resolve("int4-weight-only").scheme
+    assert (int4.weights.dtype, int4.weights.group_size, int4.activations) == (QDtype.INT4, 128, None)
+    w4a8 = registry.resolve("int8-dynamic-act-int4-weight").scheme
+    assert (w4a8.weights.group_size, w4a8.activations.dtype, w4a8.activations.symmetric) == (32, QDtype.INT8, False)
+    fp8 = registry.resolve("float8-dynamic-act-float8-weight").scheme
+    assert fp8.weights.granularity is Granularity.CHANNEL and fp8.activations.dtype is QDtype.FLOAT8
+
+
+def test_resolve_a_path(tmp_path):
+    path = tmp_path / "mine.yaml"
+    path.write_text((RECIPES_DIR / "int8-weight-only.yaml").read_text())
+    recipe = registry.resolve(str(path))
+    assert recipe.name == "mine" and recipe.format is Format.COMPRESSED_TENSORS
+
+
+def test_unknown_name_suggests_close_matches():
+    with pytest.raises(RecipeNotFoundError, match=r"did you mean int4-weight-only.*quantkit recipes list"):
+        registry.resolve("int4-weight-onyl")
+
+
+def test_unknown_name_without_close_match_still_names_the_list_command():
+    with pytest.raises(RecipeNotFoundError, match="quantkit recipes list") as info:
+        registry.resolve("zzz")
+    assert "did you mean" not in str(info.value)
+
+
+def test_missing_recipe_file_is_not_parsed_as_a_name(tmp_path):
+    with pytest.raises(RecipeNotFoundError, match="does not exist"):
+        registry.resolve(str(tmp_path / "nope.yaml"))
+
+
+@pytest.mark.parametrize(
+    "body, field",
+    [
+        ("scheme: {weights: {dtype: int3, granularity: group, group_size: 32}}\nformat: torchao", "scheme.weights.dtype"),
+        ("scheme: {weights: {dtype: int4, granularity: group}}\nformat: torchao", "scheme.weights.group_size"),
+        ("scheme: {weights: {dtype: int4, granularity: channel}}\nformat: zip", "format"),
+        ("scheme: {weights: {dtype: int4, granularity: channel}}\nformat: torchao\nalgorithm: {name: magic}", "algorithm.name"),
+        ("scheme: {weights: {dtype: int4, granularity: channel}}\nformat: torchao\nbogus: 1", "bogus"),
+        ("format: torchao", "scheme"),
+        ("scheme: {weights: {dtype: int8, granularity: channel}, activations: {dtype: int8, dynamic: false}}\nformat: torchao",
+         "scheme.activations.dynamic"),
+        ("scheme: {weights: {dtype: int4, granularity: channel, symmetric: maybe}}\nformat: torchao", "scheme.weights.symmetric"),
+    ],
+)
+def test_invalid_recipe_names_the_field(tmp_path, body, field):
+    path = tmp_path / "bad.yaml"
+    path.write_text(body)
+    with pytest.raises(RecipeError, match=field.replace(".", r"\.")):
+        registry.resolve(str(path))
+
+
+def test_invalid_yaml_syntax(tmp_path):
+    path = tmp_path / "broken.yaml"
+    path.write_text("scheme: [unclosed")
+    with pytest.raises(RecipeError, match="not valid YAML"):
+        registry.resolve(str(path))
+
+
+def test_yaml_is_never_executed(tmp_path):
+    path = tmp_path / "evil.yaml"
+    path.write_text("scheme: !!python/object/apply:os.system ['echo pwned']\nformat: torchao")
+    with pytest.raises(RecipeError):
+        registry.resolve(str(path))
+
+
+def test_to_dict_is_json_ready():
+    import json
+
+    data = registry.resolve("int4-weight-only").to_dict()
+    assert json.loads(json.dumps(data))["scheme"]["weights"]["group_size"] == 128
+    assert data["on_indivisible"] == IndivisiblePolicy.SMALLER_GROUP.value
