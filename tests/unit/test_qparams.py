@@ -5,7 +5,7 @@ import torch
 
 from quantkit import registry
 from quantkit.export.torchao import torchao_config
-from quantkit.qparams import QuantizedWeight, fake_quantize_weight, quantize_weight
+from quantkit.qparams import QuantizedWeight, fake_quantize_weight, quantize_weight, quantize_with
 from quantkit.schemes import Granularity, QDtype, WeightSpec
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -50,7 +50,7 @@ def test_integers_stay_in_range_and_round_trip(bits, qmin, qmax, symmetric):
     assert qw.qdata.dtype == torch.int8 and qmin <= qw.qdata.min() and qw.qdata.max() <= qmax
     assert qw.scale.shape == (48, 256 // 32)
     assert (qw.zero_point is None) == symmetric
-    again = quantize_weight(qw.dequantize(), spec)  # a grid point quantizes to itself
+    again = quantize_with(qw.dequantize(), spec, qw.scale, qw.zero_point)  # a grid point rounds to itself
     assert torch.equal(again.qdata, qw.qdata)
 
 
