@@ -165,14 +165,13 @@ def gate(reports: list[ModelReport], baseline_label: str, max_increase_pct: floa
     """One message per model whose perplexity rose more than `max_increase_pct` percent over the baseline's."""
     baseline = _find(reports, baseline_label)
     base = baseline.perplexity.perplexity
+    limit = base * (1.0 + max_increase_pct / 100.0)  # compared as a product: 10.5 vs 10 at 5% passes exactly
     failures = []
     for report in reports:
-        if report is baseline:
-            continue
-        increase = (report.perplexity.perplexity / base - 1.0) * 100.0
-        if not increase <= max_increase_pct:  # NaN fails too
+        ppl = report.perplexity.perplexity
+        if report is not baseline and not ppl <= limit:  # NaN fails too
             failures.append(
-                f"{report.label}: perplexity {report.perplexity.perplexity:.4g} is {increase:+.2f}% over "
+                f"{report.label}: perplexity {ppl:.4g} is {(ppl / base - 1.0) * 100.0:+.2f}% over "
                 f"{baseline.label} ({base:.4g}); the limit is +{max_increase_pct:g}%"
             )
     return failures

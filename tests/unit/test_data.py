@@ -1,0 +1,289 @@
+"""quantkit.data: dataset specs to texts, tokens, evaluation windows and calibration blocks."""
+
+from __future__ import annotations
+
+import datasets
+import pytest
+import torch
+
+from quantkit.data import eval_windows, load_texts, parse_hub_spec, rank_slice, sample_blocks, tokenize
+from quantkit.errors import DataError, UsageError
+
+# ---------------------------------------------------------------- local files
+
+
+def test_txt_file_is_one_document(tmp_path):
+    path = tmp_path / "corpus.txt"
+    path.write_text("first line\n\nsecond paragraph\n")
+    assert load_texts(str(path)) == ["first line\n\nsecond paragraph\n"]
+
+
+def test_jsonl_takes_the_field_and_skips_blank_lines(tmp_path):
+    path = tmp_path / "corpus.jsonl"
+    path.write_text('{"body": "one", "id": 1}\n\n{"body": "two", "id": 2}\n')
+    assert load_texts(str(path), text_field="body") == ["one", "two"]
+
+
+def test_jsonl_bad_line_names_the_line_number(tmp_path):
+    path = tmp_path / "corpus.jsonl"
+    path.write_text('{"text": "fine"}\n{"text": broken}\n')
+    with pytest.raises(DataError, match=r"corpus\.jsonl:2 is not valid JSON"):
+        load_texts(str(path))
+
+
+def test_jsonl_line_that_is_not_an_object(tmp_path):
+    path = tmp_path / "corpus.jsonl"
+    path.write_text('["a", "b"]\n')
+    with pytest.raises(DataError, match=r":1 is a JSON list, not an object"):
+        load_texts(str(path))
+
+
+def test_jsonl_missing_field_names_field_line_and_fields(tmp_path):
+    path = tmp_path / "corpus.jsonl"
+    path.write_text('{"text": "ok"}\n{"content": "no text here"}\n')
+    with pytest.raises(DataError, match=r":2 has no field 'text' \(fields: content\); pass --text-field"):
+        load_texts(str(path))
+
+
+def test_jsonl_non_string_field(tmp_path):
+    path = tmp_path / "corpus.jsonl"
+    path.write_text('{"text": 3}\n')
+    with pytest.raises(DataError, match="field 'text' is a int, not a string"):
+        load_texts(str(path))
+
+
+def test_parquet_column(tmp_path):
+    path = tmp_path / "corpus.parquet"
+    datasets.Dataset.from_dict({"content": ["alpha", "beta"], "n": [1, 2]}).to_parquet(str(path))
+    assert load_texts(str(path), text_field="content") == ["alpha", "beta"]
+
+
+def test_parquet_missing_column_lists_columns(tmp_path):
+    path = tmp_path / "corpus.parquet"
+    datasets.Dataset.from_dict({"content": ["alpha"]}).to_parquet(str(path))
+    with pytest.raises(DataError, match=r"no column 'text' \(columns: content\)"):
+        load_texts(str(path))
+
+
+def test_missing_local_file_says_what_to_pass(tmp_path):
+    missing = tmp_path / "nope.txt"
+    expected = f"{missing} does not exist; pass a .txt/.jsonl/.parquet file or a datasets spec like wikitext:wikitext-2-raw-v1:test"
+    with pytest.raises(DataError) as info:
+        load_texts(str(missing))
+    assert str(info.value) == expected
+
+
+def test_existing_file_with_unknown_extension(tmp_path):
+    path = tmp_path / "corpus.csv"
+    path.write_text("text\nhello\n")
+    with pytest.raises(DataError, match="unknown file type '.csv'"):
+        load_texts(str(path))
+
+
+def test_directory_is_rejected(tmp_path):
+    with pytest.raises(DataError, match="is a directory"):
+        load_texts(str(tmp_path))
+
+
+@pytest.mark.parametrize("name, content", [("empty.txt", ""), ("empty.jsonl", '{"text": ""}\n\n')])
+def test_empty_text_is_an_error(tmp_path, name, content):
+    path = tmp_path / name
+    path.write_text(content)
+    with pytest.raises(DataError, match="has no text"):
+        load_texts(str(path))
+
+
+# ---------------------------------------------------------------- hub specs
+
+
+@pytest.mark.parametrize(
+    "spec, expected",
+    [
+        ("wikitext:wikitext-2-raw-v1:test", ("wikitext", "wikitext-2-raw-v1", "test")),
+        ("wikitext:wikitext-2-raw-v1", ("wikitext", "wikitext-2-raw-v1", "test")),
+        ("org/corpus", ("org/corpus", None, "test")),
+        ("c4:en:validation", ("c4", "en", "validation")),
+    ],
+)
+def test_parse_hub_spec(spec, expected):
+    assert parse_hub_spec(spec) == expected
+
+
+@pytest.mark.parametrize("spec", ["a:b:c:d", "name::test", ":config"])
+def test_malformed_hub_spec(spec):
+    with pytest.raises(DataError, match="not a file or a datasets spec"):
+        parse_hub_spec(spec)
+
+
+def test_hub_spec_loads_named_split(monkeypatch):
+    calls = []
+
+    def fake_load_dataset(name, config=None, split=None):
+        calls.append((name, config, split))
+        return datasets.Dataset.from_dict({"text": ["x", "", "y"]})
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    assert load_texts("wikitext:wikitext-2-raw-v1") == ["x", "", "y"]
+    assert calls == [("wikitext", "wikitext-2-raw-v1", "test")]
+
+
+def test_hub_failure_is_one_data_error(monkeypatch):
+    def offline(*args, **kwargs):
+        raise ConnectionError("Couldn't reach 'wikitext' on the Hub\nlong traceback text")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    with pytest.raises(DataError) as info:
+        load_texts("wikitext:wikitext-2-raw-v1:test")
+    message = str(info.value)
+    assert "'wikitext:wikitext-2-raw-v1:test'" in message and "Couldn't reach 'wikitext'" in message
+    assert "\n" not in message and "local .txt/.jsonl/.parquet" in message
+
+
+def test_hub_dataset_without_the_column(monkeypatch):
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: datasets.Dataset.from_dict({"sentence": ["x"]}))
+    with pytest.raises(DataError, match="no column 'text'"):
+        load_texts("glue:sst2:validation")
+
+
+# ---------------------------------------------------------------- tokenize
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from quantkit.tiny import train_tokenizer
+
+    return train_tokenizer("the quick brown fox jumps over the lazy dog\n" * 50, vocab_size=300)
+
+
+def test_tokenize_joins_with_blank_lines_without_special_tokens(tokenizer):
+    ids = tokenize(tokenizer, ["the quick fox", "the lazy dog"])
+    expected = tokenizer("the quick fox\n\nthe lazy dog", add_special_tokens=False)["input_ids"]
+    assert ids.dtype == torch.long and ids.dim() == 1
+    assert ids.tolist() == expected
+    assert tokenizer.bos_token_id not in ids.tolist()
+
+
+def test_tokenize_empty_is_an_error(tokenizer):
+    with pytest.raises(DataError, match="gives no tokens"):
+        tokenize(tokenizer, [""])
+
+
+# ---------------------------------------------------------------- eval windows
+
+
+def _scored_positions(windows):
+    return [t for _, end, target_begin in windows for t in range(target_begin, end)]
+
+
+@pytest.mark.parametrize(
+    "num_tokens, seq_len, stride",
+    [
+        (2, 2, None), (10, 2, None), (10, 2, 1), (100, 10, None), (100, 10, 10), (100, 10, 9),
+        (100, 10, 5), (100, 10, 1), (101, 10, 3), (7, 512, None), (7, 512, 128), (1000, 64, 17), (64, 64, None),
+    ],
+)
+def test_windows_score_every_token_but_the_first_exactly_once(num_tokens, seq_len, stride):
+    windows = eval_windows(num_tokens, seq_len, stride, None)
+    assert _scored_positions(windows) == list(range(1, num_tokens))
+    for begin, end, target_begin in windows:
+        assert 0 <= begin < target_begin < end <= num_tokens  # every window has context and scores something
+        assert end - begin <= seq_len
+
+
+def test_only_the_last_window_is_shorter():
+    windows = eval_windows(100, 16, 4, None)
+    assert {end - begin for begin, end, _ in windows[:-1]} == {16}
+    assert windows[-1][1] == 100
+
+
+def test_stride_below_seq_len_matches_the_hugging_face_windows():
+    # HF "perplexity of fixed-length models": begin = k * stride, end = begin + seq_len, targets from the previous end.
+    windows = eval_windows(1000, 64, 16, None)
+    assert windows[:3] == [(0, 64, 1), (16, 80, 64), (32, 96, 80)]
+    assert all(target_begin - begin == 48 for begin, _, target_begin in windows[1:])
+
+
+def test_stride_none_is_seq_len_and_overlaps_by_the_one_context_token():
+    windows = eval_windows(30, 10, None, None)
+    assert windows == eval_windows(30, 10, 10, None)
+    assert windows == [(0, 10, 1), (9, 19, 10), (18, 28, 19), (27, 30, 28)]
+
+
+def test_max_samples_keeps_the_first_windows():
+    assert eval_windows(1000, 64, 16, 3) == eval_windows(1000, 64, 16, None)[:3]
+    assert eval_windows(10, 64, None, 5) == [(0, 10, 1)]
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        ((100, 1, None, None), "seq_len must be at least 2"),
+        ((100, 10, 0, None), "stride must be between 1 and seq_len=10"),
+        ((100, 10, 11, None), "stride must be between 1 and seq_len=10"),
+        ((100, 10, None, 0), "max_samples must be at least 1"),
+        ((1, 10, None, None), "perplexity needs at least 2"),
+    ],
+)
+def test_window_arguments_are_checked(args, match):
+    with pytest.raises(DataError, match=match):
+        eval_windows(*args)
+
+
+# ---------------------------------------------------------------- calibration blocks
+
+
+def test_sample_blocks_are_contiguous_slices():
+    ids = torch.arange(1000)
+    blocks = sample_blocks(ids, num_samples=8, seq_len=32, seed=0)
+    assert blocks.shape == (8, 32) and blocks.dtype == ids.dtype
+    assert torch.equal(blocks - blocks[:, :1], torch.arange(32).expand(8, 32))
+    assert int(blocks.max()) <= 999
+
+
+def test_sample_blocks_are_deterministic_by_seed():
+    ids = torch.arange(5000)
+    assert torch.equal(sample_blocks(ids, 16, 64, seed=3), sample_blocks(ids, 16, 64, seed=3))
+    assert not torch.equal(sample_blocks(ids, 16, 64, seed=3), sample_blocks(ids, 16, 64, seed=4))
+
+
+def test_sample_blocks_leave_the_global_rng_alone():
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    sample_blocks(torch.arange(100), 4, 10, seed=0)
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_sample_blocks_at_minimum_length():
+    blocks = sample_blocks(torch.arange(11), num_samples=4, seq_len=10)
+    assert torch.equal(blocks, torch.arange(10).expand(4, 10))
+
+
+def test_sample_blocks_short_corpus():
+    with pytest.raises(DataError, match="needs at least 11"):
+        sample_blocks(torch.arange(10), num_samples=1, seq_len=10)
+
+
+# ---------------------------------------------------------------- rank slices
+
+
+@pytest.mark.parametrize("num_samples", [0, 1, 5, 7, 128, 129])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 8, 16])
+def test_rank_slices_split_contiguously_and_evenly(num_samples, world_size):
+    slices = [rank_slice(num_samples, rank, world_size) for rank in range(world_size)]
+    assert [i for s in slices for i in s] == list(range(num_samples))
+    assert all(s.step == 1 for s in slices)
+    sizes = [len(s) for s in slices]
+    assert max(sizes) - min(sizes) <= 1
+
+
+@pytest.mark.parametrize("args", [(10, 2, 2), (10, -1, 2), (10, 0, 0), (-1, 0, 1)])
+def test_rank_slice_rejects_bad_ranks(args):
+    with pytest.raises(UsageError):
+        rank_slice(*args)
+
+
+def test_local_suffix_without_file_is_not_sent_to_the_hub(monkeypatch, tmp_path):
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: pytest.fail("hub must not be called"))
+    with pytest.raises(DataError, match="does not exist"):
+        load_texts(str(tmp_path / "typo.jsonl"))
