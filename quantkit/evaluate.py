@@ -5,13 +5,14 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from quantkit.data import eval_windows
+from quantkit.data import eval_windows, load_texts, tokenize
 from quantkit.errors import SourceModelError, UsageError
 from quantkit.export import metadata
 from quantkit.models import check_model_dir, load_model, read_config_json, weights_size
@@ -40,7 +41,7 @@ class ModelReport:
     label: str
     recipe: str | None
     format: str | None
-    size_bytes: int
+    size_bytes: int | None  # None for an in-memory preview (nothing written)
     perplexity: PerplexityResult
 
     def to_dict(self) -> dict[str, Any]:
@@ -65,11 +66,9 @@ def perplexity(
     """exp(mean NLL) over `ids` (1-D), scored in the windows of `quantkit.data.eval_windows`."""
     if batch_size < 1:
         raise UsageError(f"batch_size must be at least 1 (got {batch_size})")
-    clipped = effective_seq_len(model, seq_len)
-    if stride is not None and stride <= seq_len:  # a stride valid for the requested length stays valid
-        stride = min(stride, clipped)
-    seq_len = clipped
-    windows = eval_windows(ids.numel(), seq_len, stride, max_samples)
+    if ids.dim() != 1:
+        raise UsageError(f"ids must be a 1-D token stream (got shape {tuple(ids.shape)})")
+    seq_len, windows = _plan_windows(model, ids.numel(), seq_len, stride, max_samples)
     device = next(model.parameters()).device
     total_nll, scored, fed = 0.0, 0, 0
     start = time.perf_counter()
@@ -84,6 +83,14 @@ def perplexity(
         perplexity=math.exp(total_nll / scored), nll=total_nll / scored, tokens=scored,
         seconds=seconds, tokens_per_second=fed / seconds if seconds > 0 else float("inf"), seq_len=seq_len,
     )
+
+
+def _plan_windows(model, num_tokens: int, seq_len: int, stride: int | None, max_samples: int | None):
+    """(effective seq_len, windows), with seq_len and stride clipped to what the model accepts."""
+    clipped = effective_seq_len(model, seq_len)
+    if stride is not None and stride <= seq_len:  # a stride valid for the requested length stays valid
+        stride = min(stride, clipped)
+    return clipped, eval_windows(num_tokens, clipped, stride, max_samples)
 
 
 def _batches(windows: list[Window], batch_size: int) -> Iterator[list[Window]]:
@@ -120,13 +127,16 @@ def _sum_nll(model, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[float, 
 
 
 def load_eval_model(
-    path: str | Path, trust_remote_code: bool = False, tokenizer_path: str | Path | None = None, dtype: str = "auto"
+    path: str | Path, trust_remote_code: bool = False, tokenizer_path: str | Path | None = None, dtype: str = "auto",
+    load_weights: bool = True,
 ):
     """(model, tokenizer) for a source or quantized model directory. Quantized directories (compressed-tensors
-    or torchao `quantization_config` in config.json) load through plain transformers."""
+    or torchao `quantization_config` in config.json) load through plain transformers. With `load_weights`
+    False only the tokenizer is loaded (model is None)."""
     path = check_model_dir(path)
     tokenizer = load_tokenizer(Path(tokenizer_path) if tokenizer_path else path, trust_remote_code)
-    return load_model(path, dtype=dtype, trust_remote_code=trust_remote_code), tokenizer
+    model = load_model(path, dtype=dtype, trust_remote_code=trust_remote_code) if load_weights else None
+    return model, tokenizer
 
 
 def load_tokenizer(path: Path, trust_remote_code: bool = False):
@@ -183,3 +193,59 @@ def _find(reports: list[ModelReport], label: str) -> ModelReport:
             return report
     labels = ", ".join(r.label for r in reports) or "none"
     raise UsageError(f"baseline '{label}' is not among the evaluated models ({labels})")
+
+
+def compare(
+    models: list[str],
+    data: str,
+    recipes: Sequence[str] = (),
+    seq_len: int = 512,
+    stride: int | None = None,
+    max_samples: int | None = None,
+    batch_size: int = 1,
+    tokenizer: str | Path | None = None,
+    threads: int | None = None,
+    trust_remote_code: bool = False,
+    text_field: str = "text",
+    progress: Progress = QUIET,
+) -> list[ModelReport]:
+    """Each model on the same data, labelled by its path as given; then, for each recipe, the model
+    quantized under it in memory (labelled "PATH+RECIPE"), as `finalize` would quantize it."""
+    from quantkit import runtime
+
+    runtime.set_threads(threads)
+    texts = load_texts(data, text_field)
+    settings = dict(seq_len=seq_len, stride=stride, max_samples=max_samples, batch_size=batch_size, progress=progress)
+    reports = []
+    for path in models:
+        measure = partial(_measure, texts=texts, tokenizer=tokenizer, trust_remote_code=trust_remote_code, **settings)
+        reports.append(make_report(path, path, measure(path)))
+        reports += [_preview(path, name, measure, trust_remote_code, progress) for name in recipes]
+    return reports
+
+
+def _measure(path: str | Path, texts: list[str], tokenizer, trust_remote_code: bool, model=None, **settings) -> PerplexityResult:
+    loaded, tok = load_eval_model(path, trust_remote_code, tokenizer, load_weights=model is None)
+    return perplexity(model if model is not None else loaded, tokenize(tok, texts), **settings)
+
+
+def _preview(
+    path: str,
+    recipe_name: str,
+    measure: Callable[..., PerplexityResult],
+    trust_remote_code: bool,
+    progress: Progress,
+) -> ModelReport:
+    """The model quantized in memory exactly as `finalize` would, measured without writing anything.
+    Its size on disk is unknown (None) until it is written."""
+    from quantkit.finalize import prepare, quantize_model
+    from quantkit.registry import resolve
+
+    recipe = resolve(recipe_name)
+    prepared = prepare(path, recipe, trust_remote_code=trust_remote_code)
+    model = quantize_model(prepared, recipe, trust_remote_code=trust_remote_code, progress=progress)
+    result = measure(path, model=model)
+    return ModelReport(
+        path=str(path), label=f"{path}+{recipe.name}", recipe=recipe.name, format=prepared.format.value,
+        size_bytes=None, perplexity=result,
+    )

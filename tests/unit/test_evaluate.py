@@ -13,7 +13,7 @@ import torch
 
 from quantkit.data import eval_windows, tokenize
 from quantkit.errors import SourceModelError, UsageError
-from quantkit.evaluate import ModelReport, PerplexityResult, gate, load_eval_model, make_report, perplexity
+from quantkit.evaluate import ModelReport, PerplexityResult, compare, gate, load_eval_model, make_report, perplexity
 from quantkit.models import weights_size
 
 _SYLLABLES = "ka lo mi ren sta vor pel dun the and of qua tiz lay wei ght ro und".split()
@@ -123,9 +123,11 @@ def test_timing_fields(model, ids):
     assert result.tokens_per_second == pytest.approx(fed / result.seconds)
 
 
-def test_bad_batch_size(model, ids):
+def test_bad_arguments(model, ids):
     with pytest.raises(UsageError, match="batch_size"):
         perplexity(model, ids, batch_size=0)
+    with pytest.raises(UsageError, match="1-D token stream"):
+        perplexity(model, ids[None])
 
 
 # ---------------------------------------------------------------- loading and reports
@@ -196,3 +198,44 @@ def test_gate_fails_non_finite_perplexity():
 def test_gate_unknown_baseline():
     with pytest.raises(UsageError, match=r"baseline 'fp16' is not among the evaluated models \(base, q\)"):
         gate([_report("base", 10.0), _report("q", 10.1)], "fp16", 5.0)
+
+
+# ---------------------------------------------------------------- compare
+
+
+@pytest.fixture
+def keep_threads():
+    """compare() sets torch's thread count for the process; put it back for the other tests."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_compare_models_and_a_preview_recipe(eval_model_dir, tmp_path, keep_threads):
+    data = tmp_path / "eval.txt"
+    data.write_text(_text(400, seed=3))
+    source = str(eval_model_dir)
+    reports = compare([source], str(data), recipes=["int8-weight-only"], seq_len=64, threads=1)
+    assert [r.label for r in reports] == [source, f"{source}+int8-weight-only"]
+    base, preview = reports
+    assert (base.recipe, base.format, base.size_bytes) == (None, None, weights_size(eval_model_dir))
+    assert (preview.path, preview.recipe, preview.format) == (source, "int8-weight-only", "compressed-tensors")
+    assert preview.size_bytes is None  # nothing was written
+    assert preview.perplexity.tokens == base.perplexity.tokens
+    assert preview.perplexity.perplexity != base.perplexity.perplexity
+    assert gate(reports, source, 100.0) == []
+    # the in-memory preview measures exactly what `finalize` writes
+    from quantkit.finalize import finalize
+    from quantkit.registry import resolve
+
+    written = finalize(eval_model_dir, tmp_path / "int8", resolve("int8-weight-only"))
+    (artifact,) = compare([str(written.dst)], str(data), seq_len=64, threads=1)
+    assert artifact.perplexity.perplexity == preview.perplexity.perplexity
+    assert artifact.recipe == "int8-weight-only" and 0 < artifact.size_bytes < base.size_bytes
+
+
+def test_compare_measures_each_model_on_the_same_tokens(eval_model_dir, tmp_path, keep_threads):
+    data = tmp_path / "eval.jsonl"
+    data.write_text("\n".join(json.dumps({"text": _text(100, seed=s)}) for s in range(4)))
+    first, second = compare([str(eval_model_dir), str(eval_model_dir)], str(data), seq_len=64, threads=1)
+    assert first.perplexity.perplexity == second.perplexity.perplexity

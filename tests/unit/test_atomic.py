@@ -1,0 +1,42 @@
+import pytest
+
+from quantkit.errors import DestinationExistsError
+from quantkit.export.atomic import atomic_directory
+
+
+def test_success_renames_into_place(tmp_path):
+    with atomic_directory(tmp_path / "out") as tmp:
+        (tmp / "a.txt").write_text("x")
+        assert not (tmp_path / "out").exists()
+    assert (tmp_path / "out" / "a.txt").read_text() == "x"
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+def test_failure_or_ctrl_c_leaves_nothing(tmp_path, error):
+    with pytest.raises(error):
+        with atomic_directory(tmp_path / "out") as tmp:
+            (tmp / "half.bin").write_bytes(b"\0")
+            raise error()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_existing_destination_is_refused(tmp_path):
+    (tmp_path / "out").mkdir()
+    with pytest.raises(DestinationExistsError, match="--overwrite"):
+        with atomic_directory(tmp_path / "out"):
+            pass
+
+
+def test_overwrite_replaces_and_failed_overwrite_keeps_the_old(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "old.txt").write_text("old")
+    with pytest.raises(RuntimeError):
+        with atomic_directory(out, overwrite=True):
+            raise RuntimeError
+    assert (out / "old.txt").exists()
+    with atomic_directory(out, overwrite=True) as tmp:
+        (tmp / "new.txt").write_text("new")
+    assert [p.name for p in out.iterdir()] == ["new.txt"]
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]

@@ -1,0 +1,57 @@
+import pytest
+from torch import nn
+
+from quantkit import registry
+from quantkit.plan import fitting_group_size, is_ignored, plan_model
+from quantkit.registry import IndivisiblePolicy
+
+
+class Toy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(128, 96)
+        self.down = nn.Linear(96, 128)
+        self.odd = nn.Linear(40, 8)
+        self.lm_head = nn.Linear(128, 10)
+
+
+@pytest.mark.parametrize(
+    "name, patterns, expected",
+    [
+        ("lm_head", ("lm_head",), True),
+        ("model.lm_head", ("lm_head",), True),
+        ("model.not_lm_head", ("lm_head",), False),
+        ("model.layers.3.mlp.down_proj", ("re:layers\\.3\\.",), True),
+        ("model.layers.13.mlp.down_proj", ("re:layers\\.3\\.",), False),
+    ],
+)
+def test_ignore_patterns(name, patterns, expected):
+    assert is_ignored(name, patterns) is expected
+
+
+@pytest.mark.parametrize("in_features, group, expected", [(256, 128, 128), (96, 128, 32), (176, 32, 16), (40, 32, None)])
+def test_fitting_group_size(in_features, group, expected):
+    assert fitting_group_size(in_features, group) == expected
+
+
+def test_plan_smaller_group_policy():
+    recipe = registry.resolve("int4-weight-only")
+    plan = {e.name: e for e in plan_model(Toy(), recipe)}
+    assert plan["up"].scheme == recipe.scheme and plan["up"].note == ""
+    assert plan["down"].scheme.weights.group_size == 32 and "128 -> 32" in plan["down"].note
+    assert plan["odd"].scheme is None and "does not divide input size 40" in plan["odd"].note
+    assert plan["lm_head"].scheme is None and plan["lm_head"].note == "ignored by recipe"
+
+
+def test_plan_skip_policy():
+    from dataclasses import replace
+
+    recipe = replace(registry.resolve("int4-weight-only"), on_indivisible=IndivisiblePolicy.SKIP)
+    plan = {e.name: e for e in plan_model(Toy(), recipe)}
+    assert plan["down"].scheme is None and "left in full precision" in plan["down"].note
+    assert plan["up"].quantized
+
+
+def test_per_channel_recipes_quantize_any_width():
+    plan = plan_model(Toy(), registry.resolve("int8-weight-only"))
+    assert [e.name for e in plan if e.quantized] == ["up", "down", "odd"]
