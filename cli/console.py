@@ -13,3 +13,20 @@ def human_bytes(size: int) -> str:
             return f"{value:.1f} {unit}" if unit != "B" else f"{int(value)} B"
         value /= 1024
     return f"{value:.1f} GiB"
+
+
+def quiet_libraries() -> None:
+    """Our own progress and tables replace the libraries' bars and import-time chatter (call before importing them)."""
+    import logging
+    import os
+    import warnings
+
+    os.environ.setdefault("TQDM_DISABLE", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("DATASETS_VERBOSITY", "error")
+    for name in ("torchao", "torch.utils._pytree", "compressed_tensors", "datasets", "huggingface_hub"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", category=UserWarning)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=DeprecationWarning)

@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from quantkit.cli.console import human_bytes, out
+from quantkit.cli.console import human_bytes, out, quiet_libraries
 from quantkit.cli.options import QuietOpt, ThreadsOpt, TrustRemoteCodeOpt
 from quantkit.errors import GateFailedError, UsageError
 
@@ -43,6 +43,7 @@ def evaluate(
 
       quantkit eval ./base ./base-int4 --data test.txt --baseline ./base --max-ppl-increase 5 --json results.json
     """
+    quiet_libraries()
     from quantkit import evaluate as library
     from quantkit.progress import Progress
 

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from quantkit import registry
-from quantkit.cli.console import human_bytes, out
+from quantkit.cli.console import human_bytes, out, quiet_libraries
 from quantkit.cli.options import DtypeChoice, DtypeOpt, FormatOpt, ModelDirArg, QuantizeOpt, QuietOpt, ThreadsOpt, TrustRemoteCodeOpt
 
 
@@ -33,6 +33,7 @@ def finalize(
 
       quantkit finalize ./my-model ./out -q ./my-recipe.yaml --overwrite
     """
+    quiet_libraries()
     from quantkit.finalize import finalize as run
     from quantkit.progress import Progress
 
@@ -46,6 +47,13 @@ def finalize(
         print_summary(result)
 
 
+def group_by_note(entries) -> dict[str, list[str]]:
+    grouped: dict[str, list[str]] = {}
+    for entry in entries:
+        grouped.setdefault(entry.note, []).append(entry.name)
+    return grouped
+
+
 def print_summary(result) -> None:
     from rich.table import Table
 
@@ -53,11 +61,10 @@ def print_summary(result) -> None:
     changed = [e for e in quantized if e.note]
     left_out = [e for e in result.plan if not e.quantized]
     table = Table(title=f"{result.recipe.name} -> {result.dst} ({result.format.value})", show_header=False)
-    table.add_row("modules quantized", f"{len(quantized)} of {len(result.plan)} Linear")
-    for entry in changed:
-        table.add_row("  group size changed", f"{entry.name}: {entry.note}")
-    for entry in left_out:
-        table.add_row("  left in full precision", f"{entry.name}: {entry.note}")
+    table.add_row("modules quantized", f"{len(quantized)} of {len(result.plan)} Linear (full list in quantkit.json)")
+    for label, entries in (("  group size changed", changed), ("  left in full precision", left_out)):
+        for note, names in group_by_note(entries).items():
+            table.add_row(label, f"{note}: {names[0]}" + (f" and {len(names) - 1} more" if len(names) > 1 else ""))
     ratio = result.source_bytes / max(1, result.output_bytes)
     table.add_row("weights on disk", f"{human_bytes(result.source_bytes)} -> {human_bytes(result.output_bytes)} ({ratio:.2f}x smaller)")
     table.add_row("time", f"{result.seconds:.1f} s on {result.threads} threads")

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from quantkit.data import eval_windows, load_texts, tokenize
 from quantkit.errors import SourceModelError, UsageError
 from quantkit.export import metadata
-from quantkit.models import check_model_dir, load_model, read_config_json, weights_size
+from quantkit.models import check_model_dir, load_model, quantization_method, read_config_json, weights_size
 from quantkit.progress import QUIET, Progress
 
 IGNORE_INDEX = -100
@@ -220,7 +220,8 @@ def compare(
     for path in models:
         measure = partial(_measure, texts=texts, tokenizer=tokenizer, trust_remote_code=trust_remote_code, **settings)
         reports.append(make_report(path, path, measure(path)))
-        reports += [_preview(path, name, measure, trust_remote_code, progress) for name in recipes]
+        if quantization_method(path) is None:  # recipes preview full-precision models only
+            reports += [_preview(path, name, measure, trust_remote_code, progress) for name in recipes]
     return reports
 
 

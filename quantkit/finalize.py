@@ -40,6 +40,7 @@ def prepare(src: str | Path, recipe: Recipe, fmt: Format | None = None, trust_re
     check_supported(recipe, fmt)
     hardware.check(recipe, fmt)
     src = models.check_model_dir(src)
+    models.check_full_precision(src)
     config = models.load_config(src, trust_remote_code)
     plan = plan_model(models.meta_model(config, trust_remote_code), recipe)
     return Prepared(src=src, format=fmt, plan=plan)

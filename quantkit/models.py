@@ -41,6 +41,18 @@ def read_config_json(path: str | Path) -> dict[str, Any]:
         raise SourceModelError(f"{path}/config.json is not valid JSON ({exc.msg})") from exc
 
 
+def quantization_method(path: str | Path) -> str | None:
+    """The `quant_method` of an already-quantized model directory, or None for a full-precision one."""
+    config = read_config_json(path).get("quantization_config") or {}
+    return config.get("quant_method") or ("quantized" if config else None)
+
+
+def check_full_precision(path: Path) -> None:
+    method = quantization_method(path)
+    if method:
+        raise SourceModelError(f"{path} is already quantized ({method}); pass the full-precision model it was made from")
+
+
 def load_config(path: Path, trust_remote_code: bool = False):
     from transformers import AutoConfig
 

@@ -80,7 +80,7 @@ def quantization_config(plan: list[ModulePlan], recipe: Recipe) -> QuantizationC
 
 def attach(model: nn.Module, plan: list[ModulePlan], recipe: Recipe, qweights: dict[str, QuantizedWeight]) -> nn.Module:
     """Install compressed-tensors quantization on `model` with the given qparams (any algorithm's)."""
-    apply_quantization_config(model, quantization_config(plan, recipe))
+    apply_quantization_config(model, quantization_config(plan, recipe), show_progress=False)
     for name, qweight in qweights.items():
         module = model.get_submodule(name)
         module.weight.data = qweight.dequantize(module.weight.dtype)
