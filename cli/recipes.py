@@ -18,13 +18,18 @@ def list_recipes() -> None:
     """
     from rich.table import Table
 
-    table = Table(title="quantkit recipes")
-    for column in ("name", "weights", "activations", "algorithm", "format", "description"):
+    from rich import box
+
+    table = Table(box=box.SIMPLE_HEAD, caption="Details: quantkit recipes show NAME")
+    recipes = registry.list_recipes()
+    width = max(len(r.name) for r in recipes)
+    table.add_column("name", no_wrap=True, min_width=width, style="bold")  # names are copied into commands: never cut
+    for column in ("weights", "activations", "algorithm", "format"):
         table.add_column(column)
-    for recipe in registry.list_recipes():
+    for recipe in recipes:
         scheme = recipe.scheme
-        acts = scheme.activations.describe() if scheme.activations else "-"
-        table.add_row(recipe.name, scheme.weights.describe(), acts, recipe.algorithm.value, recipe.format.value, recipe.description)
+        acts = f"{scheme.activations.describe()} (dynamic)" if scheme.activations else "16-bit"
+        table.add_row(recipe.name, scheme.weights.describe(), acts, recipe.algorithm.value, recipe.format.value)
     out.print(table)
 
 

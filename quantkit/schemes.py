@@ -75,8 +75,8 @@ class WeightSpec:
         return not self.symmetric
 
     def describe(self) -> str:
-        grain = f"g{self.group_size}" if self.granularity is Granularity.GROUP else "per-channel"
-        return f"{self.dtype.value} {'sym' if self.symmetric else 'asym'} {grain}"
+        grain = f"g{self.group_size}" if self.granularity is Granularity.GROUP else "channel"
+        return f"{_short(self.dtype)} {grain}{'' if self.symmetric else ' asym'}"
 
 
 @dataclass(frozen=True)
@@ -99,7 +99,7 @@ class ActivationSpec:
             raise SchemeError("activations.symmetric", "float8 activations are symmetric")
 
     def describe(self) -> str:
-        return f"{self.dtype.value} {'sym' if self.symmetric else 'asym'} per-token dynamic"
+        return f"{_short(self.dtype)} token{'' if self.symmetric else ' asym'}"
 
 
 @dataclass(frozen=True)
@@ -111,5 +111,9 @@ class QuantScheme:
         return replace(self, weights=replace(self.weights, group_size=group_size))
 
     def describe(self) -> str:
-        acts = self.activations.describe() if self.activations else "none (16-bit)"
-        return f"weights {self.weights.describe()}; activations {acts}"
+        acts = f"dynamic {self.activations.describe()}" if self.activations else "16-bit"
+        return f"weights {self.weights.describe()}, activations {acts}"
+
+
+def _short(dtype: QDtype) -> str:
+    return "fp8" if dtype is QDtype.FLOAT8 else dtype.value

@@ -1,0 +1,166 @@
+"""The commands are thin adapters: each test patches the library function and checks what it was given,
+and how errors become one line and an exit code."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from typer.testing import CliRunner
+
+import quantkit.evaluate
+import quantkit.finalize
+from quantkit import errors
+from quantkit.cli.main import app
+from quantkit.evaluate import ModelReport, PerplexityResult
+from quantkit.registry import Format
+
+runner = CliRunner()
+
+
+def invoke(*args: str, env: dict | None = None):
+    return runner.invoke(app, list(args), env=env)
+
+
+@pytest.fixture
+def fake_finalize(monkeypatch):
+    calls = []
+
+    def fake(src, dst, recipe, fmt, **kwargs):
+        calls.append(SimpleNamespace(src=src, dst=dst, recipe=recipe, fmt=fmt, **kwargs))
+        return SimpleNamespace(
+            dst=Path(dst), recipe=recipe, format=fmt or recipe.format, plan=[], seconds=1.0,
+            source_bytes=100, output_bytes=50, threads=2,
+        )
+
+    monkeypatch.setattr(quantkit.finalize, "finalize", fake)
+    return calls
+
+
+def test_finalize_passes_the_resolved_recipe_and_options(fake_finalize):
+    result = invoke("finalize", "src", "dst", "--quantize", "int4-weight-only", "--format", "torchao",
+                    "--overwrite", "--threads", "3", "--dtype", "bfloat16")
+    assert result.exit_code == 0, result.output
+    (call,) = fake_finalize
+    assert (str(call.src), str(call.dst), call.recipe.name, call.fmt) == ("src", "dst", "int4-weight-only", Format.TORCHAO)
+    assert (call.overwrite, call.threads, call.dtype, call.trust_remote_code) == (True, 3, "bfloat16", False)
+    assert "2.00x smaller" in result.output
+
+
+def test_finalize_defaults_to_the_recipes_format(fake_finalize):
+    assert invoke("finalize", "src", "dst", "-q", "int8-weight-only", "--quiet").exit_code == 0
+    assert fake_finalize[0].fmt is None and fake_finalize[0].dtype == "auto"
+
+
+def test_unknown_recipe_exits_2_with_close_matches(fake_finalize):
+    result = invoke("finalize", "src", "dst", "-q", "int4-weight-onyl")
+    assert result.exit_code == 2
+    assert "did you mean int4-weight-only" in result.output and "quantkit recipes list" in result.output
+    assert not fake_finalize
+
+
+@pytest.mark.parametrize(
+    "error, code",
+    [
+        (errors.SourceModelError("src does not exist; pass a Hugging Face model directory"), 2),
+        (errors.DestinationExistsError("dst already exists; pass --overwrite"), 2),
+        (errors.HardwareError("needs a CUDA GPU; use --format compressed-tensors"), 2),
+        (errors.DataError("wiki.txt does not exist"), 2),
+        (errors.ExportError("disk full"), 1),
+        (RuntimeError("boom"), 1),
+    ],
+)
+def test_library_errors_become_one_line_and_an_exit_code(monkeypatch, error, code):
+    def fail(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(quantkit.finalize, "finalize", fail)
+    result = invoke("finalize", "src", "dst", "-q", "int4-weight-only")
+    assert result.exit_code == code
+    assert "Traceback" not in result.output
+    assert result.output.strip().startswith("error:") and len(result.output.strip().splitlines()) == 1
+
+
+def test_debug_variable_shows_the_traceback(monkeypatch):
+    def fail(*args, **kwargs):
+        raise errors.SourceModelError("nope")
+
+    monkeypatch.setattr(quantkit.finalize, "finalize", fail)
+    result = invoke("finalize", "src", "dst", "-q", "int4-weight-only", env={"QUANTKIT_DEBUG": "1"})
+    assert isinstance(result.exception, errors.SourceModelError)
+
+
+def test_ctrl_c_exits_130(monkeypatch):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(quantkit.finalize, "finalize", interrupted)
+    result = invoke("finalize", "src", "dst", "-q", "int4-weight-only")
+    assert result.exit_code == 130 and "nothing was written" in result.output
+
+
+def _report(label: str, ppl: float) -> ModelReport:
+    return ModelReport(path=label, label=label, recipe=None, format=None, size_bytes=10,
+                       perplexity=PerplexityResult(ppl, 1.0, 100, 1.0, 100.0, 64))
+
+
+@pytest.fixture
+def fake_compare(monkeypatch):
+    calls = []
+
+    def fake(models, data, **kwargs):
+        calls.append(SimpleNamespace(models=models, data=data, **kwargs))
+        return [_report(m, 10.0 if i == 0 else 10.8) for i, m in enumerate(models)]
+
+    monkeypatch.setattr(quantkit.evaluate, "compare", fake)
+    return calls
+
+
+def test_eval_passes_models_data_and_recipes(fake_compare):
+    result = invoke("eval", "a", "b", "--data", "t.txt", "-q", "int4-weight-only", "-q", "int8-weight-only",
+                    "--seq-len", "64", "--stride", "32", "--batch-size", "2", "--max-samples", "5")
+    assert result.exit_code == 0, result.output
+    (call,) = fake_compare
+    assert (call.models, call.data, call.recipes) == (["a", "b"], "t.txt", ["int4-weight-only", "int8-weight-only"])
+    assert (call.seq_len, call.stride, call.batch_size, call.max_samples) == (64, 32, 2, 5)
+
+
+def test_gate_exits_3_and_writes_json(fake_compare, tmp_path):
+    out = tmp_path / "r.json"
+    result = invoke("eval", "a", "b", "--data", "t.txt", "--baseline", "a", "--max-ppl-increase", "5", "--json", str(out))
+    assert result.exit_code == 3
+    assert "b: perplexity" in result.output
+    gate = json.loads(out.read_text())["gate"]
+    assert gate["passed"] is False and gate["baseline"] == "a"
+
+
+def test_gate_passes_within_budget(fake_compare):
+    assert invoke("eval", "a", "b", "--data", "t.txt", "--baseline", "a", "--max-ppl-increase", "10").exit_code == 0
+
+
+def test_baseline_not_listed_is_evaluated_too(fake_compare):
+    invoke("eval", "b", "--data", "t.txt", "--baseline", "a", "--max-ppl-increase", "50")
+    assert fake_compare[0].models == ["b", "a"]
+
+
+def test_gate_options_go_together(fake_compare):
+    result = invoke("eval", "a", "--data", "t.txt", "--max-ppl-increase", "5")
+    assert result.exit_code == 2 and "--baseline" in result.output
+    assert not fake_compare
+
+
+def test_recipes_list_and_show():
+    listed = invoke("recipes", "list")
+    assert listed.exit_code == 0 and "int8-dynamic-act-int4-weight" in listed.output
+    shown = invoke("recipes", "show", "int4-weight-only")
+    assert shown.exit_code == 0 and "group_size: 128" in shown.output
+    assert invoke("recipes", "show", "nope").exit_code == 2
+
+
+def test_help_names_every_command():
+    result = invoke("--help")
+    assert result.exit_code == 0
+    for command in ("finalize", "eval", "recipes"):
+        assert command in result.output
