@@ -1,0 +1,103 @@
+"""The installed `quantkit` command, run as a user runs it: real subprocesses, real exit codes."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+QUANTKIT = [sys.executable, "-m", "quantkit.cli.main"]
+
+
+def run(*args, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "COLUMNS": "200"}
+    env.pop("QUANTKIT_DEBUG", None)
+    return subprocess.run([*QUANTKIT, *map(str, args)], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def test_help_and_recipes_start_fast_without_torch():
+    start = time.perf_counter()
+    result = run("recipes", "list")
+    assert result.returncode == 0 and "int4-weight-only" in result.stdout
+    assert time.perf_counter() - start < 20  # generous: the real target (<1.5 s) is measured in the README
+    probe = subprocess.run(
+        [sys.executable, "-c", "import sys, quantkit.cli.main; print('torch' in sys.modules)"],
+        capture_output=True, text=True, check=True,
+    )
+    assert probe.stdout.strip() == "False"
+
+
+def test_finalize_then_eval_then_gate(tiny_model_dir, text_file, tmp_path):
+    dst = tmp_path / "tiny-int4"
+    done = run("finalize", tiny_model_dir, dst, "--quantize", "int4-weight-only")
+    assert done.returncode == 0, done.stderr
+    assert "14 of 15 Linear" in done.stdout and (dst / "quantkit.json").is_file()
+
+    again = run("finalize", tiny_model_dir, dst, "--quantize", "int4-weight-only")
+    assert again.returncode == 2 and "--overwrite" in again.stderr and "Traceback" not in again.stderr
+
+    report = tmp_path / "r.json"
+    ok = run("eval", tiny_model_dir, dst, "--data", text_file, "--seq-len", "64", "--json", report,
+             "--baseline", tiny_model_dir, "--max-ppl-increase", "1000")
+    assert ok.returncode == 0, ok.stderr
+    results = json.loads(report.read_text())["results"]
+    assert [r["recipe"] for r in results] == [None, "int4-weight-only"]
+    assert results[1]["size_bytes"] < results[0]["size_bytes"]
+
+    strict = run("eval", tiny_model_dir, dst, "--data", text_file, "--seq-len", "64",
+                 "--baseline", tiny_model_dir, "--max-ppl-increase", "0")
+    assert strict.returncode == 3 and "perplexity" in strict.stderr
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["finalize", "{missing}", "{tmp}/out", "-q", "int4-weight-only"], "does not exist"),
+        (["finalize", "{text}", "{tmp}/out", "-q", "int4-weight-only"], "is a file"),
+        (["finalize", "{model}", "{tmp}/out", "-q", "int4-weight-onyl"], "did you mean"),
+        (["finalize", "{model}", "{tmp}/out", "-q", "float8-dynamic-act-float8-weight", "--format", "torchao"],
+         "use --format compressed-tensors"),
+        (["eval", "{model}", "--data", "{tmp}/nope.txt"], "does not exist"),
+        (["eval", "{model}", "--data", "{empty}"], "has no text"),
+    ],
+)
+def test_user_mistakes_exit_2_with_one_line(tiny_model_dir, text_file, tmp_path, args, message):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    values = dict(missing=tmp_path / "missing", tmp=tmp_path, text=text_file, model=tiny_model_dir, empty=empty)
+    result = run(*[a.format(**values) for a in args])
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0]
+    assert not (tmp_path / "out").exists()
+
+
+def test_interrupted_finalize_leaves_no_output(tiny_model_dir, tmp_path):
+    """Ctrl-C (SIGINT) during a run: no DST, no temporary directory left behind."""
+    import signal
+
+    dst = tmp_path / "out"
+    slow_write = (  # the weights are written; copying the tokenizer stalls, so the signal lands mid-write
+        "import sys, time, quantkit.models as m; copy = m.copy_tokenizer; "
+        "m.copy_tokenizer = lambda *a: (time.sleep(60), copy(*a))[1]; "
+        "from quantkit.cli.main import main; sys.argv = ['quantkit', *sys.argv[1:]]; main()"
+    )
+    args = ["finalize", str(tiny_model_dir), str(dst), "-q", "int8-weight-only", "--quiet"]
+    proc = subprocess.Popen([sys.executable, "-c", slow_write, *args], stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and not any(".tmp-" in p.name for p in tmp_path.iterdir()):
+        time.sleep(0.2)
+    time.sleep(2.0)
+    assert proc.poll() is None
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr
+    assert list(tmp_path.iterdir()) == []
+    shutil.rmtree(dst, ignore_errors=True)
