@@ -30,3 +30,24 @@ def quiet_libraries() -> None:
     warnings.filterwarnings("ignore", category=UserWarning)
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=DeprecationWarning)
+    _silence_tqdm()
+
+
+def _silence_tqdm() -> None:
+    """compressed-tensors and transformers draw tqdm bars with `disable=False` passed explicitly, which
+    TQDM_DISABLE cannot override; make tqdm's class ignore it (the CLI shows its own progress)."""
+    import tqdm
+    import tqdm.auto
+
+    if getattr(tqdm.tqdm, "_quantkit_silenced", False):
+        return
+
+    class SilentTqdm(tqdm.tqdm):
+        _quantkit_silenced = True
+
+        def __init__(self, *args, **kwargs):
+            kwargs["disable"] = True
+            super().__init__(*args, **kwargs)
+
+    tqdm.tqdm = SilentTqdm
+    tqdm.auto.tqdm = SilentTqdm

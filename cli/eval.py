@@ -75,13 +75,15 @@ def print_table(reports, baseline: str | None) -> None:
     from rich.table import Table
 
     base = next((r for r in reports if r.label == baseline), reports[0])
-    table = Table(title="quantkit eval")
-    for column in ("model", "recipe", "format", "size", "perplexity", "vs " + base.label, "tokens/s"):
-        table.add_column(column, justify="left" if column in ("model", "recipe", "format") else "right")
+    table = Table(title="quantkit eval", caption=f"perplexity change is relative to {base.label}")
+    for column in ("model", "recipe / format"):
+        table.add_column(column, overflow="fold")
+    for column in ("size", "perplexity", "change", "tokens/s"):
+        table.add_column(column, justify="right", no_wrap=True)
     for r in reports:
         delta = 100 * (r.perplexity.perplexity / base.perplexity.perplexity - 1)
-        table.add_row(
-            r.label, r.recipe or "-", r.format or "-", human_bytes(r.size_bytes) if r.size_bytes is not None else "(in memory)", f"{r.perplexity.perplexity:.3f}",
-            "-" if r is base else f"{delta:+.2f}%", f"{r.perplexity.tokens_per_second:,.0f}",
-        )
+        made = f"{r.recipe} / {r.format}" if r.recipe else (r.format or "-")
+        size = human_bytes(r.size_bytes) if r.size_bytes is not None else "in memory"
+        change = "baseline" if r is base else f"{delta:+.2f}%"
+        table.add_row(r.label, made, size, f"{r.perplexity.perplexity:.3f}", change, f"{r.perplexity.tokens_per_second:,.0f}")
     out.print(table)
