@@ -253,7 +253,8 @@ def table(results: list[Result], source_bytes: int) -> str:
             continue
         lines.append(
             f"| {result.recipe} | {result.format} | {s['finalize_s']:.2f} | {s['baseline_s']:.2f} | {s['ratio']:.2f}x "
-            f"| {s['peak_rss_mib']:.0f} | {s['rss_over_model']:.1f}x | {s['output_mib']:.1f} | {s['compression']:.2f}x |"
+            f"| {s['peak_rss_mib']:.0f} | {s['rss_over_model']:.1f}x | {s['output_mib']:.1f} "
+            f"| {s['compression']:.2f}x |"
         )
     return "\n".join(lines)
 
