@@ -78,37 +78,44 @@ def quantization_config(plan: list[ModulePlan], recipe: Recipe) -> QuantizationC
     return QuantizationConfig(config_groups=config_groups, ignore=ignore)
 
 
-def attach(model: nn.Module, plan: list[ModulePlan], recipe: Recipe, qweights: dict[str, QuantizedWeight]) -> nn.Module:
-    """Install compressed-tensors quantization on `model` with the given qparams (any algorithm's)."""
+def install(model: nn.Module, plan: list[ModulePlan], recipe: Recipe) -> None:
+    """Attach compressed-tensors' quantization (schemes, qparam slots, quantized forward) to `model`."""
     apply_quantization_config(model, quantization_config(plan, recipe), show_progress=False)
-    for name, qweight in qweights.items():
-        module = model.get_submodule(name)
-        module.weight.data = qweight.dequantize(module.weight.dtype)
-        module.weight_scale = nn.Parameter(qweight.scale.reshape(module.weight_scale.shape), requires_grad=False)
-        if qweight.zero_point is not None:
-            module.weight_zero_point.data = qweight.zero_point.reshape(module.weight_zero_point.shape).to(
-                module.weight_zero_point.dtype
-            )
+
+
+def set_qparams(module: nn.Module, qweight: QuantizedWeight) -> None:
+    """Give an installed module its qparams (from any algorithm); its weight becomes the dequantized grid point,
+    which compressed-tensors re-quantizes to exactly `qweight.qdata` when it packs."""
+    module.weight.data.copy_(qweight.dequantize(module.weight.dtype))
+    module.weight_scale = nn.Parameter(qweight.scale.reshape(module.weight_scale.shape), requires_grad=False)
+    if qweight.zero_point is not None:
+        zero = qweight.zero_point.reshape(module.weight_zero_point.shape)
+        module.weight_zero_point.data = zero.to(module.weight_zero_point.dtype)
+
+
+def freeze(model: nn.Module) -> None:
     for module in model.modules():
         if hasattr(module, "quantization_scheme"):
             module.quantization_status = QuantizationStatus.FROZEN
-    return model
 
 
 def quantize(
     src: Path, plan: list[ModulePlan], recipe: Recipe, dtype: str = "auto", trust_remote_code: bool = False,
     on_module: Callable[[str], None] | None = None,
 ) -> nn.Module:
+    """Load, then quantize module by module (each module's qparams are installed at once: no second copy)."""
     model = models.load_model(src, dtype, trust_remote_code)
     algorithm = get_algorithm(recipe.algorithm)
-    qweights = {}
+    install(model, plan, recipe)
     with torch.no_grad():
         for entry in plan:
             if entry.quantized:
-                qweights[entry.name] = algorithm(model.get_submodule(entry.name).weight.data, entry.scheme.weights)
+                module = model.get_submodule(entry.name)
+                set_qparams(module, algorithm(module.weight.data, entry.scheme.weights))
                 if on_module:
                     on_module(entry.name)
-    return attach(model, plan, recipe, qweights)
+    freeze(model)
+    return model
 
 
 def save(model: nn.Module, out_dir: Path) -> None:
