@@ -19,13 +19,14 @@ _SPEC_HINT = "pass a .txt/.jsonl/.parquet file or a datasets spec like wikitext:
 
 
 def load_texts(spec: str, text_field: str = "text") -> list[str]:
-    """The documents named by `spec`: a local file if it exists or has a data suffix, else a hub spec
-    `name[:config][:split]` (split defaults to "test")."""
-    path = Path(spec)
-    if path.exists() or path.suffix.lower() in LOCAL_SUFFIXES:
-        texts = _load_local(path, text_field)
+    """The documents named by `spec`: a local file if it exists or has a data suffix, else a `datasets` spec
+    `name[:config][:split]` (split defaults to "test"); `name` may be a hub name or a local dataset directory."""
+    if Path(spec.split(":", 1)[0]).is_dir():  # a local dataset directory, loaded by `datasets` like a hub name
+        texts = _load_datasets(spec, text_field)
+    elif Path(spec).exists() or Path(spec).suffix.lower() in LOCAL_SUFFIXES:
+        texts = _load_local(Path(spec), text_field)
     else:
-        texts = _load_hub(spec, text_field)
+        texts = _load_datasets(spec, text_field)
     if not any(texts):
         raise DataError(f"{spec} has no text (every '{text_field}' value is empty)")
     return texts
@@ -34,8 +35,6 @@ def load_texts(spec: str, text_field: str = "text") -> list[str]:
 def _load_local(path: Path, text_field: str) -> list[str]:
     if not path.exists():
         raise DataError(f"{path} does not exist; {_SPEC_HINT}")
-    if path.is_dir():
-        raise DataError(f"{path} is a directory; {_SPEC_HINT}")
     suffix = path.suffix.lower()
     if suffix == ".txt":
         return [path.read_text(encoding="utf-8", errors="replace")]
@@ -102,7 +101,7 @@ def parse_hub_spec(spec: str) -> tuple[str, str | None, str]:
     return name, config, split or DEFAULT_SPLIT
 
 
-def _load_hub(spec: str, text_field: str) -> list[str]:
+def _load_datasets(spec: str, text_field: str) -> list[str]:
     import datasets
 
     name, config, split = parse_hub_spec(spec)
@@ -110,7 +109,7 @@ def _load_hub(spec: str, text_field: str) -> list[str]:
         table = datasets.load_dataset(name, config, split=split)
     except Exception as exc:  # offline, unknown name, bad config/split: all reported the same way
         raise DataError(
-            f"cannot load datasets spec '{spec}' from the hub ({_first_line(exc)}); "
+            f"cannot load datasets spec '{spec}' ({_first_line(exc)}); "
             f"without network access, pass a local .txt/.jsonl/.parquet file"
         ) from exc
     return _column_of(table, text_field, spec)

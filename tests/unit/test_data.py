@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import datasets
 import pytest
 import torch
@@ -80,8 +82,18 @@ def test_existing_file_with_unknown_extension(tmp_path):
         load_texts(str(path))
 
 
-def test_directory_is_rejected(tmp_path):
-    with pytest.raises(DataError, match="is a directory"):
+def test_local_dataset_directory_goes_through_the_real_datasets_loader(tmp_path):
+    """The code path hub names take (`datasets.load_dataset(name, config, split=...)`), on local data."""
+    root = tmp_path / "my-dataset"
+    root.mkdir()
+    (root / "train.jsonl").write_text(json.dumps({"text": "train text"}) + "\n")
+    (root / "test.jsonl").write_text(json.dumps({"text": "first"}) + "\n" + json.dumps({"text": "second"}) + "\n")
+    assert load_texts(str(root)) == ["first", "second"]  # default split: test
+    assert load_texts(f"{root}:default:train") == ["train text"]
+
+
+def test_directory_without_data_is_one_data_error(tmp_path):
+    with pytest.raises(DataError, match="cannot load datasets spec"):
         load_texts(str(tmp_path))
 
 
