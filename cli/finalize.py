@@ -21,9 +21,13 @@ def finalize(
     dtype: DtypeOpt = DtypeChoice.auto,
     threads: ThreadsOpt = None,
     trust_remote_code: TrustRemoteCodeOpt = False,
+    force_recipe: Annotated[
+        bool, typer.Option("--force-recipe", help="Quantize a QAT-trained model under a recipe other than its own.")
+    ] = False,
     quiet: QuietOpt = False,
 ) -> None:
-    """Quantize a model into a low-bit artifact that plain transformers (and vLLM) load.
+    """Quantize a model into a low-bit artifact that plain transformers (and vLLM) load: post-training
+    quantization of a plain model, or the convert step of a QAT-trained one (same recipes).
 
     Examples:
 
@@ -41,7 +45,7 @@ def finalize(
     fmt = registry.Format(format.value) if format else None
     result = run(
         src, dst, recipe, fmt, overwrite=overwrite, dtype=dtype.value, threads=threads,
-        trust_remote_code=trust_remote_code, progress=Progress(enabled=not quiet),
+        trust_remote_code=trust_remote_code, force_recipe=force_recipe, progress=Progress(enabled=not quiet),
     )
     if not quiet:
         print_summary(result)

@@ -14,11 +14,12 @@ import typer
 from quantkit.cli import eval as eval_cmd
 from quantkit.cli import finalize as finalize_cmd
 from quantkit.cli import recipes as recipes_cmd
+from quantkit.cli import train as train_cmd
 from quantkit.cli.console import err
 
 app = typer.Typer(
     name="quantkit",
-    help="Make language models smaller and faster by quantization: finalize (PTQ) a model, evaluate it, list recipes.",
+    help="Make language models smaller and faster by quantization: train (QAT), finalize (PTQ / convert), evaluate, list recipes.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -54,6 +55,7 @@ def handle_errors(fn: Callable) -> Callable:
     return wrapper
 
 
+app.command("train", no_args_is_help=True)(handle_errors(train_cmd.train))
 app.command("finalize", no_args_is_help=True)(handle_errors(finalize_cmd.finalize))
 app.command("eval", no_args_is_help=True)(handle_errors(eval_cmd.evaluate))
 recipes_app = typer.Typer(help="List and inspect quantization recipes.", no_args_is_help=True)

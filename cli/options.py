@@ -36,3 +36,6 @@ TrustRemoteCodeOpt = Annotated[
     bool, typer.Option("--trust-remote-code", help="Allow model code from the model directory to run (off by default).")
 ]
 ModelDirArg = Annotated[Path, typer.Argument(help="A Hugging Face causal-LM directory (config.json, *.safetensors, tokenizer).")]
+NprocOpt = Annotated[
+    int, typer.Option("--nproc-per-node", min=1, help="Processes on this machine; N > 1 re-runs the command under torchrun.")
+]

@@ -178,3 +178,32 @@ def rank_slice(num_samples: int, rank: int, world_size: int) -> range:
     base, extra = divmod(num_samples, world_size)
     start = rank * base + min(rank, extra)
     return range(start, start + base + (rank < extra))
+
+
+def pack_blocks(ids: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """The token stream cut into full blocks of `seq_len` tokens [n, seq_len] (the remainder is dropped)."""
+    count = ids.numel() // seq_len
+    if count == 0:
+        raise DataError(f"the training data has {ids.numel()} tokens, fewer than one block of data.seq_len={seq_len}")
+    return ids[: count * seq_len].view(count, seq_len)
+
+
+def micro_batches(
+    num_samples: int, global_batch: int, micro_batch: int, rank: int, world_size: int, seed: int, step: int
+) -> list[list[int]]:
+    """The sample indices of each micro-batch of one rank at optimizer step `step`.
+
+    Each epoch is one seeded permutation (DistributedSampler: rank r takes every world_size-th entry), so the
+    union over ranks of one step's micro-batches is the same global batch for any world_size.
+    """
+    from torch.utils.data import DistributedSampler
+
+    steps_per_epoch = num_samples // global_batch
+    if steps_per_epoch == 0:
+        raise DataError(f"{num_samples} training blocks are fewer than one global batch ({global_batch}); add data or lower train.global_batch_size")
+    epoch, position = divmod(step, steps_per_epoch)
+    sampler = DistributedSampler(range(num_samples), num_replicas=world_size, rank=rank, shuffle=True, seed=seed)
+    sampler.set_epoch(epoch)
+    per_rank = global_batch // world_size
+    mine = list(sampler)[position * per_rank : (position + 1) * per_rank]
+    return [mine[i : i + micro_batch] for i in range(0, per_rank, micro_batch)]

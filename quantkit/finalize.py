@@ -12,6 +12,7 @@ from quantkit import hardware, models, runtime
 from quantkit.export import atomic, check_supported, exporter, metadata
 from quantkit.plan import ModulePlan, plan_model
 from quantkit.progress import QUIET, Progress
+from quantkit.errors import UsageError
 from quantkit.registry import Format, Recipe
 
 
@@ -34,13 +35,31 @@ class Prepared:
     plan: list[ModulePlan]
 
 
-def prepare(src: str | Path, recipe: Recipe, fmt: Format | None = None, trust_remote_code: bool = False) -> Prepared:
-    """Every check that needs no weights: format, hardware, source directory, module plan."""
+def check_qat_recipe(src: Path, recipe: Recipe, force: bool = False) -> str | None:
+    """A QAT-trained SRC is converted with the recipe it was trained for; another recipe needs `force`.
+    Returns the QAT recipe's name, or None for a model trained without QAT."""
+    trained = (metadata.read(src) or {}).get("qat")
+    if not trained:
+        return None
+    name = trained["recipe"]["name"]
+    if trained["recipe"]["scheme"] != recipe.to_dict()["scheme"] and not force:
+        raise UsageError(
+            f"{src} was trained with --qat-recipe {name}; finalize it with --quantize {name}, "
+            f"or pass --force-recipe to quantize it under {recipe.name} anyway"
+        )
+    return name
+
+
+def prepare(
+    src: str | Path, recipe: Recipe, fmt: Format | None = None, trust_remote_code: bool = False, force_recipe: bool = False
+) -> Prepared:
+    """Every check that needs no weights: format, hardware, source directory, QAT recipe, module plan."""
     fmt = fmt or recipe.format
     check_supported(recipe, fmt)
     hardware.check(recipe, fmt)
     src = models.check_model_dir(src)
     models.check_full_precision(src)
+    check_qat_recipe(src, recipe, force_recipe)
     config = models.load_config(src, trust_remote_code)
     plan = plan_model(models.meta_model(config, trust_remote_code), recipe)
     return Prepared(src=src, format=fmt, plan=plan)
@@ -67,12 +86,13 @@ def finalize(
     dtype: str = "auto",
     threads: int | None = None,
     trust_remote_code: bool = False,
+    force_recipe: bool = False,
     progress: Progress = QUIET,
 ) -> FinalizeResult:
     start = time.perf_counter()
     dst = Path(dst)
     atomic.check_destination(dst, overwrite)
-    prepared = prepare(src, recipe, fmt, trust_remote_code)
+    prepared = prepare(src, recipe, fmt, trust_remote_code, force_recipe)
     used_threads = runtime.set_threads(threads)
     model = quantize_model(prepared, recipe, dtype, trust_remote_code, progress)
     with atomic.atomic_directory(dst, overwrite) as tmp:

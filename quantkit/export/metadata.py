@@ -36,6 +36,8 @@ def modules_summary(plan: list[ModulePlan]) -> dict[str, Any]:
 
 
 def build(recipe: Recipe, fmt: Format, plan: list[ModulePlan], source: Path, fingerprint: str) -> dict[str, Any]:
+    trained = read(source) or {}
+    qat = trained.get("qat")
     return {
         "quantkit_version": quantkit.__version__,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -43,7 +45,7 @@ def build(recipe: Recipe, fmt: Format, plan: list[ModulePlan], source: Path, fin
         "scheme": recipe.scheme.describe(),
         "format": fmt.value,
         "versions": versions(),
-        "source": {"path": str(source), "fingerprint": fingerprint},
+        "source": {"path": str(source), "fingerprint": fingerprint, "qat_recipe": qat["recipe"]["name"] if qat else None},
         "modules": modules_summary(plan),
     }
 

@@ -299,3 +299,38 @@ def test_local_suffix_without_file_is_not_sent_to_the_hub(monkeypatch, tmp_path)
     monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: pytest.fail("hub must not be called"))
     with pytest.raises(DataError, match="does not exist"):
         load_texts(str(tmp_path / "typo.jsonl"))
+
+
+# ---------------------------------------------------------------- training batches
+
+from quantkit.data import micro_batches, pack_blocks  # noqa: E402
+
+
+def test_pack_blocks_drops_the_remainder():
+    blocks = pack_blocks(torch.arange(10), 3)
+    assert blocks.tolist() == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
+    with pytest.raises(DataError, match="fewer than one block"):
+        pack_blocks(torch.arange(2), 3)
+
+
+@pytest.mark.parametrize("step", [0, 1, 2, 5])
+def test_the_global_batch_does_not_depend_on_the_number_of_ranks(step):
+    def global_batch(world: int, micro: int) -> list[int]:
+        return sorted(i for rank in range(world) for mb in micro_batches(50, 8, micro, rank, world, 3, step) for i in mb)
+
+    one = global_batch(1, 2)
+    assert len(one) == 8 and len(set(one)) == 8
+    assert global_batch(2, 2) == one == global_batch(4, 1) == global_batch(2, 4)
+
+
+def test_epochs_reshuffle_and_cover_each_sample_once():
+    steps_per_epoch = 48 // 8
+    epoch = [i for s in range(steps_per_epoch) for mb in micro_batches(48, 8, 4, 0, 1, 0, s) for i in mb]
+    assert sorted(epoch) == list(range(48))
+    next_epoch = [i for mb in micro_batches(48, 8, 4, 0, 1, 0, steps_per_epoch) for i in mb]
+    assert next_epoch != epoch[:8]
+
+
+def test_fewer_blocks_than_a_global_batch():
+    with pytest.raises(DataError, match="fewer than one global batch"):
+        micro_batches(5, 8, 4, 0, 1, 0, 0)

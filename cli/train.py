@@ -1,0 +1,70 @@
+"""`quantkit train CONFIG.yaml`."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from quantkit.cli.console import out, quiet_libraries
+from quantkit.cli.options import NprocOpt, QuietOpt, ThreadsOpt
+
+
+def train(
+    config: Annotated[Path, typer.Argument(help="Training config (YAML): model, data, train, output_dir.")],
+    qat_recipe: Annotated[
+        Optional[str], typer.Option("--qat-recipe", help="Quantization-aware training for this recipe (name or .yaml).")
+    ] = None,
+    nproc_per_node: NprocOpt = 1,
+    set_: Annotated[
+        Optional[list[str]], typer.Option("--set", help="Override a config key: --set train.lr=1e-4 (repeatable).")
+    ] = None,
+    output_dir: Annotated[Optional[Path], typer.Option("--output-dir", help="Overrides output_dir.")] = None,
+    max_steps: Annotated[Optional[int], typer.Option("--max-steps", min=1, help="Overrides train.max_steps.")] = None,
+    resume: Annotated[
+        Optional[str], typer.Option("--resume", help="Continue from 'latest' (in output_dir) or a checkpoint directory.")
+    ] = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Start over in an output_dir that holds a run.")] = False,
+    threads: ThreadsOpt = None,
+    quiet: QuietOpt = False,
+) -> None:
+    """Train or fine-tune a causal LM; with --qat-recipe, quantization-aware training.
+
+    Examples:
+
+      quantkit train config.yaml
+
+      quantkit train config.yaml --qat-recipe int8-dynamic-act-int4-weight --nproc-per-node 2
+
+      quantkit train config.yaml --resume latest --set train.max_steps=2000
+
+    The trained model lands in OUTPUT_DIR/final; convert a QAT model with
+    `quantkit finalize OUTPUT_DIR/final DST --quantize RECIPE`.
+    """
+    from quantkit import registry, train_config
+
+    overrides = list(set_ or [])
+    overrides += [f"output_dir={output_dir}"] if output_dir else []
+    overrides += [f"train.max_steps={max_steps}"] if max_steps else []
+    overrides += [f"qat_recipe={qat_recipe}"] if qat_recipe else []
+    cfg = train_config.load(config, overrides)  # validated before launching any process
+    if cfg.qat_recipe:
+        registry.resolve(cfg.qat_recipe)
+    from quantkit.cli.launch import relaunch
+
+    code = relaunch(nproc_per_node, threads)
+    if code is not None:
+        raise typer.Exit(code)
+    quiet_libraries()
+    from quantkit.progress import Progress
+    from quantkit.train import train as run
+
+    main_rank = int(os.environ.get("RANK", 0)) == 0
+    threads = threads or (int(os.environ["QUANTKIT_THREADS"]) if "QUANTKIT_THREADS" in os.environ else None)
+    result = run(cfg, resume=resume, overwrite=overwrite, threads=threads, progress=Progress(enabled=not quiet and main_rank))
+    if not quiet and main_rank:
+        ppl = f", eval perplexity {result.eval_perplexity:.3f}" if result.eval_perplexity is not None else ""
+        out.print(f"trained {result.steps} steps in {result.seconds:.1f} s (final loss {result.final_loss:.4f}{ppl}); "
+                  f"model: {result.final_dir}; log: {result.output_dir / 'log.jsonl'}", highlight=False)

@@ -1,0 +1,236 @@
+"""Quantization-aware training: fake quantizers that follow the recipe's grid exactly.
+
+The contract: for every planned Linear, the weight the forward pass sees is, bit for bit (atol=0, rtol=0),
+`qparams.fake_quantize_weight(weight, scheme.weights)`, the weight `finalize` will write, in float32 and in
+bfloat16. Activations are fake-quantized the way torchao's PTQ runtime quantizes them for the same scheme
+(int8 or float8, per token, dynamic), so the trained model sees what the deployed one computes.
+
+Where a torchao fake quantizer reproduces the grid exactly it is used, configured to match qparams
+(`scale_precision` float32 or None, meaning the weight's own dtype at every call; eps = float32 eps;
+int4 in [-8, 7], int8 in [-128, 127]). Where none does, a quantkit config and fake quantizer take its place
+behind the same interface (`fake_quantize_configs` -> `fake_quantizer`):
+
+- `GridFakeQuantizeConfig`: asymmetric integer weights (torchao's asymmetric weight path is unsigned with a
+  float zero point) and float8 weights with model-dtype scales; computed by quantkit.qparams itself.
+- `Int8TokenFakeQuantizeConfig`: int8 symmetric per-token activations (torchao's IntxFakeQuantizer has
+  no symmetric per-token path); computed by torchao's runtime `Int8Tensor.from_hp` itself.
+
+Our own fake quantizers use a straight-through estimator (backward = identity). torchao's keep theirs:
+the int ones pass gradients through rounding but not through clamping, and the float8 one also passes
+gradients through the per-row scale (amax).
+
+Usage: `prepare(model, plan)` before building the optimizer (and before DDP/FSDP wrapping). Parameters keep
+their names and identity, so `state_dict()` keys do not change. `strip(model)` goes back to plain nn.Linear;
+`with stripped(model): model.save_pretrained(...)` saves a checkpoint plain transformers loads, mid-training.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torchao.quantization import Int8Tensor
+from torchao.quantization.granularity import PerAxis, PerGroup, PerRow, PerToken
+from torchao.quantization.qat import Float8FakeQuantizeConfig, IntxFakeQuantizeConfig
+from torchao.quantization.qat.fake_quantize_config import FakeQuantizeConfigBase
+from torchao.quantization.qat.fake_quantizer import FakeQuantizerBase
+from torchao.quantization.quant_primitives import MappingType
+
+from quantkit import qparams
+from quantkit.plan import ModulePlan
+from quantkit.schemes import ActivationSpec, Granularity, QDtype, QuantScheme, ScaleDtype, WeightSpec
+
+_EPS = torch.finfo(torch.float32).eps  # qparams' eps; tests check tiny groups, where a different eps shows
+_TORCH_INT = {QDtype.INT4: torch.int4, QDtype.INT8: torch.int8}
+
+
+# ---------------------------------------------------------------- configs
+
+
+@dataclass(frozen=True)
+class GridFakeQuantizeConfig(FakeQuantizeConfigBase):
+    """Weights fake-quantized by quantkit.qparams, for grids no torchao fake quantizer reproduces."""
+
+    weights: WeightSpec
+
+
+@dataclass(frozen=True)
+class Int8TokenFakeQuantizeConfig(FakeQuantizeConfigBase):
+    """int8 symmetric per-token activations, as torchao's Int8Tensor runtime quantizes them (float32 scales)."""
+
+
+def weight_fake_quantize_config(spec: WeightSpec) -> FakeQuantizeConfigBase:
+    if spec.dtype.is_float:
+        if spec.scale_dtype is ScaleDtype.FLOAT32:  # torchao's float8 scales are always float32
+            return Float8FakeQuantizeConfig(torch.float8_e4m3fn, PerRow())
+        return GridFakeQuantizeConfig(spec)
+    if not spec.symmetric:  # torchao's asymmetric weights: unsigned range, float zero point
+        return GridFakeQuantizeConfig(spec)
+    granularity = PerGroup(spec.group_size) if spec.granularity is Granularity.GROUP else PerAxis(0)
+    # None: the scale takes the weight's dtype at each call, so a model cast to bf16 later stays exact
+    precision = torch.float32 if spec.scale_dtype is ScaleDtype.FLOAT32 else None
+    return IntxFakeQuantizeConfig(
+        _TORCH_INT[spec.dtype], granularity, MappingType.SYMMETRIC, scale_precision=precision, eps=_EPS,
+    )
+
+
+def activation_fake_quantize_config(spec: ActivationSpec | None) -> FakeQuantizeConfigBase | None:
+    if spec is None:
+        return None
+    if spec.dtype.is_float:  # Float8DynamicActivationFloat8WeightConfig(PerRow()): no activation bounds
+        return Float8FakeQuantizeConfig(torch.float8_e4m3fn, PerRow())
+    if spec.symmetric:
+        return Int8TokenFakeQuantizeConfig()
+    # as IntxUnpackedToInt8Tensor's runtime: scale in the activation's dtype, torchao's default eps
+    return IntxFakeQuantizeConfig(torch.int8, PerToken(), MappingType.ASYMMETRIC, scale_precision=None)
+
+
+def fake_quantize_configs(scheme: QuantScheme) -> tuple[FakeQuantizeConfigBase | None, FakeQuantizeConfigBase]:
+    """(activation config or None, weight config) for the scheme: torchao's where exact, quantkit's otherwise."""
+    return activation_fake_quantize_config(scheme.activations), weight_fake_quantize_config(scheme.weights)
+
+
+# ---------------------------------------------------------------- fake quantizers
+
+
+class _StraightThrough(torch.autograd.Function):
+    """forward: fn(x), bit for bit; backward: identity."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        return fn(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+class _StraightThroughFakeQuantizer(FakeQuantizerBase):
+    def __init__(self, config: FakeQuantizeConfigBase):
+        super().__init__()
+        self.config = config
+        self.enabled = True
+
+    def fake_quantize(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _StraightThrough.apply(x, self.fake_quantize) if self.enabled else x
+
+
+class GridFakeQuantizer(_StraightThroughFakeQuantizer):
+    def fake_quantize(self, weight: torch.Tensor) -> torch.Tensor:
+        return qparams.fake_quantize_weight(weight, self.config.weights)
+
+
+class Int8TokenFakeQuantizer(_StraightThroughFakeQuantizer):
+    def fake_quantize(self, x: torch.Tensor) -> torch.Tensor:
+        return Int8Tensor.from_hp(x, PerRow(), MappingType.SYMMETRIC).dequantize()
+
+
+def fake_quantizer(config: FakeQuantizeConfigBase) -> FakeQuantizerBase:
+    """The fake-quantizing module for a config from `fake_quantize_configs`."""
+    if isinstance(config, GridFakeQuantizeConfig):
+        return GridFakeQuantizer(config)
+    if isinstance(config, Int8TokenFakeQuantizeConfig):
+        return Int8TokenFakeQuantizer(config)
+    return FakeQuantizerBase.from_config(config)
+
+
+# ---------------------------------------------------------------- modules
+
+
+class QATLinear(nn.Linear):
+    """A Linear that computes with fake-quantized activations and weights; `weight` stays the float Parameter."""
+
+    def __init__(self, linear: nn.Linear, scheme: QuantScheme):
+        super().__init__(linear.in_features, linear.out_features, linear.bias is not None, device="meta")
+        self.weight, self.bias = linear.weight, linear.bias  # the same Parameter objects: names, optimizer state
+        self.train(linear.training)
+        self.scheme = scheme
+        act_config, weight_config = fake_quantize_configs(scheme)
+        self.activation_fake_quantizer = fake_quantizer(act_config) if act_config is not None else None
+        self.weight_fake_quantizer = fake_quantizer(weight_config)
+
+    def fake_quantized_weight(self) -> torch.Tensor:
+        return self.weight_fake_quantizer(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.activation_fake_quantizer is not None:
+            x = self.activation_fake_quantizer(x)
+        return F.linear(x, self.fake_quantized_weight(), self.bias)
+
+    def to_linear(self) -> nn.Linear:
+        linear = nn.Linear(self.in_features, self.out_features, self.bias is not None, device="meta")
+        linear.weight, linear.bias = self.weight, self.bias
+        return linear.train(self.training)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, scheme={self.scheme.describe()}"
+
+
+def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
+    if not name:
+        raise ValueError("QAT replaces submodules; the model itself cannot be the Linear (wrap it in a module)")
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent), child, module)
+
+
+def _install(model: nn.Module, schemes: dict[str, QuantScheme]) -> None:
+    for name, scheme in schemes.items():
+        linear = model.get_submodule(name)
+        if type(linear) is not nn.Linear:
+            kind = type(linear).__name__
+            raise ValueError(f"{name} is a {kind}, not a plain nn.Linear (already prepared? call strip() first)")
+        _replace(model, name, QATLinear(linear, scheme))
+
+
+def prepare(model: nn.Module, plan: list[ModulePlan]) -> nn.Module:
+    """Install fake quantizers, in place, on every planned Linear with its own scheme (group sizes may differ).
+
+    Call it before building the optimizer and before wrapping the model (DDP, FSDP, torch.compile).
+    Weights stay float, trainable and the same Parameter objects under the same names.
+    """
+    _install(model, {entry.name: entry.scheme for entry in plan if entry.quantized})
+    return model
+
+
+def prepared_schemes(model: nn.Module) -> dict[str, QuantScheme]:
+    """Module name -> scheme of every fake-quantized Linear."""
+    return {name: m.scheme for name, m in model.named_modules() if isinstance(m, QATLinear)}
+
+
+def is_prepared(model: nn.Module) -> bool:
+    return any(isinstance(m, QATLinear) for m in model.modules())
+
+
+@torch.no_grad()
+def fake_quantized_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Module name -> the fake-quantized weight the model currently computes with."""
+    return {name: m.fake_quantized_weight() for name, m in model.named_modules() if isinstance(m, QATLinear)}
+
+
+def strip(model: nn.Module) -> nn.Module:
+    """Turn every fake-quantized Linear back into a plain nn.Linear holding the same float Parameters, in place."""
+    for name, module in list(model.named_modules()):
+        if isinstance(module, QATLinear):
+            _replace(model, name, module.to_linear())
+    return model
+
+
+@contextmanager
+def stripped(model: nn.Module) -> Iterator[nn.Module]:
+    """Plain nn.Linear inside the block (e.g. to save_pretrained), the same fake quantizers after it.
+
+    The Parameters are the same objects throughout, so an optimizer built before keeps working.
+    """
+    schemes = prepared_schemes(model)
+    strip(model)
+    try:
+        yield model
+    finally:
+        _install(model, schemes)
