@@ -184,7 +184,8 @@ def evaluate(run: Run) -> float | None:
 
 
 def model_info(run: Run, step: int) -> dict[str, Any]:
-    info: dict[str, Any] = {"kind": "training-checkpoint", "step": step, "versions": metadata.versions(),
+    info: dict[str, Any] = {"kind": "training-checkpoint", "step": step, "world_size": run.ctx.world_size,
+                            "accumulation_steps": run.accum, "versions": metadata.versions(),
                             "train_config": run.config.to_dict()}
     if run.recipe is not None:
         info["qat"] = {"recipe": run.recipe.to_dict(), "scheme": run.recipe.scheme.describe()}

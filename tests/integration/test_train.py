@@ -1,0 +1,146 @@
+"""Training on a tiny Llama: the loss falls, resume equals an uninterrupted run, 1 rank equals 2 ranks,
+and a QAT run finalizes into an artifact whose weights are exactly the fake-quantized ones it trained with."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from quantkit import registry, train_config
+from quantkit.train import train
+
+from conftest import make_text
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory) -> Path:
+    from quantkit.tiny import train_tokenizer
+
+    root = tmp_path_factory.mktemp("train")
+    train_tokenizer(make_text(3000), 384).save_pretrained(root / "tok")
+    (root / "train.txt").write_text(make_text(6000, seed=5))
+    (root / "eval.txt").write_text(make_text(800, seed=6))
+    return root
+
+
+def config_dict(root: Path, out: str, **train) -> dict:
+    return {
+        "model": {"config": {"model_type": "llama", "hidden_size": 64, "intermediate_size": 176, "num_hidden_layers": 2,
+                             "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 384,
+                             "max_position_embeddings": 128},
+                  "tokenizer": str(root / "tok")},
+        "data": {"train": str(root / "train.txt"), "eval": str(root / "eval.txt"), "seq_len": 32},
+        "train": {"micro_batch_size": 4, "global_batch_size": 8, "max_steps": 6, "lr": 3e-3, "warmup_steps": 2,
+                  "log_interval": 1, **train},
+        "output_dir": str(root / out),
+    }
+
+
+def weights(path: Path) -> dict[str, torch.Tensor]:
+    return load_file(path / "model.safetensors")
+
+
+def losses(out: Path) -> list[float]:
+    return [r["loss"] for r in map(json.loads, (out / "log.jsonl").read_text().splitlines()) if "loss" in r]
+
+
+def test_loss_falls_and_run_is_recorded(workspace):
+    result = train(train_config.from_dict(config_dict(workspace, "falls", max_steps=25, log_interval=5)))
+    curve = losses(result.output_dir)
+    assert curve[-1] < curve[0] - 0.5, curve
+    assert result.eval_perplexity is not None and result.final_dir.name == "final"
+    assert (result.output_dir / "config.json").is_file()
+    info = json.loads((result.final_dir / "quantkit.json").read_text())
+    assert "qat" not in info and info["step"] == 25
+
+
+def test_resume_equals_uninterrupted(workspace):
+    whole = train(train_config.from_dict(config_dict(workspace, "whole", save_interval=3)))
+    assert sorted(p.name for p in (whole.output_dir / "checkpoints").iterdir()) == ["step-000003", "step-000006"]
+    resumed_cfg = train_config.from_dict(config_dict(workspace, "resumed", save_interval=3))
+    resumed = train(resumed_cfg, resume=str(whole.output_dir / "checkpoints" / "step-000003"))
+    assert resumed.steps == 6 and losses(resumed.output_dir)[0] == pytest.approx(losses(whole.output_dir)[3], rel=1e-5)
+    a, b = weights(whole.final_dir), weights(resumed.final_dir)
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_existing_run_is_not_overwritten_silently(workspace):
+    cfg = train_config.from_dict(config_dict(workspace, "twice", max_steps=1))
+    train(cfg)
+    from quantkit.errors import UsageError
+
+    with pytest.raises(UsageError, match="--resume latest"):
+        train(cfg)
+    train(cfg, overwrite=True)
+
+
+def test_resume_latest_continues_to_a_longer_run(workspace):
+    first = train(train_config.from_dict(config_dict(workspace, "longer", max_steps=2, save_interval=1)))
+    more = train(train_config.from_dict(config_dict(workspace, "longer", max_steps=4, save_interval=1)), resume="latest")
+    assert more.steps == 4 and [r["step"] for r in map(json.loads, (first.output_dir / "log.jsonl").read_text().splitlines())
+                                if "loss" in r][-2:] == [3, 4]
+
+
+def _cli_train(cfg_path: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID")}
+    return subprocess.run([sys.executable, "-m", "quantkit.cli.main", "train", str(cfg_path), "--quiet", *args],
+                          capture_output=True, text=True, timeout=600, env=env)
+
+
+def test_one_rank_equals_two_ranks(workspace):
+    """Same seed, same global batch (accumulation 2 x 1 rank vs 1 x 2 ranks, gloo): same curve, same weights."""
+    results = {}
+    for n in (1, 2):
+        cfg_path = workspace / f"ddp{n}.yaml"
+        cfg_path.write_text(yaml.safe_dump(config_dict(workspace, f"ddp{n}", max_steps=4)))
+        done = _cli_train(cfg_path, "--nproc-per-node", str(n))
+        assert done.returncode == 0, done.stderr[-2000:]
+        results[n] = workspace / f"ddp{n}"
+        info = json.loads((results[n] / "final" / "quantkit.json").read_text())
+        assert (info["world_size"], info["accumulation_steps"]) == (n, 2 // n)
+    assert losses(results[1]) == pytest.approx(losses(results[2]), rel=1e-4)
+    one, two = weights(results[1] / "final"), weights(results[2] / "final")
+    for name in one:
+        torch.testing.assert_close(one[name], two[name], atol=2e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("recipe", ["int8-dynamic-act-int4-weight", "int4-weight-only"])
+def test_qat_train_finalize_reload(workspace, recipe, tmp_path):
+    """The artifact's dequantized weights equal the fake-quantized weights the model trained with."""
+    from quantkit import qat
+    from quantkit.finalize import finalize
+    from quantkit.models import load_model
+    from quantkit.plan import plan_model
+
+    rec = registry.resolve(recipe)
+    result = train(train_config.from_dict({**config_dict(workspace, f"qat-{recipe}", max_steps=3), "qat_recipe": recipe}))
+    assert json.loads((result.final_dir / "quantkit.json").read_text())["qat"]["recipe"]["name"] == recipe
+
+    trained = load_model(result.final_dir, dtype="float32")  # float weights; prepare as in training
+    qat.prepare(trained, plan_model(trained, rec))
+    seen = qat.fake_quantized_weights(trained)
+
+    artifact = finalize(result.final_dir, tmp_path / "artifact", rec).dst
+    script = Path(__file__).with_name("reload_plain.py")
+    ids = tmp_path / "ids.safetensors"
+    from safetensors.torch import save_file
+
+    save_file({"input_ids": torch.randint(3, 300, (1, 16))}, ids)
+    subprocess.run([sys.executable, str(script), str(ids), str(tmp_path), str(artifact)], check=True)
+    reloaded = load_file(tmp_path / "artifact.safetensors")
+    assert seen
+    for name, weight in seen.items():
+        torch.testing.assert_close(reloaded[name], weight.float(), atol=0, rtol=0, msg=name)
+    info = json.loads((artifact / "quantkit.json").read_text())
+    assert info["source"]["qat_recipe"] == recipe
