@@ -87,7 +87,9 @@ def build_model(config: TrainConfig, source: Path | None) -> nn.Module:
     torch.manual_seed(config.train.seed)
     path = source or (Path(config.model.path) if config.model.path else None)
     if path is not None:
-        return models.load_model(models.check_model_dir(path), dtype="float32").train()
+        path = models.check_model_dir(path)
+        models.check_full_precision(path)  # QAT and other Linear transformations do not stack on a quantized model
+        return models.load_model(path, dtype="float32").train()
     params = dict(config.model.config)
     model_config = AutoConfig.for_model(params.pop("model_type"), **params)
     return AutoModelForCausalLM.from_config(model_config, dtype=torch.float32).train()

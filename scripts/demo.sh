@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The offline demo: build a tiny Llama, quantize it with several recipes, evaluate all side by side, gate on accuracy.
+# The offline demo: build a tiny Llama and its tokenizer, train it (plain and with QAT), quantize it with several
+# recipes (PTQ and the QAT convert step), evaluate everything side by side with an accuracy gate.
 # Run from the repository root after `make install` (or just `make demo`). Writes under demo/ (git-ignored).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -8,26 +9,32 @@ DATA_DIR="${QUANTKIT_DATA:-../shared/data}"
 OUT=demo
 rm -rf "$OUT" && mkdir -p "$OUT"
 
-# Local text: Tiny Shakespeare for the tokenizer, WikiText-2 test for evaluation; generated text when absent.
-if [ -f "$DATA_DIR/tinyshakespeare/input.txt" ]; then TRAIN_TEXT="$DATA_DIR/tinyshakespeare/input.txt"; else TRAIN_TEXT=""; fi
-if [ -f "$DATA_DIR/wikitext-2/test.txt" ]; then
-  head -c 200000 "$DATA_DIR/wikitext-2/test.txt" > "$OUT/eval.txt"
+# Local text: Tiny Shakespeare to train on, its last part to evaluate on; generated text when absent.
+if [ -f "$DATA_DIR/tinyshakespeare/input.txt" ]; then
+  head -c 900000 "$DATA_DIR/tinyshakespeare/input.txt" > "$OUT/train.txt"
+  tail -c 100000 "$DATA_DIR/tinyshakespeare/input.txt" > "$OUT/eval.txt"
 else
-  python -c "import sys; sys.path.insert(0, 'scripts'); from build_tiny_model import generated_text; print(generated_text(seed=1))" > "$OUT/eval.txt"
+  python -c "import sys; sys.path.insert(0, 'scripts'); from build_tiny_model import generated_text; print(generated_text(150000))" > "$OUT/train.txt"
+  python -c "import sys; sys.path.insert(0, 'scripts'); from build_tiny_model import generated_text; print(generated_text(15000, seed=1))" > "$OUT/eval.txt"
 fi
 
-echo "== build a tiny Llama (hidden 128, MLP 352: group size 128 does not divide it)"
-python scripts/build_tiny_model.py "$OUT/tiny-llama" ${TRAIN_TEXT:+--text "$TRAIN_TEXT"}
+echo "== a tokenizer (and an untrained model) built from the training text"
+python scripts/build_tiny_model.py "$OUT/tiny-llama" --text "$OUT/train.txt"
+
+echo "== train: plain, then with quantization-aware training for int8-dynamic-act-int4-weight"
+$QK train scripts/configs/tiny-llama.yaml
+$QK train scripts/configs/tiny-llama.yaml --qat-recipe int8-dynamic-act-int4-weight --output-dir "$OUT/runs/qat"
 
 echo "== recipes"
 $QK recipes list
 
-for recipe in int4-weight-only int8-dynamic-act-int8-weight float8-dynamic-act-float8-weight int8-dynamic-act-int4-weight; do
-  echo "== finalize $recipe"
-  $QK finalize "$OUT/tiny-llama" "$OUT/tiny-llama-$recipe" --quantize "$recipe"
+echo "== finalize: PTQ of the plain model, and the QAT convert step"
+for recipe in int8-dynamic-act-int4-weight int4-weight-only int8-dynamic-act-int8-weight float8-dynamic-act-float8-weight; do
+  $QK finalize "$OUT/runs/plain/final" "$OUT/ptq-$recipe" --quantize "$recipe"
 done
+$QK finalize "$OUT/runs/qat/final" "$OUT/qat-int8-dynamic-act-int4-weight" --quantize int8-dynamic-act-int4-weight
 
-echo "== eval: every artifact against the full-precision model, with an accuracy gate"
-$QK eval "$OUT/tiny-llama" "$OUT"/tiny-llama-*-* --data "$OUT/eval.txt" --seq-len 256 \
-  --baseline "$OUT/tiny-llama" --max-ppl-increase 25 --json "$OUT/eval.json"
-echo "== done: artifacts and eval.json under $OUT/"
+echo "== eval: every model against the full-precision one, with an accuracy gate"
+$QK eval "$OUT/runs/plain/final" "$OUT"/ptq-* "$OUT/qat-int8-dynamic-act-int4-weight" --data "$OUT/eval.txt" \
+  --seq-len 128 --baseline "$OUT/runs/plain/final" --max-ppl-increase 25 --json "$OUT/eval.json"
+echo "== done: models, artifacts and eval.json under $OUT/"
