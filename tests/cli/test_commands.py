@@ -164,3 +164,71 @@ def test_help_names_every_command():
     assert result.exit_code == 0
     for command in ("finalize", "eval", "recipes"):
         assert command in result.output
+
+
+# ---------------------------------------------------------------- train
+
+import quantkit.train  # noqa: E402
+from quantkit.cli import launch  # noqa: E402
+
+
+@pytest.fixture
+def train_yaml(tmp_path) -> Path:
+    path = tmp_path / "cfg.yaml"
+    path.write_text("model: {path: m}\ndata: {train: t.txt}\ntrain: {micro_batch_size: 2, global_batch_size: 4}\n")
+    return path
+
+
+@pytest.fixture
+def fake_train(monkeypatch):
+    calls = []
+
+    def fake(config, **kwargs):
+        calls.append(SimpleNamespace(config=config, **kwargs))
+        return SimpleNamespace(steps=3, seconds=1.0, final_loss=2.0, eval_perplexity=None,
+                               final_dir=Path("o/final"), output_dir=Path("o"))
+
+    monkeypatch.setattr(quantkit.train, "train", fake)
+    return calls
+
+
+def test_train_passes_the_resolved_config(fake_train, train_yaml):
+    result = invoke("train", str(train_yaml), "--qat-recipe", "int4-weight-only", "--set", "train.lr=1e-4",
+                    "--max-steps", "7", "--output-dir", "runs/x", "--resume", "latest")
+    assert result.exit_code == 0, result.output
+    (call,) = fake_train
+    cfg = call.config
+    assert (cfg.qat_recipe, cfg.train.lr, cfg.train.max_steps, cfg.output_dir) == ("int4-weight-only", 1e-4, 7, "runs/x")
+    assert call.resume == "latest" and call.overwrite is False
+
+
+def test_train_checks_recipe_and_config_before_anything(fake_train, train_yaml, tmp_path):
+    assert invoke("train", str(train_yaml), "--qat-recipe", "int4-weight-onyl").exit_code == 2
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: {path: m}\ndata: {train: t.txt}\ntrain: {schedule: linear}\n")
+    result = invoke("train", str(bad))
+    assert result.exit_code == 2 and "train.schedule" in result.output
+    assert not fake_train
+
+
+def test_train_relaunches_itself_under_torchrun(fake_train, train_yaml, monkeypatch):
+    seen = {}
+
+    def fake_run(cmd, env):
+        seen.update(cmd=cmd, env=env)
+        return SimpleNamespace(returncode=0)
+
+    monkeypatch.setattr(launch.subprocess, "run", fake_run)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    result = invoke("train", str(train_yaml), "--nproc-per-node", "2")
+    assert result.exit_code == 0, result.output
+    assert seen["cmd"][1:6] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m"]
+    assert seen["cmd"][6] == "quantkit.cli.main" and int(seen["env"]["OMP_NUM_THREADS"]) >= 1
+    assert not fake_train  # the parent only launches
+
+
+def test_train_under_torchrun_does_not_relaunch(fake_train, train_yaml, monkeypatch):
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert invoke("train", str(train_yaml), "--nproc-per-node", "2").exit_code == 0
+    assert len(fake_train) == 1
