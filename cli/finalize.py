@@ -9,7 +9,20 @@ import typer
 
 from quantkit import registry
 from quantkit.cli.console import human_bytes, out, quiet_libraries
-from quantkit.cli.options import DtypeChoice, DtypeOpt, FormatOpt, ModelDirArg, QuantizeOpt, QuietOpt, ThreadsOpt, TrustRemoteCodeOpt
+from quantkit.cli.options import (
+    CalibDataOpt,
+    DeviceOpt,
+    DtypeChoice,
+    DtypeOpt,
+    FormatOpt,
+    ModelDirArg,
+    NumSamplesOpt,
+    QuantizeOpt,
+    QuietOpt,
+    SeqLenOpt,
+    ThreadsOpt,
+    TrustRemoteCodeOpt,
+)
 
 
 def finalize(
@@ -17,6 +30,10 @@ def finalize(
     dst: Annotated[Path, typer.Argument(help="Output directory (written atomically; refused if it exists).")],
     quantize: QuantizeOpt,
     format: FormatOpt = None,
+    calib_data: CalibDataOpt = None,
+    num_samples: NumSamplesOpt = None,
+    seq_len: SeqLenOpt = None,
+    device: DeviceOpt = "cpu",
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace DST if it exists.")] = False,
     dtype: DtypeOpt = DtypeChoice.auto,
     threads: ThreadsOpt = None,
@@ -36,8 +53,11 @@ def finalize(
       quantkit finalize ./my-model ./my-model-fp8 -q float8-dynamic-act-float8-weight --format compressed-tensors
 
       quantkit finalize ./my-model ./out -q ./my-recipe.yaml --overwrite
+
+      quantkit finalize ./my-model ./my-model-gptq -q gptq-w4a16 --calib-data train.txt --num-samples 128 --seq-len 512
     """
     quiet_libraries()
+    from quantkit.finalize import CalibrationOptions
     from quantkit.finalize import finalize as run
     from quantkit.progress import Progress
 
@@ -46,6 +66,7 @@ def finalize(
     result = run(
         src, dst, recipe, fmt, overwrite=overwrite, dtype=dtype.value, threads=threads,
         trust_remote_code=trust_remote_code, force_recipe=force_recipe, progress=Progress(enabled=not quiet),
+        calibration=CalibrationOptions(data=calib_data, num_samples=num_samples, seq_len=seq_len, device=device),
     )
     if not quiet:
         print_summary(result)

@@ -39,3 +39,12 @@ ModelDirArg = Annotated[Path, typer.Argument(help="A Hugging Face causal-LM dire
 NprocOpt = Annotated[
     int, typer.Option("--nproc-per-node", min=1, help="Processes on this machine; N > 1 re-runs the command under torchrun.")
 ]
+CalibDataOpt = Annotated[
+    Optional[str],
+    typer.Option("--calib-data", help="Calibration text for calibrated recipes (gptq, smoothquant, static scales): a file or a datasets spec."),
+]
+NumSamplesOpt = Annotated[Optional[int], typer.Option("--num-samples", min=1, help="Calibration samples; default: the recipe's.")]
+SeqLenOpt = Annotated[Optional[int], typer.Option("--seq-len", min=2, help="Tokens per calibration sample; default: the recipe's.")]
+DeviceOpt = Annotated[
+    str, typer.Option("--device", help="Compute device for calibration (cpu, cuda, cuda:1): the model stays in CPU memory, one layer at a time moves there.")
+]

@@ -28,8 +28,9 @@ def list_recipes() -> None:
         table.add_column(column)
     for recipe in recipes:
         scheme = recipe.scheme
-        acts = f"{scheme.activations.describe()} (dynamic)" if scheme.activations else "16-bit"
-        table.add_row(recipe.name, scheme.weights.describe(), acts, recipe.algorithm.value, recipe.format.value)
+        acts = scheme.activations
+        acts = f"{acts.describe()} ({'dynamic' if acts.dynamic else 'static'})" if acts else "16-bit"
+        table.add_row(recipe.name, scheme.weights.describe(), acts, recipe.describe_algorithm(), recipe.format.value)
     out.print(table)
 
 

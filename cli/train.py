@@ -51,7 +51,9 @@ def train(
     overrides += [f"qat_recipe={qat_recipe}"] if qat_recipe else []
     cfg = train_config.load(config, overrides)  # validated before launching any process
     if cfg.qat_recipe:
-        registry.resolve(cfg.qat_recipe)
+        from quantkit import qat
+
+        qat.check_recipe(registry.resolve(cfg.qat_recipe))
     from quantkit.cli.launch import relaunch
 
     code = relaunch(nproc_per_node, threads)

@@ -28,6 +28,18 @@ class FinalizeResult:
     threads: int
 
 
+@dataclass(frozen=True)
+class CalibrationOptions:
+    """Where calibration samples come from; None fields take the recipe's `calibration` defaults."""
+
+    data: str | None = None
+    num_samples: int | None = None
+    seq_len: int | None = None
+    seed: int = 0
+    batch_size: int = 8
+    device: str = "cpu"
+
+
 @dataclass
 class Prepared:
     src: Path
@@ -65,14 +77,47 @@ def prepare(
     return Prepared(src=src, format=fmt, plan=plan)
 
 
+def calibration_samples(src: Path, recipe: Recipe, options: CalibrationOptions, trust_remote_code: bool = False):
+    """Token blocks [num_samples, seq_len], taken deterministically from the calibration data."""
+    from quantkit import data
+    from quantkit.evaluate import load_tokenizer
+
+    check_calibration_data(recipe, options)
+    spec = options.data or recipe.calibration.dataset
+    num_samples = options.num_samples or recipe.calibration.num_samples
+    seq_len = options.seq_len or recipe.calibration.seq_len
+    ids = data.tokenize(load_tokenizer(src, trust_remote_code), data.load_texts(spec))
+    return data.sample_blocks(ids, num_samples, seq_len, seed=options.seed)
+
+
+def check_calibration_data(recipe: Recipe, options: CalibrationOptions | None) -> None:
+    if not ((options and options.data) or recipe.calibration.dataset):
+        raise UsageError(f"recipe '{recipe.name}' calibrates on data: pass --calib-data FILE (a .txt/.jsonl/.parquet file or a datasets spec)")
+
+
 def quantize_model(
-    prepared: Prepared, recipe: Recipe, dtype: str = "auto", trust_remote_code: bool = False, progress: Progress = QUIET
+    prepared: Prepared, recipe: Recipe, dtype: str = "auto", trust_remote_code: bool = False, progress: Progress = QUIET,
+    calibration: CalibrationOptions | None = None,
 ) -> nn.Module:
     """The quantized model in memory, exactly as the artifact will compute."""
+    calibrate = None
+    if recipe.needs_calibration:
+        import torch
+
+        from quantkit.calibration import calibrate as pipeline
+
+        options = calibration or CalibrationOptions()
+        samples = calibration_samples(prepared.src, recipe, options, trust_remote_code)
+        device = torch.device(options.device)
+
+        def calibrate(model):
+            return pipeline(model, prepared.plan, recipe, samples, device, options.batch_size, progress)
+
     todo = sum(entry.quantized for entry in prepared.plan)
     with progress.task(f"Quantizing ({recipe.name}, {prepared.format.value})", total=todo) as advance:
         model = exporter(prepared.format).quantize(
-            prepared.src, prepared.plan, recipe, dtype, trust_remote_code, on_module=lambda name: advance()
+            prepared.src, prepared.plan, recipe, dtype, trust_remote_code, on_module=lambda name: advance(),
+            calibrate=calibrate,
         )
     return model
 
@@ -87,6 +132,7 @@ def finalize(
     threads: int | None = None,
     trust_remote_code: bool = False,
     force_recipe: bool = False,
+    calibration: CalibrationOptions | None = None,
     progress: Progress = QUIET,
 ) -> FinalizeResult:
     start = time.perf_counter()
@@ -94,7 +140,9 @@ def finalize(
     atomic.check_destination(dst, overwrite)
     prepared = prepare(src, recipe, fmt, trust_remote_code, force_recipe)
     used_threads = runtime.set_threads(threads)
-    model = quantize_model(prepared, recipe, dtype, trust_remote_code, progress)
+    if recipe.needs_calibration:
+        check_calibration_data(recipe, calibration)
+    model = quantize_model(prepared, recipe, dtype, trust_remote_code, progress, calibration)
     with atomic.atomic_directory(dst, overwrite) as tmp:
         with progress.task(f"Writing {dst}", total=None):
             exporter(prepared.format).save(model, tmp)

@@ -41,6 +41,8 @@ from torchao.quantization.qat.fake_quantizer import FakeQuantizerBase
 from torchao.quantization.quant_primitives import MappingType
 
 from quantkit import qparams
+from quantkit.errors import UsageError
+from quantkit.registry import Recipe, recipe_names, resolve
 from quantkit.plan import ModulePlan
 from quantkit.schemes import ActivationSpec, Granularity, QDtype, QuantScheme, ScaleDtype, WeightSpec
 
@@ -81,12 +83,23 @@ def weight_fake_quantize_config(spec: WeightSpec) -> FakeQuantizeConfigBase:
 def activation_fake_quantize_config(spec: ActivationSpec | None) -> FakeQuantizeConfigBase | None:
     if spec is None:
         return None
+    if not spec.dynamic:
+        raise ValueError("QAT fake-quantizes dynamic activations only; static scales come from calibration")
     if spec.dtype.is_float:  # Float8DynamicActivationFloat8WeightConfig(PerRow()): no activation bounds
         return Float8FakeQuantizeConfig(torch.float8_e4m3fn, PerRow())
     if spec.symmetric:
         return Int8TokenFakeQuantizeConfig()
     # as IntxUnpackedToInt8Tensor's runtime: scale in the activation's dtype, torchao's default eps
     return IntxFakeQuantizeConfig(torch.int8, PerToken(), MappingType.ASYMMETRIC, scale_precision=None)
+
+
+def check_recipe(recipe: Recipe) -> None:
+    """QAT recipes round to nearest with dynamic activations: what training sees is what `finalize` writes.
+    A calibrated recipe (GPTQ, SmoothQuant, static scales) would change the weights after training."""
+    if recipe.needs_calibration:
+        usable = [n for n in recipe_names() if not resolve(n).needs_calibration]
+        raise UsageError(f"--qat-recipe {recipe.name}: QAT takes round-to-nearest recipes with dynamic activations "
+                         f"({', '.join(usable)})")
 
 
 def fake_quantize_configs(scheme: QuantScheme) -> tuple[FakeQuantizeConfigBase | None, FakeQuantizeConfigBase]:

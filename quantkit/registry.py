@@ -28,7 +28,28 @@ class Format(str, Enum):
 
 
 class Algorithm(str, Enum):
-    RTN = "rtn"
+    RTN = "rtn"  # round-to-nearest: no calibration data
+    GPTQ = "gptq"  # Hessian-aware rounding: calibration data
+    SMOOTHQUANT = "smoothquant"  # a transform before the quantizer: migrates activation outliers into weights
+
+    @property
+    def is_quantizer(self) -> bool:
+        return self in (Algorithm.RTN, Algorithm.GPTQ)
+
+
+# The arguments each algorithm takes, with their types: recipes are checked against this table without
+# importing torch; a unit test checks it against the registered functions' keyword parameters.
+ALGORITHM_ARGS: dict[Algorithm, dict[str, type]] = {
+    Algorithm.RTN: {},
+    Algorithm.GPTQ: {"block_size": int, "dampening_frac": float, "actorder": bool},
+    Algorithm.SMOOTHQUANT: {"alpha": float},
+}
+
+
+@dataclass(frozen=True)
+class AlgorithmStep:
+    name: Algorithm
+    args: dict[str, Any] = field(default_factory=dict)
 
 
 class IndivisiblePolicy(str, Enum):
@@ -59,12 +80,29 @@ class Recipe:
     description: str
     scheme: QuantScheme
     format: Format
-    algorithm: Algorithm = Algorithm.RTN
+    steps: tuple[AlgorithmStep, ...] = (AlgorithmStep(Algorithm.RTN),)
     calibration: Calibration = field(default_factory=Calibration)
     ignore: tuple[str, ...] = ("lm_head",)
     on_indivisible: IndivisiblePolicy = IndivisiblePolicy.SMALLER_GROUP
     requires: dict[Format, Requirement] = field(default_factory=dict)
     source: str = ""
+
+    @property
+    def quantizer(self) -> AlgorithmStep:
+        """The last step: the algorithm that rounds the weights (rtn or gptq)."""
+        return self.steps[-1]
+
+    @property
+    def transforms(self) -> tuple[AlgorithmStep, ...]:
+        return self.steps[:-1]
+
+    @property
+    def needs_calibration(self) -> bool:
+        static_acts = self.scheme.activations is not None and not self.scheme.activations.dynamic
+        return static_acts or any(step.name is not Algorithm.RTN for step in self.steps)
+
+    def describe_algorithm(self) -> str:
+        return " + ".join(step.name.value for step in self.steps)
 
     def requirement(self, fmt: Format) -> Requirement:
         return self.requires.get(fmt, Requirement())
@@ -151,13 +189,12 @@ def parse_recipe(name: str, data: dict[str, Any], source: str = "") -> Recipe:
     if unknown:
         raise SchemeError(sorted(unknown)[0], f"unknown key; allowed keys are {sorted(_TOP_KEYS)}")
     scheme = _parse_scheme(_mapping(data, "scheme", required=True))
-    algorithm = _mapping(data, "algorithm") or {"name": "rtn"}
     return Recipe(
         name=name,
         description=str(data.get("description", "")),
         scheme=scheme,
         format=_enum(data.get("format"), Format, "format", required=True),
-        algorithm=_enum(algorithm.get("name"), Algorithm, "algorithm.name", required=True),
+        steps=_parse_steps(data.get("algorithm", {"name": "rtn"})),
         calibration=_parse_calibration(_mapping(data, "calibration") or {}),
         ignore=tuple(_str_list(data.get("ignore", ["lm_head"]), "ignore")),
         on_indivisible=_enum(data.get("on_indivisible", "smaller-group"), IndivisiblePolicy, "on_indivisible"),
@@ -186,19 +223,52 @@ def _build_scheme(data: dict[str, Any]) -> QuantScheme:
     a = _mapping(data, "activations", where="scheme.")
     activations = None
     if a:
+        dynamic = _bool(a.get("dynamic", True), "scheme.activations.dynamic")
         activations = ActivationSpec(
             dtype=_enum(a.get("dtype"), QDtype, "scheme.activations.dtype", required=True),
-            granularity=_enum(a.get("granularity", "token"), Granularity, "scheme.activations.granularity"),
+            granularity=_enum(a.get("granularity", "token" if dynamic else "tensor"), Granularity, "scheme.activations.granularity"),
             symmetric=_bool(a.get("symmetric", True), "scheme.activations.symmetric"),
-            dynamic=_bool(a.get("dynamic", True), "scheme.activations.dynamic"),
+            dynamic=dynamic,
         )
     return QuantScheme(weights=weights, activations=activations)
 
 
+def _parse_steps(value: Any) -> tuple[AlgorithmStep, ...]:
+    """`{name: gptq, block_size: 128}` or a list of such: transforms first, then one quantizer (rtn or gptq)."""
+    items = value if isinstance(value, list) else [value]
+    steps = tuple(_parse_step(item, f"algorithm[{i}]" if isinstance(value, list) else "algorithm") for i, item in enumerate(items))
+    if not steps or not steps[-1].name.is_quantizer:
+        raise SchemeError("algorithm", "the last step must be a quantizer: rtn or gptq (e.g. [{name: smoothquant}, {name: gptq}])")
+    if any(step.name.is_quantizer for step in steps[:-1]):
+        raise SchemeError("algorithm", "only the last step may be a quantizer (rtn or gptq); transforms such as smoothquant come first")
+    return steps
+
+
+def _parse_step(item: Any, where: str) -> AlgorithmStep:
+    if not isinstance(item, dict):
+        raise SchemeError(where, "must be a mapping such as {name: gptq}")
+    args = dict(item)
+    name = _enum(args.pop("name", None), Algorithm, f"{where}.name", required=True)
+    allowed = ALGORITHM_ARGS[name]
+    for key, value in args.items():
+        if key not in allowed:
+            choices = ", ".join(sorted(allowed)) or "none"
+            raise SchemeError(f"{where}.{key}", f"unknown argument for {name.value}; allowed: {choices}")
+        kind = allowed[key]
+        ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool)) or (kind is float and isinstance(value, int) and not isinstance(value, bool))
+        if not ok:
+            raise SchemeError(f"{where}.{key}", f"{value!r} is not allowed; expected {kind.__name__}")
+        args[key] = float(value) if kind is float else value
+    return AlgorithmStep(name=name, args=args)
+
+
 def _parse_calibration(data: dict[str, Any]) -> Calibration:
-    allowed = {"num_samples", "seq_len", "dataset"}
-    if set(data) - allowed:
-        raise SchemeError(f"calibration.{sorted(set(data) - allowed)[0]}", f"unknown key; allowed keys are {sorted(allowed)}")
+    allowed = {"num_samples": int, "seq_len": int, "dataset": str}
+    for key, value in data.items():
+        if key not in allowed:
+            raise SchemeError(f"calibration.{key}", f"unknown key; allowed keys are {sorted(allowed)}")
+        if value is not None and (not isinstance(value, allowed[key]) or isinstance(value, bool)):
+            raise SchemeError(f"calibration.{key}", f"{value!r} is not allowed; expected {allowed[key].__name__}")
     return Calibration(**data)
 
 

@@ -32,7 +32,8 @@ class QDtype(str, Enum):
 class Granularity(str, Enum):
     GROUP = "group"  # weights: one scale per `group_size` input columns of each output row
     CHANNEL = "channel"  # weights: one scale per output row
-    TOKEN = "token"  # activations: one scale per token, computed at run time
+    TOKEN = "token"  # dynamic activations: one scale per token, computed at run time
+    TENSOR = "tensor"  # static activations: one scale per tensor, from calibration
 
 
 class ScaleDtype(str, Enum):
@@ -60,8 +61,8 @@ class WeightSpec:
     scale_dtype: ScaleDtype = ScaleDtype.MODEL
 
     def __post_init__(self) -> None:
-        if self.granularity is Granularity.TOKEN:
-            raise SchemeError("weights.granularity", "weights are quantized per 'group' or per 'channel', not per 'token'")
+        if self.granularity in (Granularity.TOKEN, Granularity.TENSOR):
+            raise SchemeError("weights.granularity", "weights are quantized per 'group' or per 'channel'")
         if self.granularity is Granularity.GROUP:
             if not isinstance(self.group_size, int) or self.group_size < 2:
                 raise SchemeError("weights.group_size", "granularity 'group' needs an integer group_size >= 2 (e.g. 128)")
@@ -81,7 +82,8 @@ class WeightSpec:
 
 @dataclass(frozen=True)
 class ActivationSpec:
-    """How activations are quantized at run time (dynamic, per token)."""
+    """How activations are quantized: dynamic (a scale per token, computed at run time), or static (one
+    symmetric scale per tensor, measured on calibration data; `granularity: tensor`)."""
 
     dtype: QDtype
     granularity: Granularity = Granularity.TOKEN
@@ -91,15 +93,16 @@ class ActivationSpec:
     def __post_init__(self) -> None:
         if self.dtype is QDtype.INT4:
             raise SchemeError("activations.dtype", "activations are int8 or float8_e4m3fn")
-        if self.granularity is not Granularity.TOKEN:
-            raise SchemeError("activations.granularity", "activations are quantized per 'token'")
-        if not self.dynamic:
-            raise SchemeError("activations.dynamic", "static activation scales need a calibrated algorithm; use dynamic: true")
+        expected = Granularity.TOKEN if self.dynamic else Granularity.TENSOR
+        if self.granularity is not expected:
+            raise SchemeError("activations.granularity", f"{'dynamic' if self.dynamic else 'static'} activations are quantized per '{expected.value}'")
+        if not self.dynamic and not self.symmetric:
+            raise SchemeError("activations.symmetric", "static activation scales are symmetric (per tensor)")
         if self.dtype.is_float and not self.symmetric:
             raise SchemeError("activations.symmetric", "float8 activations are symmetric")
 
     def describe(self) -> str:
-        return f"{_short(self.dtype)} token{'' if self.symmetric else ' asym'}"
+        return f"{_short(self.dtype)} {self.granularity.value}{'' if self.symmetric else ' asym'}"
 
 
 @dataclass(frozen=True)
@@ -111,7 +114,8 @@ class QuantScheme:
         return replace(self, weights=replace(self.weights, group_size=group_size))
 
     def describe(self) -> str:
-        acts = f"dynamic {self.activations.describe()}" if self.activations else "16-bit"
+        kind = "dynamic" if self.activations and self.activations.dynamic else "static"
+        acts = f"{kind} {self.activations.describe()}" if self.activations else "16-bit"
         return f"weights {self.weights.describe()}, activations {acts}"
 
 

@@ -32,15 +32,22 @@ def train_tokenizer(text: str, vocab_size: int):
 
 
 def build_tiny_llama(out_dir: str | Path, text: str, seed: int = 0, dtype: str = "float32", **overrides: Any) -> Path:
+    return build_tiny_model(out_dir, text, "llama", seed, dtype, **overrides)
+
+
+def build_tiny_model(
+    out_dir: str | Path, text: str, model_type: str = "llama", seed: int = 0, dtype: str = "float32", **overrides: Any
+) -> Path:
+    """A tiny causal LM of `model_type` (llama, qwen2, mistral, ...) from a config, random weights."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     params = {**TINY_LLAMA, **overrides}
     tokenizer = train_tokenizer(text, params["vocab_size"])
     params["vocab_size"] = len(tokenizer)
     torch.manual_seed(seed)
-    config = LlamaConfig(**params, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
-    model = LlamaForCausalLM(config).to(getattr(torch, dtype))
+    config = AutoConfig.for_model(model_type, **params, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    model = AutoModelForCausalLM.from_config(config).to(getattr(torch, dtype))
     out_dir = Path(out_dir)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)

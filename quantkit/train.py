@@ -21,7 +21,7 @@ from torch import nn
 from quantkit import checkpoint, data, distributed, models, runtime
 from quantkit.distributed import Context
 from quantkit.errors import UsageError
-from quantkit.export import metadata
+from quantkit.export import atomic, metadata
 from quantkit.progress import QUIET, Progress
 from quantkit.registry import Recipe
 from quantkit.train_config import TrainConfig, accumulation_steps
@@ -206,16 +206,10 @@ def save_checkpoint(run: Run, step: int) -> None:
 def save_final(run: Run, step: int) -> Path:
     final = Path(run.config.output_dir) / "final"
     if run.ctx.is_main:
-        with atomic_final(final) as tmp:
+        with atomic.atomic_directory(final, overwrite=True) as tmp:
             checkpoint.save_model_dir(run.model, run.tokenizer, tmp, model_info(run, step) | {"kind": "trained-model"})
     distributed.barrier(run.ctx)
     return final
-
-
-def atomic_final(final: Path):
-    from quantkit.export import atomic
-
-    return atomic.atomic_directory(final, overwrite=True)
 
 
 class Logger:
@@ -269,7 +263,11 @@ def train(config: TrainConfig, resume: str | None = None, overwrite: bool = Fals
           progress: Progress = QUIET) -> TrainResult:
     from quantkit import registry
 
+    from quantkit import qat
+
     recipe = registry.resolve(config.qat_recipe) if config.qat_recipe else None
+    if recipe is not None:
+        qat.check_recipe(recipe)
     began = time.perf_counter()
     root = Path(config.output_dir)
     with distributed.process_group() as ctx:

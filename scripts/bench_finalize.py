@@ -152,7 +152,7 @@ def jobs(formats: str) -> list[tuple[str, str]]:
         recipe = resolve(name)
         candidates = list(Format) if formats == "all" else [recipe.format]
         for fmt in candidates:
-            if missing_requirement(recipe, fmt) is None and exporter(fmt).unsupported(recipe.scheme) is None:
+            if missing_requirement(recipe, fmt) is None and exporter(fmt).unsupported(recipe) is None:
                 pairs.append((name, fmt.value))
     return pairs
 

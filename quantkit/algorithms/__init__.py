@@ -7,6 +7,7 @@ from typing import Callable
 
 from quantkit.registry import Algorithm
 
+
 _ALGORITHMS: dict[Algorithm, Callable] = {}
 
 
@@ -24,4 +25,6 @@ def get_algorithm(name: Algorithm) -> Callable:
     return _ALGORITHMS[name]
 
 
-from quantkit.algorithms import rtn  # noqa: E402,F401  (registers)
+from quantkit.algorithms import gptq, rtn  # noqa: E402,F401  (rtn registers itself)
+
+register(Algorithm.GPTQ)(gptq.gptq_quantize)

@@ -19,9 +19,9 @@ def exporter(fmt: Format) -> ModuleType:
 
 def check_supported(recipe: Recipe, fmt: Format) -> None:
     """Refuse (before loading anything) a scheme the format cannot express, naming the format that can."""
-    reason = exporter(fmt).unsupported(recipe.scheme)
+    reason = exporter(fmt).unsupported(recipe)
     if reason is None:  # the other formats' exporters (and their imports) are only needed for the hint
         return
-    others = [f.value for f in Format if f is not fmt and exporter(f).unsupported(recipe.scheme) is None]
+    others = [f.value for f in Format if f is not fmt and exporter(f).unsupported(recipe) is None]
     hint = f"; use --format {others[0]}" if others else ""
     raise FormatError(f"recipe '{recipe.name}' cannot be written as {fmt.value}: {reason}{hint}")

@@ -24,13 +24,15 @@ from torch import nn
 
 from quantkit import models
 from quantkit.algorithms import get_algorithm
+from quantkit.calibration import CalibrationResult
 from quantkit.plan import ModulePlan
 from quantkit.qparams import QuantizedWeight
 from quantkit.registry import Recipe
 from quantkit.schemes import ActivationSpec, Granularity, QuantScheme, WeightSpec
 
 
-def unsupported(scheme: QuantScheme) -> str | None:
+def unsupported(recipe: Recipe) -> str | None:
+    scheme = recipe.scheme
     if scheme.weights.is_asymmetric and compression_format(scheme) == "pack-quantized":
         return "asymmetric pack-quantized weights do not load in transformers (packed zero-point shape mismatch)"
     return None
@@ -55,7 +57,7 @@ def _activation_args(spec: ActivationSpec | None) -> QuantizationArgs | None:
         return None
     return QuantizationArgs(
         num_bits=8, type="float" if spec.dtype.is_float else "int", symmetric=spec.symmetric,
-        strategy="token", dynamic=True,
+        strategy="token" if spec.dynamic else "tensor", dynamic=spec.dynamic,
     )
 
 
@@ -99,13 +101,33 @@ def freeze(model: nn.Module) -> None:
             module.quantization_status = QuantizationStatus.FROZEN
 
 
+def set_input_scale(module: nn.Module, scale: torch.Tensor) -> None:
+    """A static activation scale measured on calibration data."""
+    module.input_scale.data = scale.reshape(module.input_scale.shape).to(module.input_scale.dtype)
+
+
 def quantize(
     src: Path, plan: list[ModulePlan], recipe: Recipe, dtype: str = "auto", trust_remote_code: bool = False,
-    on_module: Callable[[str], None] | None = None,
+    on_module: Callable[[str], None] | None = None, calibrate: Callable[[nn.Module], CalibrationResult] | None = None,
 ) -> nn.Module:
-    """Load, then quantize module by module (each module's qparams are installed at once: no second copy)."""
+    """Load, then quantize: calibrated (`calibrate(model)` runs the layer-by-layer pipeline) or round-to-nearest
+    module by module (each module's qparams are installed at once: no second copy of the weights)."""
     model = models.load_model(src, dtype, trust_remote_code)
-    algorithm = get_algorithm(recipe.algorithm)
+    if calibrate is not None:
+        result = calibrate(model)
+        install(model, plan, recipe)
+        for name, qweight in result.qweights.items():
+            set_qparams(model.get_submodule(name), qweight)
+        for name, scale in result.input_scales.items():
+            set_input_scale(model.get_submodule(name), scale)
+    else:
+        _round_to_nearest(model, plan, recipe, on_module)
+    freeze(model)
+    return model
+
+
+def _round_to_nearest(model: nn.Module, plan: list[ModulePlan], recipe: Recipe, on_module) -> None:
+    algorithm = get_algorithm(recipe.quantizer.name)
     install(model, plan, recipe)
     with torch.no_grad():
         for entry in plan:
@@ -114,8 +136,6 @@ def quantize(
                 set_qparams(module, algorithm(module.weight.data, entry.scheme.weights))
                 if on_module:
                     on_module(entry.name)
-    freeze(model)
-    return model
 
 
 def save(model: nn.Module, out_dir: Path) -> None:

@@ -17,9 +17,11 @@ from quantkit.registry import Recipe
 from quantkit.schemes import Granularity, QDtype, QuantScheme, ScaleDtype
 
 
-def unsupported(scheme: QuantScheme) -> str | None:
+def unsupported(recipe: Recipe) -> str | None:
+    if recipe.needs_calibration:
+        return "the torchao format takes round-to-nearest recipes with dynamic activations (it quantizes while loading)"
     try:
-        torchao_config(scheme)
+        torchao_config(recipe.scheme)
     except ValueError as exc:
         return str(exc)
     return None
@@ -77,9 +79,10 @@ def transformers_config(plan: list[ModulePlan]):
 
 def quantize(
     src: Path, plan: list[ModulePlan], recipe: Recipe, dtype: str = "auto", trust_remote_code: bool = False,
-    on_module: Callable[[str], None] | None = None,
+    on_module: Callable[[str], None] | None = None, calibrate: None = None,
 ) -> nn.Module:
-    """torchao quantizes while transformers loads, so there is no per-module callback (`on_module` unused)."""
+    """torchao quantizes while transformers loads, so there is no per-module callback (`on_module` unused)
+    and no calibration (`unsupported` refuses calibrated recipes before this runs)."""
     return models.load_model(src, dtype, trust_remote_code, quantization_config=transformers_config(plan))
 
 

@@ -14,7 +14,7 @@ from quantkit.qparams import fake_quantize_weight
 from quantkit.schemes import Granularity, QDtype, QuantScheme, ScaleDtype, WeightSpec
 
 DTYPES = [torch.float32, torch.bfloat16]
-RECIPES = registry.recipe_names()
+RECIPES = [name for name in registry.recipe_names() if not registry.resolve(name).needs_calibration]
 INT_RECIPES = [name for name in RECIPES if not name.startswith("float8")]
 EXACT = dict(atol=0, rtol=0)
 
@@ -254,3 +254,12 @@ def test_stripped_saves_a_plain_checkpoint_and_keeps_parameter_identity(tiny_mod
     reloaded = _load(tmp_path)
     assert all(type(m) is nn.Linear for m in reloaded.modules() if isinstance(m, nn.Linear))
     torch.testing.assert_close(reloaded.model.layers[0].self_attn.q_proj.weight, before, **EXACT)
+
+
+def test_calibrated_recipes_are_refused_for_qat():
+    from quantkit.errors import UsageError
+
+    for name in ("gptq-w4a16", "fp8-static", "smoothquant-w8a8"):
+        with pytest.raises(UsageError, match="round-to-nearest"):
+            qat.check_recipe(registry.resolve(name))
+    qat.check_recipe(registry.resolve("int4-weight-only"))

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from quantkit import registry
+from quantkit.export import torchao as torchao_exporter
 from quantkit.export.torchao import torchao_config
 from quantkit.qparams import QuantizedWeight, fake_quantize_weight, quantize_weight, quantize_with
 from quantkit.schemes import Granularity, QDtype, WeightSpec
@@ -16,8 +17,12 @@ def _weight(dtype, out=48, inp=256, seed=0):
     return (torch.randn(out, inp, generator=generator) * 0.05).to(dtype)
 
 
+TORCHAO_RTN = [n for n in registry.recipe_names() if torchao_exporter.unsupported(registry.resolve(n)) is None
+               and not registry.resolve(n).scheme.weights.dtype.is_float]
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("name", [n for n in registry.recipe_names() if not n.startswith("float8")])
+@pytest.mark.parametrize("name", TORCHAO_RTN)
 def test_integer_grids_equal_torchao_configs(name, dtype):
     from torchao.quantization import quantize_
 

@@ -69,8 +69,16 @@ def test_missing_recipe_file_is_not_parsed_as_a_name(tmp_path):
         ("scheme: {weights: {dtype: int4, granularity: channel}}\nformat: torchao\nalgorithm: {name: magic}", "algorithm.name"),
         ("scheme: {weights: {dtype: int4, granularity: channel}}\nformat: torchao\nbogus: 1", "bogus"),
         ("format: torchao", "scheme"),
-        ("scheme: {weights: {dtype: int8, granularity: channel}, activations: {dtype: int8, dynamic: false}}\nformat: torchao",
-         "scheme.activations.dynamic"),
+        ("scheme: {weights: {dtype: int8, granularity: channel}, activations: {dtype: int8, dynamic: false, symmetric: false}}"
+         "\nformat: torchao", "scheme.activations.symmetric"),
+        ("scheme: {weights: {dtype: int8, granularity: channel}}\nformat: torchao\nalgorithm: {name: gptq, blocksize: 64}",
+         "algorithm.blocksize"),
+        ("scheme: {weights: {dtype: int8, granularity: channel}}\nformat: torchao\nalgorithm: {name: gptq, actorder: 1}",
+         "algorithm.actorder"),
+        ("scheme: {weights: {dtype: int8, granularity: channel}}\nformat: torchao\nalgorithm: [{name: gptq}, {name: smoothquant}]",
+         "algorithm"),
+        ("scheme: {weights: {dtype: int8, granularity: channel}}\nformat: torchao\ncalibration: {num_samples: many}",
+         "calibration.num_samples"),
         ("scheme: {weights: {dtype: int4, granularity: channel, symmetric: maybe}}\nformat: torchao", "scheme.weights.symmetric"),
     ],
 )

@@ -1,0 +1,187 @@
+"""GPTQ (Frantar et al., 2022): round a Linear's weight column by column, pushing each column's rounding
+error onto the columns not yet rounded, weighted by the inverse Hessian of the layer's inputs.
+
+Calibration gives H = 2/n * sum_x x x^T over the n token rows x the Linear saw. Three steps:
+
+1. `make_empty_hessian`, `accumulate_hessian` (per batch), `finalize_hessian`. The running statistic is an
+   un-normalised float32 SUM of x x^T plus a token count. Across ranks, reduce BOTH with SUM (all_reduce or
+   reduce to the owner rank of the layer), then call `finalize_hessian` once. One rank and N ranks thus give the
+   same Hessian up to float summation order.
+2. `gptq_quantize(weight, hessian, spec)`: dead inputs (H_ii == 0) get H_ii = 1 and a zero weight column;
+   H += dampening_frac * mean(diag H) * I (retried with x10 damping if Cholesky fails, then
+   `GPTQDampingError`); U = upper Cholesky factor of H^-1. For each column i, left to right:
+   q_i = round(w_i), err = (w_i - q_i) / U_ii, w_j -= err * U_ij for j > i. Blocks of `block_size`
+   columns apply the update lazily to the columns right of the block (one matmul per block).
+3. The result is a `QuantizedWeight` on exactly the grid `qparams` defines (torchao's primitives): qparams come
+   from `qparams.choose_qparams` and every column is rounded with `qparams.quantize_with`, both in the weight's
+   own dtype, as RTN does. With H = I nothing propagates and GPTQ equals RTN bit for bit.
+
+Where the qparams come from:
+- channel: chosen once, up front, from the whole weight (as llm-compressor does): a row's columns keep changing
+  until the last one is rounded, so "the updated row" does not exist before the end. Up-front qparams are
+  always taken from the weight with its dead columns zeroed (those inputs never reach the output).
+- group, actorder=False: chosen for each group when its first column is reached, from the group's columns as
+  updated so far (the block size is rounded up to a multiple of the group size so a group never straddles a
+  block and sees every update).
+- group, actorder=True ("static groups"): columns are rounded in order of decreasing H_ii, but the groups stay the
+  original contiguous column ranges and their qparams are chosen up front from the weight. The output is a plain
+  group-quantized weight (no g_idx), so every exporter writes it unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from quantkit.errors import QuantkitError
+from quantkit.qparams import QuantizedWeight, choose_qparams, quantize_with
+from quantkit.schemes import Granularity, SchemeError, WeightSpec
+
+
+class GPTQDampingError(QuantkitError, ValueError):
+    """The Hessian stayed non-positive-definite however much it was damped."""
+
+
+def make_empty_hessian(in_features: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """A zero float32 [in, in] sum for `accumulate_hessian`."""
+    return torch.zeros(in_features, in_features, dtype=torch.float32, device=device)
+
+
+@torch.no_grad()
+def accumulate_hessian(hessian_sum: torch.Tensor, inputs: torch.Tensor, num_samples: int) -> tuple[torch.Tensor, int]:
+    """Add sum x x^T over the token rows of `inputs` [..., in] to `hessian_sum` (in place, float32) and count them.
+
+    Returns the updated sum and sample count. Across ranks both reduce with SUM; then `finalize_hessian`.
+    """
+    x = inputs.reshape(-1, inputs.shape[-1]).to(device=hessian_sum.device, dtype=torch.float32)
+    hessian_sum.addmm_(x.T, x)
+    return hessian_sum, num_samples + x.shape[0]
+
+
+def finalize_hessian(hessian_sum: torch.Tensor, num_samples: int) -> torch.Tensor:
+    """H = 2/n * sum x x^T, GPTQ's normalisation (the scale does not change GPTQ's result, only its damping unit)."""
+    if num_samples <= 0:
+        raise ValueError("no calibration tokens reached this layer; the Hessian is empty")
+    return hessian_sum * (2.0 / num_samples)
+
+
+@torch.no_grad()
+def gptq_quantize(
+    weight: torch.Tensor,
+    hessian: torch.Tensor,
+    spec: WeightSpec,
+    *,
+    block_size: int = 128,
+    dampening_frac: float = 0.01,
+    actorder: bool = False,
+    damping_retries: int = 3,
+) -> QuantizedWeight:
+    """GPTQ-round `weight` [out, in] given the finalized input Hessian [in, in]; see the module docstring.
+
+    Computes in float32 on the weight's device; the scales' dtype follows `spec.scale_dtype` relative to
+    `weight.dtype`, as `qparams.choose_qparams(weight, spec)` gives.
+    """
+    _check_inputs(weight, hessian, spec)
+    w = weight.to(torch.float32, copy=True)
+    h = hessian.to(device=weight.device, dtype=torch.float32, copy=True)
+    dead = h.diagonal() == 0
+    h[dead, dead] = 1.0
+    w[:, dead] = 0.0
+    grid = _Grid.up_front(w, weight.dtype, spec, dynamic=spec.granularity is Granularity.GROUP and not actorder)
+    perm = torch.argsort(h.diagonal(), descending=True, stable=True) if actorder else None
+    if perm is not None:
+        w, h = w[:, perm], h[perm][:, perm]
+    order = perm.tolist() if perm is not None else list(range(w.shape[1]))
+    hinv = _inverse_hessian_cholesky(h, dampening_frac, damping_retries)
+    qdata = _quantize_columns(w, hinv, grid, order, _aligned_block_size(block_size, spec))
+    if perm is not None:
+        qdata = qdata[:, torch.argsort(perm)]
+    return QuantizedWeight(qdata=qdata, scale=grid.scale, zero_point=grid.zero, spec=spec)
+
+
+def _check_inputs(weight: torch.Tensor, hessian: torch.Tensor, spec: WeightSpec) -> None:
+    if spec.dtype.is_float:
+        raise SchemeError("weights.dtype", "GPTQ supports integer weights (int4, int8); use rtn for float8 weights")
+    if weight.dim() != 2 or hessian.shape != (weight.shape[1], weight.shape[1]):
+        raise ValueError(f"GPTQ needs a 2-D weight [out, in] and a Hessian [in, in]; got {tuple(weight.shape)} "
+                         f"and {tuple(hessian.shape)}")
+    if not torch.isfinite(hessian).all():
+        raise ValueError("the Hessian has NaN or inf entries; check the calibration activations")
+
+
+def _aligned_block_size(block_size: int, spec: WeightSpec) -> int:
+    """Round up to a multiple of the group size, so each group's columns are all inside one block."""
+    if spec.granularity is not Granularity.GROUP:
+        return block_size
+    return -(-block_size // spec.group_size) * spec.group_size
+
+
+def _inverse_hessian_cholesky(hessian: torch.Tensor, dampening_frac: float, retries: int) -> torch.Tensor:
+    """Upper Cholesky factor of (H + damp * I)^-1, damp = frac * mean(diag H), frac x10 on each failed try."""
+    eye = torch.eye(hessian.shape[0], dtype=hessian.dtype, device=hessian.device)
+    mean_diag = hessian.diagonal().mean()
+    frac = dampening_frac
+    for _ in range(retries + 1):
+        chol, info = torch.linalg.cholesky_ex(hessian + frac * mean_diag * eye)
+        if info.item() == 0:
+            upper, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(chol), upper=True)
+            if info.item() == 0 and torch.isfinite(upper).all():
+                return upper
+        frac *= 10
+    raise GPTQDampingError(
+        f"GPTQ damping failed: the Hessian is not positive definite even with dampening_frac up to {frac / 10:g} "
+        f"({retries + 1} tries from {dampening_frac:g}); calibrate with more tokens or raise dampening_frac"
+    )
+
+
+@dataclass
+class _Grid:
+    """The qparams of the result, and how one column is rounded onto them (exactly as `quantize_with` rounds)."""
+
+    spec: WeightSpec
+    dtype: torch.dtype  # the original weight dtype: qparams are chosen and columns rounded in it, like RTN
+    scale: torch.Tensor  # [out, in // group]
+    zero: torch.Tensor | None
+    dynamic: bool  # group qparams chosen when each group's first column is reached
+
+    @classmethod
+    def up_front(cls, weight: torch.Tensor, dtype: torch.dtype, spec: WeightSpec, dynamic: bool) -> _Grid:
+        scale, zero = choose_qparams(weight.to(dtype), spec)  # dynamic groups overwrite theirs later
+        return cls(spec, dtype, scale, zero, dynamic)
+
+    def group_of(self, column: int) -> int:
+        return column // self.spec.group_size if self.spec.granularity is Granularity.GROUP else 0
+
+    def choose(self, group: int, columns: torch.Tensor) -> None:
+        scale, zero = choose_qparams(columns.to(self.dtype), self.spec)
+        self.scale[:, group : group + 1] = scale
+        if zero is not None:
+            self.zero[:, group : group + 1] = zero
+
+    def round(self, column: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(qdata, its float32 value) for one column [out] with its group's qparams."""
+        one_column = replace(self.spec, granularity=Granularity.CHANNEL, group_size=None)
+        zero = self.zero[:, group : group + 1] if self.zero is not None else None
+        q = quantize_with(column[:, None].to(self.dtype), one_column, self.scale[:, group : group + 1], zero)
+        return q.qdata[:, 0], q.dequantize(torch.float32)[:, 0]
+
+
+def _quantize_columns(
+    w: torch.Tensor, hinv: torch.Tensor, grid: _Grid, order: list[int], block_size: int
+) -> torch.Tensor:
+    """The GPTQ loop over (permuted) columns; `order[j]` is the original index of column j. Returns qdata."""
+    qdata = torch.empty(w.shape, dtype=torch.int8, device=w.device)
+    for i1 in range(0, w.shape[1], block_size):
+        i2 = min(i1 + block_size, w.shape[1])
+        block, err = w[:, i1:i2].clone(), torch.empty_like(w[:, i1:i2])
+        block_hinv = hinv[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            group = grid.group_of(order[i1 + i])
+            if grid.dynamic and (i1 + i) % grid.spec.group_size == 0:
+                grid.choose(group, block[:, i : i + grid.spec.group_size])
+            qdata[:, i1 + i], value = grid.round(block[:, i], group)
+            err[:, i] = (block[:, i] - value) / block_hinv[i, i]
+            block[:, i + 1 :] -= err[:, i : i + 1] * block_hinv[i : i + 1, i + 1 :]
+        w[:, i2:] -= err @ hinv[i1:i2, i2:]
+    return qdata

@@ -1,0 +1,28 @@
+"""SmoothQuant (Xiao et al.): migrate activation outliers into the weights before quantizing W8A8.
+
+For a norm feeding Linear layers, per input channel j: s_j = max|X_j|^alpha / max_i |W_ij|^(1 - alpha);
+the norm's weight is divided by s and every fed Linear's weight columns are multiplied by s, so the float
+output is unchanged while the activations the quantizer sees are flatter. The activation statistic is a
+per-channel max (reduces across ranks by MAX); every rank computes the same scales.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_MIN = 1e-5
+
+
+def smoothing_scales(act_absmax: torch.Tensor, weights: list[torch.Tensor], alpha: float = 0.5) -> torch.Tensor:
+    """Per input channel scales [in] from activation max |x| [in] and the fed Linear weights [out_k, in]."""
+    weight_absmax = torch.cat([w.detach().float().abs() for w in weights], dim=0).amax(0)
+    scales = act_absmax.float().clamp(min=_MIN).pow(alpha) / weight_absmax.clamp(min=_MIN).pow(1 - alpha)
+    return scales.clamp(min=_MIN)
+
+
+@torch.no_grad()
+def fold_scales(norm_weight: torch.Tensor, weights: list[torch.Tensor], scales: torch.Tensor) -> None:
+    """In place: norm weight / s, each Linear weight * s (per input column). The float function is unchanged."""
+    norm_weight.div_(scales.to(norm_weight.dtype))
+    for weight in weights:
+        weight.mul_(scales.to(weight.dtype))

@@ -1,0 +1,253 @@
+"""The sequential calibration pipeline: decoder layer by decoder layer, without tracing.
+
+1. Capture the inputs of the first decoder layer once (the embeddings run; the layer call is intercepted).
+2. For each decoder layer: move it to the compute device; if the recipe has transforms (SmoothQuant), run
+   the calibration batches through it with observers on the smoothed Linear inputs and fold the scales;
+   run the batches again with observers (GPTQ Hessians, static activation ranges) on its Linear modules;
+   quantize its modules; run the batches through the quantized layer to make the next layer's inputs;
+   move it back. Peak device memory is one layer plus the calibration activations.
+
+Modules the plan quantizes outside the decoder layers (rare: lm_head is ignored by default) are rounded to
+nearest. Works for Llama-, Qwen2- and Mistral-style models (model.<base>.layers).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from quantkit.algorithms import get_algorithm
+from quantkit.algorithms.smoothquant import fold_scales, smoothing_scales
+from quantkit.errors import UsageError
+from quantkit.observers import ChannelAbsMax, HessianObserver, Observer, StaticMinMax
+from quantkit.plan import ModulePlan
+from quantkit.progress import QUIET, Progress
+from quantkit.qparams import QuantizedWeight, quantize_weight
+from quantkit.registry import Algorithm, Recipe
+
+
+class UnsupportedModelError(UsageError):
+    pass
+
+
+@dataclass
+class CalibrationResult:
+    qweights: dict[str, QuantizedWeight] = field(default_factory=dict)
+    input_scales: dict[str, torch.Tensor] = field(default_factory=dict)  # static activation scales
+    errors: dict[str, float] = field(default_factory=dict)  # relative output error per module
+    seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))  # per phase
+    peak_device_bytes: int = 0
+
+
+class _Captured(Exception):
+    pass
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    base = getattr(model, getattr(model, "base_model_prefix", "model"), None)
+    layers = getattr(base, "layers", None)
+    if not isinstance(layers, nn.ModuleList) or not len(layers):
+        raise UnsupportedModelError(
+            f"{type(model).__name__}: calibration needs decoder layers at model.{getattr(model, 'base_model_prefix', 'model')}"
+            ".layers (Llama-, Qwen2-, Mistral-style models); this architecture has none there"
+        )
+    return layers
+
+
+def capture_inputs(model: nn.Module, layers: nn.ModuleList, batches: list[torch.Tensor], device: torch.device) -> list[tuple]:
+    """(args, kwargs) of the first decoder layer for each batch. Only the modules before the layers
+    (embeddings, rotary embedding) visit `device`; the layers stay where they are."""
+    captured: list[tuple] = []
+
+    def hook(module, args, kwargs):
+        captured.append((args, kwargs))
+        raise _Captured
+
+    base = getattr(model, model.base_model_prefix)
+    front = [m for m in base.children() if m is not layers]
+    handle = layers[0].register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        for module in front:
+            module.to(device)
+        for ids in batches:
+            try:
+                model(input_ids=ids.to(device), use_cache=False)
+            except _Captured:
+                pass
+    finally:
+        handle.remove()
+        for module in front:
+            module.to("cpu")
+    return captured
+
+
+def run_layer(layer: nn.Module, inputs: list[tuple]) -> list[torch.Tensor]:
+    outputs = []
+    with torch.no_grad():
+        for args, kwargs in inputs:
+            out = layer(*args, **kwargs)
+            outputs.append(out[0] if isinstance(out, tuple) else out)
+    return outputs
+
+
+def with_hidden(inputs: list[tuple], hidden: list[torch.Tensor]) -> list[tuple]:
+    """The captured calls with their hidden states replaced (the next layer's inputs)."""
+    return [((h, *args[1:]), kwargs) if args else ((), {**kwargs, "hidden_states": h}) for (args, kwargs), h in zip(inputs, hidden)]
+
+
+def observe(modules: dict[str, nn.Module], make: Callable[[], Observer], layer: nn.Module, inputs: list[tuple]) -> dict[str, Observer]:
+    """Run the layer with an observer on each module's input."""
+    observers = {name: make() for name in modules}
+    handles = [m.register_forward_pre_hook(lambda mod, args, name=name: observers[name].update(args[0]))
+               for name, m in modules.items()]
+    try:
+        run_layer(layer, inputs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return observers
+
+
+def relative_error(weight: torch.Tensor, qweight: QuantizedWeight, hessian: torch.Tensor | None) -> float:
+    """||(W - Q) X|| / ||W X|| through the Hessian when there is one, else on the weights."""
+    delta = weight.float() - qweight.dequantize(torch.float32)
+    if hessian is None:
+        return (delta.norm() / weight.float().norm().clamp(min=1e-12)).item()
+    num = torch.einsum("ij,jk,ik->", delta, hessian, delta)
+    den = torch.einsum("ij,jk,ik->", weight.float(), hessian, weight.float())
+    return (num / den.clamp(min=1e-12)).sqrt().item()
+
+
+def quantize_module(name: str, module: nn.Module, entry: ModulePlan, recipe: Recipe, observer: Observer | None) -> tuple[QuantizedWeight, float]:
+    step = recipe.quantizer
+    weight = module.weight.data
+    hessian = observer.hessian() if isinstance(observer, HessianObserver) else None
+    if step.name is Algorithm.GPTQ:
+        try:
+            qweight = get_algorithm(Algorithm.GPTQ)(weight, hessian, entry.scheme.weights, **step.args)
+        except ValueError as exc:
+            raise UsageError(f"GPTQ failed on {name}: {exc}") from exc
+    else:
+        qweight = get_algorithm(Algorithm.RTN)(weight, entry.scheme.weights)
+    error = relative_error(weight, qweight, hessian)
+    module.weight.data = qweight.dequantize(weight.dtype)  # the next layer sees the quantized output
+    return qweight, error
+
+
+def calibrate_layer(layer: nn.Module, prefix: str, plan: dict[str, ModulePlan], recipe: Recipe,
+                    inputs: list[tuple], result: CalibrationResult) -> None:
+    linears = {f"{prefix}.{n}": m for n, m in layer.named_modules() if f"{prefix}.{n}" in plan and plan[f"{prefix}.{n}"].quantized}
+    started = time.perf_counter()
+    for step in recipe.transforms:
+        smooth_layer(layer, inputs, **step.args)
+    result.seconds["transforms"] += time.perf_counter() - started
+    started = time.perf_counter()
+    observers = _observe_for(recipe, linears, layer, inputs)
+    result.seconds["observe"] += time.perf_counter() - started
+    started = time.perf_counter()
+    for name, module in linears.items():
+        result.qweights[name], result.errors[name] = quantize_module(name, module, plan[name], recipe, observers.get(name))
+        if name in observers and isinstance(observers[name], StaticMinMax):
+            qmax = recipe.scheme.activations.dtype.qrange[1]
+            result.input_scales[name] = (observers[name].absmax() / qmax).clamp(min=torch.finfo(torch.float32).eps)
+    result.seconds["quantize"] += time.perf_counter() - started
+
+
+# Which norm feeds which Linear modules, in Llama-, Qwen2- and Mistral-style decoder layers.
+SMOOTHING_MAPPINGS = (
+    ("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+    ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
+)
+
+
+def smooth_layer(layer: nn.Module, inputs: list[tuple], alpha: float = 0.5) -> None:
+    """SmoothQuant on one decoder layer: observe the normed activations, fold the scales."""
+    groups = {norm: [_submodule(layer, name) for name in linears] for norm, linears in SMOOTHING_MAPPINGS}
+    first = {norm: linears[0] for norm, linears in groups.items()}
+    observers = observe(first, ChannelAbsMax, layer, inputs)
+    for norm, linears in groups.items():
+        scales = smoothing_scales(observers[norm].state["absmax"], [m.weight for m in linears], alpha)
+        fold_scales(_submodule(layer, norm).weight, [m.weight for m in linears], scales)
+
+
+def _submodule(layer: nn.Module, name: str) -> nn.Module:
+    try:
+        return layer.get_submodule(name)
+    except AttributeError:
+        raise UnsupportedModelError(
+            f"SmoothQuant needs {name} in each decoder layer ({type(layer).__name__} has none); "
+            "supported: Llama-, Qwen2-, Mistral-style layers"
+        ) from None
+
+
+def _observe_for(recipe: Recipe, linears: dict[str, nn.Module], layer: nn.Module, inputs: list[tuple]) -> dict[str, Observer]:
+    static = recipe.scheme.activations is not None and not recipe.scheme.activations.dynamic
+    if recipe.quantizer.name is Algorithm.GPTQ:
+        if static:
+            raise UsageError("GPTQ with static activation scales is not supported yet; use rtn for static recipes")
+        return observe(linears, HessianObserver, layer, inputs)
+    if static:
+        return observe(linears, StaticMinMax, layer, inputs)
+    return {}
+
+
+def calibrate(model: nn.Module, plan: list[ModulePlan], recipe: Recipe, samples: torch.Tensor,
+              device: torch.device, batch_size: int = 8, progress: Progress = QUIET) -> CalibrationResult:
+    """Quantize `model` (in CPU memory) layer by layer on `device`; its Linear weights end up dequantized."""
+    result = CalibrationResult()
+    by_name = {entry.name: entry for entry in plan}
+    layers = decoder_layers(model)
+    prefix = _layers_prefix(model, layers)
+    batches = list(samples.split(batch_size))
+    started = time.perf_counter()
+    inputs = capture_inputs(model, layers, batches, device)
+    result.seconds["capture"] = time.perf_counter() - started
+    with progress.task(f"Calibrating {len(layers)} layers ({recipe.describe_algorithm()})", total=len(layers)) as advance:
+        for i, layer in enumerate(layers):
+            layer.to(device)
+            calibrate_layer(layer, f"{prefix}.{i}", by_name, recipe, inputs, result)
+            started = time.perf_counter()
+            inputs = with_hidden(inputs, run_layer(layer, inputs))
+            result.seconds["propagate"] += time.perf_counter() - started
+            result.peak_device_bytes = max(result.peak_device_bytes, _device_bytes(layer, inputs, device))
+            layer.to("cpu")
+            worst = max((result.errors[n] for n in result.errors if n.startswith(f"{prefix}.{i}.")), default=0.0)
+            advance(description=f"Calibrating layer {i + 1}/{len(layers)} (worst relative error {worst:.4f})")
+    _round_the_rest(model, plan, result)
+    return result
+
+
+def _layers_prefix(model: nn.Module, layers: nn.ModuleList) -> str:
+    return next(name for name, module in model.named_modules() if module is layers)
+
+
+def _round_the_rest(model: nn.Module, plan: list[ModulePlan], result: CalibrationResult) -> None:
+    for entry in plan:
+        if entry.quantized and entry.name not in result.qweights:
+            module = model.get_submodule(entry.name)
+            qweight = quantize_weight(module.weight.data, entry.scheme.weights)
+            result.errors[entry.name] = relative_error(module.weight.data, qweight, None)
+            module.weight.data = qweight.dequantize(module.weight.dtype)
+            result.qweights[entry.name] = qweight
+
+
+def _device_bytes(layer: nn.Module, inputs: list[tuple], device: torch.device) -> int:
+    """Bytes of tensors held on the compute device: the layer's parameters plus the calibration activations."""
+    params = sum(p.numel() * p.element_size() for p in layer.parameters() if p.device == device)
+    acts = sum(_tensor_bytes(item, device) for item in inputs)
+    return params + acts
+
+
+def _tensor_bytes(value: Any, device: torch.device) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size() if value.device == device else 0
+    if isinstance(value, (list, tuple)):
+        return sum(_tensor_bytes(v, device) for v in value)
+    if isinstance(value, dict):
+        return sum(_tensor_bytes(v, device) for v in value.values())
+    return 0

@@ -1,0 +1,94 @@
+"""Observers: statistics gathered on calibration data, each declaring how it reduces across ranks.
+
+An observer keeps named statistic tensors; `REDUCE` says, per statistic, how partial statistics from
+several ranks (or several shards of the data) combine into the statistic over all of them: SUM, MIN, MAX,
+or AVG. Reducing the partial states with the declared ops equals observing everything in one place
+(tests check it), which is what makes calibration data-parallel.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from enum import Enum
+from typing import ClassVar
+
+import torch
+
+
+class ReduceOp(str, Enum):
+    SUM = "sum"
+    MIN = "min"
+    MAX = "max"
+    AVG = "avg"
+
+
+def reduce_parts(parts: list[torch.Tensor], op: ReduceOp) -> torch.Tensor:
+    """Combine partial statistics locally (the same op `distributed.all_reduce` applies across ranks)."""
+    stacked = torch.stack(parts)
+    if op is ReduceOp.SUM:
+        return stacked.sum(0)
+    if op is ReduceOp.MIN:
+        return stacked.amin(0)
+    if op is ReduceOp.MAX:
+        return stacked.amax(0)
+    return stacked.mean(0)
+
+
+class Observer(ABC):
+    """Base: `update(x)` with a batch of inputs [..., features]; `state` holds the statistics."""
+
+    REDUCE: ClassVar[dict[str, ReduceOp]] = {}
+
+    def __init__(self) -> None:
+        self.state: dict[str, torch.Tensor] = {}
+
+    @abstractmethod
+    def update(self, x: torch.Tensor) -> None:
+        """Fold one batch into the statistics."""
+
+    def merge(self, others: list["Observer"]) -> None:
+        """Fold other observers' states into this one with the declared reduce ops."""
+        for key, op in self.REDUCE.items():
+            self.state[key] = reduce_parts([self.state[key], *(o.state[key] for o in others)], op)
+
+
+class StaticMinMax(Observer):
+    """Min and max over every value seen (static per-tensor activation ranges)."""
+
+    REDUCE = {"min": ReduceOp.MIN, "max": ReduceOp.MAX}
+
+    def update(self, x: torch.Tensor) -> None:
+        low, high = x.detach().float().amin(), x.detach().float().amax()
+        self.state["min"] = torch.minimum(self.state["min"], low) if "min" in self.state else low
+        self.state["max"] = torch.maximum(self.state["max"], high) if "max" in self.state else high
+
+    def absmax(self) -> torch.Tensor:
+        return torch.maximum(self.state["min"].abs(), self.state["max"].abs())
+
+
+class ChannelAbsMax(Observer):
+    """Per input channel max |x| (SmoothQuant's activation statistic)."""
+
+    REDUCE = {"absmax": ReduceOp.MAX}
+
+    def update(self, x: torch.Tensor) -> None:
+        value = x.detach().float().reshape(-1, x.shape[-1]).abs().amax(0)
+        self.state["absmax"] = torch.maximum(self.state["absmax"], value) if "absmax" in self.state else value
+
+
+class HessianObserver(Observer):
+    """GPTQ's Hessian, kept as an un-normalized sum of x x^T (float32) and a token count: both reduce by SUM,
+    so 1 rank and N ranks give the same Hessian up to float summation order."""
+
+    REDUCE = {"xtx": ReduceOp.SUM, "count": ReduceOp.SUM}
+
+    def update(self, x: torch.Tensor) -> None:
+        rows = x.detach().reshape(-1, x.shape[-1]).float()
+        xtx = rows.T @ rows
+        count = torch.tensor(float(rows.shape[0]), device=rows.device)
+        self.state["xtx"] = self.state["xtx"] + xtx if "xtx" in self.state else xtx
+        self.state["count"] = self.state["count"] + count if "count" in self.state else count
+
+    def hessian(self) -> torch.Tensor:
+        """H = 2/n sum x x^T, the GPTQ normalisation."""
+        return self.state["xtx"] * (2.0 / self.state["count"].clamp(min=1.0))

@@ -1,0 +1,126 @@
+"""The calibration pipeline on tiny Llama, Qwen2 and Mistral models built from configs: every calibrated recipe
+finalizes, reloads in plain transformers with logits equal to the in-memory model, and keeps about one layer
+on the compute device."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import make_text
+from quantkit import registry
+from quantkit.calibration import UnsupportedModelError, calibrate, decoder_layers
+from quantkit.finalize import CalibrationOptions, calibration_samples, finalize, prepare, quantize_model
+
+pytestmark = pytest.mark.integration
+
+ARCHITECTURES = ["llama", "qwen2", "mistral"]
+RECIPES = [name for name in registry.recipe_names() if registry.resolve(name).needs_calibration]
+CASES = [(arch, name) for arch in ARCHITECTURES for name in RECIPES]
+
+
+@pytest.fixture(scope="module")
+def calib_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("calib") / "calib.txt"
+    path.write_text(make_text(4000, seed=9))
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory) -> dict[str, Path]:
+    from quantkit.tiny import build_tiny_model
+
+    root = tmp_path_factory.mktemp("arch")
+    return {arch: build_tiny_model(root / arch, make_text(3000), arch) for arch in ARCHITECTURES}
+
+
+@pytest.fixture(scope="module")
+def artifacts(tiny_models, calib_file, tmp_path_factory):
+    root = tmp_path_factory.mktemp("calibrated")
+    options = CalibrationOptions(data=str(calib_file), num_samples=8, seq_len=32)
+    ids = torch.randint(3, 300, (2, 20), generator=torch.Generator().manual_seed(1))
+    in_memory = {}
+    for arch, name in CASES:
+        recipe = registry.resolve(name)
+        model = quantize_model(prepare(tiny_models[arch], recipe), recipe, calibration=options)
+        with torch.no_grad():
+            in_memory[(arch, name)] = model(ids).logits.float()
+        finalize(tiny_models[arch], root / f"{arch}-{name}", recipe, calibration=options)
+    save_file({"input_ids": ids}, root / "ids.safetensors")
+    script = Path(__file__).with_name("reload_plain.py")
+    subprocess.run([sys.executable, str(script), str(root / "ids.safetensors"), str(root),
+                    *[str(root / f"{arch}-{name}") for arch, name in CASES]], check=True)
+    return root, in_memory
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{a}-{n}" for a, n in CASES])
+def test_reloaded_logits_equal_in_memory(artifacts, case):
+    root, in_memory = artifacts
+    reloaded = load_file(root / f"{case[0]}-{case[1]}.safetensors")["logits"]
+    torch.testing.assert_close(reloaded, in_memory[case], atol=0, rtol=0)
+
+
+def test_calibration_changes_the_rounding(artifacts, tiny_models):
+    """GPTQ does not just round to nearest: some weights differ from RTN's on the same grid."""
+    from quantkit.qparams import fake_quantize_weight
+
+    root, _ = artifacts
+    gptq = load_file(root / "llama-gptq-w4a16.safetensors")["model.layers.0.mlp.up_proj"]
+    source = load_file(tiny_models["llama"] / "model.safetensors")["model.layers.0.mlp.up_proj.weight"]
+    recipe = registry.resolve("gptq-w4a16")
+    (entry,) = [e for e in prepare(tiny_models["llama"], recipe).plan if e.name == "model.layers.0.mlp.up_proj"]
+    rtn = fake_quantize_weight(source, entry.scheme.weights)
+    assert not torch.equal(gptq, rtn)
+    assert (gptq - source).abs().max() < 8 * (rtn - source).abs().max()
+
+
+def test_static_scales_are_written(artifacts):
+    import json
+
+    root, _ = artifacts
+    config = json.loads((root / "llama-fp8-static" / "config.json").read_text())["quantization_config"]
+    acts = config["config_groups"]["group_0"]["input_activations"]
+    assert (acts["dynamic"], acts["strategy"]) == (False, "tensor")
+    tensors = load_file(next((root / "llama-fp8-static").glob("*.safetensors")))
+    scales = [v for k, v in tensors.items() if k.endswith("input_scale")]
+    assert scales and all(float(s) > 0 for s in scales)
+
+
+def test_device_memory_stays_near_one_layer(tiny_models, calib_file):
+    """Bytes held on the compute device: one decoder layer plus the calibration activations, never the model."""
+    from quantkit.models import load_model
+    from quantkit.plan import plan_model
+
+    recipe = registry.resolve("gptq-w4a16")
+    src = tiny_models["llama"]
+    model = load_model(src)
+    samples = calibration_samples(src, recipe, CalibrationOptions(data=str(calib_file), num_samples=8, seq_len=32))
+    result = calibrate(model, plan_model(model, recipe), recipe, samples, torch.device("cpu"))
+    layer_bytes = sum(p.numel() * p.element_size() for p in decoder_layers(model)[0].parameters())
+    activation_bytes = samples.numel() * model.config.hidden_size * 4
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert layer_bytes < result.peak_device_bytes <= layer_bytes + 3 * activation_bytes
+    assert result.peak_device_bytes < model_bytes
+    assert set(result.qweights) == {e.name for e in plan_model(model, recipe) if e.quantized}
+    assert all(0 <= err < 1 for err in result.errors.values())
+
+
+def test_missing_calibration_data_is_a_usage_error(tiny_models, tmp_path):
+    from quantkit.errors import UsageError
+
+    with pytest.raises(UsageError, match="--calib-data"):
+        finalize(tiny_models["llama"], tmp_path / "out", registry.resolve("gptq-w4a16"))
+    assert not (tmp_path / "out").exists()
+
+
+def test_unknown_architecture_names_what_is_missing():
+    class Odd(torch.nn.Module):
+        base_model_prefix = "transformer"
+
+    with pytest.raises(UnsupportedModelError, match="decoder layers at model.transformer.layers"):
+        decoder_layers(Odd())

@@ -1,0 +1,49 @@
+"""Each observer's statistics over two halves, reduced with its declared ops, equal those over the whole."""
+
+import pytest
+import torch
+
+from quantkit.observers import ChannelAbsMax, HessianObserver, ReduceOp, StaticMinMax, reduce_parts
+
+
+def _data(seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(6, 10, 16, generator=generator) * torch.linspace(0.1, 5, 16)
+
+
+@pytest.mark.parametrize("make", [StaticMinMax, ChannelAbsMax, HessianObserver])
+@pytest.mark.parametrize("split", [1, 3, 5])
+def test_halves_reduced_equal_the_whole(make, split):
+    x = _data()
+    whole = make()
+    for batch in x.split(2):
+        whole.update(batch)
+    first, second = make(), make()
+    first.update(x[:split])
+    second.update(x[split:])
+    first.merge([second])
+    assert set(first.state) == set(make.REDUCE)
+    for key in make.REDUCE:
+        torch.testing.assert_close(first.state[key], whole.state[key], rtol=1e-5, atol=1e-5)
+
+
+def test_declared_ops():
+    assert StaticMinMax.REDUCE == {"min": ReduceOp.MIN, "max": ReduceOp.MAX}
+    assert ChannelAbsMax.REDUCE == {"absmax": ReduceOp.MAX}
+    assert HessianObserver.REDUCE == {"xtx": ReduceOp.SUM, "count": ReduceOp.SUM}
+
+
+def test_hessian_is_the_gptq_normalisation():
+    x = _data().reshape(-1, 16)
+    observer = HessianObserver()
+    observer.update(x)
+    torch.testing.assert_close(observer.hessian(), 2 * x.T @ x / x.shape[0])
+
+
+def test_static_minmax_absmax_and_reduce_parts():
+    observer = StaticMinMax()
+    observer.update(torch.tensor([[-3.0, 1.0], [2.0, 0.5]]))
+    assert observer.absmax().item() == 3.0
+    parts = [torch.tensor([1.0, 5.0]), torch.tensor([3.0, 2.0])]
+    assert reduce_parts(parts, ReduceOp.AVG).tolist() == [2.0, 3.5]
+    assert reduce_parts(parts, ReduceOp.MIN).tolist() == [1.0, 2.0]
