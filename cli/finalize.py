@@ -92,5 +92,13 @@ def print_summary(result) -> None:
             table.add_row(label, f"{note}: {names[0]}" + (f" and {len(names) - 1} more" if len(names) > 1 else ""))
     ratio = result.source_bytes / max(1, result.output_bytes)
     table.add_row("weights on disk", f"{human_bytes(result.source_bytes)} -> {human_bytes(result.output_bytes)} ({ratio:.2f}x smaller)")
+    if result.calibration:
+        calib = result.calibration
+        error = calib["relative_error"]
+        worst = max(error["per_module"], key=error["per_module"].get)
+        table.add_row("calibration", f"{calib['num_samples']} x {calib['seq_len']} tokens on {calib['device']}")
+        table.add_row("  relative error", f"mean {error['mean']:.4f}, worst {error['max']:.4f} ({worst})")
+        phases = ", ".join(f"{phase} {sec:.1f} s" for phase, sec in calib["seconds"].items())
+        table.add_row("  time per phase", phases)
     table.add_row("time", f"{result.seconds:.1f} s on {result.threads} threads")
     out.print(table)

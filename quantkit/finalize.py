@@ -26,6 +26,7 @@ class FinalizeResult:
     source_bytes: int
     output_bytes: int
     threads: int
+    calibration: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,7 @@ class Prepared:
     src: Path
     format: Format
     plan: list[ModulePlan]
+    calibration: dict | None = None  # filled by quantize_model for calibrated recipes: errors, timings, samples
 
 
 def check_qat_recipe(src: Path, recipe: Recipe, force: bool = False) -> str | None:
@@ -90,6 +92,21 @@ def calibration_samples(src: Path, recipe: Recipe, options: CalibrationOptions, 
     return data.sample_blocks(ids, num_samples, seq_len, seed=options.seed)
 
 
+def calibration_summary(result, samples, options: CalibrationOptions, recipe: Recipe) -> dict:
+    errors = result.errors
+    return {
+        "data": options.data or recipe.calibration.dataset,
+        "num_samples": samples.shape[0],
+        "seq_len": samples.shape[1],
+        "seed": options.seed,
+        "device": options.device,
+        "seconds": {phase: round(value, 3) for phase, value in result.seconds.items()},
+        "peak_device_bytes": result.peak_device_bytes,
+        "relative_error": {"mean": sum(errors.values()) / max(1, len(errors)), "max": max(errors.values(), default=0.0),
+                           "per_module": errors},
+    }
+
+
 def check_calibration_data(recipe: Recipe, options: CalibrationOptions | None) -> None:
     if not ((options and options.data) or recipe.calibration.dataset):
         raise UsageError(f"recipe '{recipe.name}' calibrates on data: pass --calib-data FILE (a .txt/.jsonl/.parquet file or a datasets spec)")
@@ -111,7 +128,9 @@ def quantize_model(
         device = torch.device(options.device)
 
         def calibrate(model):
-            return pipeline(model, prepared.plan, recipe, samples, device, options.batch_size, progress)
+            result = pipeline(model, prepared.plan, recipe, samples, device, options.batch_size, progress)
+            prepared.calibration = calibration_summary(result, samples, options, recipe)
+            return result
 
     todo = sum(entry.quantized for entry in prepared.plan)
     with progress.task(f"Quantizing ({recipe.name}, {prepared.format.value})", total=todo) as advance:
@@ -148,8 +167,10 @@ def finalize(
             exporter(prepared.format).save(model, tmp)
             models.copy_tokenizer(prepared.src, tmp)
             info = metadata.build(recipe, prepared.format, prepared.plan, prepared.src, models.fingerprint(prepared.src))
+            info["calibration"] = prepared.calibration
             metadata.write(tmp, info)
     return FinalizeResult(
         dst=dst, recipe=recipe, format=prepared.format, plan=prepared.plan, seconds=time.perf_counter() - start,
         source_bytes=models.weights_size(prepared.src), output_bytes=models.weights_size(dst), threads=used_threads,
+        calibration=prepared.calibration,
     )
