@@ -32,7 +32,7 @@ def fake_finalize(monkeypatch):
         calls.append(SimpleNamespace(src=src, dst=dst, recipe=recipe, fmt=fmt, **kwargs))
         return SimpleNamespace(
             dst=Path(dst), recipe=recipe, format=fmt or recipe.format, plan=[], seconds=1.0,
-            source_bytes=100, output_bytes=50, threads=2,
+            source_bytes=100, output_bytes=50, threads=2, calibration=None,
         )
 
     monkeypatch.setattr(quantkit.finalize, "finalize", fake)
@@ -47,6 +47,14 @@ def test_finalize_passes_the_resolved_recipe_and_options(fake_finalize):
     assert (str(call.src), str(call.dst), call.recipe.name, call.fmt) == ("src", "dst", "int4-weight-only", Format.TORCHAO)
     assert (call.overwrite, call.threads, call.dtype, call.trust_remote_code) == (True, 3, "bfloat16", False)
     assert "2.00x smaller" in result.output
+
+
+def test_finalize_passes_calibration_options(fake_finalize):
+    result = invoke("finalize", "src", "dst", "-q", "gptq-w4a16", "--calib-data", "c.txt", "--num-samples", "16",
+                    "--seq-len", "64", "--device", "cuda:1")
+    assert result.exit_code == 0, result.output
+    options = fake_finalize[0].calibration
+    assert (options.data, options.num_samples, options.seq_len, options.device) == ("c.txt", 16, 64, "cuda:1")
 
 
 def test_finalize_defaults_to_the_recipes_format(fake_finalize):
