@@ -24,7 +24,7 @@ from torch import nn
 from quantkit.algorithms import get_algorithm
 from quantkit.algorithms.smoothquant import fold_scales, smoothing_scales
 from quantkit.errors import UsageError
-from quantkit.observers import ChannelAbsMax, HessianObserver, Observer, StaticMinMax
+from quantkit.observers import ChannelAbsMax, HessianObserver, Observer, activation_observer
 from quantkit.plan import ModulePlan
 from quantkit.progress import QUIET, Progress
 from quantkit.qparams import QuantizedWeight, quantize_weight
@@ -152,7 +152,7 @@ def calibrate_layer(layer: nn.Module, prefix: str, plan: dict[str, ModulePlan], 
     started = time.perf_counter()
     for name, module in linears.items():
         result.qweights[name], result.errors[name] = quantize_module(name, module, plan[name], recipe, observers.get(name))
-        if name in observers and isinstance(observers[name], StaticMinMax):
+        if name in observers and hasattr(observers[name], "absmax"):
             qmax = recipe.scheme.activations.dtype.qrange[1]
             result.input_scales[name] = (observers[name].absmax() / qmax).clamp(min=torch.finfo(torch.float32).eps)
     result.seconds["quantize"] += time.perf_counter() - started
@@ -192,7 +192,7 @@ def _observe_for(recipe: Recipe, linears: dict[str, nn.Module], layer: nn.Module
             raise UsageError("GPTQ with static activation scales is not supported yet; use rtn for static recipes")
         return observe(linears, HessianObserver, layer, inputs)
     if static:
-        return observe(linears, StaticMinMax, layer, inputs)
+        return observe(linears, activation_observer(recipe.scheme.activations.observer), layer, inputs)
     return {}
 
 

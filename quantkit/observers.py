@@ -52,6 +52,10 @@ class Observer(ABC):
             self.state[key] = reduce_parts([self.state[key], *(o.state[key] for o in others)], op)
 
 
+def activation_observer(name: str) -> type[Observer]:
+    return {"static_minmax": StaticMinMax, "minmax": MeanMinMax}[name]
+
+
 class StaticMinMax(Observer):
     """Min and max over every value seen (static per-tensor activation ranges)."""
 
@@ -64,6 +68,23 @@ class StaticMinMax(Observer):
 
     def absmax(self) -> torch.Tensor:
         return torch.maximum(self.state["min"].abs(), self.state["max"].abs())
+
+
+class MeanMinMax(Observer):
+    """The mean over batches of each batch's min and max: a range less driven by one outlier batch than
+    StaticMinMax's. Kept as sums and a batch count, all reduced by SUM (exact across ranks)."""
+
+    REDUCE = {"min_sum": ReduceOp.SUM, "max_sum": ReduceOp.SUM, "batches": ReduceOp.SUM}
+
+    def update(self, x: torch.Tensor) -> None:
+        low, high = x.detach().float().amin(), x.detach().float().amax()
+        one = torch.ones((), device=x.device)
+        for key, value in (("min_sum", low), ("max_sum", high), ("batches", one)):
+            self.state[key] = self.state[key] + value if key in self.state else value
+
+    def absmax(self) -> torch.Tensor:
+        batches = self.state["batches"]
+        return torch.maximum((self.state["min_sum"] / batches).abs(), (self.state["max_sum"] / batches).abs())
 
 
 class ChannelAbsMax(Observer):

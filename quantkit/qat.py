@@ -96,9 +96,9 @@ def activation_fake_quantize_config(spec: ActivationSpec | None) -> FakeQuantize
 def check_recipe(recipe: Recipe) -> None:
     """QAT recipes round to nearest with dynamic activations: what training sees is what `finalize` writes.
     A calibrated recipe (GPTQ, SmoothQuant, static scales) would change the weights after training."""
-    if recipe.needs_calibration:
+    if recipe.needs_calibration or recipe.scheme.weights.observer.value != "minmax":
         usable = [n for n in recipe_names() if not resolve(n).needs_calibration]
-        raise UsageError(f"--qat-recipe {recipe.name}: QAT takes round-to-nearest recipes with dynamic activations "
+        raise UsageError(f"--qat-recipe {recipe.name}: QAT takes round-to-nearest min/max recipes with dynamic activations "
                          f"({', '.join(usable)})")
 
 

@@ -15,11 +15,12 @@ from torchao.quantization.quant_primitives import (
     _dequantize_affine_float8,
     _quantize_affine_float8,
     choose_qparams_affine,
+    choose_qparams_affine_with_min_max,
     dequantize_affine,
     quantize_affine,
 )
 
-from quantkit.schemes import Granularity, ScaleDtype, WeightSpec
+from quantkit.schemes import Granularity, ScaleDtype, WeightObserver, WeightSpec
 
 _EPS = torch.finfo(torch.float32).eps
 
@@ -60,7 +61,14 @@ def scale_dtype(weight: torch.Tensor, spec: WeightSpec) -> torch.dtype:
 
 
 def choose_qparams(weight: torch.Tensor, spec: WeightSpec) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Min/max scales (and integer zero points for asymmetric grids) for a 2-D weight."""
+    """Scales (and integer zero points for asymmetric grids) for a 2-D weight, by the spec's weight observer."""
+    if spec.observer is WeightObserver.MSE:
+        return choose_qparams_mse(weight, spec)
+    return choose_qparams_minmax(weight, spec)
+
+
+def choose_qparams_minmax(weight: torch.Tensor, spec: WeightSpec) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Min/max scales: each group's (or channel's) full range."""
     block = block_size(weight, spec)
     shape = (weight.shape[0], weight.shape[1] // block[1])
     if spec.dtype.is_float:
@@ -73,6 +81,42 @@ def choose_qparams(weight: torch.Tensor, spec: WeightSpec) -> tuple[torch.Tensor
         scale_dtype=scale_dtype(weight, spec), zero_point_dtype=torch.int8,
     )
     return scale.reshape(shape), (None if spec.symmetric else zero.reshape(shape))
+
+
+def choose_qparams_mse(
+    weight: torch.Tensor, spec: WeightSpec, grid: int = 100, max_shrink: float = 0.2, norm: float = 2.4
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The memoryless MSE observer: per group, shrink the min/max range by p in (1 - max_shrink, 1] and keep
+    the qparams whose rounding error sum |w - q|^norm is least. p = 1 gives exactly the min/max qparams."""
+    block = block_size(weight, spec)
+    qmin, qmax = spec.dtype.qrange
+    mapping = MappingType.SYMMETRIC if spec.symmetric else MappingType.ASYMMETRIC
+    groups = weight.reshape(weight.shape[0], -1, block[1])
+    low, high = groups.amin(-1), groups.amax(-1)
+    best = None
+    for step in range(int(max_shrink * grid) + 1):
+        shrink = 1 - step / grid
+        scale, zero = choose_qparams_affine_with_min_max(
+            low * shrink, high * shrink, mapping, block, torch.int8, qmin, qmax, eps=_EPS,
+            scale_dtype=scale_dtype(weight, spec), zero_point_dtype=torch.int8,
+        )
+        zero = None if spec.symmetric else zero
+        error = _group_error(weight, quantize_with(weight, spec, scale, zero), block[1], norm)
+        best = _keep_better(best, (error, scale, zero))
+    return best[1], best[2]
+
+
+def _group_error(weight: torch.Tensor, qweight: QuantizedWeight, group: int, norm: float) -> torch.Tensor:
+    delta = (weight.float() - qweight.dequantize(torch.float32)).abs().pow(norm)
+    return delta.reshape(weight.shape[0], -1, group).sum(-1)
+
+
+def _keep_better(best, candidate):
+    if best is None:
+        return candidate
+    better = candidate[0] < best[0]
+    pick = lambda new, old: None if new is None else torch.where(better, new, old)  # noqa: E731
+    return torch.minimum(candidate[0], best[0]), pick(candidate[1], best[1]), pick(candidate[2], best[2])
 
 
 def quantize_with(weight: torch.Tensor, spec: WeightSpec, scale: torch.Tensor, zero: torch.Tensor | None) -> QuantizedWeight:

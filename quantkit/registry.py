@@ -19,7 +19,16 @@ from typing import Any, Iterator
 import yaml
 
 from quantkit.errors import RecipeError, RecipeNotFoundError
-from quantkit.schemes import ActivationSpec, Granularity, QDtype, QuantScheme, ScaleDtype, SchemeError, WeightSpec
+from quantkit.schemes import (
+    ActivationSpec,
+    Granularity,
+    QDtype,
+    QuantScheme,
+    ScaleDtype,
+    SchemeError,
+    WeightObserver,
+    WeightSpec,
+)
 
 
 class Format(str, Enum):
@@ -219,6 +228,7 @@ def _build_scheme(data: dict[str, Any]) -> QuantScheme:
         group_size=w.get("group_size"),
         symmetric=_bool(w.get("symmetric", True), "scheme.weights.symmetric"),
         scale_dtype=_enum(w.get("scale_dtype", "model"), ScaleDtype, "scheme.weights.scale_dtype"),
+        observer=_enum(w.get("observer", "minmax"), WeightObserver, "scheme.weights.observer"),
     )
     a = _mapping(data, "activations", where="scheme.")
     activations = None
@@ -229,6 +239,7 @@ def _build_scheme(data: dict[str, Any]) -> QuantScheme:
             granularity=_enum(a.get("granularity", "token" if dynamic else "tensor"), Granularity, "scheme.activations.granularity"),
             symmetric=_bool(a.get("symmetric", True), "scheme.activations.symmetric"),
             dynamic=dynamic,
+            observer=str(a.get("observer", "static_minmax")),
         )
     return QuantScheme(weights=weights, activations=activations)
 

@@ -41,6 +41,11 @@ class ScaleDtype(str, Enum):
     MODEL = "model"  # the dtype of the model's weights (bf16 for a bf16 model)
 
 
+class WeightObserver(str, Enum):
+    MINMAX = "minmax"  # the range of each group / channel
+    MSE = "mse"  # the clipped range (grid search on a shrink factor) with the least quantization error
+
+
 class SchemeError(ValueError):
     """A scheme field has a value that is not allowed; `field` names it."""
 
@@ -59,8 +64,11 @@ class WeightSpec:
     group_size: int | None = None
     symmetric: bool = True
     scale_dtype: ScaleDtype = ScaleDtype.MODEL
+    observer: WeightObserver = WeightObserver.MINMAX  # memoryless: computed from the weight itself
 
     def __post_init__(self) -> None:
+        if self.observer is WeightObserver.MSE and self.dtype.is_float:
+            raise SchemeError("weights.observer", "mse searches integer grids; float8 weights use minmax")
         if self.granularity in (Granularity.TOKEN, Granularity.TENSOR):
             raise SchemeError("weights.granularity", "weights are quantized per 'group' or per 'channel'")
         if self.granularity is Granularity.GROUP:
@@ -77,7 +85,8 @@ class WeightSpec:
 
     def describe(self) -> str:
         grain = f"g{self.group_size}" if self.granularity is Granularity.GROUP else "channel"
-        return f"{_short(self.dtype)} {grain}{'' if self.symmetric else ' asym'}"
+        mse = " mse" if self.observer is WeightObserver.MSE else ""
+        return f"{_short(self.dtype)} {grain}{'' if self.symmetric else ' asym'}{mse}"
 
 
 @dataclass(frozen=True)
@@ -89,8 +98,11 @@ class ActivationSpec:
     granularity: Granularity = Granularity.TOKEN
     symmetric: bool = True
     dynamic: bool = True
+    observer: str = "static_minmax"  # static scales: static_minmax (min/max over all data) or minmax (mean of batch ranges)
 
     def __post_init__(self) -> None:
+        if self.observer not in ("static_minmax", "minmax"):
+            raise SchemeError("activations.observer", f"'{self.observer}' is not allowed; allowed: static_minmax, minmax")
         if self.dtype is QDtype.INT4:
             raise SchemeError("activations.dtype", "activations are int8 or float8_e4m3fn")
         expected = Granularity.TOKEN if self.dynamic else Granularity.TENSOR

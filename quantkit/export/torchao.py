@@ -14,12 +14,14 @@ from torch import nn
 from quantkit import models
 from quantkit.plan import ModulePlan
 from quantkit.registry import Recipe
-from quantkit.schemes import Granularity, QDtype, QuantScheme, ScaleDtype
+from quantkit.schemes import Granularity, QDtype, QuantScheme, ScaleDtype, WeightObserver
 
 
 def unsupported(recipe: Recipe) -> str | None:
     if recipe.needs_calibration:
         return "the torchao format takes round-to-nearest recipes with dynamic activations (it quantizes while loading)"
+    if recipe.scheme.weights.observer is not WeightObserver.MINMAX:
+        return "torchao's configs choose min/max qparams; the mse weight observer needs compressed-tensors"
     try:
         torchao_config(recipe.scheme)
     except ValueError as exc:

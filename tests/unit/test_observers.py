@@ -47,3 +47,23 @@ def test_static_minmax_absmax_and_reduce_parts():
     parts = [torch.tensor([1.0, 5.0]), torch.tensor([3.0, 2.0])]
     assert reduce_parts(parts, ReduceOp.AVG).tolist() == [2.0, 3.5]
     assert reduce_parts(parts, ReduceOp.MIN).tolist() == [1.0, 2.0]
+
+
+def test_mean_minmax_reduces_exactly_and_averages_batch_ranges():
+    from quantkit.observers import MeanMinMax
+
+    x = _data()
+    whole = MeanMinMax()
+    for batch in x:
+        whole.update(batch)
+    first, second = MeanMinMax(), MeanMinMax()
+    for batch in x[:2]:
+        first.update(batch)
+    for batch in x[2:]:
+        second.update(batch)
+    first.merge([second])
+    for key in MeanMinMax.REDUCE:
+        torch.testing.assert_close(first.state[key], whole.state[key])
+    expected = torch.maximum(x.amin((1, 2)).mean().abs(), x.amax((1, 2)).mean().abs())
+    torch.testing.assert_close(whole.absmax(), expected)
+    assert whole.absmax() <= x.abs().max()

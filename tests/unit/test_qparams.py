@@ -74,3 +74,23 @@ def test_group_size_must_divide():
 def test_quantized_weight_reports_its_group_size():
     qw = quantize_weight(_weight(torch.float32), WeightSpec(QDtype.INT4, Granularity.GROUP, group_size=64))
     assert isinstance(qw, QuantizedWeight) and qw.group_size == 64
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_mse_observer_without_shrink_is_minmax_and_with_shrink_is_no_worse(symmetric, dtype):
+    from dataclasses import replace
+
+    from quantkit.qparams import choose_qparams_minmax, choose_qparams_mse
+    from quantkit.schemes import WeightObserver
+
+    spec = WeightSpec(QDtype.INT4, Granularity.GROUP, group_size=64, symmetric=symmetric)
+    weight = _weight(dtype)
+    minmax = choose_qparams_minmax(weight, spec)
+    unshrunk = choose_qparams_mse(weight, spec, max_shrink=0.0)
+    assert torch.equal(minmax[0], unshrunk[0]) and (symmetric or torch.equal(minmax[1], unshrunk[1]))
+    mse_spec = replace(spec, observer=WeightObserver.MSE)
+    error = lambda s: (quantize_weight(weight, s).dequantize(torch.float32) - weight.float()).abs().pow(2.4)  # noqa: E731
+    per_group = lambda e: e.reshape(48, -1, 64).sum(-1)  # noqa: E731
+    assert (per_group(error(mse_spec)) <= per_group(error(spec)) + 1e-6).all()
+    assert error(mse_spec).sum() < error(spec).sum()

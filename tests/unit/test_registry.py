@@ -79,6 +79,11 @@ def test_missing_recipe_file_is_not_parsed_as_a_name(tmp_path):
          "algorithm"),
         ("scheme: {weights: {dtype: int8, granularity: channel}}\nformat: torchao\ncalibration: {num_samples: many}",
          "calibration.num_samples"),
+        ("scheme: {weights: {dtype: int8, granularity: channel, observer: best}}\nformat: torchao", "scheme.weights.observer"),
+        ("scheme: {weights: {dtype: float8_e4m3fn, granularity: channel, observer: mse}}\nformat: torchao",
+         "scheme.weights.observer"),
+        ("scheme: {weights: {dtype: int8, granularity: channel}, activations: {dtype: int8, dynamic: false, observer: ema}}"
+         "\nformat: torchao", "scheme.activations.observer"),
         ("scheme: {weights: {dtype: int4, granularity: channel, symmetric: maybe}}\nformat: torchao", "scheme.weights.symmetric"),
     ],
 )
