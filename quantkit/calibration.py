@@ -22,12 +22,14 @@ import torch
 from torch import nn
 
 from quantkit.algorithms import get_algorithm
+from quantkit.algorithms.awq import fold_scales as awq_fold
+from quantkit.algorithms.awq import search_scales
 from quantkit.algorithms.smoothquant import fold_scales, smoothing_scales
 from quantkit.errors import UsageError
-from quantkit.observers import ChannelAbsMax, HessianObserver, Observer, activation_observer
+from quantkit.observers import ChannelAbsMax, ChannelAbsMean, HessianObserver, Observer, activation_observer
 from quantkit.plan import ModulePlan
 from quantkit.progress import QUIET, Progress
-from quantkit.qparams import QuantizedWeight, quantize_weight
+from quantkit.qparams import QuantizedWeight, fake_quantize_weight, quantize_weight
 from quantkit.registry import Algorithm, Recipe
 
 
@@ -144,7 +146,10 @@ def calibrate_layer(layer: nn.Module, prefix: str, plan: dict[str, ModulePlan], 
     linears = {f"{prefix}.{n}": m for n, m in layer.named_modules() if f"{prefix}.{n}" in plan and plan[f"{prefix}.{n}"].quantized}
     started = time.perf_counter()
     for step in recipe.transforms:
-        smooth_layer(layer, inputs, **step.args)
+        if step.name is Algorithm.AWQ:
+            awq_layer(layer, prefix, plan, inputs, **step.args)
+        else:
+            smooth_layer(layer, inputs, **step.args)
     result.seconds["transforms"] += time.perf_counter() - started
     started = time.perf_counter()
     observers = _observe_for(recipe, linears, layer, inputs)
@@ -175,12 +180,71 @@ def smooth_layer(layer: nn.Module, inputs: list[tuple], alpha: float = 0.5) -> N
         fold_scales(_submodule(layer, norm).weight, [m.weight for m in linears], scales)
 
 
+# (the op feeding the Linear modules, the Linear modules, the block whose output measures the error)
+AWQ_MAPPINGS = (
+    ("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "self_attn"),
+    ("self_attn.v_proj", ("self_attn.o_proj",), "self_attn.o_proj"),
+    ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj"), "mlp"),
+    ("mlp.up_proj", ("mlp.down_proj",), "mlp.down_proj"),
+)
+
+
+def awq_layer(layer: nn.Module, prefix: str, plan: dict[str, ModulePlan], inputs: list[tuple], grid: int = 20) -> None:
+    """AWQ on one decoder layer: for each mapping, search the scales on the block's output and fold them."""
+    for prev_name, linear_names, block_name in AWQ_MAPPINGS:
+        prev, block = _submodule(layer, prev_name), _submodule(layer, block_name)
+        linears = [_submodule(layer, name) for name in linear_names]
+        entries = [plan.get(f"{prefix}.{name}") for name in linear_names]
+        if not all(e is not None and e.quantized for e in entries):
+            continue  # a Linear left in full precision: nothing to protect
+        if isinstance(prev, nn.Linear) and prev.out_features != linears[0].in_features:
+            continue  # e.g. v_proj -> o_proj under grouped-query attention
+        calls, act = _block_calls(layer, block, linears[0], inputs)
+        reference = _run_calls(block, calls)
+        specs = [e.scheme.weights for e in entries]
+        scales, _ = search_scales(act.mean(), lambda s: _awq_error(block, calls, reference, linears, specs, s), grid)
+        bias = prev.bias if isinstance(prev, nn.Linear) else None
+        awq_fold(prev.weight, bias, [m.weight for m in linears], scales)
+
+
+def _block_calls(layer: nn.Module, block: nn.Module, first: nn.Module, inputs: list[tuple]) -> tuple[list[tuple], Observer]:
+    """The (args, kwargs) of every call of `block` in the layer, and mean |x| of `first`'s input."""
+    calls: list[tuple] = []
+    act = ChannelAbsMean()
+    handles = [block.register_forward_pre_hook(lambda m, a, k: calls.append((a, k)), with_kwargs=True),
+               first.register_forward_pre_hook(lambda m, a: act.update(a[0]))]
+    try:
+        run_layer(layer, inputs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return calls, act
+
+
+def _run_calls(block: nn.Module, calls: list[tuple]) -> list[torch.Tensor]:
+    return run_layer(block, calls)
+
+
+def _awq_error(block, calls, reference, linears, specs, scales) -> float:
+    """Block output error with each Linear's weight scaled by s, rounded on its grid, and unscaled."""
+    originals = [m.weight.data for m in linears]
+    try:
+        for module, weight, spec in zip(linears, originals, specs):
+            scaled = weight * scales.to(weight.dtype)
+            module.weight.data = fake_quantize_weight(scaled, spec) / scales.to(weight.dtype)
+        outputs = _run_calls(block, calls)
+    finally:
+        for module, weight in zip(linears, originals):
+            module.weight.data = weight
+    return sum(float((o.float() - r.float()).pow(2).mean()) for o, r in zip(outputs, reference))
+
+
 def _submodule(layer: nn.Module, name: str) -> nn.Module:
     try:
         return layer.get_submodule(name)
     except AttributeError:
         raise UnsupportedModelError(
-            f"SmoothQuant needs {name} in each decoder layer ({type(layer).__name__} has none); "
+            f"calibration needs {name} in each decoder layer ({type(layer).__name__} has none); "
             "supported: Llama-, Qwen2-, Mistral-style layers"
         ) from None
 

@@ -97,6 +97,21 @@ class ChannelAbsMax(Observer):
         self.state["absmax"] = torch.maximum(self.state["absmax"], value) if "absmax" in self.state else value
 
 
+class ChannelAbsMean(Observer):
+    """Per input channel mean |x| (AWQ's activation statistic), kept as a sum and a token count (SUM)."""
+
+    REDUCE = {"abs_sum": ReduceOp.SUM, "count": ReduceOp.SUM}
+
+    def update(self, x: torch.Tensor) -> None:
+        rows = x.detach().float().reshape(-1, x.shape[-1])
+        value, count = rows.abs().sum(0), torch.tensor(float(rows.shape[0]), device=rows.device)
+        self.state["abs_sum"] = self.state["abs_sum"] + value if "abs_sum" in self.state else value
+        self.state["count"] = self.state["count"] + count if "count" in self.state else count
+
+    def mean(self) -> torch.Tensor:
+        return self.state["abs_sum"] / self.state["count"].clamp(min=1.0)
+
+
 class HessianObserver(Observer):
     """GPTQ's Hessian, kept as an un-normalized sum of x x^T (float32) and a token count: both reduce by SUM,
     so 1 rank and N ranks give the same Hessian up to float summation order."""

@@ -15,9 +15,12 @@ behind the same interface (`fake_quantize_configs` -> `fake_quantizer`):
 - `Int8TokenFakeQuantizeConfig`: int8 symmetric per-token activations (torchao's IntxFakeQuantizer has
   no symmetric per-token path); computed by torchao's runtime `Int8Tensor.from_hp` itself.
 
-Our own fake quantizers use a straight-through estimator (backward = identity). torchao's keep theirs:
-the int ones pass gradients through rounding but not through clamping, and the float8 one also passes
-gradients through the per-row scale (amax).
+Our own fake quantizers use a straight-through estimator (backward = identity). torchao's int ones keep theirs:
+they pass gradients through rounding but not through clamping. For float8, `Float8FakeQuantizer`'s forward is
+used, bit for bit, behind our straight-through backward: its own backward casts the gradient to float8 (the
+`.to(dtype)` after the float8 round trip is differentiated as a cast, unscaled), which flushes nearly every
+weight and activation gradient to zero, and it differentiates through the per-row amax (about 20 extra
+full-size kernels per call).
 
 Usage: `prepare(model, plan)` before building the optimizer (and before DDP/FSDP wrapping). Parameters keep
 their names and identity, so `state_dict()` keys do not change. `strip(model)` goes back to plain nn.Linear;
@@ -37,7 +40,7 @@ from torchao.quantization import Int8Tensor
 from torchao.quantization.granularity import PerAxis, PerGroup, PerRow, PerToken
 from torchao.quantization.qat import Float8FakeQuantizeConfig, IntxFakeQuantizeConfig
 from torchao.quantization.qat.fake_quantize_config import FakeQuantizeConfigBase
-from torchao.quantization.qat.fake_quantizer import FakeQuantizerBase
+from torchao.quantization.qat.fake_quantizer import FakeQuantizerBase, Float8FakeQuantizer
 from torchao.quantization.quant_primitives import MappingType
 
 from quantkit import qparams
@@ -145,12 +148,25 @@ class Int8TokenFakeQuantizer(_StraightThroughFakeQuantizer):
         return Int8Tensor.from_hp(x, PerRow(), MappingType.SYMMETRIC).dequantize()
 
 
+class Float8StraightThroughFakeQuantizer(_StraightThroughFakeQuantizer):
+    """torchao's float8 fake quantization, its forward bit for bit, with a straight-through backward."""
+
+    def __init__(self, config: Float8FakeQuantizeConfig):
+        super().__init__(config)
+        self.forward_only = Float8FakeQuantizer(config)  # called inside _StraightThrough, so no graph is recorded
+
+    def fake_quantize(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_only(x)
+
+
 def fake_quantizer(config: FakeQuantizeConfigBase) -> FakeQuantizerBase:
     """The fake-quantizing module for a config from `fake_quantize_configs`."""
     if isinstance(config, GridFakeQuantizeConfig):
         return GridFakeQuantizer(config)
     if isinstance(config, Int8TokenFakeQuantizeConfig):
         return Int8TokenFakeQuantizer(config)
+    if isinstance(config, Float8FakeQuantizeConfig):
+        return Float8StraightThroughFakeQuantizer(config)
     return FakeQuantizerBase.from_config(config)
 
 

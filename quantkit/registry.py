@@ -40,6 +40,7 @@ class Algorithm(str, Enum):
     RTN = "rtn"  # round-to-nearest: no calibration data
     GPTQ = "gptq"  # Hessian-aware rounding: calibration data
     SMOOTHQUANT = "smoothquant"  # a transform before the quantizer: migrates activation outliers into weights
+    AWQ = "awq"  # a transform before the quantizer: activation-aware weight scales, searched per block
 
     @property
     def is_quantizer(self) -> bool:
@@ -52,6 +53,7 @@ ALGORITHM_ARGS: dict[Algorithm, dict[str, type]] = {
     Algorithm.RTN: {},
     Algorithm.GPTQ: {"block_size": int, "dampening_frac": float, "actorder": bool},
     Algorithm.SMOOTHQUANT: {"alpha": float},
+    Algorithm.AWQ: {"grid": int},
 }
 
 

@@ -6,7 +6,8 @@ Run from the repository root (with the venv active):
     python scripts/bench_qat.py --data text --json bench_qat.json
     python scripts/bench_qat.py --recipes int8-dynamic-act-int4-weight --profile
 
-What it measures, for every recipe, in ONE process:
+What it measures, for every recipe QAT accepts (the five round-to-nearest ones; `--recipes` to choose), in ONE
+process:
 
 * two models side by side with the same initial weights (`quantkit.train.build_model`, seeded), one plain and
   one with the recipe's fake quantizers installed by `quantkit.qat.prepare` (the plan `quantkit train
@@ -175,9 +176,14 @@ def describe(args: argparse.Namespace, config, blocks: torch.Tensor, params: int
             "torchao": version("torchao"), "transformers": version("transformers"), "python": platform.python_version()}
 
 
+def qat_recipes() -> list[str]:
+    """The shipped recipes `quantkit train --qat-recipe` accepts (calibrated ones are PTQ-only)."""
+    return [name for name in registry.recipe_names() if not registry.resolve(name).needs_calibration]
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--recipes", nargs="+", default=registry.recipe_names(), help="default: all shipped recipes")
+    p.add_argument("--recipes", nargs="+", default=qat_recipes(), help="default: every shipped recipe QAT can train for")
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--intermediate", type=int, default=1536)

@@ -124,3 +124,28 @@ def test_unknown_architecture_names_what_is_missing():
 
     with pytest.raises(UnsupportedModelError, match="decoder layers at model.transformer.layers"):
         decoder_layers(Odd())
+
+
+def test_awq_block_error_is_no_worse_than_rtn(tiny_models, calib_file):
+    """On the tiny Llama's first MLP, the searched AWQ scales give a block output error <= plain RTN's."""
+    from quantkit.algorithms.awq import search_scales
+    from quantkit.calibration import _awq_error, _block_calls, capture_inputs
+    from quantkit.models import load_model
+    from quantkit.plan import plan_model
+
+    recipe = registry.resolve("awq-w4a16")
+    src = tiny_models["llama"]
+    model = load_model(src)
+    plan = {e.name: e for e in plan_model(model, recipe)}
+    samples = calibration_samples(src, recipe, CalibrationOptions(data=str(calib_file), num_samples=8, seq_len=32))
+    layers = decoder_layers(model)
+    inputs = capture_inputs(model, layers, list(samples.split(4)), torch.device("cpu"))
+    layer = layers[0]
+    linears = [layer.mlp.gate_proj, layer.mlp.up_proj]
+    specs = [plan[f"model.layers.0.mlp.{n}"].scheme.weights for n in ("gate_proj", "up_proj")]
+    calls, act = _block_calls(layer, layer.mlp, layer.mlp.gate_proj, inputs)
+    reference = [layer.mlp(*a, **k) for a, k in calls]
+    error_of = lambda s: _awq_error(layer.mlp, calls, reference, linears, specs, s)  # noqa: E731
+    _, awq_error = search_scales(act.mean(), error_of)
+    rtn_error = error_of(torch.ones(layer.mlp.gate_proj.in_features))
+    assert awq_error <= rtn_error

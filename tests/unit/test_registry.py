@@ -114,3 +114,21 @@ def test_to_dict_is_json_ready():
     data = registry.resolve("int4-weight-only").to_dict()
     assert json.loads(json.dumps(data))["scheme"]["weights"]["group_size"] == 128
     assert data["on_indivisible"] == IndivisiblePolicy.SMALLER_GROUP.value
+
+
+def test_algorithm_argument_table_matches_the_functions():
+    """Recipes are validated against ALGORITHM_ARGS without importing torch; it must agree with the code."""
+    import inspect
+
+    from quantkit import calibration
+    from quantkit.algorithms import get_algorithm
+    from quantkit.registry import ALGORITHM_ARGS, Algorithm
+
+    functions = {Algorithm.RTN: get_algorithm(Algorithm.RTN), Algorithm.GPTQ: get_algorithm(Algorithm.GPTQ),
+                 Algorithm.SMOOTHQUANT: calibration.smooth_layer, Algorithm.AWQ: calibration.awq_layer}
+    assert set(functions) == set(Algorithm)
+    for name, fn in functions.items():
+        params = inspect.signature(fn).parameters
+        for arg, kind in ALGORITHM_ARGS[name].items():
+            assert arg in params, (name, arg)
+            assert isinstance(params[arg].default, kind), (name, arg)

@@ -1,0 +1,44 @@
+"""AWQ (Lin et al.): activation-aware weight scaling before round-to-nearest.
+
+For Linear layers fed by one op (a norm, or a Linear whose output they consume), per input channel j the
+weights are scaled by s_j = mean|x_j|^r (normalised) and the feeding op's output divided by s_j, which
+leaves the float function unchanged but lets salient channels keep more precision after rounding. The
+ratio r is chosen on a grid in [0, 1) by the error of the block output with the scaled, rounded weights;
+r = 0 (s = 1) is plain RTN, so the chosen scales never do worse than RTN on the calibration data.
+The activation statistic, sum |x| and a token count, reduces across ranks by SUM; candidate errors too.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+
+def awq_scales(act_mean: torch.Tensor, ratio: float) -> torch.Tensor:
+    """s = mean|x|^ratio, normalised so that sqrt(max * min) = 1."""
+    scales = act_mean.float().clamp(min=1e-4).pow(ratio)
+    return scales / (scales.max() * scales.min()).sqrt()
+
+
+def search_scales(act_mean: torch.Tensor, error_of: Callable[[torch.Tensor], float], grid: int = 20) -> tuple[torch.Tensor, float]:
+    """The scales whose block-output error (`error_of(scales)`) is least over ratios k/grid, k = 0..grid-1."""
+    best_scales, best_error = torch.ones_like(act_mean, dtype=torch.float32), float("inf")
+    for k in range(grid):
+        scales = awq_scales(act_mean, k / grid)
+        error = error_of(scales)
+        if error < best_error:
+            best_scales, best_error = scales, error
+    return best_scales, best_error
+
+
+@torch.no_grad()
+def fold_scales(prev_weight: torch.Tensor, prev_bias: torch.Tensor | None, weights: list[torch.Tensor], scales: torch.Tensor) -> None:
+    """In place: the feeding op's output channels / s (a norm's weight, or a Linear's rows and bias),
+    each fed Linear's input columns * s. The float function is unchanged."""
+    shape = (-1,) + (1,) * (prev_weight.dim() - 1)
+    prev_weight.div_(scales.to(prev_weight.dtype).reshape(shape))
+    if prev_bias is not None:
+        prev_bias.div_(scales.to(prev_bias.dtype))
+    for weight in weights:
+        weight.mul_(scales.to(weight.dtype))
