@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from quantkit.cli.console import human_bytes, out, quiet_libraries
-from quantkit.cli.options import QuietOpt, ThreadsOpt, TrustRemoteCodeOpt
+from quantkit.cli.options import CalibDataOpt, QuietOpt, ThreadsOpt, TrustRemoteCodeOpt
 from quantkit.errors import GateFailedError, UsageError
 
 
@@ -29,6 +29,7 @@ def evaluate(
     max_ppl_increase: Annotated[
         Optional[float], typer.Option("--max-ppl-increase", min=0, help="Gate: exit 3 if any model's perplexity exceeds the baseline's by more than this percent.")
     ] = None,
+    calib_data: CalibDataOpt = None,
     threads: ThreadsOpt = None,
     trust_remote_code: TrustRemoteCodeOpt = False,
     quiet: QuietOpt = False,
@@ -45,6 +46,7 @@ def evaluate(
     """
     quiet_libraries()
     from quantkit import evaluate as library
+    from quantkit.finalize import CalibrationOptions
     from quantkit.progress import Progress
 
     if (baseline is None) != (max_ppl_increase is None):
@@ -54,6 +56,7 @@ def evaluate(
         models, data, recipes=quantize or [], seq_len=seq_len, stride=stride, max_samples=max_samples,
         batch_size=batch_size, tokenizer=tokenizer, threads=threads, trust_remote_code=trust_remote_code,
         progress=Progress(enabled=not quiet),
+        calibration=CalibrationOptions(data=calib_data) if calib_data else None,
     )
     failures = library.gate(reports, baseline, max_ppl_increase) if baseline else []
     if json_path:

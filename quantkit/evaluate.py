@@ -208,6 +208,7 @@ def compare(
     trust_remote_code: bool = False,
     text_field: str = "text",
     progress: Progress = QUIET,
+    calibration=None,
 ) -> list[ModelReport]:
     """Each model on the same data, labelled by its path as given; then, for each recipe, the model
     quantized under it in memory (labelled "PATH+RECIPE"), as `finalize` would quantize it."""
@@ -221,7 +222,7 @@ def compare(
         measure = partial(_measure, texts=texts, tokenizer=tokenizer, trust_remote_code=trust_remote_code, **settings)
         reports.append(make_report(path, path, measure(path)))
         if quantization_method(path) is None:  # recipes preview full-precision models only
-            reports += [_preview(path, name, measure, trust_remote_code, progress) for name in recipes]
+            reports += [_preview(path, name, measure, trust_remote_code, progress, calibration) for name in recipes]
     return reports
 
 
@@ -236,15 +237,18 @@ def _preview(
     measure: Callable[..., PerplexityResult],
     trust_remote_code: bool,
     progress: Progress,
+    calibration=None,
 ) -> ModelReport:
     """The model quantized in memory exactly as `finalize` would, measured without writing anything.
     Its size on disk is unknown (None) until it is written."""
-    from quantkit.finalize import prepare, quantize_model
+    from quantkit.finalize import check_calibration_data, prepare, quantize_model
     from quantkit.registry import resolve
 
     recipe = resolve(recipe_name)
     prepared = prepare(path, recipe, trust_remote_code=trust_remote_code)
-    model = quantize_model(prepared, recipe, trust_remote_code=trust_remote_code, progress=progress)
+    if recipe.needs_calibration:
+        check_calibration_data(recipe, calibration)
+    model = quantize_model(prepared, recipe, trust_remote_code=trust_remote_code, progress=progress, calibration=calibration)
     result = measure(path, model=model)
     return ModelReport(
         path=str(path), label=f"{path}+{recipe.name}", recipe=recipe.name, format=prepared.format.value,
