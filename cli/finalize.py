@@ -12,6 +12,7 @@ from quantkit.cli.console import human_bytes, out, quiet_libraries
 from quantkit.cli.options import (
     CalibDataOpt,
     DeviceOpt,
+    NprocOpt,
     DtypeChoice,
     DtypeOpt,
     FormatOpt,
@@ -38,6 +39,10 @@ def finalize(
     dtype: DtypeOpt = DtypeChoice.auto,
     threads: ThreadsOpt = None,
     trust_remote_code: TrustRemoteCodeOpt = False,
+    nproc_per_node: NprocOpt = 1,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Print the plan (samples per rank, module owners, memory per rank) and exit.")
+    ] = False,
     force_recipe: Annotated[
         bool, typer.Option("--force-recipe", help="Quantize a QAT-trained model under a recipe other than its own.")
     ] = False,
@@ -56,17 +61,30 @@ def finalize(
 
       quantkit finalize ./my-model ./my-model-gptq -q gptq-w4a16 --calib-data train.txt --num-samples 128 --seq-len 512
     """
-    quiet_libraries()
-    from quantkit.finalize import CalibrationOptions
-    from quantkit.finalize import finalize as run
-    from quantkit.progress import Progress
+    import os
 
     recipe = registry.resolve(quantize)
     fmt = registry.Format(format.value) if format else None
-    result = run(
+    quiet_libraries()
+    from quantkit import finalize as library
+    from quantkit.finalize import CalibrationOptions
+    from quantkit.progress import Progress
+
+    options = CalibrationOptions(data=calib_data, num_samples=num_samples, seq_len=seq_len, device=device)
+    if dry_run:
+        out.print_json(data=library.dry_run(src, recipe, fmt, options, nproc_per_node, trust_remote_code))
+        return
+    from quantkit.cli.launch import relaunch
+
+    code = relaunch(nproc_per_node, threads)
+    if code is not None:
+        raise typer.Exit(code)
+    quiet = quiet or int(os.environ.get("RANK", 0)) != 0
+    threads = threads or (int(os.environ["QUANTKIT_THREADS"]) if "QUANTKIT_THREADS" in os.environ else None)
+    result = library.finalize(
         src, dst, recipe, fmt, overwrite=overwrite, dtype=dtype.value, threads=threads,
         trust_remote_code=trust_remote_code, force_recipe=force_recipe, progress=Progress(enabled=not quiet),
-        calibration=CalibrationOptions(data=calib_data, num_samples=num_samples, seq_len=seq_len, device=device),
+        calibration=options,
     )
     if not quiet:
         print_summary(result)
@@ -96,9 +114,11 @@ def print_summary(result) -> None:
         calib = result.calibration
         error = calib["relative_error"]
         worst = max(error["per_module"], key=error["per_module"].get)
-        table.add_row("calibration", f"{calib['num_samples']} x {calib['seq_len']} tokens on {calib['device']}")
+        table.add_row("calibration", f"{calib['num_samples']} x {calib['seq_len']} tokens on {calib['device']}, {calib['ranks']} rank(s)")
         table.add_row("  relative error", f"mean {error['mean']:.4f}, worst {error['max']:.4f} ({worst})")
         phases = ", ".join(f"{phase} {sec:.1f} s" for phase, sec in calib["seconds"].items())
         table.add_row("  time per phase", phases)
+        if calib.get("owners"):
+            table.add_row("  GPTQ modules per rank", " / ".join(map(str, calib["owners"]["modules_per_rank"])))
     table.add_row("time", f"{result.seconds:.1f} s on {result.threads} threads")
     out.print(table)

@@ -21,6 +21,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from quantkit import data, distributed
 from quantkit.algorithms import get_algorithm
 from quantkit.algorithms.awq import fold_scales as awq_fold
 from quantkit.algorithms.awq import search_scales
@@ -29,7 +30,8 @@ from quantkit.errors import UsageError
 from quantkit.observers import ChannelAbsMax, ChannelAbsMean, HessianObserver, Observer, activation_observer
 from quantkit.plan import ModulePlan
 from quantkit.progress import QUIET, Progress
-from quantkit.qparams import QuantizedWeight, fake_quantize_weight, quantize_weight
+from quantkit.distributed import Context
+from quantkit.qparams import QuantizedWeight, empty_quantized, fake_quantize_weight, quantize_weight
 from quantkit.registry import Algorithm, Recipe
 
 
@@ -44,6 +46,7 @@ class CalibrationResult:
     errors: dict[str, float] = field(default_factory=dict)  # relative output error per module
     seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))  # per phase
     peak_device_bytes: int = 0
+    owners: dict[str, int] = field(default_factory=dict)  # GPTQ module -> the rank that quantized it
 
 
 class _Captured(Exception):
@@ -142,25 +145,57 @@ def quantize_module(name: str, module: nn.Module, entry: ModulePlan, recipe: Rec
 
 
 def calibrate_layer(layer: nn.Module, prefix: str, plan: dict[str, ModulePlan], recipe: Recipe,
-                    inputs: list[tuple], result: CalibrationResult) -> None:
+                    inputs: list[tuple], result: CalibrationResult, ctx: Context | None = None) -> None:
     linears = {f"{prefix}.{n}": m for n, m in layer.named_modules() if f"{prefix}.{n}" in plan and plan[f"{prefix}.{n}"].quantized}
     started = time.perf_counter()
     for step in recipe.transforms:
         if step.name is Algorithm.AWQ:
-            awq_layer(layer, prefix, plan, inputs, **step.args)
+            awq_layer(layer, prefix, plan, inputs, **step.args, ctx=ctx)
         else:
-            smooth_layer(layer, inputs, **step.args)
+            smooth_layer(layer, inputs, **step.args, ctx=ctx)
     result.seconds["transforms"] += time.perf_counter() - started
     started = time.perf_counter()
     observers = _observe_for(recipe, linears, layer, inputs)
+    owners = _synchronise(observers, linears, recipe, ctx)
+    result.owners.update(owners)
     result.seconds["observe"] += time.perf_counter() - started
     started = time.perf_counter()
     for name, module in linears.items():
-        result.qweights[name], result.errors[name] = quantize_module(name, module, plan[name], recipe, observers.get(name))
+        qweight, error = _quantize_on_owner(name, module, plan[name], recipe, observers.get(name), owners.get(name), ctx)
+        result.qweights[name], result.errors[name] = qweight, error
         if name in observers and hasattr(observers[name], "absmax"):
             qmax = recipe.scheme.activations.dtype.qrange[1]
             result.input_scales[name] = (observers[name].absmax() / qmax).clamp(min=torch.finfo(torch.float32).eps)
     result.seconds["quantize"] += time.perf_counter() - started
+
+
+def _synchronise(observers: dict[str, Observer], linears: dict[str, nn.Module], recipe: Recipe,
+                 ctx: Context | None) -> dict[str, int]:
+    """Merge the ranks' statistics: GPTQ Hessians onto each module's owner (bin-packed on Hessian size),
+    everything else onto every rank. Returns the owners (empty when nothing is owned)."""
+    if recipe.quantizer.name is not Algorithm.GPTQ or ctx is None or not ctx.distributed:
+        for observer in observers.values():
+            distributed.all_reduce_observer(observer, ctx)
+        return {}
+    owners = distributed.assign_owners({n: m.in_features ** 2 for n, m in linears.items()}, ctx.world_size)
+    for name, observer in observers.items():
+        distributed.reduce_observer_to(observer, owners[name], ctx)
+    return owners
+
+
+def _quantize_on_owner(name: str, module: nn.Module, entry: ModulePlan, recipe: Recipe, observer: Observer | None,
+                       owner: int | None, ctx: Context | None) -> tuple[QuantizedWeight, float]:
+    """The owner quantizes and broadcasts qdata, scale and zero point; every rank installs the same result."""
+    if owner is None or ctx is None or not ctx.distributed:
+        return quantize_module(name, module, entry, recipe, observer)
+    if ctx.rank == owner:
+        qweight, error = quantize_module(name, module, entry, recipe, observer)
+    else:
+        qweight, error = empty_quantized(module.weight.data, entry.scheme.weights), 0.0
+    buffers = [qweight.qdata, qweight.scale] + ([qweight.zero_point] if qweight.zero_point is not None else [])
+    distributed.broadcast_(buffers, owner, ctx)
+    module.weight.data = qweight.dequantize(module.weight.dtype)
+    return qweight, distributed.all_reduce_sum(error, ctx)
 
 
 # Which norm feeds which Linear modules, in Llama-, Qwen2- and Mistral-style decoder layers.
@@ -170,11 +205,13 @@ SMOOTHING_MAPPINGS = (
 )
 
 
-def smooth_layer(layer: nn.Module, inputs: list[tuple], alpha: float = 0.5) -> None:
-    """SmoothQuant on one decoder layer: observe the normed activations, fold the scales."""
+def smooth_layer(layer: nn.Module, inputs: list[tuple], alpha: float = 0.5, ctx: Context | None = None) -> None:
+    """SmoothQuant on one decoder layer: observe the normed activations (max over all ranks), fold the scales."""
     groups = {norm: [_submodule(layer, name) for name in linears] for norm, linears in SMOOTHING_MAPPINGS}
     first = {norm: linears[0] for norm, linears in groups.items()}
     observers = observe(first, ChannelAbsMax, layer, inputs)
+    for observer in observers.values():
+        distributed.all_reduce_observer(observer, ctx)
     for norm, linears in groups.items():
         scales = smoothing_scales(observers[norm].state["absmax"], [m.weight for m in linears], alpha)
         fold_scales(_submodule(layer, norm).weight, [m.weight for m in linears], scales)
@@ -189,7 +226,8 @@ AWQ_MAPPINGS = (
 )
 
 
-def awq_layer(layer: nn.Module, prefix: str, plan: dict[str, ModulePlan], inputs: list[tuple], grid: int = 20) -> None:
+def awq_layer(layer: nn.Module, prefix: str, plan: dict[str, ModulePlan], inputs: list[tuple], grid: int = 20,
+              ctx: Context | None = None) -> None:
     """AWQ on one decoder layer: for each mapping, search the scales on the block's output and fold them."""
     for prev_name, linear_names, block_name in AWQ_MAPPINGS:
         prev, block = _submodule(layer, prev_name), _submodule(layer, block_name)
@@ -200,9 +238,14 @@ def awq_layer(layer: nn.Module, prefix: str, plan: dict[str, ModulePlan], inputs
         if isinstance(prev, nn.Linear) and prev.out_features != linears[0].in_features:
             continue  # e.g. v_proj -> o_proj under grouped-query attention
         calls, act = _block_calls(layer, block, linears[0], inputs)
+        distributed.all_reduce_observer(act, ctx)
         reference = _run_calls(block, calls)
         specs = [e.scheme.weights for e in entries]
-        scales, _ = search_scales(act.mean(), lambda s: _awq_error(block, calls, reference, linears, specs, s), grid)
+
+        def error_of(scales: torch.Tensor) -> float:  # summed over every rank's tokens: the same choice on all
+            return distributed.all_reduce_sum(_awq_error(block, calls, reference, linears, specs, scales), ctx)
+
+        scales, _ = search_scales(act.mean(), error_of, grid)
         bias = prev.bias if isinstance(prev, nn.Linear) else None
         awq_fold(prev.weight, bias, [m.weight for m in linears], scales)
 
@@ -226,7 +269,7 @@ def _run_calls(block: nn.Module, calls: list[tuple]) -> list[torch.Tensor]:
 
 
 def _awq_error(block, calls, reference, linears, specs, scales) -> float:
-    """Block output error with each Linear's weight scaled by s, rounded on its grid, and unscaled."""
+    """Summed squared block output error with each Linear's weight scaled by s, rounded on its grid, unscaled."""
     originals = [m.weight.data for m in linears]
     try:
         for module, weight, spec in zip(linears, originals, specs):
@@ -236,7 +279,7 @@ def _awq_error(block, calls, reference, linears, specs, scales) -> float:
     finally:
         for module, weight in zip(linears, originals):
             module.weight.data = weight
-    return sum(float((o.float() - r.float()).pow(2).mean()) for o, r in zip(outputs, reference))
+    return sum(float((o.float() - r.float()).pow(2).sum()) for o, r in zip(outputs, reference))
 
 
 def _submodule(layer: nn.Module, name: str) -> nn.Module:
@@ -261,8 +304,13 @@ def _observe_for(recipe: Recipe, linears: dict[str, nn.Module], layer: nn.Module
 
 
 def calibrate(model: nn.Module, plan: list[ModulePlan], recipe: Recipe, samples: torch.Tensor,
-              device: torch.device, batch_size: int = 8, progress: Progress = QUIET) -> CalibrationResult:
-    """Quantize `model` (in CPU memory) layer by layer on `device`; its Linear weights end up dequantized."""
+              device: torch.device, batch_size: int = 8, progress: Progress = QUIET,
+              ctx: Context | None = None) -> CalibrationResult:
+    """Quantize `model` (in CPU memory) layer by layer on `device`; its Linear weights end up dequantized.
+    With a distributed `ctx`, this rank calibrates on its share of `samples` (the same full sample set on
+    every rank) and statistics are merged at every layer, so every rank ends with the same qparams."""
+    if ctx is not None and ctx.distributed:
+        samples = samples[data.rank_slice(samples.shape[0], ctx.rank, ctx.world_size)]
     result = CalibrationResult()
     by_name = {entry.name: entry for entry in plan}
     layers = decoder_layers(model)
@@ -274,7 +322,7 @@ def calibrate(model: nn.Module, plan: list[ModulePlan], recipe: Recipe, samples:
     with progress.task(f"Calibrating {len(layers)} layers ({recipe.describe_algorithm()})", total=len(layers)) as advance:
         for i, layer in enumerate(layers):
             layer.to(device)
-            calibrate_layer(layer, f"{prefix}.{i}", by_name, recipe, inputs, result)
+            calibrate_layer(layer, f"{prefix}.{i}", by_name, recipe, inputs, result, ctx)
             started = time.perf_counter()
             inputs = with_hidden(inputs, run_layer(layer, inputs))
             result.seconds["propagate"] += time.perf_counter() - started

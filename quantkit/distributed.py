@@ -39,15 +39,16 @@ def world_from_env() -> tuple[int, int, int]:
 
 
 @contextlib.contextmanager
-def process_group(timeout_s: int = DEFAULT_TIMEOUT_S) -> Iterator[Context]:
-    """One process group for the duration of the block; `destroy_process_group` always runs."""
+def process_group(timeout: int | None = None) -> Iterator[Context]:
+    """One process group for the duration of the block; `destroy_process_group` always runs. Collectives time
+    out after `timeout` seconds (default QUANTKIT_DIST_TIMEOUT or 600): a failed rank never hangs the others."""
     rank, world_size, local_rank = world_from_env()
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if world_size > 1 and not dist.is_initialized():
         if cuda:
             torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout or timeout_s()))
     try:
         yield Context(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
     finally:
@@ -66,3 +67,59 @@ def all_reduce_mean(value: float, ctx: Context) -> float:
 def barrier(ctx: Context) -> None:
     if ctx.distributed:
         dist.barrier()
+
+
+# ---------------------------------------------------------------- calibration collectives
+
+_TORCH_OPS = {"sum": "SUM", "min": "MIN", "max": "MAX", "avg": "SUM"}
+
+
+def timeout_s() -> int:
+    return int(os.environ.get("QUANTKIT_DIST_TIMEOUT", DEFAULT_TIMEOUT_S))
+
+
+def all_reduce_observer(observer, ctx: Context | None) -> None:
+    """Every rank ends with the statistics over all ranks' data, each reduced with its declared op."""
+    if ctx is None or not ctx.distributed:
+        return
+    for key, op in observer.REDUCE.items():
+        tensor = observer.state[key]
+        dist.all_reduce(tensor, getattr(dist.ReduceOp, _TORCH_OPS[op.value]))
+        if op.value == "avg":
+            tensor /= ctx.world_size
+
+
+def reduce_observer_to(observer, owner: int, ctx: Context | None) -> None:
+    """Only `owner` needs the merged statistics (GPTQ's Hessian); the others' copies are left partial."""
+    if ctx is None or not ctx.distributed:
+        return
+    for key, op in observer.REDUCE.items():
+        dist.reduce(observer.state[key], dst=owner, op=getattr(dist.ReduceOp, _TORCH_OPS[op.value]))
+        if op.value == "avg" and ctx.rank == owner:
+            observer.state[key] /= ctx.world_size
+
+
+def all_reduce_sum(value: float, ctx: Context | None) -> float:
+    if ctx is None or not ctx.distributed:
+        return value
+    tensor = torch.tensor([value], dtype=torch.float64, device=ctx.device)
+    dist.all_reduce(tensor)
+    return tensor.item()
+
+
+def broadcast_(tensors: list[torch.Tensor], owner: int, ctx: Context | None) -> None:
+    if ctx is None or not ctx.distributed:
+        return
+    for tensor in tensors:
+        dist.broadcast(tensor, src=owner)
+
+
+def assign_owners(sizes: dict[str, int], world_size: int) -> dict[str, int]:
+    """Greedy bin-packing: largest first, each to the least-loaded rank (ties: lowest rank). Deterministic."""
+    loads = [0] * world_size
+    owners = {}
+    for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
+        rank = min(range(world_size), key=lambda r: (loads[r], r))
+        owners[name] = rank
+        loads[rank] += sizes[name]
+    return owners

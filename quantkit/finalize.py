@@ -92,9 +92,22 @@ def calibration_samples(src: Path, recipe: Recipe, options: CalibrationOptions, 
     return data.sample_blocks(ids, num_samples, seq_len, seed=options.seed)
 
 
-def calibration_summary(result, samples, options: CalibrationOptions, recipe: Recipe) -> dict:
+def _calibration_device(name: str, ctx):
+    """`--device cuda` under torchrun means this rank's own GPU."""
+    import torch
+
+    device = torch.device(name)
+    if ctx is not None and ctx.distributed and device.type == "cuda" and device.index is None:
+        return ctx.device
+    return device
+
+
+def calibration_summary(result, samples, options: CalibrationOptions, recipe: Recipe, ctx=None) -> dict:
     errors = result.errors
+    world = ctx.world_size if ctx is not None else 1
     return {
+        "ranks": world,
+        "owners": _owner_balance(result.owners, world),
         "data": options.data or recipe.calibration.dataset,
         "num_samples": samples.shape[0],
         "seq_len": samples.shape[1],
@@ -107,6 +120,13 @@ def calibration_summary(result, samples, options: CalibrationOptions, recipe: Re
     }
 
 
+def _owner_balance(owners: dict[str, int], world: int) -> dict | None:
+    if not owners:
+        return None
+    counts = [sum(1 for r in owners.values() if r == rank) for rank in range(world)]
+    return {"modules_per_rank": counts, "assignment": owners}
+
+
 def check_calibration_data(recipe: Recipe, options: CalibrationOptions | None) -> None:
     if not ((options and options.data) or recipe.calibration.dataset):
         raise UsageError(f"recipe '{recipe.name}' calibrates on data: pass --calib-data FILE (a .txt/.jsonl/.parquet file or a datasets spec)")
@@ -114,9 +134,10 @@ def check_calibration_data(recipe: Recipe, options: CalibrationOptions | None) -
 
 def quantize_model(
     prepared: Prepared, recipe: Recipe, dtype: str = "auto", trust_remote_code: bool = False, progress: Progress = QUIET,
-    calibration: CalibrationOptions | None = None,
+    calibration: CalibrationOptions | None = None, ctx=None,
 ) -> nn.Module:
-    """The quantized model in memory, exactly as the artifact will compute."""
+    """The quantized model in memory, exactly as the artifact will compute. With a distributed `ctx`
+    (`distributed.Context`), calibration is data-parallel and every rank ends with the same model."""
     calibrate = None
     if recipe.needs_calibration:
         import torch
@@ -125,11 +146,11 @@ def quantize_model(
 
         options = calibration or CalibrationOptions()
         samples = calibration_samples(prepared.src, recipe, options, trust_remote_code)
-        device = torch.device(options.device)
+        device = _calibration_device(options.device, ctx)
 
         def calibrate(model):
-            result = pipeline(model, prepared.plan, recipe, samples, device, options.batch_size, progress)
-            prepared.calibration = calibration_summary(result, samples, options, recipe)
+            result = pipeline(model, prepared.plan, recipe, samples, device, options.batch_size, progress, ctx)
+            prepared.calibration = calibration_summary(result, samples, options, recipe, ctx)
             return result
 
     todo = sum(entry.quantized for entry in prepared.plan)
@@ -154,14 +175,66 @@ def finalize(
     calibration: CalibrationOptions | None = None,
     progress: Progress = QUIET,
 ) -> FinalizeResult:
+    """Quantize SRC into DST. Under torchrun (WORLD_SIZE > 1) every rank runs this; calibration is data-parallel
+    and only rank 0 writes, after every rank has finished calibrating."""
+    from quantkit import distributed
+
     start = time.perf_counter()
     dst = Path(dst)
     atomic.check_destination(dst, overwrite)
     prepared = prepare(src, recipe, fmt, trust_remote_code, force_recipe)
-    used_threads = runtime.set_threads(threads)
     if recipe.needs_calibration:
         check_calibration_data(recipe, calibration)
-    model = quantize_model(prepared, recipe, dtype, trust_remote_code, progress, calibration)
+    used_threads = runtime.set_threads(threads)
+    with distributed.process_group() as ctx:
+        model = quantize_model(prepared, recipe, dtype, trust_remote_code, progress, calibration, ctx)
+        distributed.barrier(ctx)  # every rank succeeded: only now does rank 0 write
+        if ctx.is_main:
+            write_artifact(model, prepared, recipe, dst, overwrite, progress)
+        distributed.barrier(ctx)
+    return FinalizeResult(
+        dst=dst, recipe=recipe, format=prepared.format, plan=prepared.plan, seconds=time.perf_counter() - start,
+        source_bytes=models.weights_size(prepared.src), output_bytes=models.weights_size(dst), threads=used_threads,
+        calibration=prepared.calibration,
+    )
+
+
+def dry_run(src: str | Path, recipe: Recipe, fmt: Format | None, calibration: CalibrationOptions | None,
+            world_size: int, trust_remote_code: bool = False) -> dict:
+    """The distributed plan without loading weights: each rank's share of the samples, the owner of every
+    GPTQ module (bin-packed per layer on Hessian size), and what each rank holds in memory."""
+    from quantkit import data, distributed
+
+    prepared = prepare(src, recipe, fmt, trust_remote_code)
+    options = calibration or CalibrationOptions()
+    num_samples = options.num_samples or recipe.calibration.num_samples
+    seq_len = options.seq_len or recipe.calibration.seq_len
+    shares = [len(data.rank_slice(num_samples, rank, world_size)) for rank in range(world_size)]
+    quantized = [e for e in prepared.plan if e.quantized]
+    owners = {}
+    if recipe.quantizer.name.value == "gptq":
+        for layer in sorted({e.name.rsplit(".", 2)[0] for e in quantized}):
+            members = {e.name: e.in_features ** 2 for e in quantized if e.name.rsplit(".", 2)[0] == layer}
+            owners.update(distributed.assign_owners(members, world_size))
+    config = models.read_config_json(prepared.src)
+    hidden = config.get("hidden_size", 0)
+    model_bytes = models.weights_size(prepared.src)
+    layers = max(1, config.get("num_hidden_layers", 1))
+    return {
+        "ranks": world_size,
+        "samples_per_rank": shares,
+        "seq_len": seq_len,
+        "owners": owners,
+        "modules_per_rank": [sum(1 for r in owners.values() if r == rank) for rank in range(world_size)],
+        "memory_per_rank_bytes": {
+            "model_in_cpu_memory": model_bytes,  # every rank holds the model (safetensors are memory-mapped)
+            "one_layer_on_device": model_bytes // (layers + 2),
+            "activations": max(shares) * seq_len * hidden * 4 * 2,
+        },
+    }
+
+
+def write_artifact(model: nn.Module, prepared: Prepared, recipe: Recipe, dst: Path, overwrite: bool, progress: Progress) -> None:
     with atomic.atomic_directory(dst, overwrite) as tmp:
         with progress.task(f"Writing {dst}", total=None):
             exporter(prepared.format).save(model, tmp)
@@ -169,8 +242,3 @@ def finalize(
             info = metadata.build(recipe, prepared.format, prepared.plan, prepared.src, models.fingerprint(prepared.src))
             info["calibration"] = prepared.calibration
             metadata.write(tmp, info)
-    return FinalizeResult(
-        dst=dst, recipe=recipe, format=prepared.format, plan=prepared.plan, seconds=time.perf_counter() - start,
-        source_bytes=models.weights_size(prepared.src), output_bytes=models.weights_size(dst), threads=used_threads,
-        calibration=prepared.calibration,
-    )

@@ -98,33 +98,36 @@ class ChannelAbsMax(Observer):
 
 
 class ChannelAbsMean(Observer):
-    """Per input channel mean |x| (AWQ's activation statistic), kept as a sum and a token count (SUM)."""
+    """Per input channel mean |x| (AWQ's activation statistic), kept as a float64 sum and a token count (SUM):
+    the float32 mean comes out the same whatever the order of summation (whatever the number of ranks)."""
 
     REDUCE = {"abs_sum": ReduceOp.SUM, "count": ReduceOp.SUM}
 
     def update(self, x: torch.Tensor) -> None:
-        rows = x.detach().float().reshape(-1, x.shape[-1])
-        value, count = rows.abs().sum(0), torch.tensor(float(rows.shape[0]), device=rows.device)
+        rows = x.detach().double().reshape(-1, x.shape[-1])
+        value = rows.abs().sum(0)
+        count = torch.tensor(float(rows.shape[0]), dtype=torch.float64, device=rows.device)
         self.state["abs_sum"] = self.state["abs_sum"] + value if "abs_sum" in self.state else value
         self.state["count"] = self.state["count"] + count if "count" in self.state else count
 
     def mean(self) -> torch.Tensor:
-        return self.state["abs_sum"] / self.state["count"].clamp(min=1.0)
+        return (self.state["abs_sum"] / self.state["count"].clamp(min=1.0)).float()
 
 
 class HessianObserver(Observer):
-    """GPTQ's Hessian, kept as an un-normalized sum of x x^T (float32) and a token count: both reduce by SUM,
-    so 1 rank and N ranks give the same Hessian up to float summation order."""
+    """GPTQ's Hessian, kept as an un-normalized sum of x x^T and a token count: both reduce by SUM. The sum is
+    float64 (products of float32 inputs are exact there), so the float32 Hessian GPTQ uses comes out the same
+    whatever the order of summation, i.e. whatever the number of ranks."""
 
     REDUCE = {"xtx": ReduceOp.SUM, "count": ReduceOp.SUM}
 
     def update(self, x: torch.Tensor) -> None:
-        rows = x.detach().reshape(-1, x.shape[-1]).float()
+        rows = x.detach().reshape(-1, x.shape[-1]).double()
         xtx = rows.T @ rows
-        count = torch.tensor(float(rows.shape[0]), device=rows.device)
+        count = torch.tensor(float(rows.shape[0]), dtype=torch.float64, device=rows.device)
         self.state["xtx"] = self.state["xtx"] + xtx if "xtx" in self.state else xtx
         self.state["count"] = self.state["count"] + count if "count" in self.state else count
 
     def hessian(self) -> torch.Tensor:
         """H = 2/n sum x x^T, the GPTQ normalisation."""
-        return self.state["xtx"] * (2.0 / self.state["count"].clamp(min=1.0))
+        return (self.state["xtx"] * (2.0 / self.state["count"].clamp(min=1.0))).float()

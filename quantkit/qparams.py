@@ -131,6 +131,15 @@ def quantize_with(weight: torch.Tensor, spec: WeightSpec, scale: torch.Tensor, z
     return QuantizedWeight(qdata=qdata, scale=scale, zero_point=zero, spec=spec)
 
 
+def empty_quantized(weight: torch.Tensor, spec: WeightSpec) -> QuantizedWeight:
+    """Buffers shaped and typed like `quantize_weight(weight, spec)`'s result (to receive a broadcast)."""
+    shape = (weight.shape[0], weight.shape[1] // block_size(weight, spec)[1])
+    qdtype = torch.float8_e4m3fn if spec.dtype.is_float else torch.int8
+    zero = None if spec.symmetric else torch.empty(shape, dtype=torch.int8, device=weight.device)
+    scale = torch.empty(shape, dtype=scale_dtype(weight, spec), device=weight.device)
+    return QuantizedWeight(torch.empty_like(weight, dtype=qdtype), scale, zero, spec)
+
+
 def quantize_weight(weight: torch.Tensor, spec: WeightSpec) -> QuantizedWeight:
     """Round-to-nearest quantization of a 2-D weight [out, in] on the spec's grid."""
     with torch.no_grad():

@@ -13,6 +13,7 @@ from typing import Callable
 
 import torch
 from compressed_tensors.compressors import ModelCompressor
+from compressed_tensors.offload import as_single_threaded
 from compressed_tensors.quantization import (
     QuantizationArgs,
     QuantizationConfig,
@@ -139,7 +140,10 @@ def _round_to_nearest(model: nn.Module, plan: list[ModulePlan], recipe: Recipe, 
 
 
 def save(model: nn.Module, out_dir: Path) -> None:
-    compressor = ModelCompressor.from_pretrained_model(model)
-    compressor.compress_model(model)
-    model.save_pretrained(out_dir)
-    compressor.update_config(str(out_dir))
+    """Pack and write. Only rank 0 writes, so compressed-tensors must not spread the packing over the ranks
+    of an initialised process group (it would wait for ranks that are not there)."""
+    with as_single_threaded():
+        compressor = ModelCompressor.from_pretrained_model(model)
+        compressor.compress_model(model)
+        model.save_pretrained(out_dir)
+        compressor.update_config(str(out_dir))

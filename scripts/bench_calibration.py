@@ -1,0 +1,516 @@
+"""Benchmark quantkit's calibrated recipes against llm-compressor: same model, same calibration tokens, same threads.
+
+llm-compressor pins an older transformers, so it lives in its own virtualenv, outside the repository:
+
+    python3 -m venv /tmp/llmc-venv
+    /tmp/llmc-venv/bin/pip install torch==2.13.0      # first: the CPU wheel (a bare torch pulls GBs of CUDA)
+    /tmp/llmc-venv/bin/pip install llmcompressor      # resolves transformers <= 5.17 in that venv only
+
+Then, from the repository root with the project venv active:
+
+    python scripts/bench_calibration.py --llmc-python /tmp/llmc-venv/bin/python --json calib.json
+    python scripts/bench_calibration.py                # quantkit only (the llm-compressor side is skipped)
+
+What it does (everything cached under `--workdir`, default /tmp/quantkit-bench-calib):
+
+1. builds a Llama from a config (4 layers, hidden `--hidden` (512 by default; 1024 is the ~68M-parameter shape),
+   intermediate 2.75x hidden, head_dim 64, vocab 8192, a byte-level BPE tokenizer trained on `--train-text`),
+   then trains it with `quantkit train` for `--train-steps` steps (seq_len 256, global batch 16, micro batch 8,
+   lr 1e-3, bf16 autocast, fp32 weights) so that perplexity differences mean something. OUTPUT/final is the
+   benchmark model (float32);
+2. takes the calibration blocks once, with `quantkit.finalize.calibration_samples` (`--num-samples` x
+   `--seq-len` tokens of `--calib-data`, seed 0) and saves them to calib-NxL.safetensors; `quantkit finalize`
+   draws the same blocks from the same options, and the llm-compressor runner feeds exactly these ids to
+   `oneshot` as a `datasets.Dataset` of input_ids (no shuffling);
+3. runs every job as its own subprocess with OMP_NUM_THREADS / MKL_NUM_THREADS = `--threads`:
+   quantkit: `quantkit finalize SRC DST -q RECIPE [--calib-data ...] --threads T --quiet --overwrite`;
+   llm-compressor: llmc_runner.py (written to the work dir) under `--llmc-python`: `torch.set_num_threads(T)`,
+   `oneshot(...)`, then `save_pretrained(DST, save_compressed=True)`; it prints its load/oneshot/save times.
+   Wall time is perf_counter around the subprocess (interpreter start, imports, load, calibration, save);
+   peak RSS is ru_maxrss from os.wait4;
+4. evaluates the float model and every artifact in ONE `quantkit eval` call (WikiText-2 test, seq_len 256,
+   64 windows); if that call fails (an artifact that does not load), each model is evaluated alone so the
+   failure is pinned on one artifact;
+5. prints a markdown table, the quantkit / llm-compressor ratios per algorithm, and each tool's GPTQ
+   perplexity rise as a fraction of its RTN rise.
+
+Algorithms: RTN W4A16 (quantkit int4-weight-only; llm-compressor QuantizationModifier W4A16), GPTQ W4A16
+(gptq-w4a16; GPTQModifier W4A16), SmoothQuant + GPTQ W8A8 (smoothquant-w8a8; SmoothQuantModifier(0.8) +
+GPTQModifier W8A8), and with `--awq` llm-compressor's AWQ W4A16 (quantkit has no AWQ). llm-compressor's
+GPTQModifier orders columns by activation (actorder "static") unless told otherwise; quantkit's recipes do
+not; `--llmc-actorder none` makes the two run the same algorithm.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from importlib.metadata import version
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+WIKITEXT = REPO.parent / "shared" / "data" / "wikitext-2"
+MIB = 1024 * 1024
+
+# (algorithm, quantkit recipe, llm-compressor runner recipe): one row pair of the table each
+ALGORITHMS = [
+    ("RTN W4A16", "int4-weight-only", "rtn-w4a16"),
+    ("GPTQ W4A16", "gptq-w4a16", "gptq-w4a16"),
+    ("SmoothQuant+GPTQ W8A8", "smoothquant-w8a8", "smoothquant-gptq-w8a8"),
+]
+AWQ = ("AWQ W4A16", None, "awq-w4a16")
+
+LLMC_RUNNER = '''\
+"""llm-compressor side of scripts/bench_calibration.py (written there): one oneshot() run; prints one JSON line."""
+import argparse, json, os, time
+
+start = time.perf_counter()
+p = argparse.ArgumentParser()
+for name in ("src", "dst", "calib", "recipe", "actorder"):
+    p.add_argument(name)
+p.add_argument("threads", type=int)
+args = p.parse_args()
+
+import torch
+torch.set_num_threads(args.threads)
+from datasets import Dataset
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from llmcompressor import oneshot
+from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
+from llmcompressor.modifiers.transform import AWQModifier, SmoothQuantModifier
+
+common = dict(targets="Linear", ignore=["lm_head"])
+gptq = dict(common, **({} if args.actorder == "default" else {"actorder": None}))
+recipe = {
+    "rtn-w4a16": lambda: [QuantizationModifier(scheme="W4A16", **common)],
+    "gptq-w4a16": lambda: [GPTQModifier(scheme="W4A16", **gptq)],
+    "smoothquant-gptq-w8a8": lambda: [SmoothQuantModifier(smoothing_strength=0.8), GPTQModifier(scheme="W8A8", **gptq)],
+    "awq-w4a16": lambda: [AWQModifier(scheme="W4A16", **common)],
+}[args.recipe]()
+imported = time.perf_counter()
+
+ids = load_file(args.calib)["input_ids"]
+dataset = Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": torch.ones_like(ids).tolist()})
+model = AutoModelForCausalLM.from_pretrained(args.src, dtype="auto")
+tokenizer = AutoTokenizer.from_pretrained(args.src)
+loaded = time.perf_counter()
+oneshot(model=model, dataset=dataset, recipe=recipe, max_seq_length=ids.shape[1], num_calibration_samples=ids.shape[0],
+        shuffle_calibration_samples=False)
+calibrated = time.perf_counter()
+model.save_pretrained(args.dst, save_compressed=True)
+tokenizer.save_pretrained(args.dst)
+saved = time.perf_counter()
+print(json.dumps({"import_s": imported - start, "load_s": loaded - imported, "oneshot_s": calibrated - loaded,
+                  "save_s": saved - calibrated, "threads": torch.get_num_threads()}))
+'''
+
+
+@dataclass
+class Job:
+    """One quantization run: a tool, an algorithm, and the subprocess that makes the artifact."""
+
+    tool: str
+    algorithm: str
+    recipe: str
+    dst: Path
+    cmd: list[str]
+    seconds: list[float] = field(default_factory=list)
+    peak_rss_mib: list[float] = field(default_factory=list)
+    calibration_s: list[float] = field(default_factory=list)  # llm-compressor: oneshot(), timed by the runner
+    reported: dict = field(default_factory=dict)  # what the runner printed last (import/load/oneshot/save seconds)
+    returncode: int = 0
+    error: str = ""
+    perplexity: float | None = None
+
+
+# ---------------------------------------------------------------- the benchmark model
+
+
+def model_shape(hidden: int) -> dict:
+    return dict(hidden_size=hidden, intermediate_size=hidden * 11 // 4, num_hidden_layers=4,
+                num_attention_heads=hidden // 64, num_key_value_heads=hidden // 64, vocab_size=8192,
+                max_position_embeddings=2048)
+
+
+def build_init(workdir: Path, text: Path, hidden: int) -> Path:
+    """The randomly initialised float32 Llama with its tokenizer, built once (into a temp dir, then renamed)."""
+    init = workdir / f"llama-h{hidden}-init"
+    if (init / "config.json").is_file():
+        return init
+    from quantkit.tiny import build_tiny_llama
+
+    tmp = workdir / f"{init.name}.building"
+    shutil.rmtree(tmp, ignore_errors=True)
+    print(f"building {init} ...", file=sys.stderr)
+    build_tiny_llama(tmp, text.read_text(encoding="utf-8"), seed=0, dtype="float32", **model_shape(hidden))
+    tmp.rename(init)
+    return init
+
+
+def train_config(init: Path, text: Path, steps: int, output: Path) -> dict:
+    return {
+        "model": {"path": str(init)},
+        "data": {"train": str(text), "seq_len": 256},
+        "train": {"micro_batch_size": 8, "global_batch_size": 16, "max_steps": steps, "lr": 1.0e-3,
+                  "warmup_steps": max(1, steps // 10), "schedule": "cosine", "precision": "bf16", "seed": 0,
+                  "log_interval": 10},
+        "output_dir": str(output),
+    }
+
+
+def train_model(workdir: Path, init: Path, text: Path, steps: int, threads: int) -> Path:
+    """`quantkit train` on the built model, once; returns OUTPUT/final."""
+    output = workdir / f"{init.name.removesuffix('-init')}-trained{steps}"
+    final = output / "final"
+    if (final / "config.json").is_file():
+        return final
+    config = workdir / f"{output.name}.yaml"
+    config.write_text(json.dumps(train_config(init, text, steps, output), indent=2))  # JSON is YAML
+    print(f"training {init} for {steps} steps -> {final} ...", file=sys.stderr)
+    began = time.perf_counter()
+    cmd = [quantkit_executable(), "train", str(config), "--threads", str(threads), "--quiet", "--overwrite"]
+    subprocess.run(cmd, env=thread_env(threads), check=True)
+    (output / "train_seconds.txt").write_text(f"{time.perf_counter() - began:.1f}\n")
+    return final
+
+
+def training_facts(final: Path) -> dict:
+    """Steps, final loss, first loss and training time, read back from the run's log."""
+    output = final.parent
+    log = [json.loads(line) for line in (output / "log.jsonl").read_text().splitlines() if line.strip()]
+    losses = [r for r in log if "loss" in r]
+    seconds = output / "train_seconds.txt"
+    return {"steps": losses[-1]["step"], "first_loss": losses[0]["loss"], "final_loss": losses[-1]["loss"],
+            "seconds": float(seconds.read_text()) if seconds.is_file() else None}
+
+
+# ---------------------------------------------------------------- calibration tokens
+
+
+def write_calibration(src: Path, data: Path, num_samples: int, seq_len: int, workdir: Path) -> Path:
+    """quantkit's calibration blocks for these options, saved for the llm-compressor runner."""
+    import torch
+    from safetensors.torch import save_file
+
+    from quantkit.finalize import CalibrationOptions, calibration_samples
+    from quantkit.registry import resolve
+
+    options = CalibrationOptions(data=str(data), num_samples=num_samples, seq_len=seq_len)
+    blocks = calibration_samples(src, resolve("gptq-w4a16"), options)
+    # the blocks depend on the options only, not on the recipe: smoothquant-w8a8 calibrates on the same ones
+    assert torch.equal(blocks, calibration_samples(src, resolve("smoothquant-w8a8"), options))
+    path = workdir / f"calib-{num_samples}x{seq_len}.safetensors"
+    save_file({"input_ids": blocks.contiguous()}, str(path))
+    return path
+
+
+# ---------------------------------------------------------------- jobs
+
+
+def quantkit_executable() -> str:
+    beside = Path(sys.executable).parent / "quantkit"
+    found = str(beside) if beside.is_file() else shutil.which("quantkit")
+    if not found:
+        sys.exit("the `quantkit` console script is not installed (pip install -e .)")
+    return found
+
+
+def thread_env(threads: int) -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+
+
+def quantkit_job(algorithm: str, recipe: str, src: Path, out: Path, args: argparse.Namespace) -> Job:
+    from quantkit.registry import resolve
+
+    dst = out / f"quantkit-{recipe}"
+    cmd = [quantkit_executable(), "finalize", str(src), str(dst), "-q", recipe, "--threads", str(args.threads),
+           "--quiet", "--overwrite"]
+    if resolve(recipe).needs_calibration:
+        cmd += ["--calib-data", str(args.calib_data), "--num-samples", str(args.num_samples),
+                "--seq-len", str(args.seq_len)]
+    return Job("quantkit", algorithm, recipe, dst, cmd)
+
+
+def llmc_job(algorithm: str, recipe: str, src: Path, out: Path, calib: Path, runner: Path,
+             args: argparse.Namespace) -> Job:
+    dst = out / f"llmc-{recipe}"
+    cmd = [str(args.llmc_python), str(runner), str(src), str(dst), str(calib), recipe, args.llmc_actorder,
+           str(args.threads)]
+    return Job("llm-compressor", algorithm, recipe, dst, cmd)
+
+
+def make_jobs(src: Path, calib: Path, workdir: Path, args: argparse.Namespace) -> list[Job]:
+    out = workdir / "out"
+    out.mkdir(exist_ok=True)
+    runner = workdir / "llmc_runner.py"
+    runner.write_text(LLMC_RUNNER)
+    jobs = []  # the two tools alternate, algorithm by algorithm, so that drift of a noisy machine hits both alike
+    for algo, qk_recipe, llmc_recipe in ALGORITHMS + ([AWQ] if args.awq else []):
+        jobs += [quantkit_job(algo, qk_recipe, src, out, args)] if qk_recipe else []
+        jobs += [llmc_job(algo, llmc_recipe, src, out, calib, runner, args)] if args.llmc_python else []
+    return jobs
+
+
+# ---------------------------------------------------------------- measuring
+
+
+def measure(job: Job, env: dict[str, str], logs: Path) -> None:
+    """One run of `job`: wall time and peak RSS (os.wait4); stdout kept (the runner's JSON), stderr logged."""
+    shutil.rmtree(job.dst, ignore_errors=True)  # llm-compressor's save_pretrained would mix old and new files
+    log = logs / f"{job.dst.name}.log"
+    with tempfile.TemporaryFile() as stdout, open(log, "wb") as stderr:
+        start = time.perf_counter()
+        proc = subprocess.Popen(job.cmd, env=env, stdout=stdout, stderr=stderr)
+        _, status, usage = os.wait4(proc.pid, 0)
+        seconds = time.perf_counter() - start
+        proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here; keep Popen from waiting again
+        stdout.seek(0)
+        printed = stdout.read().decode(errors="replace")
+    job.returncode = proc.returncode
+    if proc.returncode:
+        job.error = log.read_text(errors="replace")[-3000:]
+        return
+    job.seconds.append(seconds)
+    job.peak_rss_mib.append(usage.ru_maxrss / 1024)
+    job.reported = last_json_line(printed) or {}
+    if "oneshot_s" in job.reported:
+        job.calibration_s.append(job.reported["oneshot_s"])
+
+
+def last_json_line(text: str) -> dict | None:
+    for line in reversed(text.splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    return None
+
+
+def run_jobs(jobs: list[Job], repeats: int, threads: int, logs: Path) -> None:
+    """`repeats` rounds over all jobs (interleaved, so slow drift of a noisy machine hits every job alike)."""
+    env = thread_env(threads)
+    for round_no in range(1, repeats + 1):
+        for job in jobs:
+            if job.returncode:
+                continue
+            measure(job, env, logs)
+            state = f"{job.seconds[-1]:.1f}s" if not job.returncode else f"FAILED (rc {job.returncode})"
+            print(f"round {round_no}/{repeats} {job.tool} {job.recipe}: {state}", file=sys.stderr)
+
+
+# ---------------------------------------------------------------- perplexity
+
+
+def eval_cmd(models: list[Path], args: argparse.Namespace, json_path: Path) -> list[str]:
+    return [quantkit_executable(), "eval", *map(str, models), "--data", str(args.eval_data), "--seq-len", "256",
+            "--max-samples", str(args.eval_samples), "--json", str(json_path), "--threads", str(args.threads),
+            "--quiet"]
+
+
+def perplexities(models: list[Path], args: argparse.Namespace, workdir: Path) -> tuple[dict[str, float], dict[str, str]]:
+    """{path: perplexity} from one `quantkit eval` call; when it fails, one call per model, and {path: error}."""
+    results, errors = {}, {}
+    batches = [models]
+    for attempt in (0, 1):
+        for group in batches:
+            json_path = workdir / "eval.json"
+            json_path.unlink(missing_ok=True)
+            proc = subprocess.run(eval_cmd(group, args, json_path), env=thread_env(args.threads),
+                                  capture_output=True, text=True)
+            if proc.returncode == 0:
+                results.update({r["path"]: r["perplexity"]["perplexity"] for r in json.loads(json_path.read_text())["results"]})
+            elif attempt == 1:
+                errors[str(group[0])] = (proc.stderr or proc.stdout).strip()[-1500:]
+        if len(results) == len(models) or attempt == 1:
+            return results, errors
+        print("one `quantkit eval` over all models failed; evaluating each model alone", file=sys.stderr)
+        batches = [[m] for m in models]
+    return results, errors
+
+
+# ---------------------------------------------------------------- reporting
+
+
+def median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def fmt(value: float | None, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
+def table(jobs: list[Job], float_ppl: float | None) -> str:
+    lines = ["| tool | algorithm | recipe | wall s | llmc oneshot() s | peak RSS MiB | ppl | ppl rise vs float |",
+             "|---|---|---|---|---|---|---|---|"]
+    lines.append(f"| - | float32 | - | - | - | - | {fmt(float_ppl, '.3f')} | - |")
+    for job in jobs:
+        rise = job.perplexity / float_ppl - 1 if job.perplexity and float_ppl else None
+        wall = "FAILED" if job.returncode else fmt(median(job.seconds), ".1f")
+        lines.append(
+            f"| {job.tool} | {job.algorithm} | {job.recipe} | {wall} | {fmt(median(job.calibration_s), '.1f')} "
+            f"| {fmt(median(job.peak_rss_mib), '.0f')} | {fmt(job.perplexity, '.3f')} "
+            f"| {fmt(None if rise is None else 100 * rise, '+.2f')}{'%' if rise is not None else ''} |"
+        )
+    return "\n".join(lines)
+
+
+def ratios(jobs: list[Job]) -> list[dict]:
+    """quantkit / llm-compressor per algorithm: wall time, peak RSS, perplexity (and the targets)."""
+    by = {(j.tool, j.algorithm): j for j in jobs if not j.returncode}
+    rows = []
+    for algorithm, _, _ in ALGORITHMS:
+        qk, lc = by.get(("quantkit", algorithm)), by.get(("llm-compressor", algorithm))
+        if not (qk and lc):
+            continue
+        rows.append({
+            "algorithm": algorithm,
+            "wall_ratio": median(qk.seconds) / median(lc.seconds),
+            "rss_ratio": median(qk.peak_rss_mib) / median(lc.peak_rss_mib),
+            "ppl_quantkit": qk.perplexity, "ppl_llmc": lc.perplexity,
+            "ppl_ratio": qk.perplexity / lc.perplexity if qk.perplexity and lc.perplexity else None,
+        })
+    return rows
+
+
+def gptq_vs_rtn(jobs: list[Job], float_ppl: float | None) -> dict[str, float | None]:
+    """Per tool: GPTQ's perplexity rise over float as a fraction of RTN's (target <= 0.6)."""
+    ppl = {(j.tool, j.algorithm): j.perplexity for j in jobs}
+    out = {}
+    for tool in ("quantkit", "llm-compressor"):
+        gptq, rtn = ppl.get((tool, "GPTQ W4A16")), ppl.get((tool, "RTN W4A16"))
+        if gptq and rtn and float_ppl and rtn > float_ppl:
+            out[tool] = (gptq - float_ppl) / (rtn - float_ppl)
+    return out
+
+
+def print_report(facts: dict, jobs: list[Job], float_ppl: float | None, eval_errors: dict[str, str]) -> None:
+    m, t = facts["model"], facts["training"]
+    print(f"- python {facts['python']}, {facts['cpus']} CPUs, threads {facts['threads']}, repeats {facts['repeats']}; "
+          f"quantkit side: torch {facts['torch']}, transformers {facts['transformers']}, "
+          f"compressed-tensors {facts['compressed-tensors']}")
+    print(f"- llm-compressor side: {facts['llmc'] or 'skipped (pass --llmc-python)'}")
+    took = f", {t['seconds']:.0f} s" if t["seconds"] else ""
+    print(f"- model: {m['path']} ({m['parameters'] / 1e6:.1f}M parameters, float32, hidden {m['hidden']}), trained "
+          f"{t['steps']} steps (loss {t['first_loss']:.3f} -> {t['final_loss']:.3f}{took})")
+    print(f"- calibration: {facts['calibration']}; perplexity: {facts['eval']}")
+    print()
+    print(table(jobs, float_ppl))
+    print()
+    for row in ratios(jobs):
+        print(f"- {row['algorithm']}: quantkit / llm-compressor wall {row['wall_ratio']:.2f}x, peak RSS "
+              f"{row['rss_ratio']:.2f}x, perplexity {fmt(row['ppl_quantkit'], '.3f')} vs {fmt(row['ppl_llmc'], '.3f')}")
+    for row in ratios(jobs):
+        if row["algorithm"] == "GPTQ W4A16" and row["ppl_ratio"] is not None:
+            met = row["wall_ratio"] <= 0.5 and row["ppl_ratio"] <= 1.0
+            print(f"- target (GPTQ wall <= 0.5x llm-compressor's, perplexity equal or better): {'met' if met else 'NOT met'}")
+    for tool, share in gptq_vs_rtn(jobs, float_ppl).items():
+        print(f"- {tool}: GPTQ W4A16 perplexity rise = {100 * share:.0f}% of RTN W4A16's (target <= 60%)")
+    for job in jobs:
+        if job.returncode:
+            print(f"- FAILED {job.tool} {job.recipe} (rc {job.returncode}):\n```\n{job.error.strip()[-1500:]}\n```")
+    for path, error in eval_errors.items():
+        print(f"- `quantkit eval` could not evaluate {path}:\n```\n{error}\n```")
+
+
+def llmc_versions(python: Path | None) -> str | None:
+    if not python:
+        return None
+    code = ("from importlib.metadata import version as v; "
+            "print(', '.join(f'{p} {v(p)}' for p in ('llmcompressor', 'torch', 'transformers', 'compressed-tensors')))")
+    proc = subprocess.run([str(python), "-c", code], capture_output=True, text=True)
+    return proc.stdout.strip() if proc.returncode == 0 else f"unknown ({proc.stderr.strip()[-200:]})"
+
+
+def parameter_count(folder: Path) -> int:
+    from math import prod
+
+    from safetensors import safe_open
+
+    total = 0
+    for path in folder.glob("*.safetensors"):
+        with safe_open(str(path), "pt") as f:
+            total += sum(prod(f.get_slice(name).get_shape()) for name in f.keys())
+    return total
+
+
+def machine_facts(src: Path, hidden: int, args: argparse.Namespace) -> dict:
+    return {
+        "python": platform.python_version(), "platform": platform.platform(), "cpus": os.cpu_count(),
+        "torch": version("torch"), "transformers": version("transformers"),
+        "compressed-tensors": version("compressed-tensors"), "threads": args.threads, "repeats": args.repeats,
+        "llmc": llmc_versions(args.llmc_python), "llmc_actorder": args.llmc_actorder,
+        "model": {"path": str(src), "hidden": hidden, "parameters": parameter_count(src)},
+        "training": training_facts(src),
+        "calibration": f"{args.num_samples} x {args.seq_len} tokens of {args.calib_data} (seed 0)",
+        "eval": f"{args.eval_data}, seq_len 256, {args.eval_samples} windows",
+    }
+
+
+def write_json(path: Path, facts: dict, jobs: list[Job], float_ppl: float | None, eval_errors: dict) -> None:
+    payload = {
+        "machine": facts, "float_perplexity": float_ppl, "jobs": [{**asdict(j), "dst": str(j.dst)} for j in jobs],
+        "ratios": ratios(jobs), "gptq_rise_over_rtn_rise": gptq_vs_rtn(jobs, float_ppl),
+        "eval_errors": eval_errors,
+    }
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+
+
+# ---------------------------------------------------------------- main
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--llmc-python", type=Path, help="python of a venv with llmcompressor; without it only quantkit runs")
+    p.add_argument("--workdir", type=Path, default=Path("/tmp/quantkit-bench-calib"))
+    p.add_argument("--hidden", type=int, default=512, help="hidden size (1024: the ~68M-parameter shape)")
+    p.add_argument("--train-steps", type=int, default=150)
+    p.add_argument("--train-text", type=Path, default=WIKITEXT / "valid.txt", help="tokenizer and training text")
+    p.add_argument("--calib-data", type=Path, default=WIKITEXT / "valid.txt")
+    p.add_argument("--num-samples", type=int, default=64)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--eval-data", type=Path, default=WIKITEXT / "test.txt")
+    p.add_argument("--eval-samples", type=int, default=64, help="perplexity windows of 256 tokens")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=1, help="timed runs of every job (the table shows medians)")
+    p.add_argument("--awq", action="store_true", help="also run llm-compressor's AWQ W4A16 (quantkit has no AWQ)")
+    p.add_argument("--llmc-actorder", choices=["default", "none"], default="default",
+                   help="llm-compressor GPTQ column order: its default (static) or none (as quantkit's recipes)")
+    p.add_argument("--prepare-only", action="store_true", help="build, train and write the calibration tokens, then stop")
+    p.add_argument("--json", type=Path, help="also write every measurement here")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    if not args.llmc_python:
+        print("note: no --llmc-python given; skipping the llm-compressor side (see this script's docstring)", file=sys.stderr)
+    init = build_init(args.workdir, args.train_text, args.hidden)
+    src = train_model(args.workdir, init, args.train_text, args.train_steps, args.threads)
+    calib = write_calibration(src, args.calib_data, args.num_samples, args.seq_len, args.workdir)
+    if args.prepare_only:
+        return print(f"model {src}, calibration tokens {calib}")
+    jobs = make_jobs(src, calib, args.workdir, args)
+    logs = args.workdir / "logs"
+    logs.mkdir(exist_ok=True)
+    run_jobs(jobs, args.repeats, args.threads, logs)
+    done = [job for job in jobs if not job.returncode]
+    ppl, eval_errors = perplexities([src] + [job.dst for job in done], args, args.workdir)
+    for job in done:
+        job.perplexity = ppl.get(str(job.dst))
+    facts = machine_facts(src, args.hidden, args)
+    print_report(facts, jobs, ppl.get(str(src)), eval_errors)
+    if args.json:
+        write_json(args.json, facts, jobs, ppl.get(str(src)), eval_errors)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""Data-parallel calibration on CPU with gloo: 1 and 2 ranks write the same artifact; a failing rank stops
+every rank within the collective timeout and leaves no DST; --dry-run shows the plan."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import make_text
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def calib_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("dcalib") / "calib.txt"
+    path.write_text(make_text(4000, seed=11))
+    return path
+
+
+def _env() -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID")}
+    env["QUANTKIT_DIST_TIMEOUT"] = "60"
+    return env
+
+
+def finalize(src, dst, recipe, calib, nproc, *extra, runner=None):
+    cmd = [sys.executable, *(runner or ["-m", "quantkit.cli.main"]), "finalize", str(src), str(dst), "-q", recipe,
+           "--calib-data", str(calib), "--num-samples", "8", "--seq-len", "32", "--threads", "1", "--quiet", *extra]
+    if nproc > 1 and runner is None:
+        cmd += ["--nproc-per-node", str(nproc)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=_env())
+
+
+@pytest.mark.parametrize("recipe", ["gptq-w4a16", "fp8-static", "awq-w4a16", "smoothquant-w8a8"])
+def test_one_and_two_ranks_write_the_same_artifact(tiny_model_dir, calib_file, tmp_path, recipe):
+    """Bit-identical at equal threads per process: statistics are reduced exactly (MIN/MAX, float64 sums)."""
+    for n in (1, 2):
+        done = finalize(tiny_model_dir, tmp_path / f"n{n}", recipe, calib_file, n)
+        assert done.returncode == 0, done.stderr[-3000:]
+    one, two = load_file(tmp_path / "n1" / "model.safetensors"), load_file(tmp_path / "n2" / "model.safetensors")
+    assert one.keys() == two.keys()
+    for key in one:
+        assert torch.equal(one[key], two[key]), key
+    info = json.loads((tmp_path / "n2" / "quantkit.json").read_text())["calibration"]
+    assert info["ranks"] == 2 and info["num_samples"] == 8
+    if recipe.startswith("gptq"):
+        assert sorted(set(info["owners"]["assignment"].values())) == [0, 1]
+
+
+def test_a_failing_rank_stops_every_rank_and_writes_nothing(tiny_model_dir, calib_file, tmp_path):
+    runner = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(Path(__file__).with_name("failing_rank.py"))]
+    started = time.monotonic()
+    done = finalize(tiny_model_dir, tmp_path / "out", "gptq-w4a16", calib_file, 2, runner=runner)
+    assert done.returncode != 0
+    assert time.monotonic() - started < 300
+    assert "injected failure on rank 1" in done.stderr
+    assert not (tmp_path / "out").exists() and not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
+
+
+def test_dry_run_prints_the_plan_without_loading(tiny_model_dir, calib_file, tmp_path):
+    done = finalize(tiny_model_dir, tmp_path / "out", "gptq-w4a16", calib_file, 2, "--dry-run")
+    assert done.returncode == 0, done.stderr
+    plan = json.loads(done.stdout)
+    assert plan["ranks"] == 2 and plan["samples_per_rank"] == [4, 4]
+    assert sum(plan["modules_per_rank"]) == 14 and len(plan["owners"]) == 14
+    assert not (tmp_path / "out").exists()
