@@ -240,3 +240,26 @@ def test_train_under_torchrun_does_not_relaunch(fake_train, train_yaml, monkeypa
     monkeypatch.setenv("LOCAL_RANK", "0")
     assert invoke("train", str(train_yaml), "--nproc-per-node", "2").exit_code == 0
     assert len(fake_train) == 1
+
+
+def test_finalize_relaunches_itself_under_torchrun(fake_finalize, monkeypatch):
+    seen = {}
+    monkeypatch.setattr(launch.subprocess, "run", lambda cmd, env: seen.update(cmd=cmd) or SimpleNamespace(returncode=3))
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    result = invoke("finalize", "src", "dst", "-q", "gptq-w4a16", "--calib-data", "c.txt", "--nproc-per-node", "2")
+    assert result.exit_code == 3  # the ranks' exit code is the command's
+    assert seen["cmd"][3:5] == ["--standalone", "--nproc-per-node=2"] and not fake_finalize
+
+
+def test_finalize_with_one_process_runs_in_process(fake_finalize, monkeypatch):
+    monkeypatch.setattr(launch.subprocess, "run", lambda *a, **k: pytest.fail("must not launch"))
+    assert invoke("finalize", "src", "dst", "-q", "gptq-w4a16", "--calib-data", "c.txt", "--nproc-per-node", "1").exit_code == 0
+    assert len(fake_finalize) == 1
+
+
+def test_finalize_dry_run_prints_the_plan(monkeypatch):
+    calls = []
+    monkeypatch.setattr(quantkit.finalize, "dry_run", lambda *args: calls.append(args) or {"ranks": args[4]})
+    result = invoke("finalize", "src", "dst", "-q", "gptq-w4a16", "--nproc-per-node", "4", "--dry-run")
+    assert result.exit_code == 0 and json.loads(result.output) == {"ranks": 4}
