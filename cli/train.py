@@ -43,6 +43,7 @@ def train(
     The trained model lands in OUTPUT_DIR/final; convert a QAT model with
     `quantkit finalize OUTPUT_DIR/final DST --quantize RECIPE`.
     """
+    quiet_libraries()
     from quantkit import registry, train_config
 
     overrides = list(set_ or [])
@@ -59,7 +60,6 @@ def train(
     code = relaunch(nproc_per_node, threads)
     if code is not None:
         raise typer.Exit(code)
-    quiet_libraries()
     from quantkit.progress import Progress
     from quantkit.train import train as run
 

@@ -89,13 +89,18 @@ from llmcompressor import oneshot
 from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
 from llmcompressor.modifiers.transform import AWQModifier, SmoothQuantModifier
 
+if not torch.accelerator.is_available():
+    # llm-compressor 0.14's AWQ pins its activation cache for host-to-device copies; pinning needs an accelerator
+    from llmcompressor.pipelines.cache import IntermediatesCache
+    IntermediatesCache.pin_memory = lambda self, batch_index, input_names=None: None
+
 common = dict(targets="Linear", ignore=["lm_head"])
 gptq = dict(common, **({} if args.actorder == "default" else {"actorder": None}))
 recipe = {
     "rtn-w4a16": lambda: [QuantizationModifier(scheme="W4A16", **common)],
     "gptq-w4a16": lambda: [GPTQModifier(scheme="W4A16", **gptq)],
     "smoothquant-gptq-w8a8": lambda: [SmoothQuantModifier(smoothing_strength=0.8), GPTQModifier(scheme="W8A8", **gptq)],
-    "awq-w4a16": lambda: [AWQModifier(scheme="W4A16", **common)],
+    "awq-w4a16": lambda: [AWQModifier(), QuantizationModifier(scheme="W4A16", **common)],  # AWQ only rescales
 }[args.recipe]()
 imported = time.perf_counter()
 

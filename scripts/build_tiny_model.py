@@ -11,6 +11,7 @@ import argparse
 import random
 from pathlib import Path
 
+from quantkit.cli.console import quiet_libraries
 from quantkit.tiny import build_tiny_llama
 
 
@@ -30,6 +31,7 @@ def main() -> None:
     parser.add_argument("--intermediate", type=int, default=352, help="352: a width 128 does not divide")
     parser.add_argument("--vocab", type=int, default=1024)
     args = parser.parse_args()
+    quiet_libraries()
     text = args.text.read_text()[: args.max_chars] if args.text and args.text.is_file() else generated_text()
     out = build_tiny_llama(
         args.out_dir, text, hidden_size=args.hidden, num_hidden_layers=args.layers,
