@@ -12,7 +12,7 @@ rm -rf "$OUT" && mkdir -p "$OUT"
 # Local text: Tiny Shakespeare to train on, its last part to evaluate on; generated text when absent.
 if [ -f "$DATA_DIR/tinyshakespeare/input.txt" ]; then
   head -c 900000 "$DATA_DIR/tinyshakespeare/input.txt" > "$OUT/train.txt"
-  tail -c 100000 "$DATA_DIR/tinyshakespeare/input.txt" > "$OUT/eval.txt"
+  tail -c 30000 "$DATA_DIR/tinyshakespeare/input.txt" > "$OUT/eval.txt"
 else
   python -c "import sys; sys.path.insert(0, 'scripts'); from build_tiny_model import generated_text; print(generated_text(150000))" > "$OUT/train.txt"
   python -c "import sys; sys.path.insert(0, 'scripts'); from build_tiny_model import generated_text; print(generated_text(15000, seed=1))" > "$OUT/eval.txt"
@@ -36,5 +36,5 @@ $QK finalize "$OUT/runs/qat/final" "$OUT/qat-int8-dynamic-act-int4-weight" --qua
 
 echo "== eval: every model against the full-precision one, with an accuracy gate"
 $QK eval "$OUT/runs/plain/final" "$OUT"/ptq-* "$OUT/qat-int8-dynamic-act-int4-weight" --data "$OUT/eval.txt" \
-  --seq-len 128 --baseline "$OUT/runs/plain/final" --max-ppl-increase 25 --json "$OUT/eval.json"
+  --seq-len 128 --max-samples 48 --baseline "$OUT/runs/plain/final" --max-ppl-increase 25 --json "$OUT/eval.json"
 echo "== done: models, artifacts and eval.json under $OUT/"
