@@ -30,9 +30,11 @@ What it does (everything cached under `--workdir`, default /tmp/quantkit-bench-c
    peak RSS is ru_maxrss from os.wait4;
 4. evaluates the float model and every artifact in ONE `quantkit eval` call (WikiText-2 test, seq_len 256,
    64 windows); if that call fails (an artifact that does not load), each model is evaluated alone so the
-   failure is pinned on one artifact;
+   failure is pinned on one artifact; then, in this process, the mean per-token KL(float || quantized) of
+   the next-token distributions on the same windows (`--no-kl` skips it): on a model this small and this
+   briefly trained, 4-bit RTN barely moves perplexity, while KL still separates RTN from GPTQ;
 5. prints a markdown table, the quantkit / llm-compressor ratios per algorithm, and each tool's GPTQ
-   perplexity rise as a fraction of its RTN rise.
+   perplexity rise (and KL) as a fraction of its RTN rise (KL).
 
 Algorithms: RTN W4A16 (quantkit int4-weight-only; llm-compressor QuantizationModifier W4A16), GPTQ W4A16
 (gptq-w4a16; GPTQModifier W4A16), SmoothQuant + GPTQ W8A8 (smoothquant-w8a8; SmoothQuantModifier(0.8) +
@@ -136,6 +138,7 @@ class Job:
     returncode: int = 0
     error: str = ""
     perplexity: float | None = None
+    kl: float | None = None  # mean per-token KL(float || quantized) on the eval windows
 
 
 # ---------------------------------------------------------------- the benchmark model
@@ -341,6 +344,42 @@ def perplexities(models: list[Path], args: argparse.Namespace, workdir: Path) ->
     return results, errors
 
 
+def kl_to_float(src: Path, models: list[Path], args: argparse.Namespace) -> dict[str, float]:
+    """{path: mean per-token KL(float || quantized)} of the next-token distributions on the first eval windows.
+
+    Far more sensitive than perplexity: it sees every change of the output distribution, not only the net change
+    of the target tokens' probability, so it separates algorithms on a small model that perplexity cannot.
+    """
+    import torch
+
+    from quantkit.data import load_texts, tokenize
+    from quantkit.evaluate import load_eval_model
+
+    torch.set_num_threads(args.threads)
+    model, tokenizer = load_eval_model(src)
+    ids = tokenize(tokenizer, load_texts(str(args.eval_data)))
+    count = min(args.eval_samples, ids.numel() // 256)
+    batches = ids[: count * 256].view(count, 256).split(8)
+    reference = [_log_probs(model, batch) for batch in batches]
+    result = {}
+    for path in models:
+        quantized, _ = load_eval_model(path)
+        total = sum(_kl_sum(ref, _log_probs(quantized, batch)) for batch, ref in zip(batches, reference))
+        result[str(path)] = total / (count * 256)
+    return result
+
+
+def _log_probs(model, batch):
+    import torch
+
+    with torch.inference_mode():
+        return torch.log_softmax(model(input_ids=batch).logits.float(), dim=-1)
+
+
+def _kl_sum(log_p, log_q) -> float:
+    return (log_p.exp() * (log_p - log_q)).sum().item()
+
+
 # ---------------------------------------------------------------- reporting
 
 
@@ -353,16 +392,17 @@ def fmt(value: float | None, spec: str) -> str:
 
 
 def table(jobs: list[Job], float_ppl: float | None) -> str:
-    lines = ["| tool | algorithm | recipe | wall s | llmc oneshot() s | peak RSS MiB | ppl | ppl rise vs float |",
-             "|---|---|---|---|---|---|---|---|"]
-    lines.append(f"| - | float32 | - | - | - | - | {fmt(float_ppl, '.3f')} | - |")
+    lines = ["| tool | algorithm | recipe | wall s | llmc oneshot() s | peak RSS MiB | ppl | ppl rise vs float "
+             "| KL vs float (1e-3 nats/token) |", "|---|---|---|---|---|---|---|---|---|"]
+    lines.append(f"| - | float32 | - | - | - | - | {fmt(float_ppl, '.3f')} | - | - |")
     for job in jobs:
         rise = job.perplexity / float_ppl - 1 if job.perplexity and float_ppl else None
         wall = "FAILED" if job.returncode else fmt(median(job.seconds), ".1f")
         lines.append(
             f"| {job.tool} | {job.algorithm} | {job.recipe} | {wall} | {fmt(median(job.calibration_s), '.1f')} "
             f"| {fmt(median(job.peak_rss_mib), '.0f')} | {fmt(job.perplexity, '.3f')} "
-            f"| {fmt(None if rise is None else 100 * rise, '+.2f')}{'%' if rise is not None else ''} |"
+            f"| {fmt(None if rise is None else 100 * rise, '+.2f')}{'%' if rise is not None else ''} "
+            f"| {fmt(None if job.kl is None else 1e3 * job.kl, '.3f')} |"
         )
     return "\n".join(lines)
 
@@ -381,18 +421,22 @@ def ratios(jobs: list[Job]) -> list[dict]:
             "rss_ratio": median(qk.peak_rss_mib) / median(lc.peak_rss_mib),
             "ppl_quantkit": qk.perplexity, "ppl_llmc": lc.perplexity,
             "ppl_ratio": qk.perplexity / lc.perplexity if qk.perplexity and lc.perplexity else None,
+            "kl_quantkit": qk.kl, "kl_llmc": lc.kl,
         })
     return rows
 
 
-def gptq_vs_rtn(jobs: list[Job], float_ppl: float | None) -> dict[str, float | None]:
-    """Per tool: GPTQ's perplexity rise over float as a fraction of RTN's (target <= 0.6)."""
-    ppl = {(j.tool, j.algorithm): j.perplexity for j in jobs}
+def gptq_vs_rtn(jobs: list[Job], float_ppl: float | None) -> dict[str, dict[str, float | None]]:
+    """Per tool: GPTQ W4A16's perplexity rise over float as a fraction of RTN W4A16's (target <= 0.6; None when
+    RTN does not raise perplexity), and the same fraction of KL to the float model."""
+    by = {(j.tool, j.algorithm): j for j in jobs}
     out = {}
     for tool in ("quantkit", "llm-compressor"):
-        gptq, rtn = ppl.get((tool, "GPTQ W4A16")), ppl.get((tool, "RTN W4A16"))
-        if gptq and rtn and float_ppl and rtn > float_ppl:
-            out[tool] = (gptq - float_ppl) / (rtn - float_ppl)
+        gptq, rtn = by.get((tool, "GPTQ W4A16")), by.get((tool, "RTN W4A16"))
+        if not (gptq and rtn and gptq.perplexity and rtn.perplexity and float_ppl):
+            continue
+        ppl_share = (gptq.perplexity - float_ppl) / (rtn.perplexity - float_ppl) if rtn.perplexity > float_ppl else None
+        out[tool] = {"ppl_rise_share": ppl_share, "kl_share": gptq.kl / rtn.kl if gptq.kl and rtn.kl else None}
     return out
 
 
@@ -417,7 +461,9 @@ def print_report(facts: dict, jobs: list[Job], float_ppl: float | None, eval_err
             met = row["wall_ratio"] <= 0.5 and row["ppl_ratio"] <= 1.0
             print(f"- target (GPTQ wall <= 0.5x llm-compressor's, perplexity equal or better): {'met' if met else 'NOT met'}")
     for tool, share in gptq_vs_rtn(jobs, float_ppl).items():
-        print(f"- {tool}: GPTQ W4A16 perplexity rise = {100 * share:.0f}% of RTN W4A16's (target <= 60%)")
+        ppl_share = "n/a (RTN does not raise perplexity)" if share["ppl_rise_share"] is None else f"{100 * share['ppl_rise_share']:.0f}%"
+        print(f"- {tool}: GPTQ W4A16 perplexity rise = {ppl_share} of RTN W4A16's (target <= 60%); "
+              f"KL to float = {fmt(None if share['kl_share'] is None else 100 * share['kl_share'], '.0f')}% of RTN's")
     for job in jobs:
         if job.returncode:
             print(f"- FAILED {job.tool} {job.recipe} (rc {job.returncode}):\n```\n{job.error.strip()[-1500:]}\n```")
@@ -488,6 +534,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--awq", action="store_true", help="also run llm-compressor's AWQ W4A16 (quantkit has no AWQ)")
     p.add_argument("--llmc-actorder", choices=["default", "none"], default="default",
                    help="llm-compressor GPTQ column order: its default (static) or none (as quantkit's recipes)")
+    p.add_argument("--no-kl", action="store_true", help="skip the KL-to-float measure (one more pass over every model)")
     p.add_argument("--prepare-only", action="store_true", help="build, train and write the calibration tokens, then stop")
     p.add_argument("--json", type=Path, help="also write every measurement here")
     return p.parse_args(argv)
@@ -509,8 +556,9 @@ def main(argv: list[str] | None = None) -> None:
     run_jobs(jobs, args.repeats, args.threads, logs)
     done = [job for job in jobs if not job.returncode]
     ppl, eval_errors = perplexities([src] + [job.dst for job in done], args, args.workdir)
+    kl = kl_to_float(src, [job.dst for job in done if str(job.dst) in ppl], args) if not args.no_kl else {}
     for job in done:
-        job.perplexity = ppl.get(str(job.dst))
+        job.perplexity, job.kl = ppl.get(str(job.dst)), kl.get(str(job.dst))
     facts = machine_facts(src, args.hidden, args)
     print_report(facts, jobs, ppl.get(str(src)), eval_errors)
     if args.json:
