@@ -29,6 +29,7 @@ their names and identity, so `state_dict()` keys do not change. `strip(model)` g
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Iterator
@@ -125,14 +126,15 @@ class _StraightThrough(torch.autograd.Function):
         return grad, None
 
 
-class _StraightThroughFakeQuantizer(FakeQuantizerBase):
+class _StraightThroughFakeQuantizer(FakeQuantizerBase, ABC):
     def __init__(self, config: FakeQuantizeConfigBase):
         super().__init__()
         self.config = config
         self.enabled = True
 
+    @abstractmethod
     def fake_quantize(self, x: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        """The fake-quantized tensor (forward value; the backward is the identity)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _StraightThrough.apply(x, self.fake_quantize) if self.enabled else x
