@@ -16,8 +16,9 @@ What it does (everything cached under `--workdir`, default /tmp/quantkit-bench-c
 1. builds a Llama from a config (4 layers, hidden `--hidden` (512 by default; 1024 is the ~68M-parameter shape),
    intermediate 2.75x hidden, head_dim 64, vocab 8192, a byte-level BPE tokenizer trained on `--train-text`),
    then trains it with `quantkit train` for `--train-steps` steps (seq_len 256, global batch 16, micro batch 8,
-   lr 1e-3, bf16 autocast, fp32 weights) so that perplexity differences mean something. OUTPUT/final is the
-   benchmark model (float32);
+   lr 1e-3, bf16 autocast, fp32 weights) so that the model has real structure; OUTPUT/final is the benchmark
+   model (float32). Hidden 512, not 1024: on a shared 2-core machine 1024 trains at ~90 tokens/s. Even so,
+   150 steps leave a weak model (test perplexity ~290) whose perplexity 4-bit RTN barely moves: see step 4;
 2. takes the calibration blocks once, with `quantkit.finalize.calibration_samples` (`--num-samples` x
    `--seq-len` tokens of `--calib-data`, seed 0) and saves them to calib-NxL.safetensors; `quantkit finalize`
    draws the same blocks from the same options, and the llm-compressor runner feeds exactly these ids to
@@ -27,7 +28,9 @@ What it does (everything cached under `--workdir`, default /tmp/quantkit-bench-c
    llm-compressor: llmc_runner.py (written to the work dir) under `--llmc-python`: `torch.set_num_threads(T)`,
    `oneshot(...)`, then `save_pretrained(DST, save_compressed=True)`; it prints its load/oneshot/save times.
    Wall time is perf_counter around the subprocess (interpreter start, imports, load, calibration, save);
-   peak RSS is ru_maxrss from os.wait4;
+   peak RSS is ru_maxrss from os.wait4. On an oversubscribed machine (other jobs running) `--threads 2` on 2
+   cores was 3-4x slower than `--threads 1` for both tools: GPTQ's per-column loop of small parallel ops
+   stalls on thread barriers. Compare tools at the same `--threads`, and repeat (`--repeats`);
 4. evaluates the float model and every artifact in ONE `quantkit eval` call (WikiText-2 test, seq_len 256,
    64 windows); if that call fails (an artifact that does not load), each model is evaluated alone so the
    failure is pinned on one artifact; then, in this process, the mean per-token KL(float || quantized) of
@@ -38,7 +41,9 @@ What it does (everything cached under `--workdir`, default /tmp/quantkit-bench-c
 
 Algorithms: RTN W4A16 (quantkit int4-weight-only; llm-compressor QuantizationModifier W4A16), GPTQ W4A16
 (gptq-w4a16; GPTQModifier W4A16), SmoothQuant + GPTQ W8A8 (smoothquant-w8a8; SmoothQuantModifier(0.8) +
-GPTQModifier W8A8), and with `--awq` llm-compressor's AWQ W4A16 (quantkit has no AWQ). llm-compressor's
+GPTQModifier W8A8), and AWQ W4A16 (awq-w4a16, run when this checkout has that recipe; llm-compressor's
+AWQModifier + QuantizationModifier W4A16 only with `--awq`: its grid search takes ~15 min on 2 CPU cores,
+and 0.14 needs the runner's no-op for pin_memory on a machine without an accelerator). llm-compressor's
 GPTQModifier orders columns by activation (actorder "static") unless told otherwise; quantkit's recipes do
 not; `--llmc-actorder none` makes the two run the same algorithm.
 """
@@ -69,7 +74,7 @@ ALGORITHMS = [
     ("GPTQ W4A16", "gptq-w4a16", "gptq-w4a16"),
     ("SmoothQuant+GPTQ W8A8", "smoothquant-w8a8", "smoothquant-gptq-w8a8"),
 ]
-AWQ = ("AWQ W4A16", None, "awq-w4a16")
+AWQ = ("AWQ W4A16", "awq-w4a16", "awq-w4a16")
 
 LLMC_RUNNER = '''\
 """llm-compressor side of scripts/bench_calibration.py (written there): one oneshot() run; prints one JSON line."""
@@ -257,15 +262,22 @@ def llmc_job(algorithm: str, recipe: str, src: Path, out: Path, calib: Path, run
     return Job("llm-compressor", algorithm, recipe, dst, cmd)
 
 
+def has_recipe(name: str) -> bool:
+    from quantkit.registry import recipe_names
+
+    return name in recipe_names()
+
+
 def make_jobs(src: Path, calib: Path, workdir: Path, args: argparse.Namespace) -> list[Job]:
     out = workdir / "out"
     out.mkdir(exist_ok=True)
     runner = workdir / "llmc_runner.py"
     runner.write_text(LLMC_RUNNER)
     jobs = []  # the two tools alternate, algorithm by algorithm, so that drift of a noisy machine hits both alike
-    for algo, qk_recipe, llmc_recipe in ALGORITHMS + ([AWQ] if args.awq else []):
-        jobs += [quantkit_job(algo, qk_recipe, src, out, args)] if qk_recipe else []
-        jobs += [llmc_job(algo, llmc_recipe, src, out, calib, runner, args)] if args.llmc_python else []
+    for algo, qk_recipe, llmc_recipe in ALGORITHMS + [AWQ]:
+        jobs += [quantkit_job(algo, qk_recipe, src, out, args)] if has_recipe(qk_recipe) else []
+        run_llmc = args.llmc_python and (algo != AWQ[0] or args.awq)
+        jobs += [llmc_job(algo, llmc_recipe, src, out, calib, runner, args)] if run_llmc else []
     return jobs
 
 
@@ -325,23 +337,29 @@ def eval_cmd(models: list[Path], args: argparse.Namespace, json_path: Path) -> l
 
 def perplexities(models: list[Path], args: argparse.Namespace, workdir: Path) -> tuple[dict[str, float], dict[str, str]]:
     """{path: perplexity} from one `quantkit eval` call; when it fails, one call per model, and {path: error}."""
+    ok, found = eval_once(models, args, workdir)
+    if ok:
+        return found, {}
+    print("one `quantkit eval` over all models failed; evaluating each model alone", file=sys.stderr)
     results, errors = {}, {}
-    batches = [models]
-    for attempt in (0, 1):
-        for group in batches:
-            json_path = workdir / "eval.json"
-            json_path.unlink(missing_ok=True)
-            proc = subprocess.run(eval_cmd(group, args, json_path), env=thread_env(args.threads),
-                                  capture_output=True, text=True)
-            if proc.returncode == 0:
-                results.update({r["path"]: r["perplexity"]["perplexity"] for r in json.loads(json_path.read_text())["results"]})
-            elif attempt == 1:
-                errors[str(group[0])] = (proc.stderr or proc.stdout).strip()[-1500:]
-        if len(results) == len(models) or attempt == 1:
-            return results, errors
-        print("one `quantkit eval` over all models failed; evaluating each model alone", file=sys.stderr)
-        batches = [[m] for m in models]
+    for model in models:
+        ok, found = eval_once([model], args, workdir)
+        if ok:
+            results.update(found)
+        else:
+            errors[str(model)] = found
     return results, errors
+
+
+def eval_once(models: list[Path], args: argparse.Namespace, workdir: Path) -> tuple[bool, dict | str]:
+    """(True, {path: perplexity}) or (False, the tail of the error output)."""
+    json_path = workdir / "eval.json"
+    json_path.unlink(missing_ok=True)
+    proc = subprocess.run(eval_cmd(models, args, json_path), env=thread_env(args.threads), capture_output=True, text=True)
+    if proc.returncode:
+        return False, (proc.stderr or proc.stdout).strip()[-1500:]
+    reports = json.loads(json_path.read_text())["results"]
+    return True, {r["path"]: r["perplexity"]["perplexity"] for r in reports}
 
 
 def kl_to_float(src: Path, models: list[Path], args: argparse.Namespace) -> dict[str, float]:
@@ -411,7 +429,7 @@ def ratios(jobs: list[Job]) -> list[dict]:
     """quantkit / llm-compressor per algorithm: wall time, peak RSS, perplexity (and the targets)."""
     by = {(j.tool, j.algorithm): j for j in jobs if not j.returncode}
     rows = []
-    for algorithm, _, _ in ALGORITHMS:
+    for algorithm, _, _ in ALGORITHMS + [AWQ]:
         qk, lc = by.get(("quantkit", algorithm)), by.get(("llm-compressor", algorithm))
         if not (qk and lc):
             continue
@@ -531,7 +549,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-samples", type=int, default=64, help="perplexity windows of 256 tokens")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=1, help="timed runs of every job (the table shows medians)")
-    p.add_argument("--awq", action="store_true", help="also run llm-compressor's AWQ W4A16 (quantkit has no AWQ)")
+    p.add_argument("--awq", action="store_true", help="also run llm-compressor's AWQ W4A16 (slow on CPU)")
     p.add_argument("--llmc-actorder", choices=["default", "none"], default="default",
                    help="llm-compressor GPTQ column order: its default (static) or none (as quantkit's recipes)")
     p.add_argument("--no-kl", action="store_true", help="skip the KL-to-float measure (one more pass over every model)")
