@@ -1,11 +1,13 @@
 """The sequential calibration pipeline: decoder layer by decoder layer, without tracing.
 
 1. Capture the inputs of the first decoder layer once (the embeddings run; the layer call is intercepted).
-2. For each decoder layer: move it to the compute device; if the recipe has transforms (SmoothQuant), run
+2. For each decoder layer: move it to the compute device; if the recipe has transforms (SmoothQuant, AWQ), run
    the calibration batches through it with observers on the smoothed Linear inputs and fold the scales;
    run the batches again with observers (GPTQ Hessians, static activation ranges) on its Linear modules;
    quantize its modules; run the batches through the quantized layer to make the next layer's inputs;
    move it back. Peak device memory is one layer plus the calibration activations.
+   GPTQ on Llama-, Qwen2- and Mistral-style layers takes one pass instead of the observe and propagate
+   passes: `true_sequential` quantizes the layer stage by stage (q/k/v, o, gate/up, down) as it runs.
 
 Modules the plan quantizes outside the decoder layers (rare: lm_head is ignored by default) are rounded to
 nearest. Works for Llama-, Qwen2- and Mistral-style models (model.<base>.layers).
@@ -21,7 +23,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from quantkit import data, distributed
+from quantkit import data, distributed, true_sequential
 from quantkit.algorithms import get_algorithm
 from quantkit.algorithms.awq import fold_scales as awq_fold
 from quantkit.algorithms.awq import search_scales
@@ -47,6 +49,7 @@ class CalibrationResult:
     seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))  # per phase
     peak_device_bytes: int = 0
     owners: dict[str, int] = field(default_factory=dict)  # GPTQ module -> the rank that quantized it
+    true_sequential: bool = False  # GPTQ ran stage by stage in one pass per layer (`true_sequential`)
 
 
 class _Captured(Exception):
@@ -106,46 +109,116 @@ def with_hidden(inputs: list[tuple], hidden: list[torch.Tensor]) -> list[tuple]:
 
 
 def observe(modules: dict[str, nn.Module], make: Callable[[], Observer], layer: nn.Module, inputs: list[tuple]) -> dict[str, Observer]:
-    """Run the layer with an observer on each module's input."""
-    observers = {name: make() for name in modules}
-    handles = [m.register_forward_pre_hook(lambda mod, args, name=name: observers[name].update(args[0]))
-               for name, m in modules.items()]
+    """Run the layer with an observer on each module's input; each batch stops as soon as every module has
+    seen its input (in a decoder layer: before down_proj's matmul and the rest of the layer).
+
+    Modules fed the very same tensor (q/k/v after the input norm, gate/up after the post-attention norm) share
+    one observer, updated once per batch: their statistics are identical, so one computation (and, across
+    ranks, one reduction) serves them all. `unique_observers` lists each shared observer once."""
+    observers: dict[str, Observer] = {}
+    seen: dict[int, tuple[torch.Tensor, Observer]] = {}  # this batch's module inputs, by tensor identity
+    done: set[str] = set()  # modules that have seen this batch
+
+    def hook(module, args, name):
+        x = args[0]
+        hit = seen.get(id(x))
+        shared = hit is not None and hit[0] is x
+        if name not in observers:
+            observers[name] = hit[1] if shared else make()
+        if not (shared and hit[1] is observers[name]):  # else: this batch's input is already counted
+            seen[id(x)] = (x, observers[name])
+            observers[name].update(x)
+        done.add(name)
+        if len(done) == len(modules):
+            raise _Captured  # nothing left to observe in this batch
+
+    def new_batch(*_):
+        seen.clear()
+        done.clear()
+
+    handles = [m.register_forward_pre_hook(lambda mod, args, name=name: hook(mod, args, name)) for name, m in modules.items()]
+    handles.append(layer.register_forward_pre_hook(new_batch))
     try:
-        run_layer(layer, inputs)
+        with torch.no_grad():
+            for args, kwargs in inputs:
+                try:
+                    layer(*args, **kwargs)
+                except _Captured:
+                    pass
     finally:
+        new_batch()
         for handle in handles:
             handle.remove()
-    return observers
+    return {name: observers.get(name) or make() for name in modules}
+
+
+def unique_observers(observers: dict[str, Observer]) -> dict[str, Observer]:
+    """One entry per distinct observer (shared ones under the first module name that uses them)."""
+    unique: dict[int, tuple[str, Observer]] = {}
+    for name, observer in observers.items():
+        unique.setdefault(id(observer), (name, observer))
+    return dict(unique.values())
+
+
+ERROR_ROWS = 256  # output rows the Hessian-weighted error is measured on (evenly spaced): an estimate, cheap
 
 
 def relative_error(weight: torch.Tensor, qweight: QuantizedWeight, hessian: torch.Tensor | None) -> float:
-    """||(W - Q) X|| / ||W X|| through the Hessian when there is one, else on the weights."""
+    """||(W - Q) X|| / ||W X|| through the Hessian (on up to ERROR_ROWS evenly spaced output rows: the exact
+    value costs as much as GPTQ itself), else on the weights."""
     delta = weight.float() - qweight.dequantize(torch.float32)
     if hessian is None:
         return (delta.norm() / weight.float().norm().clamp(min=1e-12)).item()
-    num = torch.einsum("ij,jk,ik->", delta, hessian, delta)
-    den = torch.einsum("ij,jk,ik->", weight.float(), hessian, weight.float())
-    return (num / den.clamp(min=1e-12)).sqrt().item()
+    rows = torch.linspace(0, weight.shape[0] - 1, min(ERROR_ROWS, weight.shape[0]), device=weight.device).long()
+    both = torch.cat([delta[rows], weight[rows].float()])
+    num, den = ((both @ hessian) * both).sum(-1).split(len(rows))
+    return (num.sum() / den.sum().clamp(min=1e-12)).sqrt().item()
 
 
-def quantize_module(name: str, module: nn.Module, entry: ModulePlan, recipe: Recipe, observer: Observer | None) -> tuple[QuantizedWeight, float]:
+def quantize_modules(names: list[str], modules: list[nn.Module], entries: list[ModulePlan], recipe: Recipe,
+                     observer: Observer | None) -> list[tuple[QuantizedWeight, float]]:
+    """Quantize modules that share one input (and so one observer): GPTQ runs once on their weights stacked
+    row-wise (rows are independent given the Hessian, so this equals one run per module, for a third of the
+    per-column work on q/k/v); RTN rounds each. Returns (qweight, relative error) per module and leaves each
+    module's weight dequantized (the next layer sees the quantized output)."""
     step = recipe.quantizer
-    weight = module.weight.data
     hessian = observer.hessian() if isinstance(observer, HessianObserver) else None
+    weights = [m.weight.data for m in modules]
     if step.name is Algorithm.GPTQ:
-        try:
-            qweight = get_algorithm(Algorithm.GPTQ)(weight, hessian, entry.scheme.weights, **step.args)
-        except ValueError as exc:
-            raise UsageError(f"GPTQ failed on {name}: {exc}") from exc
+        qweights = _gptq_stacked(names, weights, entries, hessian, step.args)
     else:
-        qweight = get_algorithm(Algorithm.RTN)(weight, entry.scheme.weights)
-    error = relative_error(weight, qweight, hessian)
-    module.weight.data = qweight.dequantize(weight.dtype)  # the next layer sees the quantized output
-    return qweight, error
+        qweights = [get_algorithm(Algorithm.RTN)(w, e.scheme.weights) for w, e in zip(weights, entries)]
+    results = []
+    for module, weight, qweight in zip(modules, weights, qweights):
+        results.append((qweight, relative_error(weight, qweight, hessian)))
+        module.weight.data = qweight.dequantize(weight.dtype)
+    return results
+
+
+def _gptq_stacked(names, weights, entries, hessian, args) -> list[QuantizedWeight]:
+    specs = {e.scheme.weights for e in entries}
+    if len(specs) > 1 or len({w.dtype for w in weights}) > 1:  # not one grid: one run each
+        return [q for n, w, e in zip(names, weights, entries) for q in _gptq_stacked([n], [w], [e], hessian, args)]
+    try:
+        stacked = get_algorithm(Algorithm.GPTQ)(torch.cat(weights), hessian, entries[0].scheme.weights, **args)
+    except ValueError as exc:
+        raise UsageError(f"GPTQ failed on {', '.join(names)}: {exc}") from exc
+    return split_rows(stacked, [w.shape[0] for w in weights])
+
+
+def split_rows(qweight: QuantizedWeight, rows: list[int]) -> list[QuantizedWeight]:
+    """A row-stacked QuantizedWeight cut back into its modules' (qdata, scale and zero point are per row)."""
+    parts = [t.split(rows) if t is not None else [None] * len(rows) for t in (qweight.qdata, qweight.scale, qweight.zero_point)]
+    return [QuantizedWeight(q.contiguous(), s.contiguous(), z.contiguous() if z is not None else None, qweight.spec)
+            for q, s, z in zip(*parts)]
 
 
 def calibrate_layer(layer: nn.Module, prefix: str, plan: dict[str, ModulePlan], recipe: Recipe,
-                    inputs: list[tuple], result: CalibrationResult, ctx: Context | None = None) -> None:
+                    inputs: list[tuple], result: CalibrationResult, ctx: Context | None = None,
+                    stages: bool = False) -> list[torch.Tensor] | None:
+    """Transform, observe and quantize one decoder layer. With `stages` (GPTQ on a layer `true_sequential`
+    handles), the layer is quantized in one staged pass and its outputs are returned; otherwise None (the
+    caller runs the quantized layer to make the next layer's inputs)."""
     linears = {f"{prefix}.{n}": m for n, m in layer.named_modules() if f"{prefix}.{n}" in plan and plan[f"{prefix}.{n}"].quantized}
     started = time.perf_counter()
     for step in recipe.transforms:
@@ -154,48 +227,140 @@ def calibrate_layer(layer: nn.Module, prefix: str, plan: dict[str, ModulePlan], 
         else:
             smooth_layer(layer, inputs, **step.args, ctx=ctx)
     result.seconds["transforms"] += time.perf_counter() - started
+    if stages:
+        return _calibrate_stages(layer, prefix, plan, linears, recipe, inputs, result, ctx)
     started = time.perf_counter()
     observers = _observe_for(recipe, linears, layer, inputs)
     owners = _synchronise(observers, linears, recipe, ctx)
     result.owners.update(owners)
     result.seconds["observe"] += time.perf_counter() - started
     started = time.perf_counter()
-    for name, module in linears.items():
-        qweight, error = _quantize_on_owner(name, module, plan[name], recipe, observers.get(name), owners.get(name), ctx)
-        result.qweights[name], result.errors[name] = qweight, error
+    for names in _input_groups(linears, observers):
+        quantized = _quantize_on_owner(names, [linears[n] for n in names], [plan[n] for n in names], recipe,
+                                       observers.get(names[0]), owners.get(names[0]), ctx)
+        for name, (qweight, error) in zip(names, quantized):
+            result.qweights[name], result.errors[name] = qweight, error
+    for name in linears:
         if name in observers and hasattr(observers[name], "absmax"):
             qmax = recipe.scheme.activations.dtype.qrange[1]
             result.input_scales[name] = (observers[name].absmax() / qmax).clamp(min=torch.finfo(torch.float32).eps)
     result.seconds["quantize"] += time.perf_counter() - started
+    return None
+
+
+def _calibrate_stages(layer: nn.Module, prefix: str, plan: dict[str, ModulePlan], linears: dict[str, nn.Module],
+                      recipe: Recipe, inputs: list[tuple], result: CalibrationResult, ctx: Context | None) -> list[torch.Tensor]:
+    """GPTQ in one pass (`true_sequential.run_stages`): each stage's Hessian is summed over this rank's batches,
+    reduced to the stage's owner, and the owner's result is broadcast before the next stage runs."""
+    distributed_run = ctx is not None and ctx.distributed
+    shapes = {name: (m.in_features, m.out_features) for name, m in linears.items()}
+    owners = gptq_owners(shapes, shared_input_leaders(list(linears)), ctx.world_size) if distributed_run else {}
+    result.owners.update(owners)
+    started = time.perf_counter()
+    spent = {"observe": 0.0, "quantize": 0.0}
+
+    def quantize(stage: tuple[str, ...], stage_inputs: list[torch.Tensor]) -> None:
+        names = [f"{prefix}.{n}" for n in stage if f"{prefix}.{n}" in linears]
+        if not names:
+            return
+        began = time.perf_counter()
+        observer = HessianObserver()
+        for x in stage_inputs:
+            observer.update(x)
+        owner = owners.get(names[0])
+        if distributed_run:
+            distributed.reduce_observer_to(observer, owner, ctx)
+        mid = time.perf_counter()
+        quantized = _quantize_on_owner(names, [linears[n] for n in names], [plan[n] for n in names], recipe,
+                                       observer, owner, ctx)
+        for name, (qweight, error) in zip(names, quantized):
+            result.qweights[name], result.errors[name] = qweight, error
+        spent["observe"] += mid - began
+        spent["quantize"] += time.perf_counter() - mid
+
+    outputs = true_sequential.run_stages(layer, [true_sequential.split_call(a, k) for a, k in inputs], quantize)
+    result.seconds["observe"] += spent["observe"]
+    result.seconds["quantize"] += spent["quantize"]
+    result.seconds["forward"] += time.perf_counter() - started - spent["observe"] - spent["quantize"]
+    return outputs
+
+
+def uses_stages(recipe: Recipe, layer: nn.Module, inputs: list[tuple]) -> bool:
+    """Whether GPTQ can run on this model's layers in one staged pass (`true_sequential`): a GPTQ recipe, a layer
+    with the Llama-style parts, and a staged computation that reproduces the layer's forward exactly."""
+    if recipe.quantizer.name is not Algorithm.GPTQ or not true_sequential.has_stages(layer) or not inputs:
+        return False
+    calls = [true_sequential.split_call(a, k) for a, k in inputs]
+    return all(c is not None for c in calls) and true_sequential.matches_layer(layer, calls[0])
 
 
 def _synchronise(observers: dict[str, Observer], linears: dict[str, nn.Module], recipe: Recipe,
                  ctx: Context | None) -> dict[str, int]:
-    """Merge the ranks' statistics: GPTQ Hessians onto each module's owner (bin-packed on Hessian size),
-    everything else onto every rank. Returns the owners (empty when nothing is owned)."""
+    """Merge the ranks' statistics: GPTQ Hessians onto an owner rank (bin-packed on GPTQ work), everything
+    else onto every rank. Modules sharing a Hessian share its owner. Returns the owners (empty when nothing
+    is owned)."""
+    unique = unique_observers(observers)
     if recipe.quantizer.name is not Algorithm.GPTQ or ctx is None or not ctx.distributed:
-        for observer in observers.values():
+        for observer in unique.values():
             distributed.all_reduce_observer(observer, ctx)
         return {}
-    owners = distributed.assign_owners({n: m.in_features ** 2 for n, m in linears.items()}, ctx.world_size)
-    for name, observer in observers.items():
+    leaders = {name: next(n for n in unique if unique[n] is observer) for name, observer in observers.items()}
+    owners = gptq_owners({name: (m.in_features, m.out_features) for name, m in linears.items()}, leaders, ctx.world_size)
+    for name, observer in unique.items():
         distributed.reduce_observer_to(observer, owners[name], ctx)
     return owners
 
 
-def _quantize_on_owner(name: str, module: nn.Module, entry: ModulePlan, recipe: Recipe, observer: Observer | None,
-                       owner: int | None, ctx: Context | None) -> tuple[QuantizedWeight, float]:
+def gptq_owners(shapes: dict[str, tuple[int, int]], leaders: dict[str, str], world_size: int) -> dict[str, int]:
+    """The rank that runs GPTQ for each module (`shapes`: name -> (in, out); `leaders`: name -> the first module
+    sharing its Hessian). Modules sharing a Hessian go to one owner, bin-packed on GPTQ work: the inverse
+    (in^3) plus each module's column updates (out * in^2)."""
+    work: dict[str, int] = defaultdict(int)
+    for name, (size, out) in shapes.items():
+        work[leaders[name]] += out * size ** 2 + (size ** 3 if leaders[name] == name else 0)
+    by_leader = distributed.assign_owners(dict(work), world_size)
+    return {name: by_leader[leaders[name]] for name in shapes}
+
+
+def shared_input_leaders(names: list[str]) -> dict[str, str]:
+    """For a plan's module names, the first module of its input-sharing group (q/k/v; gate/up; itself
+    otherwise), as `observe` finds them at run time on Llama-, Qwen2- and Mistral-style layers and as
+    `true_sequential` stages them; `--dry-run` plans with this."""
+    present = set(names)
+    leaders = {name: name for name in names}
+    for layer in {name.rsplit(".", 2)[0] for name in names}:
+        for stage in true_sequential.STAGES:
+            members = [f"{layer}.{n}" for n in stage if f"{layer}.{n}" in present]
+            for name in members:
+                leaders[name] = members[0]
+    return leaders
+
+
+def _input_groups(linears: dict[str, nn.Module], observers: dict[str, Observer]) -> list[list[str]]:
+    """The layer's modules grouped by shared observer (one group per module when there are no observers)."""
+    groups: dict[int, list[str]] = {}
+    for name in linears:
+        key = id(observers[name]) if name in observers else id(linears[name])
+        groups.setdefault(key, []).append(name)
+    return list(groups.values())
+
+
+def _quantize_on_owner(names: list[str], modules: list[nn.Module], entries: list[ModulePlan], recipe: Recipe,
+                       observer: Observer | None, owner: int | None, ctx: Context | None) -> list[tuple[QuantizedWeight, float]]:
     """The owner quantizes and broadcasts qdata, scale and zero point; every rank installs the same result."""
     if owner is None or ctx is None or not ctx.distributed:
-        return quantize_module(name, module, entry, recipe, observer)
+        return quantize_modules(names, modules, entries, recipe, observer)
     if ctx.rank == owner:
-        qweight, error = quantize_module(name, module, entry, recipe, observer)
+        results = quantize_modules(names, modules, entries, recipe, observer)
     else:
-        qweight, error = empty_quantized(module.weight.data, entry.scheme.weights), 0.0
-    buffers = [qweight.qdata, qweight.scale] + ([qweight.zero_point] if qweight.zero_point is not None else [])
-    distributed.broadcast_(buffers, owner, ctx)
-    module.weight.data = qweight.dequantize(module.weight.dtype)
-    return qweight, distributed.all_reduce_sum(error, ctx)
+        results = [(empty_quantized(m.weight.data, e.scheme.weights), 0.0) for m, e in zip(modules, entries)]
+    installed = []
+    for module, (qweight, error) in zip(modules, results):
+        buffers = [qweight.qdata, qweight.scale] + ([qweight.zero_point] if qweight.zero_point is not None else [])
+        distributed.broadcast_(buffers, owner, ctx)
+        module.weight.data = qweight.dequantize(module.weight.dtype)
+        installed.append((qweight, distributed.all_reduce_sum(error, ctx)))
+    return installed
 
 
 # Which norm feeds which Linear modules, in Llama-, Qwen2- and Mistral-style decoder layers.
@@ -307,25 +472,30 @@ def calibrate(model: nn.Module, plan: list[ModulePlan], recipe: Recipe, samples:
               device: torch.device, batch_size: int = 8, progress: Progress = QUIET,
               ctx: Context | None = None) -> CalibrationResult:
     """Quantize `model` (in CPU memory) layer by layer on `device`; its Linear weights end up dequantized.
-    With a distributed `ctx`, this rank calibrates on its share of `samples` (the same full sample set on
-    every rank) and statistics are merged at every layer, so every rank ends with the same qparams."""
-    if ctx is not None and ctx.distributed:
-        samples = samples[data.rank_slice(samples.shape[0], ctx.rank, ctx.world_size)]
+    With a distributed `ctx`, this rank calibrates on its share of `samples` (whole batches of the same full
+    sample set on every rank, `data.rank_batches`) and statistics are merged at every layer, so every rank ends with the same qparams."""
     result = CalibrationResult()
     by_name = {entry.name: entry for entry in plan}
     layers = decoder_layers(model)
     prefix = _layers_prefix(model, layers)
-    batches = list(samples.split(batch_size))
+    rank, world = (ctx.rank, ctx.world_size) if ctx is not None and ctx.distributed else (0, 1)
+    batches = [samples[i.start : i.stop] for i in data.rank_batches(samples.shape[0], batch_size, rank, world)]
     started = time.perf_counter()
     inputs = capture_inputs(model, layers, batches, device)
     result.seconds["capture"] = time.perf_counter() - started
     with progress.task(f"Calibrating {len(layers)} layers ({recipe.describe_algorithm()})", total=len(layers)) as advance:
+        stages = False
         for i, layer in enumerate(layers):
             layer.to(device)
-            calibrate_layer(layer, f"{prefix}.{i}", by_name, recipe, inputs, result, ctx)
-            started = time.perf_counter()
-            inputs = with_hidden(inputs, run_layer(layer, inputs))
-            result.seconds["propagate"] += time.perf_counter() - started
+            if i == 0:  # every rank must take the same path
+                stages = distributed.all_reduce_sum(float(uses_stages(recipe, layer, inputs)), ctx) == (ctx.world_size if ctx else 1)
+                result.true_sequential = stages
+            outputs = calibrate_layer(layer, f"{prefix}.{i}", by_name, recipe, inputs, result, ctx, stages)
+            if outputs is None:
+                started = time.perf_counter()
+                outputs = run_layer(layer, inputs)
+                result.seconds["propagate"] += time.perf_counter() - started
+            inputs = with_hidden(inputs, outputs)
             result.peak_device_bytes = max(result.peak_device_bytes, _device_bytes(layer, inputs, device))
             layer.to("cpu")
             worst = max((result.errors[n] for n in result.errors if n.startswith(f"{prefix}.{i}.")), default=0.0)

@@ -180,6 +180,19 @@ def rank_slice(num_samples: int, rank: int, world_size: int) -> range:
     return range(start, start + base + (rank < extra))
 
 
+def rank_batches(num_samples: int, batch_size: int, rank: int, world_size: int) -> list[range]:
+    """This rank's calibration batches (sample index ranges). The samples are cut into batches of `batch_size`
+    once, as a single process cuts them, and whole batches are shared out (`rank_slice` over batches): every
+    batch is then the same tensor whatever the number of ranks, and so are its per-batch statistics. With fewer
+    batches than ranks, the samples themselves are shared out, in batches of at most `batch_size`."""
+    starts = range(0, num_samples, batch_size)
+    if len(starts) >= world_size:
+        mine = [starts[i] for i in rank_slice(len(starts), rank, world_size)]
+        return [range(start, min(start + batch_size, num_samples)) for start in mine]
+    share = rank_slice(num_samples, rank, world_size)
+    return [range(i, min(i + batch_size, share.stop)) for i in range(share.start, share.stop, batch_size)]
+
+
 def pack_blocks(ids: torch.Tensor, seq_len: int) -> torch.Tensor:
     """The token stream cut into full blocks of `seq_len` tokens [n, seq_len] (the remainder is dropped)."""
     count = ids.numel() // seq_len

@@ -114,6 +114,8 @@ def calibration_summary(result, samples, options: CalibrationOptions, recipe: Re
         "seed": options.seed,
         "device": options.device,
         "seconds": {phase: round(value, 3) for phase, value in result.seconds.items()},
+        "gptq_order": ("true-sequential (one staged pass per layer)" if result.true_sequential else "layer-wise")
+        if recipe.quantizer.name.value == "gptq" else None,
         "peak_device_bytes": result.peak_device_bytes,
         "relative_error": {"mean": sum(errors.values()) / max(1, len(errors)), "max": max(errors.values(), default=0.0),
                            "per_module": errors},
@@ -202,20 +204,22 @@ def finalize(
 def dry_run(src: str | Path, recipe: Recipe, fmt: Format | None, calibration: CalibrationOptions | None,
             world_size: int, trust_remote_code: bool = False) -> dict:
     """The distributed plan without loading weights: each rank's share of the samples, the owner of every
-    GPTQ module (bin-packed per layer on Hessian size), and what each rank holds in memory."""
+    GPTQ module (bin-packed per layer on GPTQ work, modules sharing a Hessian together), and what each rank holds in memory."""
     from quantkit import data, distributed
 
     prepared = prepare(src, recipe, fmt, trust_remote_code)
     options = calibration or CalibrationOptions()
     num_samples = options.num_samples or recipe.calibration.num_samples
     seq_len = options.seq_len or recipe.calibration.seq_len
-    shares = [len(data.rank_slice(num_samples, rank, world_size)) for rank in range(world_size)]
+    shares = [sum(map(len, data.rank_batches(num_samples, options.batch_size, rank, world_size))) for rank in range(world_size)]
     quantized = [e for e in prepared.plan if e.quantized]
     owners = {}
     if recipe.quantizer.name.value == "gptq":
+        from quantkit.calibration import gptq_owners, shared_input_leaders
+
         for layer in sorted({e.name.rsplit(".", 2)[0] for e in quantized}):
-            members = {e.name: e.in_features ** 2 for e in quantized if e.name.rsplit(".", 2)[0] == layer}
-            owners.update(distributed.assign_owners(members, world_size))
+            shapes = {e.name: (e.in_features, e.out_features) for e in quantized if e.name.rsplit(".", 2)[0] == layer}
+            owners.update(gptq_owners(shapes, shared_input_leaders(list(shapes)), world_size))
     config = models.read_config_json(prepared.src)
     hidden = config.get("hidden_size", 0)
     model_bytes = models.weights_size(prepared.src)

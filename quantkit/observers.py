@@ -115,19 +115,34 @@ class ChannelAbsMean(Observer):
 
 
 class HessianObserver(Observer):
-    """GPTQ's Hessian, kept as an un-normalized sum of x x^T and a token count: both reduce by SUM. The sum is
-    float64 (products of float32 inputs are exact there), so the float32 Hessian GPTQ uses comes out the same
-    whatever the order of summation, i.e. whatever the number of ranks."""
+    """GPTQ's Hessian, kept as an un-normalized sum of x x^T and a token count: both reduce by SUM.
+
+    Each batch's x^T x is one float32 product (`gram`); the sum over batches is float64. Calibration shares
+    whole batches out to ranks (`data.rank_batches`), so a batch's product does not depend on the number of
+    ranks, and float64 sums of float32 terms barely depend on their order: the float32 Hessian GPTQ uses
+    comes out the same for 1 or N ranks."""
 
     REDUCE = {"xtx": ReduceOp.SUM, "count": ReduceOp.SUM}
 
     def update(self, x: torch.Tensor) -> None:
-        rows = x.detach().reshape(-1, x.shape[-1]).double()
-        xtx = rows.T @ rows
-        count = torch.tensor(float(rows.shape[0]), dtype=torch.float64, device=rows.device)
-        self.state["xtx"] = self.state["xtx"] + xtx if "xtx" in self.state else xtx
-        self.state["count"] = self.state["count"] + count if "count" in self.state else count
+        rows = x.detach().reshape(-1, x.shape[-1]).float()
+        xtx = gram(rows)
+        if "xtx" in self.state:
+            self.state["xtx"].add_(xtx)  # float32 into the float64 sum, in place
+            self.state["count"] += rows.shape[0]
+        else:
+            self.state["xtx"] = xtx.double()
+            self.state["count"] = torch.tensor(float(rows.shape[0]), dtype=torch.float64, device=x.device)
 
     def hessian(self) -> torch.Tensor:
         """H = 2/n sum x x^T, the GPTQ normalisation."""
         return (self.state["xtx"] * (2.0 / self.state["count"].clamp(min=1.0))).float()
+
+
+def gram(rows: torch.Tensor) -> torch.Tensor:
+    """rows^T rows for float32 rows [n, d]. On CPU through numpy, whose BLAS computes the symmetric product
+    with syrk (half the work of a general matrix product; ~2.5x faster than torch.mm here); elsewhere torch."""
+    if rows.device.type != "cpu":
+        return rows.T @ rows
+    array = rows.contiguous().numpy()
+    return torch.from_numpy(array.T @ array)

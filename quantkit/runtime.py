@@ -13,9 +13,41 @@ def available_cores() -> int:
 
 
 def set_threads(threads: int | None = None, ranks_per_node: int = 1) -> int:
-    """Set torch's intra-op threads: the given count, or this process's share of the available cores."""
+    """Set torch's intra-op threads, and numpy's BLAS threads (calibration's Hessians run there): the given
+    count, or this process's share of the available cores."""
     import torch
 
     count = threads or max(1, available_cores() // max(1, ranks_per_node))
     torch.set_num_threads(count)
+    set_numpy_blas_threads(count)
     return count
+
+
+# The thread-count setters of the OpenBLAS builds numpy wheels bundle (as threadpoolctl finds them).
+_OPENBLAS_SETTERS = ("scipy_openblas_set_num_threads64_", "scipy_openblas_set_num_threads", "openblas_set_num_threads64_",
+                     "openblas_set_num_threads")
+
+
+def set_numpy_blas_threads(count: int) -> bool:
+    """Set the thread count of the OpenBLAS numpy is linked with; False when none is found (then its own
+    default applies: OPENBLAS_NUM_THREADS / OMP_NUM_THREADS, else all cores)."""
+    import ctypes
+
+    import numpy  # noqa: F401  (loads the library)
+
+    try:
+        with open("/proc/self/maps", encoding="utf-8") as maps:
+            paths = {line.split()[-1] for line in maps if "openblas" in line.lower() and ".so" in line}
+    except OSError:
+        return False
+    for path in sorted(paths):
+        try:
+            library = ctypes.CDLL(path)
+        except OSError:
+            continue
+        for name in _OPENBLAS_SETTERS:
+            setter = getattr(library, name, None)
+            if setter is not None:
+                setter(ctypes.c_int(count))
+                return True
+    return False

@@ -30,7 +30,8 @@ Where the qparams come from:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import math
+from dataclasses import dataclass, field
 
 import torch
 
@@ -144,6 +145,7 @@ class _Grid:
     scale: torch.Tensor  # [out, in // group]
     zero: torch.Tensor | None
     dynamic: bool  # group qparams chosen when each group's first column is reached
+    _columns: dict = field(default_factory=dict)  # group -> its qparams as contiguous columns (what round uses)
 
     @classmethod
     def up_front(cls, weight: torch.Tensor, dtype: torch.dtype, spec: WeightSpec, dynamic: bool) -> _Grid:
@@ -158,30 +160,59 @@ class _Grid:
         self.scale[:, group : group + 1] = scale
         if zero is not None:
             self.zero[:, group : group + 1] = zero
+        self._columns.pop(group, None)
 
     def round(self, column: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(qdata, its float32 value) for one column [out] with its group's qparams."""
-        one_column = replace(self.spec, granularity=Granularity.CHANNEL, group_size=None)
-        zero = self.zero[:, group : group + 1] if self.zero is not None else None
-        q = quantize_with(column[:, None].to(self.dtype), one_column, self.scale[:, group : group + 1], zero)
-        return q.qdata[:, 0], q.dequantize(torch.float32)[:, 0]
+        """(the grid integer as a float, its float32 value) for one column [out] with its group's qparams.
+
+        torchao's `quantize_affine` / `dequantize_affine` arithmetic, inlined for one column (a call per column
+        costs more than the rounding): clamp(round(x * (1 / scale)) + zero), then (q - zero) * scale.
+        tests/unit/algorithms/test_gptq.py holds it equal to RTN through `quantize_with`, bit for bit."""
+        if group not in self._columns:
+            scale = self.scale[:, group].contiguous()
+            zero = self.zero[:, group].contiguous() if self.zero is not None else None
+            self._columns[group] = (scale, 1.0 / scale, zero, zero.float() if zero is not None else None)
+        scale, inverse, zero, zero_float = self._columns[group]
+        q = torch.round(column.to(self.dtype) * inverse)
+        if zero is None:
+            q = q.clamp_(*self.spec.dtype.qrange).float()
+            return q, (q * scale).float()
+        q = (q + zero).clamp_(*self.spec.dtype.qrange).float()
+        return q, ((q - zero_float) * scale).float()
+
+
+SUB_BLOCK = 16  # columns whose updates are applied one by one; the rest of a block gets them as one matmul
 
 
 def _quantize_columns(
     w: torch.Tensor, hinv: torch.Tensor, grid: _Grid, order: list[int], block_size: int
 ) -> torch.Tensor:
-    """The GPTQ loop over (permuted) columns; `order[j]` is the original index of column j. Returns qdata."""
-    qdata = torch.empty(w.shape, dtype=torch.int8, device=w.device)
-    for i1 in range(0, w.shape[1], block_size):
-        i2 = min(i1 + block_size, w.shape[1])
-        block, err = w[:, i1:i2].clone(), torch.empty_like(w[:, i1:i2])
-        block_hinv = hinv[i1:i2, i1:i2]
-        for i in range(i2 - i1):
-            group = grid.group_of(order[i1 + i])
-            if grid.dynamic and (i1 + i) % grid.spec.group_size == 0:
-                grid.choose(group, block[:, i : i + grid.spec.group_size])
-            qdata[:, i1 + i], value = grid.round(block[:, i], group)
-            err[:, i] = (block[:, i] - value) / block_hinv[i, i]
-            block[:, i + 1 :] -= err[:, i : i + 1] * block_hinv[i : i + 1, i + 1 :]
-        w[:, i2:] -= err @ hinv[i1:i2, i2:]
-    return qdata
+    """The GPTQ loop over (permuted) columns; `order[j]` is the original index of column j. Returns qdata.
+
+    Works on w^T, so a column is a contiguous row, and updates lazily on two levels: a column's error goes at
+    once only to the rest of its sub-block of SUB_BLOCK columns; each finished sub-block updates the rest of
+    its block with one matmul, each finished block the remaining columns. The same arithmetic as column-by-
+    column GPTQ up to float summation order. A dynamic group starts on a sub-block boundary, so its qparams
+    see every earlier update."""
+    wt = w.T.contiguous()  # [in, out]
+    qt = torch.empty_like(wt)  # the grid integers, as floats
+    dynamic_size = grid.spec.group_size if grid.dynamic else None
+    sub = math.gcd(SUB_BLOCK, dynamic_size) if dynamic_size else SUB_BLOCK
+    for i1 in range(0, wt.shape[0], block_size):
+        i2 = min(i1 + block_size, wt.shape[0])
+        err = torch.empty_like(wt[i1:i2])
+        for j1 in range(i1, i2, sub):
+            j2 = min(j1 + sub, i2)
+            for i in range(j1, j2):
+                group = grid.group_of(order[i])
+                if dynamic_size and i % dynamic_size == 0:
+                    grid.choose(group, wt[i : i + dynamic_size].T)
+                qt[i], value = grid.round(wt[i], group)
+                e = torch.sub(wt[i], value, out=err[i - i1]).div_(hinv[i, i])
+                if i + 1 < j2:
+                    wt[i + 1 : j2].addr_(hinv[i, i + 1 : j2], e, alpha=-1)
+            if j2 < i2:
+                wt[j2:i2].addmm_(hinv[j1:j2, j2:i2].T, err[j1 - i1 : j2 - i1], alpha=-1)
+        if i2 < wt.shape[0]:
+            wt[i2:].addmm_(hinv[i1:i2, i2:].T, err, alpha=-1)
+    return qt.T.to(torch.int8).contiguous()

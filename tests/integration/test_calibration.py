@@ -79,6 +79,16 @@ def test_calibration_changes_the_rounding(artifacts, tiny_models):
     assert (gptq - source).abs().max() < 8 * (rtn - source).abs().max()
 
 
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_gptq_runs_true_sequential_on_every_supported_architecture(artifacts, arch):
+    import json
+
+    root, _ = artifacts
+    info = json.loads((root / f"{arch}-gptq-w4a16" / "quantkit.json").read_text())["calibration"]
+    assert info["gptq_order"].startswith("true-sequential")
+    assert "forward" in info["seconds"] and "propagate" not in info["seconds"]
+
+
 def test_static_scales_are_written(artifacts):
     import json
 

@@ -34,7 +34,7 @@ def _env() -> dict:
 
 def finalize(src, dst, recipe, calib, nproc, *extra, runner=None):
     cmd = [sys.executable, *(runner or ["-m", "quantkit.cli.main"]), "finalize", str(src), str(dst), "-q", recipe,
-           "--calib-data", str(calib), "--num-samples", "8", "--seq-len", "32", "--threads", "1", "--quiet", *extra]
+           "--calib-data", str(calib), "--num-samples", "16", "--seq-len", "32", "--threads", "1", "--quiet", *extra]
     if nproc > 1 and runner is None:
         cmd += ["--nproc-per-node", str(nproc)]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=_env())
@@ -42,7 +42,8 @@ def finalize(src, dst, recipe, calib, nproc, *extra, runner=None):
 
 @pytest.mark.parametrize("recipe", ["gptq-w4a16", "fp8-static", "awq-w4a16", "smoothquant-w8a8"])
 def test_one_and_two_ranks_write_the_same_artifact(tiny_model_dir, calib_file, tmp_path, recipe):
-    """Bit-identical at equal threads per process: statistics are reduced exactly (MIN/MAX, float64 sums)."""
+    """Bit-identical at equal threads per process: whole batches (16 samples = 2 batches of 8) are shared out,
+    so every per-batch statistic is the same tensor, and reductions are exact (MIN/MAX, float64 sums)."""
     for n in (1, 2):
         done = finalize(tiny_model_dir, tmp_path / f"n{n}", recipe, calib_file, n)
         assert done.returncode == 0, done.stderr[-3000:]
@@ -51,7 +52,7 @@ def test_one_and_two_ranks_write_the_same_artifact(tiny_model_dir, calib_file, t
     for key in one:
         assert torch.equal(one[key], two[key]), key
     info = json.loads((tmp_path / "n2" / "quantkit.json").read_text())["calibration"]
-    assert info["ranks"] == 2 and info["num_samples"] == 8
+    assert info["ranks"] == 2 and info["num_samples"] == 16
     if recipe.startswith("gptq"):
         assert sorted(set(info["owners"]["assignment"].values())) == [0, 1]
 
@@ -70,6 +71,6 @@ def test_dry_run_prints_the_plan_without_loading(tiny_model_dir, calib_file, tmp
     done = finalize(tiny_model_dir, tmp_path / "out", "gptq-w4a16", calib_file, 2, "--dry-run")
     assert done.returncode == 0, done.stderr
     plan = json.loads(done.stdout)
-    assert plan["ranks"] == 2 and plan["samples_per_rank"] == [4, 4]
+    assert plan["ranks"] == 2 and plan["samples_per_rank"] == [8, 8]
     assert sum(plan["modules_per_rank"]) == 14 and len(plan["owners"]) == 14
     assert not (tmp_path / "out").exists()

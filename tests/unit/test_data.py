@@ -8,7 +8,7 @@ import datasets
 import pytest
 import torch
 
-from quantkit.data import eval_windows, load_texts, parse_hub_spec, rank_slice, sample_blocks, tokenize
+from quantkit.data import eval_windows, load_texts, parse_hub_spec, rank_batches, rank_slice, sample_blocks, tokenize
 from quantkit.errors import DataError, UsageError
 
 # ---------------------------------------------------------------- local files
@@ -334,3 +334,14 @@ def test_epochs_reshuffle_and_cover_each_sample_once():
 def test_fewer_blocks_than_a_global_batch():
     with pytest.raises(DataError, match="fewer than one global batch"):
         micro_batches(5, 8, 4, 0, 1, 0, 0)
+
+
+@pytest.mark.parametrize("num_samples,batch_size,world_size", [(64, 8, 2), (64, 8, 3), (20, 8, 2), (10, 8, 4), (3, 8, 2)])
+def test_rank_batches_share_out_whole_batches(num_samples, batch_size, world_size):
+    single = [list(r) for r in rank_batches(num_samples, batch_size, 0, 1)]
+    assert single == [list(range(i, min(i + batch_size, num_samples))) for i in range(0, num_samples, batch_size)]
+    shared = [list(r) for rank in range(world_size) for r in rank_batches(num_samples, batch_size, rank, world_size)]
+    assert sorted(i for batch in shared for i in batch) == list(range(num_samples))  # disjoint and complete
+    if len(single) >= world_size:
+        assert shared == single  # the very same batches, in order
+        assert all(rank_batches(num_samples, batch_size, rank, world_size) for rank in range(world_size))

@@ -40,6 +40,34 @@ def test_hessian_is_the_gptq_normalisation():
     torch.testing.assert_close(observer.hessian(), 2 * x.T @ x / x.shape[0])
 
 
+@pytest.mark.parametrize("shares", [(3,), (1, 2), (2, 1), (1, 1, 1)])
+def test_hessian_is_bit_identical_for_any_split_of_the_batches(shares):
+    """Float32 products per batch, summed in float64: however whole batches are shared out to ranks and
+    merged, the float32 Hessian is the same (what lets 1 and N ranks write the same GPTQ artifact)."""
+    batches = list(_data().split(2))
+    whole = HessianObserver()
+    for batch in batches:
+        whole.update(batch)
+    parts, start = [], 0
+    for share in shares:
+        part = HessianObserver()
+        for batch in batches[start : start + share]:
+            part.update(batch)
+        parts.append(part)
+        start += share
+    parts[0].merge(parts[1:])
+    assert torch.equal(parts[0].hessian(), whole.hessian())
+
+
+def test_gram_is_the_symmetric_product():
+    from quantkit.observers import gram
+
+    rows = _data().reshape(-1, 16)
+    product = gram(rows)
+    torch.testing.assert_close(product, rows.T @ rows)
+    assert torch.equal(product, product.T)
+
+
 def test_static_minmax_absmax_and_reduce_parts():
     observer = StaticMinMax()
     observer.update(torch.tensor([[-3.0, 1.0], [2.0, 0.5]]))

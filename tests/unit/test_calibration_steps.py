@@ -1,0 +1,85 @@
+"""Pure pieces of the calibration pipeline: shared observers, the error estimate, owners, stacked GPTQ."""
+
+import pytest
+import torch
+from torch import nn
+
+from quantkit.algorithms.gptq import gptq_quantize
+from quantkit.calibration import gptq_owners, observe, relative_error, shared_input_leaders, split_rows
+from quantkit.observers import HessianObserver
+from quantkit.qparams import quantize_weight
+from quantkit.registry import resolve
+
+SPEC = resolve("gptq-w4a16").scheme.weights  # int4, symmetric, groups of 128
+
+
+class _Block(nn.Module):
+    """A norm feeding three projections, and a fourth projection on their sum (like q/k/v and o)."""
+
+    def __init__(self, width=16):
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.q, self.k, self.v, self.o = (nn.Linear(width, width) for _ in range(4))
+
+    def forward(self, x):
+        h = self.norm(x)
+        return self.o(self.q(h) + self.k(h) * self.v(h))
+
+
+def test_modules_fed_the_same_tensor_share_one_observer_counted_once():
+    torch.manual_seed(0)
+    block = _Block()
+    inputs = [((torch.randn(2, 5, 16),), {}) for _ in range(3)]
+    modules = {name: getattr(block, name) for name in "qkvo"}
+    observers = observe(modules, HessianObserver, block, inputs)
+    assert observers["q"] is observers["k"] is observers["v"]
+    assert observers["o"] is not observers["q"]
+    assert observers["q"].state["count"].item() == 3 * 2 * 5  # each batch once, not three times
+    normed = torch.cat([block.norm(args[0]).reshape(-1, 16) for args, _ in inputs])
+    torch.testing.assert_close(observers["k"].hessian(), 2 * normed.T @ normed / normed.shape[0])
+
+
+def test_relative_error_is_the_output_error_ratio():
+    torch.manual_seed(0)
+    weight, x = torch.randn(64, 32), torch.randn(500, 32) * torch.linspace(0.1, 3, 32)
+    qweight = quantize_weight(weight, resolve("int8-weight-only").scheme.weights)
+    hessian = 2 * x.T @ x / x.shape[0]
+    expected = ((weight - qweight.dequantize(torch.float32)) @ x.T).norm() / (weight @ x.T).norm()
+    assert relative_error(weight, qweight, hessian) == pytest.approx(expected.item(), rel=1e-4)
+
+
+def test_relative_error_estimate_on_many_rows_is_close():
+    torch.manual_seed(0)
+    weight, x = torch.randn(2048, 64), torch.randn(500, 64)
+    qweight = quantize_weight(weight, resolve("int8-weight-only").scheme.weights)
+    hessian = 2 * x.T @ x / x.shape[0]
+    exact = ((weight - qweight.dequantize(torch.float32)) @ x.T).norm() / (weight @ x.T).norm()
+    assert relative_error(weight, qweight, hessian) == pytest.approx(exact.item(), rel=0.05)
+
+
+def test_stacked_gptq_equals_one_run_per_module():
+    """GPTQ rows are independent given the Hessian: q/k/v quantized together give each module's own result."""
+    torch.manual_seed(0)
+    weights = [torch.randn(rows, 256) for rows in (96, 32, 32)]
+    x = torch.randn(1024, 256) * torch.linspace(0.2, 2, 256)
+    hessian = 2 * x.T @ x / x.shape[0]
+    stacked = split_rows(gptq_quantize(torch.cat(weights), hessian, SPEC), [96, 32, 32])
+    for weight, part in zip(weights, stacked):
+        alone = gptq_quantize(weight, hessian, SPEC)
+        assert torch.equal(part.scale, alone.scale)
+        # only float summation order can differ (matmuls of other shapes); it flips at most a rare near-tie
+        assert (part.qdata != alone.qdata).any(dim=1).sum() <= 1
+
+
+def test_shared_hessians_go_to_one_owner():
+    names = [f"layers.0.{n}" for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                                        "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
+    leaders = shared_input_leaders(names)
+    assert leaders["layers.0.self_attn.v_proj"] == leaders["layers.0.self_attn.k_proj"] == "layers.0.self_attn.q_proj"
+    assert leaders["layers.0.mlp.up_proj"] == "layers.0.mlp.gate_proj"
+    assert leaders["layers.0.mlp.down_proj"] == "layers.0.mlp.down_proj"
+    shapes = {n: (1408, 512) if n.endswith("down_proj") else (512, 1408 if "mlp" in n else 512) for n in names}
+    owners = gptq_owners(shapes, leaders, 2)
+    assert owners["layers.0.self_attn.q_proj"] == owners["layers.0.self_attn.k_proj"] == owners["layers.0.self_attn.v_proj"]
+    assert owners["layers.0.mlp.gate_proj"] == owners["layers.0.mlp.up_proj"]
+    assert set(owners.values()) == {0, 1}

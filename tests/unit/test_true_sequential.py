@@ -1,0 +1,81 @@
+"""GPTQ's one-pass staged layer: the staged computation is the layer's own forward, stage by stage."""
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from quantkit import true_sequential
+from quantkit.calibration import calibrate, capture_inputs, decoder_layers, run_layer, uses_stages
+from quantkit.plan import plan_model
+from quantkit.qparams import fake_quantize_weight
+from quantkit.registry import resolve
+
+ARCHITECTURES = ["llama", "qwen2", "mistral"]
+
+
+def _model(model_type: str):
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(model_type, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, vocab_size=300,
+                                  max_position_embeddings=64)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+def _inputs(model):
+    ids = torch.randint(0, 300, (6, 16), generator=torch.Generator().manual_seed(0))
+    layers = decoder_layers(model)
+    return layers, capture_inputs(model, layers, list(ids.split(3)), torch.device("cpu"))
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_staged_pass_is_the_layers_forward(arch):
+    model = _model(arch)
+    layers, inputs = _inputs(model)
+    calls = [true_sequential.split_call(a, k) for a, k in inputs]
+    assert true_sequential.has_stages(layers[0]) and true_sequential.matches_layer(layers[0], calls[0])
+    assert uses_stages(resolve("gptq-w4a16"), layers[0], inputs)
+    staged = true_sequential.run_stages(layers[0], calls, lambda stage, xs: None)
+    for ours, reference in zip(staged, run_layer(layers[0], inputs)):
+        assert torch.equal(ours, reference)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_each_stage_is_quantized_before_the_next_one_runs(arch):
+    """The staged outputs equal the fully quantized layer's forward: every stage's inputs were computed with the
+    stages before it already quantized (a wrong order would leave float upstream in the outputs)."""
+    model = _model(arch)
+    layers, inputs = _inputs(model)
+    layer, spec = layers[0], resolve("int8-weight-only").scheme.weights
+    seen = []
+
+    def quantize(stage, xs):
+        seen.append((stage, len(xs)))
+        for name in stage:
+            module = layer.get_submodule(name)
+            module.weight.data = fake_quantize_weight(module.weight.data, spec)
+
+    staged = true_sequential.run_stages(layer, [true_sequential.split_call(a, k) for a, k in inputs], quantize)
+    assert [s for s, _ in seen] == list(true_sequential.STAGES) and all(n == len(inputs) for _, n in seen)
+    for ours, reference in zip(staged, run_layer(layer, inputs)):
+        assert torch.equal(ours, reference)
+
+
+def test_a_layer_the_stages_do_not_reproduce_falls_back_to_two_passes():
+    model = _model("llama")
+    layer_class = type(decoder_layers(model)[0])
+
+    class Scaled(layer_class):  # a different forward with the same parts: the staged pass would be wrong
+        def forward(self, *args, **kwargs):
+            out = super().forward(*args, **kwargs)
+            return out * 0.5 if isinstance(out, torch.Tensor) else (out[0] * 0.5, *out[1:])
+
+    for layer in decoder_layers(model):
+        layer.__class__ = Scaled
+    layers, inputs = _inputs(model)
+    recipe = resolve("gptq-w4a16")
+    assert not uses_stages(recipe, layers[0], inputs)
+    plan = plan_model(model, recipe)
+    samples = torch.randint(0, 300, (6, 16), generator=torch.Generator().manual_seed(0))
+    result = calibrate(model, plan, recipe, samples, torch.device("cpu"), batch_size=3)
+    assert not result.true_sequential and result.seconds["propagate"] > 0
+    assert result.qweights  # quantized all the same, the two-pass way
