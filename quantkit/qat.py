@@ -15,9 +15,10 @@ behind the same interface (`fake_quantize_configs` -> `fake_quantizer`):
 - `Int8TokenFakeQuantizeConfig`: int8 symmetric per-token activations (torchao's IntxFakeQuantizer has
   no symmetric per-token path); computed by torchao's runtime `Int8Tensor.from_hp` itself.
 
-Our own fake quantizers use a straight-through estimator (backward = identity). torchao's int ones keep theirs:
-they pass gradients through rounding but not through clamping. For float8, `Float8FakeQuantizer`'s forward is
-used, bit for bit, behind our straight-through backward: its own backward casts the gradient to float8 (the
+Every fake quantizer has a straight-through backward (identity). For torchao's int configs,
+`IntxFakeQuantizer`'s forward is used, bit for bit, behind it: torchao's own backward masks the gradient where
+values were clamped, which min/max scales hardly ever do, and saving and applying that mask costs about 7% of a
+training step. For float8, `Float8FakeQuantizer`'s forward is used the same way: its own backward casts the gradient to float8 (the
 `.to(dtype)` after the float8 round trip is differentiated as a cast, unscaled), which flushes nearly every
 weight and activation gradient to zero, and it differentiates through the per-row amax (about 20 extra
 full-size kernels per call).
@@ -161,6 +162,19 @@ class Float8StraightThroughFakeQuantizer(_StraightThroughFakeQuantizer):
         return self.forward_only(x)
 
 
+class IntxStraightThroughFakeQuantizer(_StraightThroughFakeQuantizer):
+    """torchao's integer fake quantization, its forward bit for bit, with a straight-through backward. Its own
+    backward masks the gradient where values were clamped: for min/max scales only the few values that round
+    past the top of the range, at the price of saving and applying a mask per call (about 7% of a step)."""
+
+    def __init__(self, config: IntxFakeQuantizeConfig):
+        super().__init__(config)
+        self.forward_only = FakeQuantizerBase.from_config(config)
+
+    def fake_quantize(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_only(x)
+
+
 def fake_quantizer(config: FakeQuantizeConfigBase) -> FakeQuantizerBase:
     """The fake-quantizing module for a config from `fake_quantize_configs`."""
     if isinstance(config, GridFakeQuantizeConfig):
@@ -169,6 +183,8 @@ def fake_quantizer(config: FakeQuantizeConfigBase) -> FakeQuantizerBase:
         return Int8TokenFakeQuantizer(config)
     if isinstance(config, Float8FakeQuantizeConfig):
         return Float8StraightThroughFakeQuantizer(config)
+    if isinstance(config, IntxFakeQuantizeConfig):
+        return IntxStraightThroughFakeQuantizer(config)
     return FakeQuantizerBase.from_config(config)
 
 

@@ -89,6 +89,11 @@ args = p.parse_args()
 
 import torch
 torch.set_num_threads(args.threads)
+import torch.distributed as dist
+rank = int(os.environ.get("RANK", "0"))
+if "TORCHELASTIC_RUN_ID" in os.environ:  # under torchrun: llm-compressor's distributed oneshot, gloo on CPU
+    # (compressed_tensors.offload.init_dist needs an accelerator; this is what it does, with gloo)
+    dist.init_process_group(backend="gloo", init_method="env://")
 from datasets import Dataset
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -119,9 +124,16 @@ loaded = time.perf_counter()
 oneshot(model=model, dataset=dataset, recipe=recipe, max_seq_length=ids.shape[1], num_calibration_samples=ids.shape[0],
         shuffle_calibration_samples=False)
 calibrated = time.perf_counter()
+# every rank calls save_pretrained: llm-compressor compresses module-parallel there, and writes on rank 0 only
 model.save_pretrained(args.dst, save_compressed=True)
-tokenizer.save_pretrained(args.dst)
+if rank == 0:
+    tokenizer.save_pretrained(args.dst)
+if dist.is_initialized():
+    dist.barrier()
+    dist.destroy_process_group()
 saved = time.perf_counter()
+if rank != 0:
+    raise SystemExit(0)
 print(json.dumps({"import_s": imported - start, "load_s": loaded - imported, "oneshot_s": calibrated - loaded,
                   "save_s": saved - calibrated, "threads": torch.get_num_threads()}))
 '''
@@ -197,9 +209,11 @@ def train_model(workdir: Path, init: Path, text: Path, steps: int, threads: int)
     return final
 
 
-def training_facts(final: Path) -> dict:
-    """Steps, final loss, first loss and training time, read back from the run's log."""
+def training_facts(final: Path) -> dict | None:
+    """Steps, final loss, first loss and training time, read back from the run's log (None: no log there)."""
     output = final.parent
+    if not (output / "log.jsonl").is_file():
+        return None
     log = [json.loads(line) for line in (output / "log.jsonl").read_text().splitlines() if line.strip()]
     losses = [r for r in log if "loss" in r]
     seconds = output / "train_seconds.txt"
@@ -275,6 +289,8 @@ def make_jobs(src: Path, calib: Path, workdir: Path, args: argparse.Namespace) -
     runner.write_text(LLMC_RUNNER)
     jobs = []  # the two tools alternate, algorithm by algorithm, so that drift of a noisy machine hits both alike
     for algo, qk_recipe, llmc_recipe in ALGORITHMS + [AWQ]:
+        if args.only and qk_recipe not in args.only:
+            continue
         jobs += [quantkit_job(algo, qk_recipe, src, out, args)] if has_recipe(qk_recipe) else []
         run_llmc = args.llmc_python and (algo != AWQ[0] or args.awq)
         jobs += [llmc_job(algo, llmc_recipe, src, out, calib, runner, args)] if run_llmc else []
@@ -412,7 +428,7 @@ def fmt(value: float | None, spec: str) -> str:
 def table(jobs: list[Job], float_ppl: float | None) -> str:
     lines = ["| tool | algorithm | recipe | wall s | llmc oneshot() s | peak RSS MiB | ppl | ppl rise vs float "
              "| KL vs float (1e-3 nats/token) |", "|---|---|---|---|---|---|---|---|---|"]
-    lines.append(f"| - | float32 | - | - | - | - | {fmt(float_ppl, '.3f')} | - | - |")
+    lines.append(f"| - | float (source) | - | - | - | - | {fmt(float_ppl, '.3f')} | - | - |")
     for job in jobs:
         rise = job.perplexity / float_ppl - 1 if job.perplexity and float_ppl else None
         wall = "FAILED" if job.returncode else fmt(median(job.seconds), ".1f")
@@ -464,9 +480,12 @@ def print_report(facts: dict, jobs: list[Job], float_ppl: float | None, eval_err
           f"quantkit side: torch {facts['torch']}, transformers {facts['transformers']}, "
           f"compressed-tensors {facts['compressed-tensors']}")
     print(f"- llm-compressor side: {facts['llmc'] or 'skipped (pass --llmc-python)'}")
-    took = f", {t['seconds']:.0f} s" if t["seconds"] else ""
-    print(f"- model: {m['path']} ({m['parameters'] / 1e6:.1f}M parameters, float32, hidden {m['hidden']}), trained "
-          f"{t['steps']} steps (loss {t['first_loss']:.3f} -> {t['final_loss']:.3f}{took})")
+    if t is None:
+        print(f"- model: {m['path']} ({m['parameters'] / 1e6:.1f}M parameters, {m['dtype']}, given with --model)")
+    else:
+        took = f", {t['seconds']:.0f} s" if t["seconds"] else ""
+        print(f"- model: {m['path']} ({m['parameters'] / 1e6:.1f}M parameters, {m['dtype']}, hidden {m['hidden']}), "
+              f"trained {t['steps']} steps (loss {t['first_loss']:.3f} -> {t['final_loss']:.3f}{took})")
     print(f"- calibration: {facts['calibration']}; perplexity: {facts['eval']}")
     print()
     print(table(jobs, float_ppl))
@@ -516,7 +535,9 @@ def machine_facts(src: Path, hidden: int, args: argparse.Namespace) -> dict:
         "torch": version("torch"), "transformers": version("transformers"),
         "compressed-tensors": version("compressed-tensors"), "threads": args.threads, "repeats": args.repeats,
         "llmc": llmc_versions(args.llmc_python), "llmc_actorder": args.llmc_actorder,
-        "model": {"path": str(src), "hidden": hidden, "parameters": parameter_count(src)},
+        "model": {"path": str(src), "hidden": hidden, "parameters": parameter_count(src),
+                  "dtype": json.loads((src / "config.json").read_text()).get("dtype")
+                  or json.loads((src / "config.json").read_text()).get("torch_dtype", "?")},
         "training": training_facts(src),
         "calibration": f"{args.num_samples} x {args.seq_len} tokens of {args.calib_data} (seed 0)",
         "eval": f"{args.eval_data}, seq_len 256, {args.eval_samples} windows",
@@ -539,6 +560,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--llmc-python", type=Path, help="python of a venv with llmcompressor; without it only quantkit runs")
     p.add_argument("--workdir", type=Path, default=Path("/tmp/quantkit-bench-calib"))
+    p.add_argument("--model", type=Path, help="benchmark this model directory instead of building and training one "
+                   "(e.g. scripts/bench_finalize.py's 68M bf16 Llama)")
+    p.add_argument("--only", nargs="+", metavar="RECIPE", help="only these quantkit recipes (and their llm-compressor "
+                   "counterparts): int4-weight-only gptq-w4a16 smoothquant-w8a8 awq-w4a16")
     p.add_argument("--hidden", type=int, default=512, help="hidden size (1024: the ~68M-parameter shape)")
     p.add_argument("--train-steps", type=int, default=150)
     p.add_argument("--train-text", type=Path, default=WIKITEXT / "valid.txt", help="tokenizer and training text")
@@ -563,8 +588,12 @@ def main(argv: list[str] | None = None) -> None:
     args.workdir.mkdir(parents=True, exist_ok=True)
     if not args.llmc_python:
         print("note: no --llmc-python given; skipping the llm-compressor side (see this script's docstring)", file=sys.stderr)
-    init = build_init(args.workdir, args.train_text, args.hidden)
-    src = train_model(args.workdir, init, args.train_text, args.train_steps, args.threads)
+    if args.model:
+        src = args.model.resolve()
+        args.hidden = json.loads((src / "config.json").read_text())["hidden_size"]
+    else:
+        init = build_init(args.workdir, args.train_text, args.hidden)
+        src = train_model(args.workdir, init, args.train_text, args.train_steps, args.threads)
     calib = write_calibration(src, args.calib_data, args.num_samples, args.seq_len, args.workdir)
     if args.prepare_only:
         return print(f"model {src}, calibration tokens {calib}")

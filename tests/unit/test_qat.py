@@ -97,13 +97,17 @@ def test_model_dtype_scales_follow_a_later_cast():
     torch.testing.assert_close(module.fake_quantized_weight(), expected, **EXACT)
 
 
-def test_own_fake_quantizers_are_straight_through():
-    spec = WeightSpec(QDtype.INT4, Granularity.GROUP, 32, symmetric=False)
-    weight = _weight(torch.float32).requires_grad_(True)
-    quantizer = qat.fake_quantizer(qat.GridFakeQuantizeConfig(spec))
-    grad = torch.randn_like(weight)
-    quantizer(weight).backward(grad)
-    torch.testing.assert_close(weight.grad, grad, **EXACT)
+@pytest.mark.parametrize("name", ["grid", *RECIPES])
+def test_fake_quantizers_are_straight_through(name):
+    if name == "grid":
+        configs = [qat.GridFakeQuantizeConfig(WeightSpec(QDtype.INT4, Granularity.GROUP, 32, symmetric=False))]
+    else:
+        configs = [c for c in qat.fake_quantize_configs(registry.resolve(name).scheme) if c is not None]
+    for config in configs:
+        weight = _weight(torch.float32).requires_grad_(True)
+        grad = torch.randn_like(weight)
+        qat.fake_quantizer(config)(weight).backward(grad)
+        torch.testing.assert_close(weight.grad, grad, **EXACT)
 
 
 # ---------------------------------------------------------------- activations vs torchao's PTQ runtime
