@@ -393,7 +393,13 @@ AWQ_MAPPINGS = (
 
 def awq_layer(layer: nn.Module, prefix: str, plan: dict[str, ModulePlan], inputs: list[tuple], grid: int = 20,
               ctx: Context | None = None) -> None:
-    """AWQ on one decoder layer: for each mapping, search the scales on the block's output and fold them."""
+    """AWQ on one decoder layer: for each mapping, search the scales on the block's output and fold them.
+
+    One pass over the layer captures every mapping's block calls and activation statistic (folding a mapping's
+    scales leaves the float function, so the later blocks' inputs, unchanged). A block that is one Linear
+    (o_proj, down_proj) is scored through its input Hessian, sum ||(W' - W) x||^2 = tr(dW H dW^T), instead of
+    running it on every token for every candidate."""
+    mappings = []
     for prev_name, linear_names, block_name in AWQ_MAPPINGS:
         prev, block = _submodule(layer, prev_name), _submodule(layer, block_name)
         linears = [_submodule(layer, name) for name in linear_names]
@@ -402,31 +408,44 @@ def awq_layer(layer: nn.Module, prefix: str, plan: dict[str, ModulePlan], inputs
             continue  # a Linear left in full precision: nothing to protect
         if isinstance(prev, nn.Linear) and prev.out_features != linears[0].in_features:
             continue  # e.g. v_proj -> o_proj under grouped-query attention
-        calls, act = _block_calls(layer, block, linears[0], inputs)
+        mappings.append((prev, block, linears, [e.scheme.weights for e in entries]))
+    captured = _capture_blocks(layer, [(block, linears[0]) for _, block, linears, _ in mappings], inputs)
+    for (prev, block, linears, specs), (calls, act) in zip(mappings, captured):
         distributed.all_reduce_observer(act, ctx)
-        reference = _run_calls(block, calls)
-        specs = [e.scheme.weights for e in entries]
+        if len(linears) == 1 and block is linears[0]:
+            hessian = HessianObserver()
+            for args, _ in calls:
+                hessian.update(args[0])
+            distributed.all_reduce_observer(hessian, ctx)  # every rank then scores every candidate the same
+            xtx = hessian.state["xtx"].float()
 
-        def error_of(scales: torch.Tensor) -> float:  # summed over every rank's tokens: the same choice on all
-            return distributed.all_reduce_sum(_awq_error(block, calls, reference, linears, specs, scales), ctx)
+            def error_of(scales: torch.Tensor, xtx=xtx, linear=linears[0], spec=specs[0]) -> float:
+                return _awq_hessian_error(linear, spec, scales, xtx)
+        else:
+            reference = _run_calls(block, calls)
+
+            def error_of(scales: torch.Tensor) -> float:  # summed over every rank's tokens: the same choice on all
+                return distributed.all_reduce_sum(_awq_error(block, calls, reference, linears, specs, scales), ctx)
 
         scales, _ = search_scales(act.mean(), error_of, grid)
         bias = prev.bias if isinstance(prev, nn.Linear) else None
         awq_fold(prev.weight, bias, [m.weight for m in linears], scales)
 
 
-def _block_calls(layer: nn.Module, block: nn.Module, first: nn.Module, inputs: list[tuple]) -> tuple[list[tuple], Observer]:
-    """The (args, kwargs) of every call of `block` in the layer, and mean |x| of `first`'s input."""
-    calls: list[tuple] = []
-    act = ChannelAbsMean()
-    handles = [block.register_forward_pre_hook(lambda m, a, k: calls.append((a, k)), with_kwargs=True),
-               first.register_forward_pre_hook(lambda m, a: act.update(a[0]))]
+def _capture_blocks(layer: nn.Module, blocks: list[tuple[nn.Module, nn.Module]], inputs: list[tuple]) -> list[tuple[list[tuple], Observer]]:
+    """For each (block, its first Linear): the (args, kwargs) of every call of the block, and mean |x| of the
+    Linear's input, from one run of the layer."""
+    captured = [([], ChannelAbsMean()) for _ in blocks]
+    handles = []
+    for (block, first), (calls, act) in zip(blocks, captured):
+        handles.append(block.register_forward_pre_hook(lambda m, a, k, calls=calls: calls.append((a, k)), with_kwargs=True))
+        handles.append(first.register_forward_pre_hook(lambda m, a, act=act: act.update(a[0])))
     try:
         run_layer(layer, inputs)
     finally:
         for handle in handles:
             handle.remove()
-    return calls, act
+    return captured
 
 
 def _run_calls(block: nn.Module, calls: list[tuple]) -> list[torch.Tensor]:
@@ -438,13 +457,24 @@ def _awq_error(block, calls, reference, linears, specs, scales) -> float:
     originals = [m.weight.data for m in linears]
     try:
         for module, weight, spec in zip(linears, originals, specs):
-            scaled = weight * scales.to(weight.dtype)
-            module.weight.data = fake_quantize_weight(scaled, spec) / scales.to(weight.dtype)
+            module.weight.data = _awq_candidate(weight, spec, scales)
         outputs = _run_calls(block, calls)
     finally:
         for module, weight in zip(linears, originals):
             module.weight.data = weight
     return sum(float((o.float() - r.float()).pow(2).sum()) for o, r in zip(outputs, reference))
+
+
+def _awq_hessian_error(linear: nn.Module, spec, scales: torch.Tensor, xtx: torch.Tensor) -> float:
+    """The same summed squared output error for a lone Linear, through sum x x^T: tr(dW H dW^T)."""
+    weight = linear.weight.data
+    delta = _awq_candidate(weight, spec, scales).float() - weight.float()
+    return float(((delta @ xtx) * delta).sum(dtype=torch.float64))
+
+
+def _awq_candidate(weight: torch.Tensor, spec, scales: torch.Tensor) -> torch.Tensor:
+    scaled = weight * scales.to(weight.dtype)
+    return fake_quantize_weight(scaled, spec) / scales.to(weight.dtype)
 
 
 def _submodule(layer: nn.Module, name: str) -> nn.Module:

@@ -119,21 +119,40 @@ def _aligned_block_size(block_size: int, spec: WeightSpec) -> int:
 
 
 def _inverse_hessian_cholesky(hessian: torch.Tensor, dampening_frac: float, retries: int) -> torch.Tensor:
-    """Upper Cholesky factor of (H + damp * I)^-1, damp = frac * mean(diag H), frac x10 on each failed try."""
+    """Upper Cholesky factor of (H + damp * I)^-1, damp = frac * mean(diag H), frac x10 on each failed try.
+
+    With J the reversal permutation and J H J = L L^T (lower Cholesky factor L), H^-1 = U^T U for the upper
+    triangular U = J L^-1 J: one Cholesky and one triangular inverse, instead of a Cholesky, an inverse from it
+    and a second Cholesky (about half the time at 2816 columns)."""
     eye = torch.eye(hessian.shape[0], dtype=hessian.dtype, device=hessian.device)
     mean_diag = hessian.diagonal().mean()
     frac = dampening_frac
     for _ in range(retries + 1):
-        chol, info = torch.linalg.cholesky_ex(hessian + frac * mean_diag * eye)
+        lower, info = torch.linalg.cholesky_ex((hessian + frac * mean_diag * eye).flip(0, 1))
         if info.item() == 0:
-            upper, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(chol), upper=True)
-            if info.item() == 0 and torch.isfinite(upper).all():
+            upper = _lower_inverse(lower).flip(0, 1)
+            if torch.isfinite(upper).all():
                 return upper
         frac *= 10
     raise GPTQDampingError(
         f"GPTQ damping failed: the Hessian is not positive definite even with dampening_frac up to {frac / 10:g} "
         f"({retries + 1} tries from {dampening_frac:g}); calibrate with more tokens or raise dampening_frac"
     )
+
+
+def _lower_inverse(lower: torch.Tensor, leaf: int = 128) -> torch.Tensor:
+    """The inverse of a lower triangular matrix, recursively in halves so that most of the work is matmuls:
+    inv([[A, 0], [B, C]]) = [[A^-1, 0], [-C^-1 B A^-1, C^-1]]."""
+    n = lower.shape[0]
+    if n <= leaf:
+        eye = torch.eye(n, dtype=lower.dtype, device=lower.device)
+        return torch.linalg.solve_triangular(lower, eye, upper=False)
+    k = n // 2
+    top, bottom = _lower_inverse(lower[:k, :k], leaf), _lower_inverse(lower[k:, k:], leaf)
+    out = torch.zeros_like(lower)
+    out[:k, :k], out[k:, k:] = top, bottom
+    out[k:, :k] = -(bottom @ (lower[k:, :k] @ top))
+    return out
 
 
 @dataclass

@@ -139,7 +139,7 @@ def test_unknown_architecture_names_what_is_missing():
 def test_awq_block_error_is_no_worse_than_rtn(tiny_models, calib_file):
     """On the tiny Llama's first MLP, the searched AWQ scales give a block output error <= plain RTN's."""
     from quantkit.algorithms.awq import search_scales
-    from quantkit.calibration import _awq_error, _block_calls, capture_inputs
+    from quantkit.calibration import _awq_error, _capture_blocks, capture_inputs
     from quantkit.models import load_model
     from quantkit.plan import plan_model
 
@@ -153,7 +153,7 @@ def test_awq_block_error_is_no_worse_than_rtn(tiny_models, calib_file):
     layer = layers[0]
     linears = [layer.mlp.gate_proj, layer.mlp.up_proj]
     specs = [plan[f"model.layers.0.mlp.{n}"].scheme.weights for n in ("gate_proj", "up_proj")]
-    calls, act = _block_calls(layer, layer.mlp, layer.mlp.gate_proj, inputs)
+    ((calls, act),) = _capture_blocks(layer, [(layer.mlp, layer.mlp.gate_proj)], inputs)
     reference = [layer.mlp(*a, **k) for a, k in calls]
     error_of = lambda s: _awq_error(layer.mlp, calls, reference, linears, specs, s)  # noqa: E731
     _, awq_error = search_scales(act.mean(), error_of)

@@ -83,3 +83,25 @@ def test_shared_hessians_go_to_one_owner():
     assert owners["layers.0.self_attn.q_proj"] == owners["layers.0.self_attn.k_proj"] == owners["layers.0.self_attn.v_proj"]
     assert owners["layers.0.mlp.gate_proj"] == owners["layers.0.mlp.up_proj"]
     assert set(owners.values()) == {0, 1}
+
+
+def test_awq_error_through_the_hessian_equals_running_the_linear():
+    """For a block that is one Linear, tr(dW H dW^T) is the summed squared output error of the candidate."""
+    from quantkit.algorithms.awq import awq_scales
+    from quantkit.calibration import _awq_error, _awq_hessian_error
+
+    torch.manual_seed(0)
+    linear = nn.Linear(256, 64, bias=False)
+    x = torch.randn(3, 40, 256) * torch.linspace(0.1, 4, 256)
+    calls = [((batch[None],), {}) for batch in x]
+    reference = [linear(*args) for args, _ in calls]
+    observer = HessianObserver()
+    for args, _ in calls:
+        observer.update(args[0])
+    xtx = observer.state["xtx"].float()
+    spec = resolve("awq-w4a16").scheme.weights
+    for ratio in (0.0, 0.5):
+        scales = awq_scales(x.abs().mean((0, 1)), ratio)
+        with torch.no_grad():
+            by_running = _awq_error(linear, calls, reference, [linear], [spec], scales)
+        assert _awq_hessian_error(linear, spec, scales, xtx) == pytest.approx(by_running, rel=1e-4)

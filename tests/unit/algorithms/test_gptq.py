@@ -222,3 +222,14 @@ def test_float8_is_rejected():
 def test_shape_mismatch_is_rejected():
     with pytest.raises(ValueError, match="Hessian"):
         gptq_quantize(_weight(), torch.eye(128), INT4_G32)
+
+
+@pytest.mark.parametrize("size", [64, 300, 700])
+def test_inverse_hessian_cholesky_is_the_upper_factor_of_the_damped_inverse(size):
+    from quantkit.algorithms.gptq import _inverse_hessian_cholesky
+
+    hessian = _hessian(_inputs(tokens=2 * size, inp=size))
+    upper = _inverse_hessian_cholesky(hessian, 0.01, 0)
+    damped = hessian + 0.01 * hessian.diagonal().mean() * torch.eye(size)
+    assert torch.equal(upper, upper.triu()) and (upper.diagonal() > 0).all()
+    torch.testing.assert_close(upper.T @ upper @ damped, torch.eye(size), atol=2e-3, rtol=0)
