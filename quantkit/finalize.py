@@ -205,7 +205,7 @@ def dry_run(src: str | Path, recipe: Recipe, fmt: Format | None, calibration: Ca
             world_size: int, trust_remote_code: bool = False) -> dict:
     """The distributed plan without loading weights: each rank's share of the samples, the owner of every
     GPTQ module (bin-packed per layer on GPTQ work, modules sharing a Hessian together), and what each rank holds in memory."""
-    from quantkit import data, distributed
+    from quantkit import data
 
     prepared = prepare(src, recipe, fmt, trust_remote_code)
     options = calibration or CalibrationOptions()
