@@ -114,7 +114,7 @@ def observe(modules: dict[str, nn.Module], make: Callable[[], Observer], layer: 
 
     Modules fed the very same tensor (q/k/v after the input norm, gate/up after the post-attention norm) share
     one observer, updated once per batch: their statistics are identical, so one computation (and, across
-    ranks, one reduction) serves them all. `unique_observers` lists each shared observer once."""
+    ranks, one reduction) serves them all. `observer_groups` lists the modules of each observer."""
     observers: dict[str, Observer] = {}
     seen: dict[int, tuple[torch.Tensor, Observer]] = {}  # this batch's module inputs, by tensor identity
     done: set[str] = set()  # modules that have seen this batch
@@ -152,12 +152,12 @@ def observe(modules: dict[str, nn.Module], make: Callable[[], Observer], layer: 
     return {name: observers.get(name) or make() for name in modules}
 
 
-def unique_observers(observers: dict[str, Observer]) -> dict[str, Observer]:
-    """One entry per distinct observer (shared ones under the first module name that uses them)."""
-    unique: dict[int, tuple[str, Observer]] = {}
+def observer_groups(observers: dict[str, Observer]) -> list[list[str]]:
+    """Module names grouped by shared observer, in order; the first name of a group leads it."""
+    groups: dict[int, list[str]] = {}
     for name, observer in observers.items():
-        unique.setdefault(id(observer), (name, observer))
-    return dict(unique.values())
+        groups.setdefault(id(observer), []).append(name)
+    return list(groups.values())
 
 
 ERROR_ROWS = 256  # output rows the Hessian-weighted error is measured on (evenly spaced): an estimate, cheap
@@ -235,7 +235,7 @@ def calibrate_layer(layer: nn.Module, prefix: str, plan: dict[str, ModulePlan], 
     result.owners.update(owners)
     result.seconds["observe"] += time.perf_counter() - started
     started = time.perf_counter()
-    for names in _input_groups(linears, observers):
+    for names in observer_groups(observers) if observers else [[name] for name in linears]:
         quantized = _quantize_on_owner(names, [linears[n] for n in names], [plan[n] for n in names], recipe,
                                        observers.get(names[0]), owners.get(names[0]), ctx)
         for name, (qweight, error) in zip(names, quantized):
@@ -299,15 +299,15 @@ def _synchronise(observers: dict[str, Observer], linears: dict[str, nn.Module], 
     """Merge the ranks' statistics: GPTQ Hessians onto an owner rank (bin-packed on GPTQ work), everything
     else onto every rank. Modules sharing a Hessian share its owner. Returns the owners (empty when nothing
     is owned)."""
-    unique = unique_observers(observers)
+    groups = observer_groups(observers)
     if recipe.quantizer.name is not Algorithm.GPTQ or ctx is None or not ctx.distributed:
-        for observer in unique.values():
-            distributed.all_reduce_observer(observer, ctx)
+        for names in groups:
+            distributed.all_reduce_observer(observers[names[0]], ctx)
         return {}
-    leaders = {name: next(n for n in unique if unique[n] is observer) for name, observer in observers.items()}
+    leaders = {name: names[0] for names in groups for name in names}
     owners = gptq_owners({name: (m.in_features, m.out_features) for name, m in linears.items()}, leaders, ctx.world_size)
-    for name, observer in unique.items():
-        distributed.reduce_observer_to(observer, owners[name], ctx)
+    for names in groups:
+        distributed.reduce_observer_to(observers[names[0]], owners[names[0]], ctx)
     return owners
 
 
@@ -334,15 +334,6 @@ def shared_input_leaders(names: list[str]) -> dict[str, str]:
             for name in members:
                 leaders[name] = members[0]
     return leaders
-
-
-def _input_groups(linears: dict[str, nn.Module], observers: dict[str, Observer]) -> list[list[str]]:
-    """The layer's modules grouped by shared observer (one group per module when there are no observers)."""
-    groups: dict[int, list[str]] = {}
-    for name in linears:
-        key = id(observers[name]) if name in observers else id(linears[name])
-        groups.setdefault(key, []).append(name)
-    return list(groups.values())
 
 
 def _quantize_on_owner(names: list[str], modules: list[nn.Module], entries: list[ModulePlan], recipe: Recipe,

@@ -529,15 +529,18 @@ def parameter_count(folder: Path) -> int:
     return total
 
 
+def config_dtype(src: Path) -> str:
+    config = json.loads((src / "config.json").read_text())
+    return config.get("dtype") or config.get("torch_dtype", "?")
+
+
 def machine_facts(src: Path, hidden: int, args: argparse.Namespace) -> dict:
     return {
         "python": platform.python_version(), "platform": platform.platform(), "cpus": os.cpu_count(),
         "torch": version("torch"), "transformers": version("transformers"),
         "compressed-tensors": version("compressed-tensors"), "threads": args.threads, "repeats": args.repeats,
         "llmc": llmc_versions(args.llmc_python), "llmc_actorder": args.llmc_actorder,
-        "model": {"path": str(src), "hidden": hidden, "parameters": parameter_count(src),
-                  "dtype": json.loads((src / "config.json").read_text()).get("dtype")
-                  or json.loads((src / "config.json").read_text()).get("torch_dtype", "?")},
+        "model": {"path": str(src), "hidden": hidden, "parameters": parameter_count(src), "dtype": config_dtype(src)},
         "training": training_facts(src),
         "calibration": f"{args.num_samples} x {args.seq_len} tokens of {args.calib_data} (seed 0)",
         "eval": f"{args.eval_data}, seq_len 256, {args.eval_samples} windows",
