@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from quantkit import registry
+from quantkit import registry, runtime
 from quantkit.cli.console import human_bytes, out, quiet_libraries
 from quantkit.cli.options import (
     CalibDataOpt,
@@ -61,8 +61,6 @@ def finalize(
 
       quantkit finalize ./my-model ./my-model-gptq -q gptq-w4a16 --calib-data train.txt --num-samples 128 --seq-len 512
     """
-    import os
-
     recipe = registry.resolve(quantize)
     fmt = registry.Format(format.value) if format else None
     quiet_libraries()
@@ -79,8 +77,8 @@ def finalize(
     code = relaunch(nproc_per_node, threads)
     if code is not None:
         raise typer.Exit(code)
-    quiet = quiet or int(os.environ.get("RANK", 0)) != 0
-    threads = threads or (int(os.environ["QUANTKIT_THREADS"]) if "QUANTKIT_THREADS" in os.environ else None)
+    quiet = quiet or not runtime.is_main_process()
+    threads = threads or runtime.launched_threads()
     result = library.finalize(
         src, dst, recipe, fmt, overwrite=overwrite, dtype=dtype.value, threads=threads,
         trust_remote_code=trust_remote_code, force_recipe=force_recipe, progress=Progress(enabled=not quiet),

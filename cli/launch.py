@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from quantkit.distributed import under_torchrun
+from quantkit.runtime import THREADS_VARIABLE, available_cores, under_torchrun
 
 
 def torchrun_command(nproc: int, argv: list[str]) -> list[str]:
@@ -19,8 +19,6 @@ def relaunch(nproc: int, threads: int | None = None) -> int | None:
     otherwise None (the caller goes on in this process). Each rank gets its share of the cores as threads."""
     if nproc <= 1 or under_torchrun():
         return None
-    from quantkit.runtime import available_cores
-
     per_rank = threads or max(1, available_cores() // nproc)
-    env = {**os.environ, "OMP_NUM_THREADS": str(per_rank), "QUANTKIT_THREADS": str(per_rank)}
+    env = {**os.environ, "OMP_NUM_THREADS": str(per_rank), THREADS_VARIABLE: str(per_rank)}
     return subprocess.run(torchrun_command(nproc, sys.argv[1:]), env=env).returncode

@@ -6,7 +6,6 @@ Exit codes: 0 ok, 1 runtime failure, 2 usage error, 3 accuracy gate failed. QUAN
 from __future__ import annotations
 
 import functools
-import os
 from typing import Callable
 
 import typer
@@ -16,6 +15,7 @@ from quantkit.cli import finalize as finalize_cmd
 from quantkit.cli import recipes as recipes_cmd
 from quantkit.cli import train as train_cmd
 from quantkit.cli.console import err
+from quantkit.runtime import debug_enabled
 
 app = typer.Typer(
     name="quantkit",
@@ -36,7 +36,7 @@ def handle_errors(fn: Callable) -> Callable:
         try:
             return fn(*args, **kwargs)
         except QuantkitError as exc:
-            if os.environ.get("QUANTKIT_DEBUG"):
+            if debug_enabled():
                 raise
             err.print(f"[red]error:[/red] {exc}", highlight=False, markup=True, soft_wrap=True)
             raise typer.Exit(exc.exit_code) from None
@@ -46,7 +46,7 @@ def handle_errors(fn: Callable) -> Callable:
         except (typer.Exit, typer.Abort):
             raise
         except Exception as exc:  # a failure we did not anticipate: still one line, exit 1
-            if os.environ.get("QUANTKIT_DEBUG"):
+            if debug_enabled():
                 raise
             err.print(f"[red]error:[/red] {type(exc).__name__}: {exc} (set QUANTKIT_DEBUG=1 for the traceback)",
                       highlight=False, soft_wrap=True)

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
+from quantkit import runtime
 from quantkit.cli.console import out, quiet_libraries
 from quantkit.cli.options import NprocOpt, QuietOpt, ThreadsOpt
 
@@ -63,8 +63,8 @@ def train(
     from quantkit.progress import Progress
     from quantkit.train import train as run
 
-    main_rank = int(os.environ.get("RANK", 0)) == 0
-    threads = threads or (int(os.environ["QUANTKIT_THREADS"]) if "QUANTKIT_THREADS" in os.environ else None)
+    main_rank = runtime.is_main_process()
+    threads = threads or runtime.launched_threads()
     result = run(cfg, resume=resume, overwrite=overwrite, threads=threads, progress=Progress(enabled=not quiet and main_rank))
     if not quiet and main_rank:
         ppl = f", eval perplexity {result.eval_perplexity:.3f}" if result.eval_perplexity is not None else ""

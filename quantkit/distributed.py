@@ -11,6 +11,8 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
+from quantkit.observers import ReduceOp
+
 DEFAULT_TIMEOUT_S = 600  # a rank that fails makes the others fail within this bound, not hang forever
 
 
@@ -28,10 +30,6 @@ class Context:
     @property
     def distributed(self) -> bool:
         return self.world_size > 1
-
-
-def under_torchrun() -> bool:
-    return "LOCAL_RANK" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ
 
 
 def world_from_env() -> tuple[int, int, int]:
@@ -71,7 +69,9 @@ def barrier(ctx: Context) -> None:
 
 # ---------------------------------------------------------------- calibration collectives
 
-_TORCH_OPS = {"sum": "SUM", "min": "MIN", "max": "MAX", "avg": "SUM"}
+# AVG is summed, then divided by the world size (gloo has no AVG)
+_TORCH_OPS = {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.MIN: dist.ReduceOp.MIN, ReduceOp.MAX: dist.ReduceOp.MAX,
+              ReduceOp.AVG: dist.ReduceOp.SUM}
 
 
 def timeout_s() -> int:
@@ -84,8 +84,8 @@ def all_reduce_observer(observer, ctx: Context | None) -> None:
         return
     for key, op in observer.REDUCE.items():
         tensor = observer.state[key]
-        dist.all_reduce(tensor, getattr(dist.ReduceOp, _TORCH_OPS[op.value]))
-        if op.value == "avg":
+        dist.all_reduce(tensor, _TORCH_OPS[op])
+        if op is ReduceOp.AVG:
             tensor /= ctx.world_size
 
 
@@ -94,8 +94,8 @@ def reduce_observer_to(observer, owner: int, ctx: Context | None) -> None:
     if ctx is None or not ctx.distributed:
         return
     for key, op in observer.REDUCE.items():
-        dist.reduce(observer.state[key], dst=owner, op=getattr(dist.ReduceOp, _TORCH_OPS[op.value]))
-        if op.value == "avg" and ctx.rank == owner:
+        dist.reduce(observer.state[key], dst=owner, op=_TORCH_OPS[op])
+        if op is ReduceOp.AVG and ctx.rank == owner:
             observer.state[key] /= ctx.world_size
 
 

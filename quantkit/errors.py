@@ -29,6 +29,10 @@ class DestinationExistsError(UsageError):
     pass
 
 
+class UnsupportedModelError(UsageError):
+    """The model's layout is not one calibration knows (`quantkit.architectures`)."""
+
+
 class DataError(UsageError):
     """A dataset path or spec cannot be read, or gives no tokens."""
 

@@ -13,14 +13,12 @@ import torch
 import torch.nn.functional as F
 
 from quantkit.data import eval_windows, load_texts, tokenize
-from quantkit.errors import SourceModelError, UsageError
+from quantkit.errors import UsageError
 from quantkit.export import metadata
-from quantkit.models import check_model_dir, load_model, quantization_method, read_config_json, weights_size
+from quantkit.models import check_model_dir, load_model, load_tokenizer, quantization_method, read_config_json, weights_size
 from quantkit.progress import QUIET, Progress
 
 IGNORE_INDEX = -100
-# Any one of these makes a directory loadable by AutoTokenizer.
-TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
 Window = tuple[int, int, int]
 
@@ -137,17 +135,6 @@ def load_eval_model(
     tokenizer = load_tokenizer(Path(tokenizer_path) if tokenizer_path else path, trust_remote_code)
     model = load_model(path, dtype=dtype, trust_remote_code=trust_remote_code) if load_weights else None
     return model, tokenizer
-
-
-def load_tokenizer(path: Path, trust_remote_code: bool = False):
-    from transformers import AutoTokenizer
-
-    if not path.is_dir() or not any((path / name).is_file() for name in TOKENIZER_MARKERS):
-        raise SourceModelError(f"{path} has no tokenizer files; pass --tokenizer DIR")
-    try:
-        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError, KeyError) as exc:
-        raise SourceModelError(f"{path}: cannot load the tokenizer ({str(exc).splitlines()[0]}); pass --tokenizer DIR") from exc
 
 
 def describe(path: str | Path) -> tuple[str | None, str | None]:

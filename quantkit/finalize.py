@@ -1,4 +1,8 @@
-"""`finalize`: turn a model directory into a quantized artifact (post-training quantization)."""
+"""`finalize`: turn a model directory into a quantized artifact (post-training quantization).
+
+prepare (every check that needs no weights) -> quantize (load, then round to nearest or calibrate layer by
+layer: a `QuantizedModel`) -> write_artifact (the format's exporter writes it, atomically, with quantkit.json).
+"""
 
 from __future__ import annotations
 
@@ -6,13 +10,17 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from torch import nn
 
 from quantkit import hardware, models, runtime
+from quantkit.algorithms import Algorithm, get_algorithm
+from quantkit.errors import UsageError
 from quantkit.export import atomic, check_supported, exporter, metadata
 from quantkit.plan import ModulePlan, plan_model
 from quantkit.progress import QUIET, Progress
-from quantkit.errors import UsageError
+from quantkit.qparams import QuantizedWeight
+from quantkit.quantized_model import QuantizedModel
 from quantkit.registry import Format, Recipe
 
 
@@ -82,20 +90,17 @@ def prepare(
 def calibration_samples(src: Path, recipe: Recipe, options: CalibrationOptions, trust_remote_code: bool = False):
     """Token blocks [num_samples, seq_len], taken deterministically from the calibration data."""
     from quantkit import data
-    from quantkit.evaluate import load_tokenizer
 
     check_calibration_data(recipe, options)
     spec = options.data or recipe.calibration.dataset
     num_samples = options.num_samples or recipe.calibration.num_samples
     seq_len = options.seq_len or recipe.calibration.seq_len
-    ids = data.tokenize(load_tokenizer(src, trust_remote_code), data.load_texts(spec))
+    ids = data.tokenize(models.load_tokenizer(src, trust_remote_code), data.load_texts(spec))
     return data.sample_blocks(ids, num_samples, seq_len, seed=options.seed)
 
 
 def _calibration_device(name: str, ctx):
     """`--device cuda` under torchrun means this rank's own GPU."""
-    import torch
-
     device = torch.device(name)
     if ctx is not None and ctx.distributed and device.type == "cuda" and device.index is None:
         return ctx.device
@@ -115,7 +120,7 @@ def calibration_summary(result, samples, options: CalibrationOptions, recipe: Re
         "device": options.device,
         "seconds": {phase: round(value, 3) for phase, value in result.seconds.items()},
         "gptq_order": ("true-sequential (one staged pass per layer)" if result.true_sequential else "layer-wise")
-        if recipe.quantizer.name.value == "gptq" else None,
+        if recipe.quantizer.name is Algorithm.GPTQ else None,
         "peak_device_bytes": result.peak_device_bytes,
         "relative_error": {"mean": sum(errors.values()) / max(1, len(errors)), "max": max(errors.values(), default=0.0),
                            "per_module": errors},
@@ -134,34 +139,59 @@ def check_calibration_data(recipe: Recipe, options: CalibrationOptions | None) -
         raise UsageError(f"recipe '{recipe.name}' calibrates on data: pass --calib-data FILE (a .txt/.jsonl/.parquet file or a datasets spec)")
 
 
+def quantize(
+    prepared: Prepared, recipe: Recipe, dtype: str = "auto", trust_remote_code: bool = False, progress: Progress = QUIET,
+    calibration: CalibrationOptions | None = None, ctx=None,
+) -> QuantizedModel:
+    """Load SRC and quantize it: calibrated layer by layer, or rounded to nearest module by module. With a
+    distributed `ctx` (`distributed.Context`), calibration is data-parallel and every rank ends with the same model."""
+    samples = None
+    if recipe.needs_calibration:
+        samples = calibration_samples(prepared.src, recipe, calibration or CalibrationOptions(), trust_remote_code)
+    todo = sum(entry.quantized for entry in prepared.plan)
+    with progress.task(f"Quantizing ({recipe.name}, {prepared.format.value})", total=todo) as advance:
+        if prepared.format is Format.TORCHAO:  # torchao converts while transformers loads: its load is the quantization
+            from quantkit.export import torchao
+
+            return QuantizedModel(torchao.load_quantized(prepared.src, prepared.plan, dtype, trust_remote_code), prepared.plan, recipe)
+        model = models.load_model(prepared.src, dtype, trust_remote_code)
+        if samples is None:
+            return QuantizedModel(model, prepared.plan, recipe, round_to_nearest(model, prepared.plan, advance))
+        result = _calibrate(model, prepared, recipe, samples, calibration or CalibrationOptions(), progress, ctx)
+        return QuantizedModel(model, prepared.plan, recipe, result.qweights, result.input_scales)
+
+
+def round_to_nearest(model: nn.Module, plan: list[ModulePlan], advance=lambda: None) -> dict[str, QuantizedWeight]:
+    """Each planned Linear rounded on its grid; its weight becomes the dequantized grid values."""
+    rtn = get_algorithm(Algorithm.RTN)
+    qweights = {}
+    with torch.no_grad():
+        for entry in plan:
+            if entry.quantized:
+                module = model.get_submodule(entry.name)
+                qweights[entry.name] = rtn(module.weight.data, entry.scheme.weights)
+                module.weight.data = qweights[entry.name].dequantize(module.weight.dtype)
+                advance()
+    return qweights
+
+
+def _calibrate(model: nn.Module, prepared: Prepared, recipe: Recipe, samples, options: CalibrationOptions,
+               progress: Progress, ctx):
+    from quantkit.calibration import calibrate
+
+    device = _calibration_device(options.device, ctx)
+    result = calibrate(model, prepared.plan, recipe, samples, device, options.batch_size, progress, ctx)
+    prepared.calibration = calibration_summary(result, samples, options, recipe, ctx)
+    return result
+
+
 def quantize_model(
     prepared: Prepared, recipe: Recipe, dtype: str = "auto", trust_remote_code: bool = False, progress: Progress = QUIET,
     calibration: CalibrationOptions | None = None, ctx=None,
 ) -> nn.Module:
-    """The quantized model in memory, exactly as the artifact will compute. With a distributed `ctx`
-    (`distributed.Context`), calibration is data-parallel and every rank ends with the same model."""
-    calibrate = None
-    if recipe.needs_calibration:
-        import torch
-
-        from quantkit.calibration import calibrate as pipeline
-
-        options = calibration or CalibrationOptions()
-        samples = calibration_samples(prepared.src, recipe, options, trust_remote_code)
-        device = _calibration_device(options.device, ctx)
-
-        def calibrate(model):
-            result = pipeline(model, prepared.plan, recipe, samples, device, options.batch_size, progress, ctx)
-            prepared.calibration = calibration_summary(result, samples, options, recipe, ctx)
-            return result
-
-    todo = sum(entry.quantized for entry in prepared.plan)
-    with progress.task(f"Quantizing ({recipe.name}, {prepared.format.value})", total=todo) as advance:
-        model = exporter(prepared.format).quantize(
-            prepared.src, prepared.plan, recipe, dtype, trust_remote_code, on_module=lambda name: advance(),
-            calibrate=calibrate,
-        )
-    return model
+    """The quantized model in memory, computing exactly as the written artifact will (what `eval -q` measures)."""
+    quantized = quantize(prepared, recipe, dtype, trust_remote_code, progress, calibration, ctx)
+    return exporter(prepared.format).as_loaded(quantized)
 
 
 def finalize(
@@ -189,10 +219,10 @@ def finalize(
         check_calibration_data(recipe, calibration)
     used_threads = runtime.set_threads(threads)
     with distributed.process_group() as ctx:
-        model = quantize_model(prepared, recipe, dtype, trust_remote_code, progress, calibration, ctx)
+        quantized = quantize(prepared, recipe, dtype, trust_remote_code, progress, calibration, ctx)
         distributed.barrier(ctx)  # every rank succeeded: only now does rank 0 write
         if ctx.is_main:
-            write_artifact(model, prepared, recipe, dst, overwrite, progress)
+            write_artifact(quantized, prepared, dst, overwrite, progress)
         distributed.barrier(ctx)
     return FinalizeResult(
         dst=dst, recipe=recipe, format=prepared.format, plan=prepared.plan, seconds=time.perf_counter() - start,
@@ -214,8 +244,9 @@ def dry_run(src: str | Path, recipe: Recipe, fmt: Format | None, calibration: Ca
     shares = [sum(map(len, data.rank_batches(num_samples, options.batch_size, rank, world_size))) for rank in range(world_size)]
     quantized = [e for e in prepared.plan if e.quantized]
     owners = {}
-    if recipe.quantizer.name.value == "gptq":
-        from quantkit.calibration import gptq_owners, shared_input_leaders
+    if recipe.quantizer.name is Algorithm.GPTQ:
+        from quantkit.architectures import shared_input_leaders
+        from quantkit.calibration.steps.gptq import gptq_owners
 
         for layer in sorted({e.name.rsplit(".", 2)[0] for e in quantized}):
             shapes = {e.name: (e.in_features, e.out_features) for e in quantized if e.name.rsplit(".", 2)[0] == layer}
@@ -238,10 +269,12 @@ def dry_run(src: str | Path, recipe: Recipe, fmt: Format | None, calibration: Ca
     }
 
 
-def write_artifact(model: nn.Module, prepared: Prepared, recipe: Recipe, dst: Path, overwrite: bool, progress: Progress) -> None:
+def write_artifact(quantized: QuantizedModel, prepared: Prepared, dst: Path, overwrite: bool, progress: Progress) -> None:
+    """The format's files, the tokenizer and quantkit.json, into DST all at once (a temporary directory renamed)."""
+    recipe = quantized.recipe
     with atomic.atomic_directory(dst, overwrite) as tmp:
         with progress.task(f"Writing {dst}", total=None):
-            exporter(prepared.format).save(model, tmp)
+            exporter(prepared.format).write(quantized, tmp)
             models.copy_tokenizer(prepared.src, tmp)
             info = metadata.build(recipe, prepared.format, prepared.plan, prepared.src, models.fingerprint(prepared.src))
             info["calibration"] = prepared.calibration

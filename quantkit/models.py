@@ -1,4 +1,4 @@
-"""Loading and inspecting Hugging Face causal-LM directories."""
+"""Loading and inspecting Hugging Face causal-LM directories: config, weights, tokenizer, decoder layers."""
 
 from __future__ import annotations
 
@@ -11,12 +11,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from quantkit.errors import SourceModelError
+from quantkit.errors import SourceModelError, UnsupportedModelError
 
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
     "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "generation_config.json",
 )
+# Any one of these makes a directory loadable by AutoTokenizer.
+TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -82,6 +84,37 @@ def load_model(path: Path, dtype: str = "auto", trust_remote_code: bool = False,
         path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code, **kwargs
     )
     return model.eval()
+
+
+def load_tokenizer(path: str | Path, trust_remote_code: bool = False, fix: str = "pass --tokenizer DIR"):
+    """The tokenizer saved in a directory; SourceModelError ending in `fix` (what the user should do) when
+    there is none or it does not load."""
+    from transformers import AutoTokenizer
+
+    path = Path(path)
+    if not path.is_dir() or not any((path / name).is_file() for name in TOKENIZER_MARKERS):
+        raise SourceModelError(f"{path} has no tokenizer files; {fix}")
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, KeyError) as exc:
+        raise SourceModelError(f"{path}: cannot load the tokenizer ({str(exc).splitlines()[0]}); {fix}") from exc
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder layers at model.<base_model_prefix>.layers (Llama-, Qwen2-, Mistral-style models)."""
+    prefix = getattr(model, "base_model_prefix", "model")
+    layers = getattr(getattr(model, prefix, None), "layers", None)
+    if not isinstance(layers, nn.ModuleList) or not len(layers):
+        raise UnsupportedModelError(
+            f"{type(model).__name__}: calibration needs decoder layers at model.{prefix}"
+            ".layers (Llama-, Qwen2-, Mistral-style models); this architecture has none there"
+        )
+    return layers
+
+
+def module_name(model: nn.Module, module: nn.Module) -> str:
+    """The qualified name of `module` inside `model` (e.g. "model.layers" for the decoder layers)."""
+    return next(name for name, candidate in model.named_modules() if candidate is module)
 
 
 def copy_tokenizer(src: Path, dst: Path) -> list[str]:

@@ -136,6 +136,8 @@ class HessianObserver(Observer):
 
     def hessian(self) -> torch.Tensor:
         """H = 2/n sum x x^T, the GPTQ normalisation."""
+        if "xtx" not in self.state:
+            raise ValueError("no calibration tokens reached this module; its Hessian is empty")
         return (self.state["xtx"] * (2.0 / self.state["count"].clamp(min=1.0))).float()
 
 

@@ -49,7 +49,7 @@ from quantkit import qparams
 from quantkit.errors import UsageError
 from quantkit.registry import Recipe, recipe_names, resolve
 from quantkit.plan import ModulePlan
-from quantkit.schemes import ActivationSpec, Granularity, QDtype, QuantScheme, ScaleDtype, WeightSpec
+from quantkit.schemes import ActivationSpec, Granularity, QDtype, QuantScheme, ScaleDtype, WeightObserver, WeightSpec
 
 _EPS = torch.finfo(torch.float32).eps  # qparams' eps; tests check tiny groups, where a different eps shows
 _TORCH_INT = {QDtype.INT4: torch.int4, QDtype.INT8: torch.int8}
@@ -101,7 +101,7 @@ def activation_fake_quantize_config(spec: ActivationSpec | None) -> FakeQuantize
 def check_recipe(recipe: Recipe) -> None:
     """QAT recipes round to nearest with dynamic activations: what training sees is what `finalize` writes.
     A calibrated recipe (GPTQ, SmoothQuant, static scales) would change the weights after training."""
-    if recipe.needs_calibration or recipe.scheme.weights.observer.value != "minmax":
+    if recipe.needs_calibration or recipe.scheme.weights.observer is not WeightObserver.MINMAX:
         usable = [n for n in recipe_names() if not resolve(n).needs_calibration]
         raise UsageError(f"--qat-recipe {recipe.name}: QAT takes round-to-nearest min/max recipes with dynamic activations "
                          f"({', '.join(usable)})")

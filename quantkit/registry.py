@@ -18,6 +18,8 @@ from typing import Any, Iterator
 
 import yaml
 
+from quantkit.algorithms import Algorithm
+from quantkit.algorithms.arguments import ARGUMENTS, parse_arguments
 from quantkit.errors import RecipeError, RecipeNotFoundError
 from quantkit.schemes import (
     ActivationSpec,
@@ -36,31 +38,15 @@ class Format(str, Enum):
     TORCHAO = "torchao"
 
 
-class Algorithm(str, Enum):
-    RTN = "rtn"  # round-to-nearest: no calibration data
-    GPTQ = "gptq"  # Hessian-aware rounding: calibration data
-    SMOOTHQUANT = "smoothquant"  # a transform before the quantizer: migrates activation outliers into weights
-    AWQ = "awq"  # a transform before the quantizer: activation-aware weight scales, searched per block
-
-    @property
-    def is_quantizer(self) -> bool:
-        return self in (Algorithm.RTN, Algorithm.GPTQ)
-
-
-# The arguments each algorithm takes, with their types: recipes are checked against this table without
-# importing torch; a unit test checks it against the registered functions' keyword parameters.
-ALGORITHM_ARGS: dict[Algorithm, dict[str, type]] = {
-    Algorithm.RTN: {},
-    Algorithm.GPTQ: {"block_size": int, "dampening_frac": float, "actorder": bool},
-    Algorithm.SMOOTHQUANT: {"alpha": float},
-    Algorithm.AWQ: {"grid": int},
-}
-
-
 @dataclass(frozen=True)
 class AlgorithmStep:
     name: Algorithm
-    args: dict[str, Any] = field(default_factory=dict)
+    args: dict[str, Any] = field(default_factory=dict)  # as the recipe gives them, checked
+
+    @property
+    def arguments(self):
+        """The algorithm's argument dataclass (`quantkit.algorithms.arguments`), defaults filled in."""
+        return ARGUMENTS[self.name](**self.args)
 
 
 class IndivisiblePolicy(str, Enum):
@@ -262,16 +248,10 @@ def _parse_step(item: Any, where: str) -> AlgorithmStep:
         raise SchemeError(where, "must be a mapping such as {name: gptq}")
     args = dict(item)
     name = _enum(args.pop("name", None), Algorithm, f"{where}.name", required=True)
-    allowed = ALGORITHM_ARGS[name]
-    for key, value in args.items():
-        if key not in allowed:
-            choices = ", ".join(sorted(allowed)) or "none"
-            raise SchemeError(f"{where}.{key}", f"unknown argument for {name.value}; allowed: {choices}")
-        kind = allowed[key]
-        ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool)) or (kind is float and isinstance(value, int) and not isinstance(value, bool))
-        if not ok:
-            raise SchemeError(f"{where}.{key}", f"{value!r} is not allowed; expected {kind.__name__}")
-        args[key] = float(value) if kind is float else value
+    try:
+        args = parse_arguments(name, args)
+    except SchemeError as exc:
+        raise SchemeError(f"{where}.{exc.field}", exc.message) from None
     return AlgorithmStep(name=name, args=args)
 
 

@@ -1,8 +1,32 @@
-"""Process-wide settings: thread counts."""
+"""Process-wide settings: thread counts, and what the environment says about this process (the one place,
+with `distributed.py`, that reads environment variables; no torch import at module level)."""
 
 from __future__ import annotations
 
 import os
+
+THREADS_VARIABLE = "QUANTKIT_THREADS"  # set by the self-launcher: each rank's share of the cores
+
+
+def under_torchrun() -> bool:
+    """This process was started by torchrun (or another launcher that sets torch.distributed's variables)."""
+    return "LOCAL_RANK" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def is_main_process() -> bool:
+    """Global rank 0, or not distributed at all: the process that prints and writes."""
+    return int(os.environ.get("RANK", 0)) == 0
+
+
+def launched_threads() -> int | None:
+    """The thread count the self-launcher gave this rank, if any."""
+    value = os.environ.get(THREADS_VARIABLE)
+    return int(value) if value else None
+
+
+def debug_enabled() -> bool:
+    """QUANTKIT_DEBUG=1 (or true / yes): show tracebacks instead of one-line errors."""
+    return os.environ.get("QUANTKIT_DEBUG", "").strip().lower() in ("1", "true", "yes")
 
 
 def available_cores() -> int:

@@ -95,16 +95,6 @@ def build_model(config: TrainConfig, source: Path | None) -> nn.Module:
     return AutoModelForCausalLM.from_config(model_config, dtype=torch.float32).train()
 
 
-def load_tokenizer(config: TrainConfig):
-    from transformers import AutoTokenizer
-
-    path = config.model.tokenizer or config.model.path
-    try:
-        return AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError) as exc:
-        raise UsageError(f"model.tokenizer: cannot load a tokenizer from {path} ({str(exc).splitlines()[0]})") from exc
-
-
 def load_blocks(config: TrainConfig, tokenizer) -> tuple[torch.Tensor, torch.Tensor | None]:
     d = config.data
     blocks = data.pack_blocks(data.tokenize(tokenizer, data.load_texts(d.train, d.text_field)), d.seq_len)
@@ -123,7 +113,7 @@ def setup(config: TrainConfig, ctx: Context, recipe: Recipe | None, resume_from:
     from quantkit import qat
     from quantkit.plan import plan_model
 
-    tokenizer = load_tokenizer(config)
+    tokenizer = models.load_tokenizer(config.model.tokenizer or config.model.path, fix="set model.tokenizer to a tokenizer directory")
     blocks, eval_ids = load_blocks(config, tokenizer)
     model = build_model(config, resume_from)
     if recipe is not None:  # fake quantizers go in before the optimizer is built

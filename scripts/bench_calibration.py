@@ -25,8 +25,9 @@ What it does (everything cached under `--workdir`, default /tmp/quantkit-bench-c
    `oneshot` as a `datasets.Dataset` of input_ids (no shuffling);
 3. runs every job as its own subprocess with OMP_NUM_THREADS / MKL_NUM_THREADS = `--threads`:
    quantkit: `quantkit finalize SRC DST -q RECIPE [--calib-data ...] --threads T --quiet --overwrite`;
-   llm-compressor: llmc_runner.py (written to the work dir) under `--llmc-python`: `torch.set_num_threads(T)`,
-   `oneshot(...)`, then `save_pretrained(DST, save_compressed=True)`; it prints its load/oneshot/save times.
+   llm-compressor: llmc_runner.py (scripts/harness.py's LLMC_RUNNER, written to the work dir) under
+   `--llmc-python`: `torch.set_num_threads(T)`, `oneshot(...)`, then `save_pretrained(DST, save_compressed=True)`;
+   it prints its load/oneshot/save times.
    Wall time is perf_counter around the subprocess (interpreter start, imports, load, calibration, save);
    peak RSS is ru_maxrss from os.wait4. On an oversubscribed machine (other jobs running) `--threads 2` on 2
    cores was 3-4x slower than `--threads 1` for both tools: GPTQ's per-column loop of small parallel ops
@@ -52,21 +53,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import shutil
-import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
-from importlib.metadata import version
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-WIKITEXT = REPO.parent / "shared" / "data" / "wikitext-2"
-MIB = 1024 * 1024
+import harness
+from harness import WIKITEXT, fmt, median
 
 # (algorithm, quantkit recipe, llm-compressor runner recipe): one row pair of the table each
 ALGORITHMS = [
@@ -75,68 +70,6 @@ ALGORITHMS = [
     ("SmoothQuant+GPTQ W8A8", "smoothquant-w8a8", "smoothquant-gptq-w8a8"),
 ]
 AWQ = ("AWQ W4A16", "awq-w4a16", "awq-w4a16")
-
-LLMC_RUNNER = '''\
-"""llm-compressor side of scripts/bench_calibration.py (written there): one oneshot() run; prints one JSON line."""
-import argparse, json, os, time
-
-start = time.perf_counter()
-p = argparse.ArgumentParser()
-for name in ("src", "dst", "calib", "recipe", "actorder"):
-    p.add_argument(name)
-p.add_argument("threads", type=int)
-args = p.parse_args()
-
-import torch
-torch.set_num_threads(args.threads)
-import torch.distributed as dist
-rank = int(os.environ.get("RANK", "0"))
-if "TORCHELASTIC_RUN_ID" in os.environ:  # under torchrun: llm-compressor's distributed oneshot, gloo on CPU
-    # (compressed_tensors.offload.init_dist needs an accelerator; this is what it does, with gloo)
-    dist.init_process_group(backend="gloo", init_method="env://")
-from datasets import Dataset
-from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, AutoTokenizer
-from llmcompressor import oneshot
-from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
-from llmcompressor.modifiers.transform import AWQModifier, SmoothQuantModifier
-
-if not torch.accelerator.is_available():
-    # llm-compressor 0.14's AWQ pins its activation cache for host-to-device copies; pinning needs an accelerator
-    from llmcompressor.pipelines.cache import IntermediatesCache
-    IntermediatesCache.pin_memory = lambda self, batch_index, input_names=None: None
-
-common = dict(targets="Linear", ignore=["lm_head"])
-gptq = dict(common, **({} if args.actorder == "default" else {"actorder": None}))
-recipe = {
-    "rtn-w4a16": lambda: [QuantizationModifier(scheme="W4A16", **common)],
-    "gptq-w4a16": lambda: [GPTQModifier(scheme="W4A16", **gptq)],
-    "smoothquant-gptq-w8a8": lambda: [SmoothQuantModifier(smoothing_strength=0.8), GPTQModifier(scheme="W8A8", **gptq)],
-    "awq-w4a16": lambda: [AWQModifier(), QuantizationModifier(scheme="W4A16", **common)],  # AWQ only rescales
-}[args.recipe]()
-imported = time.perf_counter()
-
-ids = load_file(args.calib)["input_ids"]
-dataset = Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": torch.ones_like(ids).tolist()})
-model = AutoModelForCausalLM.from_pretrained(args.src, dtype="auto")
-tokenizer = AutoTokenizer.from_pretrained(args.src)
-loaded = time.perf_counter()
-oneshot(model=model, dataset=dataset, recipe=recipe, max_seq_length=ids.shape[1], num_calibration_samples=ids.shape[0],
-        shuffle_calibration_samples=False)
-calibrated = time.perf_counter()
-# every rank calls save_pretrained: llm-compressor compresses module-parallel there, and writes on rank 0 only
-model.save_pretrained(args.dst, save_compressed=True)
-if rank == 0:
-    tokenizer.save_pretrained(args.dst)
-if dist.is_initialized():
-    dist.barrier()
-    dist.destroy_process_group()
-saved = time.perf_counter()
-if rank != 0:
-    raise SystemExit(0)
-print(json.dumps({"import_s": imported - start, "load_s": loaded - imported, "oneshot_s": calibrated - loaded,
-                  "save_s": saved - calibrated, "threads": torch.get_num_threads()}))
-'''
 
 
 @dataclass
@@ -161,25 +94,9 @@ class Job:
 # ---------------------------------------------------------------- the benchmark model
 
 
-def model_shape(hidden: int) -> dict:
-    return dict(hidden_size=hidden, intermediate_size=hidden * 11 // 4, num_hidden_layers=4,
-                num_attention_heads=hidden // 64, num_key_value_heads=hidden // 64, vocab_size=8192,
-                max_position_embeddings=2048)
-
-
 def build_init(workdir: Path, text: Path, hidden: int) -> Path:
-    """The randomly initialised float32 Llama with its tokenizer, built once (into a temp dir, then renamed)."""
-    init = workdir / f"llama-h{hidden}-init"
-    if (init / "config.json").is_file():
-        return init
-    from quantkit.tiny import build_tiny_llama
-
-    tmp = workdir / f"{init.name}.building"
-    shutil.rmtree(tmp, ignore_errors=True)
-    print(f"building {init} ...", file=sys.stderr)
-    build_tiny_llama(tmp, text.read_text(encoding="utf-8"), seed=0, dtype="float32", **model_shape(hidden))
-    tmp.rename(init)
-    return init
+    """The randomly initialised float32 Llama with its tokenizer, built once."""
+    return harness.build_llama(workdir / f"llama-h{hidden}-init", text, "float32", **harness.llama_shape(hidden))
 
 
 def train_config(init: Path, text: Path, steps: int, output: Path) -> dict:
@@ -203,8 +120,8 @@ def train_model(workdir: Path, init: Path, text: Path, steps: int, threads: int)
     config.write_text(json.dumps(train_config(init, text, steps, output), indent=2))  # JSON is YAML
     print(f"training {init} for {steps} steps -> {final} ...", file=sys.stderr)
     began = time.perf_counter()
-    cmd = [quantkit_executable(), "train", str(config), "--threads", str(threads), "--quiet", "--overwrite"]
-    subprocess.run(cmd, env=thread_env(threads), check=True)
+    cmd = harness.quantkit_command("train", config, "--threads", threads, "--quiet", "--overwrite")
+    subprocess.run(cmd, env=harness.thread_env(threads), check=True)
     (output / "train_seconds.txt").write_text(f"{time.perf_counter() - began:.1f}\n")
     return final
 
@@ -221,58 +138,23 @@ def training_facts(final: Path) -> dict | None:
             "seconds": float(seconds.read_text()) if seconds.is_file() else None}
 
 
-# ---------------------------------------------------------------- calibration tokens
-
-
-def write_calibration(src: Path, data: Path, num_samples: int, seq_len: int, workdir: Path) -> Path:
-    """quantkit's calibration blocks for these options, saved for the llm-compressor runner."""
-    import torch
-    from safetensors.torch import save_file
-
-    from quantkit.finalize import CalibrationOptions, calibration_samples
-    from quantkit.registry import resolve
-
-    options = CalibrationOptions(data=str(data), num_samples=num_samples, seq_len=seq_len)
-    blocks = calibration_samples(src, resolve("gptq-w4a16"), options)
-    # the blocks depend on the options only, not on the recipe: smoothquant-w8a8 calibrates on the same ones
-    assert torch.equal(blocks, calibration_samples(src, resolve("smoothquant-w8a8"), options))
-    path = workdir / f"calib-{num_samples}x{seq_len}.safetensors"
-    save_file({"input_ids": blocks.contiguous()}, str(path))
-    return path
-
-
 # ---------------------------------------------------------------- jobs
-
-
-def quantkit_executable() -> str:
-    beside = Path(sys.executable).parent / "quantkit"
-    found = str(beside) if beside.is_file() else shutil.which("quantkit")
-    if not found:
-        sys.exit("the `quantkit` console script is not installed (pip install -e .)")
-    return found
-
-
-def thread_env(threads: int) -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
 
 
 def quantkit_job(algorithm: str, recipe: str, src: Path, out: Path, args: argparse.Namespace) -> Job:
     from quantkit.registry import resolve
 
     dst = out / f"quantkit-{recipe}"
-    cmd = [quantkit_executable(), "finalize", str(src), str(dst), "-q", recipe, "--threads", str(args.threads),
-           "--quiet", "--overwrite"]
-    if resolve(recipe).needs_calibration:
-        cmd += ["--calib-data", str(args.calib_data), "--num-samples", str(args.num_samples),
-                "--seq-len", str(args.seq_len)]
+    calibrated = resolve(recipe).needs_calibration
+    calibration = harness.calibration_options(args.calib_data, args.num_samples, args.seq_len) if calibrated else []
+    cmd = harness.finalize_command(src, dst, recipe, args.threads, *calibration)
     return Job("quantkit", algorithm, recipe, dst, cmd)
 
 
 def llmc_job(algorithm: str, recipe: str, src: Path, out: Path, calib: Path, runner: Path,
              args: argparse.Namespace) -> Job:
     dst = out / f"llmc-{recipe}"
-    cmd = [str(args.llmc_python), str(runner), str(src), str(dst), str(calib), recipe, args.llmc_actorder,
-           str(args.threads)]
+    cmd = harness.llmc_command(args.llmc_python, runner, src, dst, calib, recipe, args.llmc_actorder, args.threads)
     return Job("llm-compressor", algorithm, recipe, dst, cmd)
 
 
@@ -285,8 +167,7 @@ def has_recipe(name: str) -> bool:
 def make_jobs(src: Path, calib: Path, workdir: Path, args: argparse.Namespace) -> list[Job]:
     out = workdir / "out"
     out.mkdir(exist_ok=True)
-    runner = workdir / "llmc_runner.py"
-    runner.write_text(LLMC_RUNNER)
+    runner = harness.write_llmc_runner(workdir)
     jobs = []  # the two tools alternate, algorithm by algorithm, so that drift of a noisy machine hits both alike
     for algo, qk_recipe, llmc_recipe in ALGORITHMS + [AWQ]:
         if args.only and qk_recipe not in args.only:
@@ -303,36 +184,21 @@ def make_jobs(src: Path, calib: Path, workdir: Path, args: argparse.Namespace) -
 def measure(job: Job, env: dict[str, str], logs: Path) -> None:
     """One run of `job`: wall time and peak RSS (os.wait4); stdout kept (the runner's JSON), stderr logged."""
     shutil.rmtree(job.dst, ignore_errors=True)  # llm-compressor's save_pretrained would mix old and new files
-    log = logs / f"{job.dst.name}.log"
-    with tempfile.TemporaryFile() as stdout, open(log, "wb") as stderr:
-        start = time.perf_counter()
-        proc = subprocess.Popen(job.cmd, env=env, stdout=stdout, stderr=stderr)
-        _, status, usage = os.wait4(proc.pid, 0)
-        seconds = time.perf_counter() - start
-        proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here; keep Popen from waiting again
-        stdout.seek(0)
-        printed = stdout.read().decode(errors="replace")
-    job.returncode = proc.returncode
-    if proc.returncode:
-        job.error = log.read_text(errors="replace")[-3000:]
+    run, printed = harness.measure_logged(job.cmd, env, logs / f"{job.dst.name}.log")
+    job.returncode = run.returncode
+    if run.returncode:
+        job.error = run.stderr_tail
         return
-    job.seconds.append(seconds)
-    job.peak_rss_mib.append(usage.ru_maxrss / 1024)
-    job.reported = last_json_line(printed) or {}
+    job.seconds.append(run.seconds)
+    job.peak_rss_mib.append(run.peak_rss_mib)
+    job.reported = harness.last_json_line(printed) or {}
     if "oneshot_s" in job.reported:
         job.calibration_s.append(job.reported["oneshot_s"])
 
 
-def last_json_line(text: str) -> dict | None:
-    for line in reversed(text.splitlines()):
-        if line.startswith("{"):
-            return json.loads(line)
-    return None
-
-
 def run_jobs(jobs: list[Job], repeats: int, threads: int, logs: Path) -> None:
     """`repeats` rounds over all jobs (interleaved, so slow drift of a noisy machine hits every job alike)."""
-    env = thread_env(threads)
+    env = harness.thread_env(threads)
     for round_no in range(1, repeats + 1):
         for job in jobs:
             if job.returncode:
@@ -346,9 +212,9 @@ def run_jobs(jobs: list[Job], repeats: int, threads: int, logs: Path) -> None:
 
 
 def eval_cmd(models: list[Path], args: argparse.Namespace, json_path: Path) -> list[str]:
-    return [quantkit_executable(), "eval", *map(str, models), "--data", str(args.eval_data), "--seq-len", "256",
-            "--max-samples", str(args.eval_samples), "--json", str(json_path), "--threads", str(args.threads),
-            "--quiet"]
+    return harness.quantkit_command("eval", *models, "--data", args.eval_data, "--seq-len", 256,
+                                    "--max-samples", args.eval_samples, "--json", json_path, "--threads", args.threads,
+                                    "--quiet")
 
 
 def perplexities(models: list[Path], args: argparse.Namespace, workdir: Path) -> tuple[dict[str, float], dict[str, str]]:
@@ -371,7 +237,8 @@ def eval_once(models: list[Path], args: argparse.Namespace, workdir: Path) -> tu
     """(True, {path: perplexity}) or (False, the tail of the error output)."""
     json_path = workdir / "eval.json"
     json_path.unlink(missing_ok=True)
-    proc = subprocess.run(eval_cmd(models, args, json_path), env=thread_env(args.threads), capture_output=True, text=True)
+    env = harness.thread_env(args.threads)
+    proc = subprocess.run(eval_cmd(models, args, json_path), env=env, capture_output=True, text=True)
     if proc.returncode:
         return False, (proc.stderr or proc.stdout).strip()[-1500:]
     reports = json.loads(json_path.read_text())["results"]
@@ -417,28 +284,21 @@ def _kl_sum(log_p, log_q) -> float:
 # ---------------------------------------------------------------- reporting
 
 
-def median(values: list[float]) -> float | None:
-    return statistics.median(values) if values else None
+TABLE_HEADER = ["tool", "algorithm", "recipe", "wall s", "llmc oneshot() s", "peak RSS MiB", "ppl", "ppl rise vs float",
+                "KL vs float (1e-3 nats/token)"]
 
 
-def fmt(value: float | None, spec: str) -> str:
-    return "n/a" if value is None else format(value, spec)
+def table_row(job: Job, float_ppl: float | None) -> list[str]:
+    rise = job.perplexity / float_ppl - 1 if job.perplexity and float_ppl else None
+    wall = "FAILED" if job.returncode else fmt(median(job.seconds), ".1f")
+    return [job.tool, job.algorithm, job.recipe, wall, fmt(median(job.calibration_s), ".1f"),
+            fmt(median(job.peak_rss_mib), ".0f"), fmt(job.perplexity, ".3f"),
+            "n/a" if rise is None else f"{100 * rise:+.2f}%", fmt(None if job.kl is None else 1e3 * job.kl, ".3f")]
 
 
 def table(jobs: list[Job], float_ppl: float | None) -> str:
-    lines = ["| tool | algorithm | recipe | wall s | llmc oneshot() s | peak RSS MiB | ppl | ppl rise vs float "
-             "| KL vs float (1e-3 nats/token) |", "|---|---|---|---|---|---|---|---|---|"]
-    lines.append(f"| - | float (source) | - | - | - | - | {fmt(float_ppl, '.3f')} | - | - |")
-    for job in jobs:
-        rise = job.perplexity / float_ppl - 1 if job.perplexity and float_ppl else None
-        wall = "FAILED" if job.returncode else fmt(median(job.seconds), ".1f")
-        lines.append(
-            f"| {job.tool} | {job.algorithm} | {job.recipe} | {wall} | {fmt(median(job.calibration_s), '.1f')} "
-            f"| {fmt(median(job.peak_rss_mib), '.0f')} | {fmt(job.perplexity, '.3f')} "
-            f"| {fmt(None if rise is None else 100 * rise, '+.2f')}{'%' if rise is not None else ''} "
-            f"| {fmt(None if job.kl is None else 1e3 * job.kl, '.3f')} |"
-        )
-    return "\n".join(lines)
+    float_row = ["-", "float (source)", "-", "-", "-", "-", fmt(float_ppl, ".3f"), "-", "-"]
+    return harness.markdown_table(TABLE_HEADER, [float_row] + [table_row(job, float_ppl) for job in jobs])
 
 
 def ratios(jobs: list[Job]) -> list[dict]:
@@ -508,27 +368,6 @@ def print_report(facts: dict, jobs: list[Job], float_ppl: float | None, eval_err
         print(f"- `quantkit eval` could not evaluate {path}:\n```\n{error}\n```")
 
 
-def llmc_versions(python: Path | None) -> str | None:
-    if not python:
-        return None
-    code = ("from importlib.metadata import version as v; "
-            "print(', '.join(f'{p} {v(p)}' for p in ('llmcompressor', 'torch', 'transformers', 'compressed-tensors')))")
-    proc = subprocess.run([str(python), "-c", code], capture_output=True, text=True)
-    return proc.stdout.strip() if proc.returncode == 0 else f"unknown ({proc.stderr.strip()[-200:]})"
-
-
-def parameter_count(folder: Path) -> int:
-    from math import prod
-
-    from safetensors import safe_open
-
-    total = 0
-    for path in folder.glob("*.safetensors"):
-        with safe_open(str(path), "pt") as f:
-            total += sum(prod(f.get_slice(name).get_shape()) for name in f.keys())
-    return total
-
-
 def config_dtype(src: Path) -> str:
     config = json.loads((src / "config.json").read_text())
     return config.get("dtype") or config.get("torch_dtype", "?")
@@ -536,11 +375,11 @@ def config_dtype(src: Path) -> str:
 
 def machine_facts(src: Path, hidden: int, args: argparse.Namespace) -> dict:
     return {
-        "python": platform.python_version(), "platform": platform.platform(), "cpus": os.cpu_count(),
-        "torch": version("torch"), "transformers": version("transformers"),
-        "compressed-tensors": version("compressed-tensors"), "threads": args.threads, "repeats": args.repeats,
-        "llmc": llmc_versions(args.llmc_python), "llmc_actorder": args.llmc_actorder,
-        "model": {"path": str(src), "hidden": hidden, "parameters": parameter_count(src), "dtype": config_dtype(src)},
+        **harness.host_facts(), **harness.versions("torch", "transformers", "compressed-tensors"),
+        "threads": args.threads, "repeats": args.repeats,
+        "llmc": harness.llmc_versions(args.llmc_python), "llmc_actorder": args.llmc_actorder,
+        "model": {"path": str(src), "hidden": hidden, "parameters": harness.parameter_count(src),
+                  "dtype": config_dtype(src)},
         "training": training_facts(src),
         "calibration": f"{args.num_samples} x {args.seq_len} tokens of {args.calib_data} (seed 0)",
         "eval": f"{args.eval_data}, seq_len 256, {args.eval_samples} windows",
@@ -597,7 +436,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         init = build_init(args.workdir, args.train_text, args.hidden)
         src = train_model(args.workdir, init, args.train_text, args.train_steps, args.threads)
-    calib = write_calibration(src, args.calib_data, args.num_samples, args.seq_len, args.workdir)
+    calib = harness.write_calibration(src, args.calib_data, args.num_samples, args.seq_len, args.workdir)
     if args.prepare_only:
         return print(f"model {src}, calibration tokens {calib}")
     jobs = make_jobs(src, calib, args.workdir, args)

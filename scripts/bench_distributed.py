@@ -19,31 +19,28 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
-import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_finalize import build_source, measure, quantkit_executable, safetensors_bytes  # noqa: E402
+import harness
+from harness import median
 
-ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = {"1 rank x 1 thread": (1, 1), "1 rank x 2 threads": (1, 2), "2 ranks x 1 thread": (2, 1)}
+Measured = dict[str, tuple[float, int, int]]  # "tool: configuration" -> (wall seconds, peak RSS KiB, return code)
 
 
 def command(src: Path, dst: Path, calib: Path, ranks: int, threads: int, samples: int, seq_len: int) -> list[str]:
-    cmd = [quantkit_executable(), "finalize", str(src), str(dst), "-q", "gptq-w4a16", "--calib-data", str(calib),
-           "--num-samples", str(samples), "--seq-len", str(seq_len), "--threads", str(threads), "--quiet", "--overwrite"]
-    return cmd + (["--nproc-per-node", str(ranks)] if ranks > 1 else [])
+    nproc = ["--nproc-per-node", ranks] if ranks > 1 else []
+    calibration = harness.calibration_options(calib, samples, seq_len)
+    return harness.finalize_command(src, dst, "gptq-w4a16", threads, *calibration, *nproc)
 
 
 def llmc_command(python: Path, runner: Path, src: Path, dst: Path, ids: Path, ranks: int, threads: int) -> list[str]:
-    launch = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)] if ranks > 1 else []
-    return [str(python), *launch, str(runner), str(src), str(dst), str(ids), "gptq-w4a16", "default", str(threads)]
+    return harness.llmc_command(python, runner, src, dst, ids, "gptq-w4a16", "default", threads, ranks)
 
 
-def run_round(src: Path, work: Path, calib: Path, args, llmc: tuple[Path, Path] | None) -> dict[str, tuple[float, int, int]]:
+def run_round(src: Path, work: Path, calib: Path, args, llmc: tuple[Path, Path] | None) -> Measured:
     results = {}
     tools = [("quantkit", lambda dst, r, t: command(src, dst, calib, r, t, args.samples, args.seq_len))]
     if llmc:
@@ -51,14 +48,14 @@ def run_round(src: Path, work: Path, calib: Path, args, llmc: tuple[Path, Path] 
         tools.append(("llm-compressor", lambda dst, r, t: llmc_command(args.llmc_python, runner, src, dst, ids, r, t)))
     for tool, make in tools:
         for label, (ranks, threads) in CONFIGS.items():
-            env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+            env = harness.thread_env(threads, mkl=False)  # OMP_NUM_THREADS only, as this benchmark always set
             dst = work / tool / label.replace(" ", "")
             shutil.rmtree(dst, ignore_errors=True)
-            run = measure(make(dst, ranks, threads), env)
+            run = harness.measure(make(dst, ranks, threads), env)
             if run.returncode:
                 sys.exit(f"{tool} {label} failed:\n{run.stderr_tail}")
             results[f"{tool}: {label}"] = (run.seconds, run.peak_rss_kib, run.returncode)
-            print(f"{tool} {label}: {run.seconds:.1f} s, peak RSS {run.peak_rss_kib / 1024:.0f} MiB", file=sys.stderr)
+            print(f"{tool} {label}: {run.seconds:.1f} s, peak RSS {run.peak_rss_mib:.0f} MiB", file=sys.stderr)
     return results
 
 
@@ -70,38 +67,31 @@ def same_artifact(work: Path) -> bool:
     return one.keys() == two.keys() and all((one[k] == two[k]).all() for k in one)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", type=Path, help="model directory (default: build the 68M Llama)")
-    parser.add_argument("--workdir", type=Path, default=Path("/tmp/quantkit-bench"))
-    parser.add_argument("--text", type=Path, default=ROOT.parent / "shared/data/wikitext-2/valid.txt")
-    parser.add_argument("--samples", type=int, default=64)
-    parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--json", type=Path)
-    parser.add_argument("--llmc-python", type=Path, help="python of a venv with llmcompressor: run it side by side")
-    args = parser.parse_args()
-    args.workdir.mkdir(parents=True, exist_ok=True)
-    src = args.model or build_source(args.workdir, args.text, "bfloat16", 16)
-    work = args.workdir / "distributed"
-    llmc = None
-    if args.llmc_python:
-        from bench_calibration import LLMC_RUNNER, write_calibration
+def prepare_llmc(src: Path, work: Path, args: argparse.Namespace) -> tuple[Path, Path] | None:
+    """(runner, calibration ids) for the llm-compressor side, or None without --llmc-python."""
+    if not args.llmc_python:
+        return None
+    work.mkdir(parents=True, exist_ok=True)
+    runner = harness.write_llmc_runner(work)
+    return runner, harness.write_calibration(src, args.text, args.samples, args.seq_len, work)
 
-        runner = work / "llmc_runner.py"
-        work.mkdir(parents=True, exist_ok=True)
-        runner.write_text(LLMC_RUNNER)
-        llmc = (runner, write_calibration(src, args.text, args.samples, args.seq_len, work))
-    rounds = [run_round(src, work, args.text, args, llmc) for _ in range(args.repeats)]
-    labels = list(rounds[0])
-    medians = {label: statistics.median(r[label][0] for r in rounds) for label in labels}
-    rss = {label: max(r[label][1] for r in rounds) / 1024 for label in labels}
-    print(f"model {src} ({safetensors_bytes(src) / 2**20:.0f} MiB), gptq-w4a16, {args.samples} x {args.seq_len} tokens, "
-          f"{args.repeats} round(s)\n")
-    print("| tool: configuration | wall s (median) | speed-up vs its 1x1 | peak RSS MiB |\n|---|---|---|---|")
-    for label in labels:
+
+def table(medians: dict[str, float], rss: dict[str, float]) -> str:
+    """One row a tool and configuration; the speed-up is against the same tool's 1 rank x 1 thread."""
+    rows = []
+    for label, seconds in medians.items():
         base = medians[label.split(":")[0] + ": 1 rank x 1 thread"]
-        print(f"| {label} | {medians[label]:.1f} | {base / medians[label]:.2f}x | {rss[label]:.0f} |")
+        rows.append([label, f"{seconds:.1f}", f"{base / seconds:.2f}x", f"{rss[label]:.0f}"])
+    header = ["tool: configuration", "wall s (median)", "speed-up vs its 1x1", "peak RSS MiB"]
+    return harness.markdown_table(header, rows)
+
+
+def report(src: Path, work: Path, rounds: list[Measured], args: argparse.Namespace) -> None:
+    medians = {label: median([r[label][0] for r in rounds]) for label in rounds[0]}
+    rss = {label: max(r[label][1] for r in rounds) / 1024 for label in rounds[0]}
+    size = harness.safetensors_bytes(src) / 2**20
+    print(f"model {src} ({size:.0f} MiB), gptq-w4a16, {args.samples} x {args.seq_len} tokens, {args.repeats} round(s)\n")
+    print(table(medians, rss))
     identical = {tool: same_artifact(work / tool) for tool in ("quantkit", "llm-compressor") if (work / tool).is_dir()}
     print()
     for tool, same in identical.items():
@@ -111,6 +101,25 @@ def main() -> None:
         print(f"quantkit / llm-compressor wall time, 2 ranks x 1 thread each: {ratio:.2f}x")
     if args.json:
         args.json.write_text(json.dumps({"wall_s": medians, "peak_rss_mib": rss, "identical": identical}, indent=2))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", type=Path, help="model directory (default: build the 68M Llama)")
+    parser.add_argument("--workdir", type=Path, default=Path("/tmp/quantkit-bench"))
+    parser.add_argument("--text", type=Path, default=harness.WIKITEXT / "valid.txt")
+    parser.add_argument("--samples", type=int, default=64)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--llmc-python", type=Path, help="python of a venv with llmcompressor: run it side by side")
+    args = parser.parse_args()
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    src = args.model or harness.llama_70m(args.workdir, args.text, "bfloat16", 16)
+    work = args.workdir / "distributed"
+    llmc = prepare_llmc(src, work, args)
+    rounds = [run_round(src, work, args.text, args, llmc) for _ in range(args.repeats)]
+    report(src, work, rounds, args)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ Run from the repository root (with the venv active):
 What it measures, for every recipe (in its default format, or with `--formats all` in every format that
 runs on this machine and can express the recipe):
 
-* wall time of `quantkit finalize SRC DST -q RECIPE --format FMT --quiet --overwrite --threads T`, run as a
+* wall time of `quantkit finalize SRC DST -q RECIPE --format FMT --threads T --quiet --overwrite`, run as a
   subprocess, end to end (interpreter start, imports, load, quantize, compress, save);
 * wall time of a baseline subprocess that does `AutoModelForCausalLM.from_pretrained(SRC, dtype="auto")`
   then `save_pretrained(DST)` plus the tokenizer (this script's `--baseline-load-save SRC DST` sub-mode);
@@ -20,46 +20,24 @@ runs on this machine and can express the recipe):
 
 The source model (~70M parameters: a 4-layer Llama, hidden 1024, intermediate 2816, 16 query and 16
 key/value heads by default, a byte-level BPE tokenizer of up to 8192 tokens trained on `--text`) is built
-once with `quantkit.tiny.build_tiny_llama` and cached under `--workdir`. Both subprocesses get the same
-thread count: OMP_NUM_THREADS/MKL_NUM_THREADS in their environment, `--threads` for quantkit and
-`torch.set_num_threads` in the baseline.
+once with `quantkit.tiny.build_tiny_llama` (scripts/harness.py) and cached under `--workdir`. Both
+subprocesses get the same thread count: OMP_NUM_THREADS/MKL_NUM_THREADS in their environment, `--threads` for
+quantkit and `torch.set_num_threads` in the baseline.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import shutil
-import statistics
-import struct
-import subprocess
 import sys
-import tempfile
-import time
 from dataclasses import asdict, dataclass, field
-from importlib.metadata import version
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-DEFAULT_TEXT = REPO.parent / "shared" / "data" / "wikitext-2" / "valid.txt"
-MIB = 1024 * 1024
-MODEL_SHAPE = dict(
-    hidden_size=1024, num_hidden_layers=4, intermediate_size=2816, vocab_size=8192,
-    num_attention_heads=16, max_position_embeddings=2048,
-)
+import harness
+from harness import MIB, Run, median
 
-
-@dataclass
-class Run:
-    """One measured subprocess."""
-
-    seconds: float
-    peak_rss_kib: int
-    cpu_seconds: float
-    returncode: int
-    stderr_tail: str = ""
+DEFAULT_TEXT = harness.WIKITEXT / "valid.txt"
 
 
 @dataclass
@@ -88,56 +66,6 @@ def baseline_load_save(src: str, dst: str, threads: int) -> None:
     AutoTokenizer.from_pretrained(src).save_pretrained(dst)
 
 
-# ---------------------------------------------------------------- source model
-
-
-def read_text(path: Path) -> str:
-    """The tokenizer's training text, or generated text when the file is missing."""
-    if path.is_file():
-        return path.read_text(encoding="utf-8")
-    print(f"note: {path} not found; training the tokenizer on generated text", file=sys.stderr)
-    words = [f"w{i}{chr(97 + i % 26)}" for i in range(4000)]
-    return "\n".join(" ".join(words[(i * 7 + j) % len(words)] for j in range(12)) for i in range(20000))
-
-
-def build_source(workdir: Path, text_path: Path, dtype: str, kv_heads: int) -> Path:
-    """The ~70M-parameter Llama, built once and cached (built into a temp dir, then renamed)."""
-    src = workdir / f"llama70m-{dtype}-kv{kv_heads}"
-    if (src / "config.json").is_file() and list(src.glob("*.safetensors")):
-        return src
-    from quantkit.tiny import build_tiny_llama
-
-    tmp = workdir / f"{src.name}.building"
-    shutil.rmtree(tmp, ignore_errors=True)
-    print(f"building {src} ...", file=sys.stderr)
-    build_tiny_llama(tmp, read_text(text_path), seed=0, dtype=dtype, num_key_value_heads=kv_heads, **MODEL_SHAPE)
-    tmp.rename(src)
-    return src
-
-
-def safetensors_bytes(folder: Path) -> int:
-    return sum(p.stat().st_size for p in folder.glob("*.safetensors"))
-
-
-def parameter_count(folder: Path) -> int:
-    """Parameters stored in the *.safetensors files, read from their JSON headers (no tensors loaded)."""
-    total = 0
-    for path in folder.glob("*.safetensors"):
-        with path.open("rb") as f:
-            header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
-        for name, entry in header.items():
-            if name != "__metadata__":
-                total += _product(entry["shape"])
-    return total
-
-
-def _product(shape: list[int]) -> int:
-    out = 1
-    for dim in shape:
-        out *= dim
-    return out
-
-
 # ---------------------------------------------------------------- jobs and commands
 
 
@@ -157,19 +85,8 @@ def jobs(formats: str) -> list[tuple[str, str]]:
     return pairs
 
 
-def quantkit_executable() -> str:
-    beside = Path(sys.executable).parent / "quantkit"
-    found = str(beside) if beside.is_file() else shutil.which("quantkit")
-    if not found:
-        sys.exit("the `quantkit` console script is not installed (pip install -e .)")
-    return found
-
-
 def finalize_cmd(src: Path, dst: Path, recipe: str, fmt: str, threads: int) -> list[str]:
-    return [
-        quantkit_executable(), "finalize", str(src), str(dst), "-q", recipe, "--format", fmt,
-        "--quiet", "--overwrite", "--threads", str(threads),
-    ]
+    return harness.finalize_command(src, dst, recipe, threads, "--format", fmt)
 
 
 def baseline_cmd(src: Path, dst: Path, threads: int) -> list[str]:
@@ -177,36 +94,20 @@ def baseline_cmd(src: Path, dst: Path, threads: int) -> list[str]:
     return [sys.executable, script, "--baseline-load-save", str(src), str(dst), "--threads", str(threads)]
 
 
-def thread_env(threads: int) -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
-
-
 # ---------------------------------------------------------------- measuring
-
-
-def measure(cmd: list[str], env: dict[str, str]) -> Run:
-    """Wall time, peak RSS and CPU time of one subprocess (stdout dropped, stderr kept for failures)."""
-    with tempfile.TemporaryFile() as err:
-        start = time.perf_counter()
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err)
-        _, status, usage = os.wait4(proc.pid, 0)
-        seconds = time.perf_counter() - start
-        proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here; keep Popen from waiting again
-        err.seek(0)
-        tail = err.read().decode(errors="replace")[-2000:] if proc.returncode else ""
-    return Run(seconds, usage.ru_maxrss, usage.ru_utime + usage.ru_stime, proc.returncode, tail)
 
 
 def bench(src: Path, out: Path, pairs: list[tuple[str, str]], repeats: int, threads: int) -> list[Result]:
     """Rounds of (baseline, finalize) pairs for every job; each finalize has its own adjacent baseline."""
-    env = thread_env(threads)
+    env = harness.thread_env(threads)
     results = [Result(recipe, fmt) for recipe, fmt in pairs]
     for round_no in range(1, repeats + 1):
         for result in results:
             dst = out / f"{result.recipe}.{result.format}"
-            result.baseline.append(measure(baseline_cmd(src, out / "baseline", threads), env))
-            result.finalize.append(run := measure(finalize_cmd(src, dst, result.recipe, result.format, threads), env))
-            result.output_bytes = safetensors_bytes(dst) if run.returncode == 0 else 0
+            result.baseline.append(harness.measure(baseline_cmd(src, out / "baseline", threads), env))
+            run = harness.measure(finalize_cmd(src, dst, result.recipe, result.format, threads), env)
+            result.finalize.append(run)
+            result.output_bytes = harness.safetensors_bytes(dst) if run.returncode == 0 else 0
             print(f"round {round_no}/{repeats} {result.recipe} [{result.format}]: finalize {run.seconds:.2f}s "
                   f"(rc {run.returncode}), load+save {result.baseline[-1].seconds:.2f}s", file=sys.stderr)
     return results
@@ -214,7 +115,7 @@ def bench(src: Path, out: Path, pairs: list[tuple[str, str]], repeats: int, thre
 
 def warm_up(src: Path, out: Path, threads: int) -> None:
     """One untimed baseline: the page cache holds the source and bytecode caches exist before timing."""
-    run = measure(baseline_cmd(src, out / "baseline", threads), thread_env(threads))
+    run = harness.measure(baseline_cmd(src, out / "baseline", threads), harness.thread_env(threads))
     if run.returncode:
         sys.exit(f"baseline load+save failed:\n{run.stderr_tail}")
 
@@ -230,10 +131,10 @@ def summary(result: Result, source_bytes: int) -> dict:
     peak_mib = max(f.peak_rss_kib for f, _ in ok) / 1024
     return {
         "failed": False,
-        "finalize_s": statistics.median(f.seconds for f, _ in ok),
-        "baseline_s": statistics.median(b.seconds for _, b in ok),
-        "ratio": statistics.median(f.seconds / b.seconds for f, b in ok),
-        "finalize_cpu_s": statistics.median(f.cpu_seconds for f, _ in ok),
+        "finalize_s": median([f.seconds for f, _ in ok]),
+        "baseline_s": median([b.seconds for _, b in ok]),
+        "ratio": median([f.seconds / b.seconds for f, b in ok]),
+        "finalize_cpu_s": median([f.cpu_seconds for f, _ in ok]),
         "peak_rss_mib": peak_mib,
         "baseline_peak_rss_mib": max(b.peak_rss_kib for _, b in ok) / 1024,
         "rss_over_model": peak_mib * MIB / source_bytes,
@@ -242,30 +143,29 @@ def summary(result: Result, source_bytes: int) -> dict:
     }
 
 
+TABLE_HEADER = ["recipe", "format", "finalize s (median)", "load+save s (median)", "ratio (median of pairs)",
+                "peak RSS MiB", "RSS / model size", "output size MiB", "compression"]
+
+
+def table_row(result: Result, source_bytes: int) -> list[str]:
+    s = summary(result, source_bytes)
+    if s["failed"]:
+        return [result.recipe, result.format, "FAILED"] + [""] * 6
+    return [result.recipe, result.format, f"{s['finalize_s']:.2f}", f"{s['baseline_s']:.2f}", f"{s['ratio']:.2f}x",
+            f"{s['peak_rss_mib']:.0f}", f"{s['rss_over_model']:.1f}x", f"{s['output_mib']:.1f}",
+            f"{s['compression']:.2f}x"]
+
+
 def table(results: list[Result], source_bytes: int) -> str:
-    head = ("| recipe | format | finalize s (median) | load+save s (median) | ratio (median of pairs) "
-            "| peak RSS MiB | RSS / model size | output size MiB | compression |")
-    lines = [head, "|" + "---|" * 9]
-    for result in results:
-        s = summary(result, source_bytes)
-        if s["failed"]:
-            lines.append(f"| {result.recipe} | {result.format} | FAILED | | | | | | |")
-            continue
-        lines.append(
-            f"| {result.recipe} | {result.format} | {s['finalize_s']:.2f} | {s['baseline_s']:.2f} | {s['ratio']:.2f}x "
-            f"| {s['peak_rss_mib']:.0f} | {s['rss_over_model']:.1f}x | {s['output_mib']:.1f} "
-            f"| {s['compression']:.2f}x |"
-        )
-    return "\n".join(lines)
+    return harness.markdown_table(TABLE_HEADER, [table_row(result, source_bytes) for result in results])
 
 
 def machine_facts(src: Path, threads: int, repeats: int) -> dict:
-    source_bytes = safetensors_bytes(src)
+    source_bytes = harness.safetensors_bytes(src)
     return {
-        "python": platform.python_version(), "platform": platform.platform(), "cpus": os.cpu_count(),
-        "torch": version("torch"), "transformers": version("transformers"), "torchao": version("torchao"),
-        "compressed-tensors": version("compressed-tensors"), "threads": threads, "repeats": repeats,
-        "model": str(src), "parameters": parameter_count(src), "model_bytes": source_bytes,
+        **harness.host_facts(), **harness.versions("torch", "transformers", "torchao", "compressed-tensors"),
+        "threads": threads, "repeats": repeats,
+        "model": str(src), "parameters": harness.parameter_count(src), "model_bytes": source_bytes,
         "config": json.loads((src / "config.json").read_text()),
     }
 
@@ -313,7 +213,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.baseline_load_save:
         return baseline_load_save(*args.baseline_load_save, args.threads)
     args.workdir.mkdir(parents=True, exist_ok=True)
-    src = build_source(args.workdir, args.text, args.dtype, args.kv_heads)
+    src = harness.llama_70m(args.workdir, args.text, args.dtype, args.kv_heads)
     out = args.workdir / "out"
     out.mkdir(exist_ok=True)
     warm_up(src, out, args.threads)

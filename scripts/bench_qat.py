@@ -34,21 +34,20 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from importlib.metadata import version
 from pathlib import Path
 
 import torch
 
+import harness
+from harness import median
 from quantkit import qat, registry, runtime, train, train_config
 from quantkit.distributed import process_group
 from quantkit.plan import plan_model
 
-REPO = Path(__file__).resolve().parent.parent
-DEFAULT_TEXT = REPO.parent / "shared" / "data" / "wikitext-2" / "valid.txt"
+DEFAULT_TEXT = harness.WIKITEXT / "valid.txt"
 TARGET_RATIO = 1.25  # the target; Forgather measured 1.67x, torchtune reports ~1.3x
 
 
@@ -71,9 +70,9 @@ class Result:
 
     def summary(self) -> dict:
         return {"recipe": self.recipe, "quantized_linears": self.quantized_linears,
-                "plain_median_s": statistics.median(self.plain_s), "qat_median_s": statistics.median(self.qat_s),
-                "ratio_median": statistics.median(self.ratios), "ratio_min": min(self.ratios),
-                "ratio_max": max(self.ratios), "cpu_ratio_median": statistics.median(self.cpu_ratios)}
+                "plain_median_s": median(self.plain_s), "qat_median_s": median(self.qat_s),
+                "ratio_median": median(self.ratios), "ratio_min": min(self.ratios),
+                "ratio_max": max(self.ratios), "cpu_ratio_median": median(self.cpu_ratios)}
 
 
 # ---------------------------------------------------------------- setup
@@ -155,17 +154,20 @@ def profile(run: train.Run, step: int, recipe_name: str, steps: int = 3) -> None
 # ---------------------------------------------------------------- reporting
 
 
+TABLE_HEADER = ["recipe", "quantized Linears", "plain step (median)", "QAT step (median)",
+                "QAT / plain (median of pairs)", "min - max", "CPU-time ratio (median)"]
+
+
+def table_row(result: Result) -> list[str]:
+    s = result.summary()
+    flag = "" if s["ratio_median"] <= TARGET_RATIO else " (above 1.25)"
+    return [result.recipe, str(result.quantized_linears), f"{s['plain_median_s'] * 1e3:.0f} ms",
+            f"{s['qat_median_s'] * 1e3:.0f} ms", f"{s['ratio_median']:.3f}x{flag}",
+            f"{s['ratio_min']:.3f} - {s['ratio_max']:.3f}", f"{s['cpu_ratio_median']:.3f}x"]
+
+
 def markdown(results: list[Result]) -> str:
-    rows = ["| recipe | quantized Linears | plain step (median) | QAT step (median) | QAT / plain (median of pairs) "
-            "| min - max | CPU-time ratio (median) |",
-            "|---|---:|---:|---:|---:|---|---:|"]
-    for r in results:
-        s = r.summary()
-        flag = "" if s["ratio_median"] <= TARGET_RATIO else " (above 1.25)"
-        rows.append(f"| {r.recipe} | {r.quantized_linears} | {s['plain_median_s'] * 1e3:.0f} ms | "
-                    f"{s['qat_median_s'] * 1e3:.0f} ms | {s['ratio_median']:.3f}x{flag} | "
-                    f"{s['ratio_min']:.3f} - {s['ratio_max']:.3f} | {s['cpu_ratio_median']:.3f}x |")
-    return "\n".join(rows)
+    return harness.markdown_table(TABLE_HEADER, [table_row(result) for result in results], align="lrrrrlr")
 
 
 def describe(args: argparse.Namespace, config, blocks: torch.Tensor, params: int) -> dict:
@@ -173,7 +175,7 @@ def describe(args: argparse.Namespace, config, blocks: torch.Tensor, params: int
             "micro_batch": args.micro_batch, "micro_batches_per_step": args.accum, "data": args.data,
             "train_blocks": len(blocks), "threads": torch.get_num_threads(), "warmup_pairs": args.warmup,
             "measured_pairs": args.pairs, "precision": "fp32", "torch": torch.__version__,
-            "torchao": version("torchao"), "transformers": version("transformers"), "python": platform.python_version()}
+            **harness.versions("torchao", "transformers"), "python": platform.python_version()}
 
 
 def qat_recipes() -> list[str]:

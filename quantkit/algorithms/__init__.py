@@ -1,30 +1,47 @@
-"""Quantization algorithms, registered explicitly by name. Each is a pure function over tensors:
-`fn(weight, spec, **kwargs) -> QuantizedWeight`."""
+"""Quantization algorithms: pure functions over tensors, registered by name.
+
+`Algorithm` names them (recipes say `algorithm: {name: gptq}`); `arguments.py` holds each one's recipe
+arguments as a dataclass that validates itself. Both import no torch, so recipes are checked without it.
+The implementations register themselves with `@register(Algorithm.X)` in their own modules, which
+`get_algorithm` imports on first use (one list, `_IMPLEMENTATIONS`):
+
+- `rtn.rtn_quantize(weight, spec)`: round to nearest.
+- `gptq.gptq_quantize(weight, hessian, spec, args)`: Hessian-aware rounding.
+- `awq.search_scales(act_mean, error_of, args)`: activation-aware weight scales (a transform before a quantizer).
+- `smoothquant.smoothing_scales(act_absmax, weights, args)`: activation outliers into weights (a transform).
+
+How a decoder layer feeds them data is `quantkit.calibration.steps`' business, not theirs.
+"""
 
 from __future__ import annotations
 
+import importlib
+from enum import Enum
 from typing import Callable
 
-from quantkit.registry import Algorithm
+from quantkit.registration import Registry
 
 
-_ALGORITHMS: dict[Algorithm, Callable] = {}
+class Algorithm(str, Enum):
+    RTN = "rtn"  # round-to-nearest: no calibration data
+    GPTQ = "gptq"  # Hessian-aware rounding: calibration data
+    SMOOTHQUANT = "smoothquant"  # a transform before the quantizer: migrates activation outliers into weights
+    AWQ = "awq"  # a transform before the quantizer: activation-aware weight scales, searched per block
+
+    @property
+    def is_quantizer(self) -> bool:
+        """A quantizer rounds the weights (the last step of a recipe); the others transform before it."""
+        return self in (Algorithm.RTN, Algorithm.GPTQ)
 
 
-def register(name: Algorithm) -> Callable[[Callable], Callable]:
-    def decorator(fn: Callable) -> Callable:
-        if name in _ALGORITHMS:
-            raise ValueError(f"algorithm {name.value} registered twice")
-        _ALGORITHMS[name] = fn
-        return fn
+ALGORITHMS: Registry[Callable] = Registry("algorithm")
+register = ALGORITHMS.register
 
-    return decorator
+_IMPLEMENTATIONS = ("rtn", "gptq", "awq", "smoothquant")
 
 
 def get_algorithm(name: Algorithm) -> Callable:
-    return _ALGORITHMS[name]
-
-
-from quantkit.algorithms import gptq, rtn  # noqa: E402,F401  (rtn registers itself)
-
-register(Algorithm.GPTQ)(gptq.gptq_quantize)
+    """The registered pure function for `name` (importing the implementations, and torch, on first use)."""
+    for module in _IMPLEMENTATIONS:
+        importlib.import_module(f"quantkit.algorithms.{module}")
+    return ALGORITHMS.get(name)

@@ -14,6 +14,11 @@ from typing import Callable
 
 import torch
 
+from quantkit.algorithms import Algorithm, register
+from quantkit.algorithms.arguments import AWQArgs
+from quantkit.qparams import fake_quantize_weight
+from quantkit.schemes import WeightSpec
+
 
 def awq_scales(act_mean: torch.Tensor, ratio: float) -> torch.Tensor:
     """s = mean|x|^ratio, normalised so that sqrt(max * min) = 1."""
@@ -21,11 +26,12 @@ def awq_scales(act_mean: torch.Tensor, ratio: float) -> torch.Tensor:
     return scales / (scales.max() * scales.min()).sqrt()
 
 
-def search_scales(act_mean: torch.Tensor, error_of: Callable[[torch.Tensor], float], grid: int = 20) -> tuple[torch.Tensor, float]:
+@register(Algorithm.AWQ)
+def search_scales(act_mean: torch.Tensor, error_of: Callable[[torch.Tensor], float], args: AWQArgs = AWQArgs()) -> tuple[torch.Tensor, float]:
     """The scales whose block-output error (`error_of(scales)`) is least over ratios k/grid, k = 0..grid-1."""
     best_scales, best_error = torch.ones_like(act_mean, dtype=torch.float32), float("inf")
-    for k in range(grid):
-        scales = awq_scales(act_mean, k / grid)
+    for k in range(args.grid):
+        scales = awq_scales(act_mean, k / args.grid)
         error = error_of(scales)
         if error < best_error:
             best_scales, best_error = scales, error
@@ -42,3 +48,15 @@ def fold_scales(prev_weight: torch.Tensor, prev_bias: torch.Tensor | None, weigh
         prev_bias.div_(scales.to(prev_bias.dtype))
     for weight in weights:
         weight.mul_(scales.to(weight.dtype))
+
+
+def scaled_candidate(weight: torch.Tensor, spec: WeightSpec, scales: torch.Tensor) -> torch.Tensor:
+    """What the Linear computes with once the scales are folded and it is rounded: (W * s) rounded on the grid, / s."""
+    scaled = weight * scales.to(weight.dtype)
+    return fake_quantize_weight(scaled, spec) / scales.to(weight.dtype)
+
+
+def hessian_error(weight: torch.Tensor, candidate: torch.Tensor, xtx: torch.Tensor) -> float:
+    """Summed squared output error of a lone Linear over the tokens x, sum ||(W' - W) x||^2 = tr(dW (sum x x^T) dW^T)."""
+    delta = candidate.float() - weight.float()
+    return float(((delta @ xtx) * delta).sum(dtype=torch.float64))

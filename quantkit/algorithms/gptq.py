@@ -1,18 +1,15 @@
 """GPTQ (Frantar et al., 2022): round a Linear's weight column by column, pushing each column's rounding
 error onto the columns not yet rounded, weighted by the inverse Hessian of the layer's inputs.
 
-Calibration gives H = 2/n * sum_x x x^T over the n token rows x the Linear saw. Three steps:
+Calibration gives H = 2/n * sum_x x x^T over the n token rows x the Linear saw (`observers.HessianObserver`
+accumulates it, reduces across ranks by SUM and normalises). Then:
 
-1. `make_empty_hessian`, `accumulate_hessian` (per batch), `finalize_hessian`. The running statistic is an
-   un-normalised float32 SUM of x x^T plus a token count. Across ranks, reduce BOTH with SUM (all_reduce or
-   reduce to the owner rank of the layer), then call `finalize_hessian` once. One rank and N ranks thus give the
-   same Hessian up to float summation order.
-2. `gptq_quantize(weight, hessian, spec)`: dead inputs (H_ii == 0) get H_ii = 1 and a zero weight column;
+1. `gptq_quantize(weight, hessian, spec, args)`: dead inputs (H_ii == 0) get H_ii = 1 and a zero weight column;
    H += dampening_frac * mean(diag H) * I (retried with x10 damping if Cholesky fails, then
    `GPTQDampingError`); U = upper Cholesky factor of H^-1. For each column i, left to right:
    q_i = round(w_i), err = (w_i - q_i) / U_ii, w_j -= err * U_ij for j > i. Blocks of `block_size`
    columns apply the update lazily to the columns right of the block (one matmul per block).
-3. The result is a `QuantizedWeight` on exactly the grid `qparams` defines (torchao's primitives): qparams come
+2. The result is a `QuantizedWeight` on exactly the grid `qparams` defines (torchao's primitives): qparams come
    from `qparams.choose_qparams` and every column is rounded with `qparams.quantize_with`, both in the weight's
    own dtype, as RTN does. With H = I nothing propagates and GPTQ equals RTN bit for bit.
 
@@ -35,6 +32,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from quantkit.algorithms import Algorithm, register
+from quantkit.algorithms.arguments import GPTQArgs
 from quantkit.errors import QuantkitError
 from quantkit.qparams import QuantizedWeight, choose_qparams, quantize_with
 from quantkit.schemes import Granularity, SchemeError, WeightSpec
@@ -44,41 +43,12 @@ class GPTQDampingError(QuantkitError, ValueError):
     """The Hessian stayed non-positive-definite however much it was damped."""
 
 
-def make_empty_hessian(in_features: int, device: torch.device | str | None = None) -> torch.Tensor:
-    """A zero float32 [in, in] sum for `accumulate_hessian`."""
-    return torch.zeros(in_features, in_features, dtype=torch.float32, device=device)
-
-
-@torch.no_grad()
-def accumulate_hessian(hessian_sum: torch.Tensor, inputs: torch.Tensor, num_samples: int) -> tuple[torch.Tensor, int]:
-    """Add sum x x^T over the token rows of `inputs` [..., in] to `hessian_sum` (in place, float32) and count them.
-
-    Returns the updated sum and sample count. Across ranks both reduce with SUM; then `finalize_hessian`.
-    """
-    x = inputs.reshape(-1, inputs.shape[-1]).to(device=hessian_sum.device, dtype=torch.float32)
-    hessian_sum.addmm_(x.T, x)
-    return hessian_sum, num_samples + x.shape[0]
-
-
-def finalize_hessian(hessian_sum: torch.Tensor, num_samples: int) -> torch.Tensor:
-    """H = 2/n * sum x x^T, GPTQ's normalisation (the scale does not change GPTQ's result, only its damping unit)."""
-    if num_samples <= 0:
-        raise ValueError("no calibration tokens reached this layer; the Hessian is empty")
-    return hessian_sum * (2.0 / num_samples)
-
-
+@register(Algorithm.GPTQ)
 @torch.no_grad()
 def gptq_quantize(
-    weight: torch.Tensor,
-    hessian: torch.Tensor,
-    spec: WeightSpec,
-    *,
-    block_size: int = 128,
-    dampening_frac: float = 0.01,
-    actorder: bool = False,
-    damping_retries: int = 3,
+    weight: torch.Tensor, hessian: torch.Tensor, spec: WeightSpec, args: GPTQArgs = GPTQArgs(), *, damping_retries: int = 3
 ) -> QuantizedWeight:
-    """GPTQ-round `weight` [out, in] given the finalized input Hessian [in, in]; see the module docstring.
+    """GPTQ-round `weight` [out, in] given the normalised input Hessian [in, in]; see the module docstring.
 
     Computes in float32 on the weight's device; the scales' dtype follows `spec.scale_dtype` relative to
     `weight.dtype`, as `qparams.choose_qparams(weight, spec)` gives.
@@ -89,13 +59,13 @@ def gptq_quantize(
     dead = h.diagonal() == 0
     h[dead, dead] = 1.0
     w[:, dead] = 0.0
-    grid = _Grid.up_front(w, weight.dtype, spec, dynamic=spec.granularity is Granularity.GROUP and not actorder)
-    perm = torch.argsort(h.diagonal(), descending=True, stable=True) if actorder else None
+    grid = _Grid.up_front(w, weight.dtype, spec, dynamic=spec.granularity is Granularity.GROUP and not args.actorder)
+    perm = torch.argsort(h.diagonal(), descending=True, stable=True) if args.actorder else None
     if perm is not None:
         w, h = w[:, perm], h[perm][:, perm]
     order = perm.tolist() if perm is not None else list(range(w.shape[1]))
-    hinv = _inverse_hessian_cholesky(h, dampening_frac, damping_retries)
-    qdata = _quantize_columns(w, hinv, grid, order, _aligned_block_size(block_size, spec))
+    hinv = _inverse_hessian_cholesky(h, args.dampening_frac, damping_retries)
+    qdata = _quantize_columns(w, hinv, grid, order, _aligned_block_size(args.block_size, spec))
     if perm is not None:
         qdata = qdata[:, torch.argsort(perm)]
     return QuantizedWeight(qdata=qdata, scale=grid.scale, zero_point=grid.zero, spec=spec)

@@ -1,10 +1,9 @@
-"""Round-to-nearest: each weight to its nearest grid point, with min/max scales."""
+"""Round-to-nearest: each weight to its nearest grid point, with the scheme's observer's qparams."""
 
 import torch
 
-from quantkit.algorithms import register
+from quantkit.algorithms import Algorithm, register
 from quantkit.qparams import QuantizedWeight, quantize_weight
-from quantkit.registry import Algorithm
 from quantkit.schemes import WeightSpec
 
 

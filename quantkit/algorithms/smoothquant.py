@@ -10,11 +10,16 @@ from __future__ import annotations
 
 import torch
 
+from quantkit.algorithms import Algorithm, register
+from quantkit.algorithms.arguments import SmoothQuantArgs
+
 _MIN = 1e-5
 
 
-def smoothing_scales(act_absmax: torch.Tensor, weights: list[torch.Tensor], alpha: float = 0.5) -> torch.Tensor:
+@register(Algorithm.SMOOTHQUANT)
+def smoothing_scales(act_absmax: torch.Tensor, weights: list[torch.Tensor], args: SmoothQuantArgs = SmoothQuantArgs()) -> torch.Tensor:
     """Per input channel scales [in] from activation max |x| [in] and the fed Linear weights [out_k, in]."""
+    alpha = args.alpha
     weight_absmax = torch.cat([w.detach().float().abs() for w in weights], dim=0).amax(0)
     scales = act_absmax.float().clamp(min=_MIN).pow(alpha) / weight_absmax.clamp(min=_MIN).pow(1 - alpha)
     return scales.clamp(min=_MIN)

@@ -1,15 +1,33 @@
-"""Exporters: one per output format. Each turns a planned model into an in-memory quantized model
-(`quantize`) and writes it as a safetensors directory plain `transformers` loads (`save`)."""
+"""Exporters: one module per output format, each implementing `Exporter`. They write a `QuantizedModel`; they
+never quantize (that is `finalize`'s and `calibration`'s work) and import nothing from `algorithms` or
+`calibration`."""
 
 from __future__ import annotations
 
-from types import ModuleType
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
 
 from quantkit.errors import FormatError
 from quantkit.registry import Format, Recipe
 
+if TYPE_CHECKING:  # this package's __init__ stays light: metadata.py is read without torch
+    from torch import nn
 
-def exporter(fmt: Format) -> ModuleType:
+    from quantkit.quantized_model import QuantizedModel
+
+
+class Exporter(Protocol):
+    def unsupported(self, recipe: Recipe) -> str | None:
+        """Why this format cannot express the recipe's scheme, or None."""
+
+    def as_loaded(self, quantized: QuantizedModel) -> nn.Module:
+        """The model computing exactly as plain transformers will compute the written artifact."""
+
+    def write(self, quantized: QuantizedModel, out_dir: Path) -> None:
+        """Write the weights and config.json (with `quantization_config`) into `out_dir`."""
+
+
+def exporter(fmt: Format) -> Exporter:
     if fmt is Format.COMPRESSED_TENSORS:
         from quantkit.export import compressed_tensors as module
     else:

@@ -1,15 +1,14 @@
 """compressed-tensors output (vLLM's native format), produced on any device, CPU included.
 
-The weights are quantized by quantkit's algorithms on the recipe's grid; compressed-tensors receives the
-resulting qparams and packs them: int4/int8 weight-only as pack-quantized, int8 W8A8 as int-quantized, float8
-as float-quantized. The in-memory model runs compressed-tensors' own forward (dequantized weights, activations
-quantized per token at run time), so it computes exactly what the reloaded artifact computes.
+The weights arrive quantized on the recipe's grid (`QuantizedModel`); compressed-tensors receives their qparams
+and packs them: int4/int8 weight-only as pack-quantized, int8 W8A8 as int-quantized, float8 as float-quantized.
+`as_loaded` gives the model compressed-tensors' own forward (dequantized weights, activations quantized per
+token at run time), so it computes exactly what the reloaded artifact computes.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable
 
 import torch
 from compressed_tensors.compressors import ModelCompressor
@@ -23,11 +22,9 @@ from compressed_tensors.quantization import (
 )
 from torch import nn
 
-from quantkit import models
-from quantkit.algorithms import get_algorithm
-from quantkit.calibration import CalibrationResult
 from quantkit.plan import ModulePlan
 from quantkit.qparams import QuantizedWeight
+from quantkit.quantized_model import QuantizedModel
 from quantkit.registry import Recipe
 from quantkit.schemes import ActivationSpec, Granularity, QuantScheme, WeightSpec
 
@@ -107,41 +104,24 @@ def set_input_scale(module: nn.Module, scale: torch.Tensor) -> None:
     module.input_scale.data = scale.reshape(module.input_scale.shape).to(module.input_scale.dtype)
 
 
-def quantize(
-    src: Path, plan: list[ModulePlan], recipe: Recipe, dtype: str = "auto", trust_remote_code: bool = False,
-    on_module: Callable[[str], None] | None = None, calibrate: Callable[[nn.Module], CalibrationResult] | None = None,
-) -> nn.Module:
-    """Load, then quantize: calibrated (`calibrate(model)` runs the layer-by-layer pipeline) or round-to-nearest
-    module by module (each module's qparams are installed at once: no second copy of the weights)."""
-    model = models.load_model(src, dtype, trust_remote_code)
-    if calibrate is not None:
-        result = calibrate(model)
-        install(model, plan, recipe)
-        for name, qweight in result.qweights.items():
-            set_qparams(model.get_submodule(name), qweight)
-        for name, scale in result.input_scales.items():
-            set_input_scale(model.get_submodule(name), scale)
-    else:
-        _round_to_nearest(model, plan, recipe, on_module)
+def as_loaded(quantized: QuantizedModel) -> nn.Module:
+    """Install compressed-tensors' quantization with the model's qparams and input scales (once)."""
+    model = quantized.model
+    if any(hasattr(module, "quantization_scheme") for module in model.modules()):
+        return model
+    install(model, quantized.plan, quantized.recipe)
+    for name, qweight in quantized.qweights.items():
+        set_qparams(model.get_submodule(name), qweight)
+    for name, scale in quantized.input_scales.items():
+        set_input_scale(model.get_submodule(name), scale)
     freeze(model)
     return model
 
 
-def _round_to_nearest(model: nn.Module, plan: list[ModulePlan], recipe: Recipe, on_module) -> None:
-    algorithm = get_algorithm(recipe.quantizer.name)
-    install(model, plan, recipe)
-    with torch.no_grad():
-        for entry in plan:
-            if entry.quantized:
-                module = model.get_submodule(entry.name)
-                set_qparams(module, algorithm(module.weight.data, entry.scheme.weights))
-                if on_module:
-                    on_module(entry.name)
-
-
-def save(model: nn.Module, out_dir: Path) -> None:
+def write(quantized: QuantizedModel, out_dir: Path) -> None:
     """Pack and write. Only rank 0 writes, so compressed-tensors must not spread the packing over the ranks
     of an initialised process group (it would wait for ranks that are not there)."""
+    model = as_loaded(quantized)
     with as_single_threaded():
         compressor = ModelCompressor.from_pretrained_model(model)
         compressor.compress_model(model)

@@ -1,18 +1,20 @@
 """torchao output: tensor subclasses saved as safetensors through transformers' TorchAo integration.
 
 The recipe's scheme maps to the torchao config of the same grid; transformers quantizes each Linear with it
-while loading, on the current device. Tests check that torchao's dequantized weights equal the scheme's.
+while loading, on the current device. So this format's quantization is its load: `load_quantized` (the one
+exporter function beyond the `Exporter` protocol) gives the converted model, and `finalize` skips its own
+round-to-nearest. Tests check that torchao's dequantized weights equal the scheme's.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable
 
 from torch import nn
 
 from quantkit import models
 from quantkit.plan import ModulePlan
+from quantkit.quantized_model import QuantizedModel
 from quantkit.registry import Recipe
 from quantkit.schemes import Granularity, QDtype, QuantScheme, ScaleDtype, WeightObserver
 
@@ -79,14 +81,14 @@ def transformers_config(plan: list[ModulePlan]):
     return TorchAoConfig(FqnToConfig(fqn_to_config), modules_to_not_convert=skipped or None)
 
 
-def quantize(
-    src: Path, plan: list[ModulePlan], recipe: Recipe, dtype: str = "auto", trust_remote_code: bool = False,
-    on_module: Callable[[str], None] | None = None, calibrate: None = None,
-) -> nn.Module:
-    """torchao quantizes while transformers loads, so there is no per-module callback (`on_module` unused)
-    and no calibration (`unsupported` refuses calibrated recipes before this runs)."""
+def load_quantized(src: Path, plan: list[ModulePlan], dtype: str = "auto", trust_remote_code: bool = False) -> nn.Module:
+    """The model at `src`, each planned Linear converted by its torchao config while transformers loads it."""
     return models.load_model(src, dtype, trust_remote_code, quantization_config=transformers_config(plan))
 
 
-def save(model: nn.Module, out_dir: Path) -> None:
-    model.save_pretrained(out_dir)
+def as_loaded(quantized: QuantizedModel) -> nn.Module:
+    return quantized.model  # converted while loading: it already computes as the artifact will
+
+
+def write(quantized: QuantizedModel, out_dir: Path) -> None:
+    quantized.model.save_pretrained(out_dir)

@@ -100,6 +100,16 @@ def test_debug_variable_shows_the_traceback(monkeypatch):
     assert isinstance(result.exception, errors.SourceModelError)
 
 
+@pytest.mark.parametrize("value", ["0", "false", ""])
+def test_debug_variable_set_to_off_keeps_the_one_line_error(monkeypatch, value):
+    def fail(*args, **kwargs):
+        raise errors.SourceModelError("nope")
+
+    monkeypatch.setattr(quantkit.finalize, "finalize", fail)
+    result = invoke("finalize", "src", "dst", "-q", "int4-weight-only", env={"QUANTKIT_DEBUG": value})
+    assert result.exit_code == 2 and result.output.strip() == "error: nope"
+
+
 def test_ctrl_c_exits_130(monkeypatch):
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt

@@ -3,9 +3,9 @@
 import os
 import sys
 
-import quantkit.calibration as calibration
+import quantkit.calibration.pipeline as pipeline
 
-original = calibration.calibrate_layer
+original = pipeline.calibrate_layer
 
 
 def failing(*args, **kwargs):
@@ -14,7 +14,7 @@ def failing(*args, **kwargs):
     return original(*args, **kwargs)
 
 
-calibration.calibrate_layer = failing
+pipeline.calibrate_layer = failing
 
 from quantkit.cli.main import main  # noqa: E402
 

@@ -14,7 +14,9 @@ from safetensors.torch import load_file, save_file
 
 from conftest import make_text
 from quantkit import registry
-from quantkit.calibration import UnsupportedModelError, calibrate, decoder_layers
+from quantkit.calibration import calibrate
+from quantkit.errors import UnsupportedModelError
+from quantkit.models import decoder_layers
 from quantkit.finalize import CalibrationOptions, calibration_samples, finalize, prepare, quantize_model
 
 pytestmark = pytest.mark.integration
@@ -139,7 +141,8 @@ def test_unknown_architecture_names_what_is_missing():
 def test_awq_block_error_is_no_worse_than_rtn(tiny_models, calib_file):
     """On the tiny Llama's first MLP, the searched AWQ scales give a block output error <= plain RTN's."""
     from quantkit.algorithms.awq import search_scales
-    from quantkit.calibration import _awq_error, _capture_blocks, capture_inputs
+    from quantkit.calibration.hooks import capture_inputs
+    from quantkit.calibration.steps.awq import block_error, capture_blocks
     from quantkit.models import load_model
     from quantkit.plan import plan_model
 
@@ -153,9 +156,9 @@ def test_awq_block_error_is_no_worse_than_rtn(tiny_models, calib_file):
     layer = layers[0]
     linears = [layer.mlp.gate_proj, layer.mlp.up_proj]
     specs = [plan[f"model.layers.0.mlp.{n}"].scheme.weights for n in ("gate_proj", "up_proj")]
-    ((calls, act),) = _capture_blocks(layer, [(layer.mlp, layer.mlp.gate_proj)], inputs)
+    ((calls, act),) = capture_blocks(layer, [(layer.mlp, layer.mlp.gate_proj)], inputs)
     reference = [layer.mlp(*a, **k) for a, k in calls]
-    error_of = lambda s: _awq_error(layer.mlp, calls, reference, linears, specs, s)  # noqa: E731
+    error_of = lambda s: block_error(layer.mlp, calls, reference, linears, specs, s)  # noqa: E731
     _, awq_error = search_scales(act.mean(), error_of)
     rtn_error = error_of(torch.ones(layer.mlp.gate_proj.in_features))
     assert awq_error <= rtn_error

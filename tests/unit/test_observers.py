@@ -95,3 +95,17 @@ def test_mean_minmax_reduces_exactly_and_averages_batch_ranges():
     expected = torch.maximum(x.amin((1, 2)).mean().abs(), x.amax((1, 2)).mean().abs())
     torch.testing.assert_close(whole.absmax(), expected)
     assert whole.absmax() <= x.abs().max()
+
+
+def test_hessian_takes_16_bit_inputs_and_sums_in_float64():
+    x = torch.randn(64, 32, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    observer = HessianObserver()
+    observer.update(x)
+    observer.update(x)
+    assert observer.state["xtx"].dtype == torch.float64 and observer.state["count"].item() == 128
+    torch.testing.assert_close(observer.hessian(), 2 * (x.float().T @ x.float()) * 2 / 128, rtol=1e-5, atol=1e-4)
+
+
+def test_an_empty_hessian_says_no_tokens_reached_the_module():
+    with pytest.raises(ValueError, match="no calibration tokens"):
+        HessianObserver().hessian()

@@ -116,19 +116,50 @@ def test_to_dict_is_json_ready():
     assert data["on_indivisible"] == IndivisiblePolicy.SMALLER_GROUP.value
 
 
-def test_algorithm_argument_table_matches_the_functions():
-    """Recipes are validated against ALGORITHM_ARGS without importing torch; it must agree with the code."""
+def test_every_algorithm_has_arguments_a_pure_function_and_a_layer_step():
+    """An algorithm is its enum member, its argument dataclass, its registered pure function and its registered
+    calibration step; the function takes the dataclass as `args` (its defaults are written once)."""
     import inspect
 
-    from quantkit import calibration
-    from quantkit.algorithms import get_algorithm
-    from quantkit.registry import ALGORITHM_ARGS, Algorithm
+    from quantkit.algorithms import Algorithm, get_algorithm
+    from quantkit.algorithms.arguments import ARGUMENTS
+    from quantkit.calibration.steps import STEPS
 
-    functions = {Algorithm.RTN: get_algorithm(Algorithm.RTN), Algorithm.GPTQ: get_algorithm(Algorithm.GPTQ),
-                 Algorithm.SMOOTHQUANT: calibration.smooth_layer, Algorithm.AWQ: calibration.awq_layer}
-    assert set(functions) == set(Algorithm)
-    for name, fn in functions.items():
-        params = inspect.signature(fn).parameters
-        for arg, kind in ALGORITHM_ARGS[name].items():
-            assert arg in params, (name, arg)
-            assert isinstance(params[arg].default, kind), (name, arg)
+    for name in Algorithm:
+        function, step = get_algorithm(name), STEPS.get(name)
+        assert callable(function) and callable(step), name
+        fields = inspect.signature(ARGUMENTS[name]).parameters
+        if fields:
+            assert isinstance(inspect.signature(function).parameters["args"].default, ARGUMENTS[name]), name
+
+
+@pytest.mark.parametrize(
+    "algorithm, field",
+    [("{name: gptq, block_size: 0}", "algorithm.block_size"), ("{name: gptq, dampening_frac: -1}", "algorithm.dampening_frac"),
+     ("[{name: awq, grid: 0}, {name: rtn}]", r"algorithm\[0\].grid"),
+     ("[{name: smoothquant, alpha: 2}, {name: gptq}]", r"algorithm\[0\].alpha"),
+     ("[{name: smoothquant, alpha: true}, {name: gptq}]", r"algorithm\[0\].alpha")],
+)
+def test_out_of_range_algorithm_arguments_name_the_field(tmp_path, algorithm, field):
+    path = tmp_path / "bad.yaml"
+    path.write_text(f"scheme: {{weights: {{dtype: int8, granularity: channel}}}}\nformat: compressed-tensors\nalgorithm: {algorithm}")
+    with pytest.raises(RecipeError, match=field):
+        registry.resolve(str(path))
+
+
+def test_integer_arguments_for_float_fields_become_floats(tmp_path):
+    path = tmp_path / "sq.yaml"
+    path.write_text("scheme: {weights: {dtype: int8, granularity: channel}}\nformat: compressed-tensors\n"
+                    "algorithm: [{name: smoothquant, alpha: 1}, {name: gptq}]")
+    step = registry.resolve(str(path)).steps[0]
+    assert step.args == {"alpha": 1.0} and isinstance(step.arguments.alpha, float)
+
+
+def test_recipes_resolve_without_importing_torch():
+    """`quantkit recipes list` stays fast: the registry and the algorithms' arguments import no torch."""
+    import subprocess
+    import sys
+
+    code = ("import sys, quantkit.registry as r; [r.resolve(n) for n in r.recipe_names()]; "
+            "import quantkit.cli.main; assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)

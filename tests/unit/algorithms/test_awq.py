@@ -1,5 +1,6 @@
 import torch
 
+from quantkit.algorithms.arguments import AWQArgs
 from quantkit.algorithms.awq import awq_scales, fold_scales, search_scales
 
 
@@ -35,6 +36,6 @@ def test_search_keeps_the_least_error_and_never_worse_than_rtn():
     act = torch.rand(16, generator=_gen(6)) + 0.1
     target = awq_scales(act, 0.35)
     error_of = lambda s: float((s - target).abs().sum())  # noqa: E731 - least at ratio 0.35
-    scales, error = search_scales(act, error_of, grid=20)
+    scales, error = search_scales(act, error_of, AWQArgs(grid=20))
     torch.testing.assert_close(scales, target)
     assert error <= error_of(torch.ones(16))

@@ -4,8 +4,11 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from quantkit import true_sequential
-from quantkit.calibration import calibrate, capture_inputs, decoder_layers, run_layer, uses_stages
+from quantkit.architectures import LLAMA, find_wiring
+from quantkit.calibration import calibrate, true_sequential
+from quantkit.calibration.hooks import capture_inputs, run_layer
+from quantkit.calibration.steps.gptq import can_stage
+from quantkit.models import decoder_layers
 from quantkit.plan import plan_model
 from quantkit.qparams import fake_quantize_weight
 from quantkit.registry import resolve
@@ -32,9 +35,9 @@ def test_staged_pass_is_the_layers_forward(arch):
     model = _model(arch)
     layers, inputs = _inputs(model)
     calls = [true_sequential.split_call(a, k) for a, k in inputs]
-    assert true_sequential.has_stages(layers[0]) and true_sequential.matches_layer(layers[0], calls[0])
-    assert uses_stages(resolve("gptq-w4a16"), layers[0], inputs)
-    staged = true_sequential.run_stages(layers[0], calls, lambda stage, xs: None)
+    assert find_wiring(layers[0]) is LLAMA and true_sequential.matches_layer(layers[0], LLAMA, calls[0])
+    assert can_stage(layers[0], inputs)
+    staged = true_sequential.run_stages(layers[0], LLAMA, calls, lambda stage, xs: None)
     for ours, reference in zip(staged, run_layer(layers[0], inputs)):
         assert torch.equal(ours, reference)
 
@@ -54,8 +57,8 @@ def test_each_stage_is_quantized_before_the_next_one_runs(arch):
             module = layer.get_submodule(name)
             module.weight.data = fake_quantize_weight(module.weight.data, spec)
 
-    staged = true_sequential.run_stages(layer, [true_sequential.split_call(a, k) for a, k in inputs], quantize)
-    assert [s for s, _ in seen] == list(true_sequential.STAGES) and all(n == len(inputs) for _, n in seen)
+    staged = true_sequential.run_stages(layer, LLAMA, [true_sequential.split_call(a, k) for a, k in inputs], quantize)
+    assert [s for s, _ in seen] == list(LLAMA.stages) and all(n == len(inputs) for _, n in seen)
     for ours, reference in zip(staged, run_layer(layer, inputs)):
         assert torch.equal(ours, reference)
 
@@ -73,7 +76,7 @@ def test_a_layer_the_stages_do_not_reproduce_falls_back_to_two_passes():
         layer.__class__ = Scaled
     layers, inputs = _inputs(model)
     recipe = resolve("gptq-w4a16")
-    assert not uses_stages(recipe, layers[0], inputs)
+    assert not can_stage(layers[0], inputs)
     plan = plan_model(model, recipe)
     samples = torch.randint(0, 300, (6, 16), generator=torch.Generator().manual_seed(0))
     result = calibrate(model, plan, recipe, samples, torch.device("cpu"), batch_size=3)

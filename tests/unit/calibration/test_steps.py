@@ -1,11 +1,14 @@
-"""Pure pieces of the calibration pipeline: shared observers, the error estimate, owners, stacked GPTQ."""
+"""Pieces of the calibration layer steps: shared observers, the error estimate, owners, stacked GPTQ, AWQ scoring."""
 
 import pytest
 import torch
 from torch import nn
 
 from quantkit.algorithms.gptq import gptq_quantize
-from quantkit.calibration import gptq_owners, observe, relative_error, shared_input_leaders, split_rows
+from quantkit.architectures import shared_input_leaders
+from quantkit.calibration.hooks import observe
+from quantkit.calibration.layer import relative_error
+from quantkit.calibration.steps.gptq import gptq_owners, split_rows
 from quantkit.observers import HessianObserver
 from quantkit.qparams import quantize_weight
 from quantkit.registry import resolve
@@ -87,8 +90,8 @@ def test_shared_hessians_go_to_one_owner():
 
 def test_awq_error_through_the_hessian_equals_running_the_linear():
     """For a block that is one Linear, tr(dW H dW^T) is the summed squared output error of the candidate."""
-    from quantkit.algorithms.awq import awq_scales
-    from quantkit.calibration import _awq_error, _awq_hessian_error
+    from quantkit.algorithms.awq import awq_scales, hessian_error, scaled_candidate
+    from quantkit.calibration.steps.awq import block_error
 
     torch.manual_seed(0)
     linear = nn.Linear(256, 64, bias=False)
@@ -103,5 +106,6 @@ def test_awq_error_through_the_hessian_equals_running_the_linear():
     for ratio in (0.0, 0.5):
         scales = awq_scales(x.abs().mean((0, 1)), ratio)
         with torch.no_grad():
-            by_running = _awq_error(linear, calls, reference, [linear], [spec], scales)
-        assert _awq_hessian_error(linear, spec, scales, xtx) == pytest.approx(by_running, rel=1e-4)
+            by_running = block_error(linear, calls, reference, [linear], [spec], scales)
+        by_hessian = hessian_error(linear.weight.data, scaled_candidate(linear.weight.data, spec, scales), xtx)
+        assert by_hessian == pytest.approx(by_running, rel=1e-4)

@@ -1,12 +1,12 @@
 """One pass per decoder layer for GPTQ: quantize its Linear modules stage by stage, in the order they run.
 
-A Llama-, Qwen2- or Mistral-style decoder layer computes
+A decoder layer with a known wiring (`quantkit.architectures.LayerWiring`) computes
 
-    h = h + self_attn(input_layernorm(h))          self_attn ends with o_proj(attention(q, k, v))
-    h = h + mlp(post_attention_layernorm(h))       mlp = down_proj(act(gate_proj(x)) * up_proj(x))
+    h = h + attention(input_norm(h))               attention ends with o(attention core(q, k, v))
+    h = h + mlp(post_attention_norm(h))            mlp = down(act(gate(x)) * up(x))
 
-`run_stages` walks the calibration batches through the layer in four stages: q/k/v (input: the normed h),
-o_proj, gate/up (the normed h after attention) and down_proj. Each stage's inputs come from the stages before
+`run_stages` walks the calibration batches through the layer in the wiring's four stages: q/k/v (input: the
+normed h), o, gate/up (the normed h after attention) and down. Each stage's inputs come from the stages before
 it, already quantized, and `quantize(stage, inputs)` quantizes the stage's modules before the next one runs.
 Every Linear thus runs once, on its quantized weights, and the layer's output is the quantized layer's
 output: one forward pass per layer where observing the float layer and then propagating through the quantized
@@ -24,25 +24,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-STAGES = (
-    ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    ("self_attn.o_proj",),
-    ("mlp.gate_proj", "mlp.up_proj"),
-    ("mlp.down_proj",),
-)
-_PARTS = ("input_layernorm", "post_attention_layernorm", "self_attn", "mlp") + tuple(n for s in STAGES for n in s)
-
-
-class _Stop(Exception):
-    pass
-
-
-def has_stages(layer: nn.Module) -> bool:
-    """The layer has every part `run_stages` uses (the names Llama, Qwen2 and Mistral layers share)."""
-    try:
-        return all(isinstance(layer.get_submodule(name), nn.Module) for name in _PARTS)
-    except AttributeError:
-        return False
+from quantkit.architectures import LayerWiring
+from quantkit.calibration.hooks import Stop
 
 
 def split_call(args: tuple, kwargs: dict) -> tuple[torch.Tensor, dict] | None:
@@ -55,29 +38,31 @@ def split_call(args: tuple, kwargs: dict) -> tuple[torch.Tensor, dict] | None:
     return None
 
 
-def run_stages(layer: nn.Module, calls: list[tuple[torch.Tensor, dict]],
+def run_stages(layer: nn.Module, wiring: LayerWiring, calls: list[tuple[torch.Tensor, dict]],
                quantize: Callable[[tuple[str, ...], list[torch.Tensor]], None]) -> list[torch.Tensor]:
     """The layer's outputs for each (hidden states, kwargs) call, quantizing stage by stage (see the module
     docstring). `quantize(stage, inputs)` gets the stage's module names and their input for every batch."""
-    attn, mlp = layer.self_attn, layer.mlp
+    part = layer.get_submodule
+    attn, mlp, o, down = part(wiring.attention), part(wiring.mlp), part(wiring.o), part(wiring.down)
+    qkv, _, gate_up, _ = wiring.stages
     with torch.no_grad():
         hidden = [h for h, _ in calls]
-        normed = [layer.input_layernorm(h) for h in hidden]
-        quantize(STAGES[0], normed)
-        attended = [_input_of(attn.o_proj, lambda x=x, kw=kw: attn(hidden_states=x, **kw)) for x, (_, kw) in zip(normed, calls)]
+        normed = [part(wiring.input_norm)(h) for h in hidden]
+        quantize(qkv, normed)
+        attended = [_input_of(o, lambda x=x, kw=kw: attn(hidden_states=x, **kw)) for x, (_, kw) in zip(normed, calls)]
         del normed
-        quantize(STAGES[1], attended)
-        hidden = [h + attn.o_proj(a) for h, a in zip(hidden, attended)]
+        quantize((wiring.o,), attended)
+        hidden = [h + o(a) for h, a in zip(hidden, attended)]
         del attended
-        normed = [layer.post_attention_layernorm(h) for h in hidden]
-        quantize(STAGES[2], normed)
-        activated = [_input_of(mlp.down_proj, lambda x=x: mlp(x)) for x in normed]
+        normed = [part(wiring.post_attention_norm)(h) for h in hidden]
+        quantize(gate_up, normed)
+        activated = [_input_of(down, lambda x=x: mlp(x)) for x in normed]
         del normed
-        quantize(STAGES[3], activated)
-        return [h + mlp.down_proj(a) for h, a in zip(hidden, activated)]
+        quantize((wiring.down,), activated)
+        return [h + down(a) for h, a in zip(hidden, activated)]
 
 
-def matches_layer(layer: nn.Module, call: tuple[torch.Tensor, dict]) -> bool:
+def matches_layer(layer: nn.Module, wiring: LayerWiring, call: tuple[torch.Tensor, dict]) -> bool:
     """Whether the staged computation (nothing quantized) equals the layer's own forward, bit for bit, on the
     first sample of `call`."""
     hidden, kwargs = call
@@ -86,7 +71,7 @@ def matches_layer(layer: nn.Module, call: tuple[torch.Tensor, dict]) -> bool:
         out = layer(sample[0], **kwargs)
         reference = out[0] if isinstance(out, tuple) else out
         try:
-            staged = run_stages(layer, [sample], lambda stage, inputs: None)[0]
+            staged = run_stages(layer, wiring, [sample], lambda stage, inputs: None)[0]
         except Exception:  # noqa: BLE001 - any mismatch in structure means: not this layer shape
             return False
     return staged.shape == reference.shape and torch.equal(staged, reference)
@@ -98,12 +83,12 @@ def _input_of(module: nn.Module, run: Callable[[], object]) -> torch.Tensor:
 
     def hook(_, args):
         captured.append(args[0])
-        raise _Stop
+        raise Stop
 
     handle = module.register_forward_pre_hook(hook)
     try:
         run()
-    except _Stop:
+    except Stop:
         pass
     finally:
         handle.remove()

@@ -1,0 +1,110 @@
+"""Running decoder layers on calibration batches: capture the first layer's inputs, run a layer, observe what
+its modules receive."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from quantkit.observers import Observer
+
+
+class Stop(Exception):
+    """Raised from a hook once it has what it came for: the rest of the forward pass never runs."""
+
+
+def capture_inputs(model: nn.Module, layers: nn.ModuleList, batches: list[torch.Tensor], device: torch.device) -> list[tuple]:
+    """(args, kwargs) of the first decoder layer for each batch. Only the modules before the layers
+    (embeddings, rotary embedding) visit `device`; the layers stay where they are."""
+    captured: list[tuple] = []
+
+    def hook(module, args, kwargs):
+        captured.append((args, kwargs))
+        raise Stop
+
+    base = getattr(model, model.base_model_prefix)
+    front = [m for m in base.children() if m is not layers]
+    handle = layers[0].register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        for module in front:
+            module.to(device)
+        for ids in batches:
+            try:
+                model(input_ids=ids.to(device), use_cache=False)
+            except Stop:
+                pass
+    finally:
+        handle.remove()
+        for module in front:
+            module.to("cpu")
+    return captured
+
+
+def run_layer(layer: nn.Module, inputs: list[tuple]) -> list[torch.Tensor]:
+    """The layer's hidden-state output for each captured call."""
+    outputs = []
+    with torch.no_grad():
+        for args, kwargs in inputs:
+            out = layer(*args, **kwargs)
+            outputs.append(out[0] if isinstance(out, tuple) else out)
+    return outputs
+
+
+def with_hidden(inputs: list[tuple], hidden: list[torch.Tensor]) -> list[tuple]:
+    """The captured calls with their hidden states replaced (the next layer's inputs)."""
+    return [((h, *args[1:]), kwargs) if args else ((), {**kwargs, "hidden_states": h}) for (args, kwargs), h in zip(inputs, hidden)]
+
+
+def observe(modules: dict[str, nn.Module], make: Callable[[], Observer], layer: nn.Module, inputs: list[tuple]) -> dict[str, Observer]:
+    """Run the layer with an observer on each module's input; each batch stops as soon as every module has
+    seen its input (in a decoder layer: before the last Linear's matmul and the rest of the layer).
+
+    Modules fed the very same tensor (e.g. the attention projections after the input norm) share one observer,
+    updated once per batch: their statistics are identical, so one computation (and, across ranks, one
+    reduction) serves them all. `observer_groups` lists the modules of each observer."""
+    observers: dict[str, Observer] = {}
+    seen: dict[int, tuple[torch.Tensor, Observer]] = {}  # this batch's module inputs, by tensor identity
+    done: set[str] = set()  # modules that have seen this batch
+
+    def hook(module, args, name):
+        x = args[0]
+        hit = seen.get(id(x))
+        shared = hit is not None and hit[0] is x
+        if name not in observers:
+            observers[name] = hit[1] if shared else make()
+        if not (shared and hit[1] is observers[name]):  # else: this batch's input is already counted
+            seen[id(x)] = (x, observers[name])
+            observers[name].update(x)
+        done.add(name)
+        if len(done) == len(modules):
+            raise Stop  # nothing left to observe in this batch
+
+    def new_batch(*_):
+        seen.clear()
+        done.clear()
+
+    handles = [m.register_forward_pre_hook(lambda mod, args, name=name: hook(mod, args, name)) for name, m in modules.items()]
+    handles.append(layer.register_forward_pre_hook(new_batch))
+    try:
+        with torch.no_grad():
+            for args, kwargs in inputs:
+                try:
+                    layer(*args, **kwargs)
+                except Stop:
+                    pass
+    finally:
+        new_batch()
+        for handle in handles:
+            handle.remove()
+    return {name: observers.get(name) or make() for name in modules}
+
+
+def observer_groups(observers: dict[str, Observer]) -> list[list[str]]:
+    """Module names grouped by shared observer, in order; the first name of a group leads it."""
+    groups: dict[int, list[str]] = {}
+    for name, observer in observers.items():
+        groups.setdefault(id(observer), []).append(name)
+    return list(groups.values())
+

@@ -1,0 +1,77 @@
+"""What a layer step works on (`Layer`: one decoder layer's turn) and what the run accumulates
+(`CalibrationResult`)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import torch
+from torch import nn
+
+from quantkit.architectures import LayerWiring, wiring_of
+from quantkit.distributed import Context
+from quantkit.plan import ModulePlan
+from quantkit.qparams import QuantizedWeight
+from quantkit.registry import Recipe
+
+ERROR_ROWS = 256  # output rows the Hessian-weighted error is measured on (evenly spaced): an estimate, cheap
+
+
+@dataclass
+class CalibrationResult:
+    qweights: dict[str, QuantizedWeight] = field(default_factory=dict)
+    input_scales: dict[str, torch.Tensor] = field(default_factory=dict)  # static activation scales
+    errors: dict[str, float] = field(default_factory=dict)  # relative output error per module
+    seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))  # per phase
+    peak_device_bytes: int = 0
+    owners: dict[str, int] = field(default_factory=dict)  # GPTQ module -> the rank that quantized it
+    true_sequential: bool = False  # GPTQ ran stage by stage in one pass per layer (`true_sequential`)
+
+
+@dataclass
+class Layer:
+    """One decoder layer's turn in the pipeline: everything a layer step reads, and the result it adds to."""
+
+    module: nn.Module  # the decoder layer, on the compute device
+    prefix: str  # its qualified name, e.g. "model.layers.3"
+    index: int
+    inputs: list[tuple]  # (args, kwargs) of this layer's call for each of this rank's calibration batches
+    plan: dict[str, ModulePlan]  # the whole model's plan, by qualified module name
+    recipe: Recipe
+    result: CalibrationResult
+    ctx: Context | None = None
+
+    @cached_property
+    def linears(self) -> dict[str, nn.Module]:
+        """This layer's Linear modules the plan quantizes, by qualified name, in module order."""
+        named = ((f"{self.prefix}.{n}", m) for n, m in self.module.named_modules())
+        return {name: m for name, m in named if name in self.plan and self.plan[name].quantized}
+
+    @property
+    def wiring(self) -> LayerWiring:
+        return wiring_of(self.module)
+
+    @property
+    def distributed(self) -> bool:
+        return self.ctx is not None and self.ctx.distributed
+
+    def record(self, name: str, qweight: QuantizedWeight, error: float) -> None:
+        """Keep a module's qparams and error; its weight becomes the dequantized grid values (the layers after it
+        see the quantized output)."""
+        module = self.linears[name]
+        module.weight.data = qweight.dequantize(module.weight.dtype)
+        self.result.qweights[name], self.result.errors[name] = qweight, error
+
+
+def relative_error(weight: torch.Tensor, qweight: QuantizedWeight, hessian: torch.Tensor | None) -> float:
+    """||(W - Q) X|| / ||W X|| through the Hessian (on up to ERROR_ROWS evenly spaced output rows: the exact
+    value costs as much as GPTQ itself), else on the weights."""
+    delta = weight.float() - qweight.dequantize(torch.float32)
+    if hessian is None:
+        return (delta.norm() / weight.float().norm().clamp(min=1e-12)).item()
+    rows = torch.linspace(0, weight.shape[0] - 1, min(ERROR_ROWS, weight.shape[0]), device=weight.device).long()
+    both = torch.cat([delta[rows], weight[rows].float()])
+    num, den = ((both @ hessian) * both).sum(-1).split(len(rows))
+    return (num.sum() / den.sum().clamp(min=1e-12)).sqrt().item()

@@ -1,0 +1,119 @@
+"""The sequential calibration pipeline: decoder layer by decoder layer, without tracing.
+
+1. Capture the inputs of the first decoder layer once (the embeddings run; the layer call is intercepted).
+2. For each decoder layer: move it to the compute device and run the recipe's layer steps on it
+   (`calibration.steps`): the transforms (AWQ, SmoothQuant), static activation scales when the scheme has
+   them, then the quantizer (RTN, GPTQ). Unless the quantizer computed them on the way, run the batches
+   through the quantized layer to make the next layer's inputs; move the layer back. Peak device memory is
+   one layer plus the calibration activations.
+
+Modules the plan quantizes outside the decoder layers (rare: lm_head is ignored by default) are rounded to
+nearest. Works for models whose decoder layers `models.decoder_layers` finds.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from quantkit import data, distributed, models
+from quantkit.algorithms import Algorithm
+from quantkit.algorithms.rtn import rtn_quantize
+from quantkit.calibration.hooks import capture_inputs, run_layer, with_hidden
+from quantkit.calibration.layer import CalibrationResult, Layer, relative_error
+from quantkit.calibration.steps import STEPS
+from quantkit.calibration.steps.static_scales import static_scales_step
+from quantkit.distributed import Context
+from quantkit.errors import UsageError
+from quantkit.plan import ModulePlan
+from quantkit.progress import QUIET, Progress
+from quantkit.registry import AlgorithmStep, Recipe
+
+Step = Callable[[Layer], "list[torch.Tensor] | None"]
+
+
+def layer_steps(recipe: Recipe) -> list[Step]:
+    """The steps every layer runs, in order: transforms, static scales (if the scheme has them), the quantizer."""
+    static = recipe.scheme.activations is not None and not recipe.scheme.activations.dynamic
+    if static and recipe.quantizer.name is Algorithm.GPTQ:
+        raise UsageError("GPTQ with static activation scales is not supported yet; use rtn for static recipes")
+    steps = [_bound(step) for step in recipe.transforms] + ([static_scales_step] if static else [])
+    return steps + [_bound(recipe.quantizer)]
+
+
+def _bound(step: AlgorithmStep) -> Step:
+    """The registered layer step of a recipe step, with its arguments."""
+    function, arguments = STEPS.get(step.name), step.arguments
+    return lambda layer: function(layer, arguments)
+
+
+def calibrate(model: nn.Module, plan: list[ModulePlan], recipe: Recipe, samples: torch.Tensor,
+              device: torch.device, batch_size: int = 8, progress: Progress = QUIET,
+              ctx: Context | None = None) -> CalibrationResult:
+    """Quantize `model` (in CPU memory) layer by layer on `device`; its Linear weights end up dequantized.
+    With a distributed `ctx`, this rank calibrates on its share of `samples` (whole batches of the same full
+    sample set on every rank, `data.rank_batches`) and statistics are merged at every layer, so every rank
+    ends with the same qparams."""
+    steps = layer_steps(recipe)
+    result = CalibrationResult()
+    by_name = {entry.name: entry for entry in plan}
+    layers = models.decoder_layers(model)
+    prefix = models.module_name(model, layers)
+    rank, world = (ctx.rank, ctx.world_size) if ctx is not None and ctx.distributed else (0, 1)
+    batches = [samples[i.start : i.stop] for i in data.rank_batches(samples.shape[0], batch_size, rank, world)]
+    started = time.perf_counter()
+    inputs = capture_inputs(model, layers, batches, device)
+    result.seconds["capture"] = time.perf_counter() - started
+    with progress.task(f"Calibrating {len(layers)} layers ({recipe.describe_algorithm()})", total=len(layers)) as advance:
+        for i, module in enumerate(layers):
+            module.to(device)
+            layer = Layer(module, f"{prefix}.{i}", i, inputs, by_name, recipe, result, ctx)
+            inputs = with_hidden(inputs, calibrate_layer(layer, steps))
+            result.peak_device_bytes = max(result.peak_device_bytes, _device_bytes(module, inputs, device))
+            module.to("cpu")
+            worst = max((result.errors[n] for n in layer.linears), default=0.0)
+            advance(description=f"Calibrating layer {i + 1}/{len(layers)} (worst relative error {worst:.4f})")
+    _round_the_rest(model, plan, result)
+    return result
+
+
+def calibrate_layer(layer: Layer, steps: list[Step]) -> list[torch.Tensor]:
+    """Run the steps on one layer; return its outputs (the next layer's hidden states)."""
+    outputs = None
+    for step in steps:
+        outputs = step(layer)
+    if outputs is None:
+        started = time.perf_counter()
+        outputs = run_layer(layer.module, layer.inputs)
+        layer.result.seconds["propagate"] += time.perf_counter() - started
+    return outputs
+
+
+def _round_the_rest(model: nn.Module, plan: list[ModulePlan], result: CalibrationResult) -> None:
+    for entry in plan:
+        if entry.quantized and entry.name not in result.qweights:
+            module = model.get_submodule(entry.name)
+            qweight = rtn_quantize(module.weight.data, entry.scheme.weights)
+            result.errors[entry.name] = relative_error(module.weight.data, qweight, None)
+            module.weight.data = qweight.dequantize(module.weight.dtype)
+            result.qweights[entry.name] = qweight
+
+
+def _device_bytes(layer: nn.Module, inputs: list[tuple], device: torch.device) -> int:
+    """Bytes of tensors held on the compute device: the layer's parameters plus the calibration activations."""
+    params = sum(p.numel() * p.element_size() for p in layer.parameters() if p.device == device)
+    acts = sum(_tensor_bytes(item, device) for item in inputs)
+    return params + acts
+
+
+def _tensor_bytes(value: Any, device: torch.device) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size() if value.device == device else 0
+    if isinstance(value, (list, tuple)):
+        return sum(_tensor_bytes(v, device) for v in value)
+    if isinstance(value, dict):
+        return sum(_tensor_bytes(v, device) for v in value.values())
+    return 0

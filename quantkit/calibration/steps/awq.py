@@ -1,0 +1,99 @@
+"""AWQ on one decoder layer: for each group of Linears fed by one op, search the scales on the block's output
+(`algorithms.awq.search_scales`) and fold them into the op and the Linears.
+
+One pass over the layer captures every mapping's block calls and activation statistic (folding a mapping's
+scales leaves the float function, so the later blocks' inputs, unchanged). A block that is one Linear
+(o, down) is scored through its input Hessian, sum ||(W' - W) x||^2 = tr(dW H dW^T), instead of running it on
+every token for every candidate. Every rank scores every candidate on all ranks' tokens, so all choose alike.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn
+
+from quantkit import distributed
+from quantkit.algorithms import Algorithm
+from quantkit.algorithms.arguments import AWQArgs
+from quantkit.algorithms.awq import fold_scales, hessian_error, scaled_candidate, search_scales
+from quantkit.calibration.hooks import run_layer
+from quantkit.calibration.layer import Layer
+from quantkit.calibration.steps import register
+from quantkit.observers import ChannelAbsMean, HessianObserver, Observer
+from quantkit.schemes import WeightSpec
+
+
+@register(Algorithm.AWQ)
+def awq_step(layer: Layer, args: AWQArgs) -> None:
+    started = time.perf_counter()
+    mappings = _mappings(layer)
+    captured = capture_blocks(layer.module, [(block, linears[0]) for _, block, linears, _ in mappings], layer.inputs)
+    for (prev, block, linears, specs), (calls, act) in zip(mappings, captured):
+        distributed.all_reduce_observer(act, layer.ctx)
+        error_of = _error_function(block, linears, specs, calls, layer.ctx)
+        scales, _ = search_scales(act.mean(), error_of, args)
+        bias = prev.bias if isinstance(prev, nn.Linear) else None
+        fold_scales(prev.weight, bias, [m.weight for m in linears], scales)
+    layer.result.seconds["transforms"] += time.perf_counter() - started
+
+
+def _mappings(layer: Layer) -> list[tuple[nn.Module, nn.Module, list[nn.Module], list[WeightSpec]]]:
+    """(feeding op, block, Linears, their weight specs) for each of the wiring's mappings AWQ can use here."""
+    part = layer.module.get_submodule
+    mappings = []
+    for prev_name, linear_names, block_name in layer.wiring.awq_mappings:
+        prev, block = part(prev_name), part(block_name)
+        linears = [part(name) for name in linear_names]
+        entries = [layer.plan.get(f"{layer.prefix}.{name}") for name in linear_names]
+        if not all(e is not None and e.quantized for e in entries):
+            continue  # a Linear left in full precision: nothing to protect
+        if isinstance(prev, nn.Linear) and prev.out_features != linears[0].in_features:
+            continue  # e.g. v -> o under grouped-query attention
+        mappings.append((prev, block, linears, [e.scheme.weights for e in entries]))
+    return mappings
+
+
+def _error_function(block, linears, specs, calls, ctx):
+    """error_of(scales): the block's summed squared output error with the candidate weights, over all ranks."""
+    if len(linears) == 1 and block is linears[0]:
+        hessian = HessianObserver()
+        for args, _ in calls:
+            hessian.update(args[0])
+        distributed.all_reduce_observer(hessian, ctx)  # every rank then scores every candidate the same
+        xtx = hessian.state["xtx"].float()
+        weight = linears[0].weight.data
+        return lambda scales: hessian_error(weight, scaled_candidate(weight, specs[0], scales), xtx)
+    reference = run_layer(block, calls)
+    return lambda scales: distributed.all_reduce_sum(block_error(block, calls, reference, linears, specs, scales), ctx)
+
+
+def capture_blocks(layer: nn.Module, blocks: list[tuple[nn.Module, nn.Module]], inputs: list[tuple]) -> list[tuple[list[tuple], Observer]]:
+    """For each (block, its first Linear): the (args, kwargs) of every call of the block, and mean |x| of the
+    Linear's input, from one run of the layer."""
+    captured = [([], ChannelAbsMean()) for _ in blocks]
+    handles = []
+    for (block, first), (calls, act) in zip(blocks, captured):
+        handles.append(block.register_forward_pre_hook(lambda m, a, k, calls=calls: calls.append((a, k)), with_kwargs=True))
+        handles.append(first.register_forward_pre_hook(lambda m, a, act=act: act.update(a[0])))
+    try:
+        run_layer(layer, inputs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return captured
+
+
+def block_error(block: nn.Module, calls: list[tuple], reference: list[torch.Tensor], linears: list[nn.Module],
+                specs: list[WeightSpec], scales: torch.Tensor) -> float:
+    """Summed squared block output error with each Linear's weight scaled by s, rounded on its grid, unscaled."""
+    originals = [m.weight.data for m in linears]
+    try:
+        for module, weight, spec in zip(linears, originals, specs):
+            module.weight.data = scaled_candidate(weight, spec, scales)
+        outputs = run_layer(block, calls)
+    finally:
+        for module, weight in zip(linears, originals):
+            module.weight.data = weight
+    return sum(float((o.float() - r.float()).pow(2).sum()) for o, r in zip(outputs, reference))

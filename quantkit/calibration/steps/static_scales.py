@@ -1,0 +1,30 @@
+"""Static activation scales: per-tensor input ranges of every quantized Linear, observed on calibration data.
+
+Not an algorithm of the recipe's list but a property of its scheme (`activations: {dynamic: false}`): the
+pipeline runs this step before the quantizer whenever the scheme asks for static scales.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from quantkit import distributed
+from quantkit.calibration.hooks import observe, observer_groups
+from quantkit.calibration.layer import Layer
+from quantkit.observers import activation_observer
+
+
+def static_scales_step(layer: Layer) -> None:
+    """Observe each Linear's input range on the (transformed, not yet quantized) layer, merged over all ranks
+    with the observer's reduce ops; scale = absmax / qmax."""
+    started = time.perf_counter()
+    spec = layer.recipe.scheme.activations
+    observers = observe(layer.linears, activation_observer(spec.observer), layer.module, layer.inputs)
+    for names in observer_groups(observers):  # modules fed one tensor share one observer: reduce it once
+        distributed.all_reduce_observer(observers[names[0]], layer.ctx)
+    qmax = spec.dtype.qrange[1]
+    for name, observer in observers.items():
+        layer.result.input_scales[name] = (observer.absmax() / qmax).clamp(min=torch.finfo(torch.float32).eps)
+    layer.result.seconds["observe"] += time.perf_counter() - started
