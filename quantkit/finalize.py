@@ -19,7 +19,7 @@ from quantkit.errors import UsageError
 from quantkit.export import atomic, check_supported, exporter, metadata
 from quantkit.plan import ModulePlan, plan_model
 from quantkit.progress import QUIET, Progress
-from quantkit.qparams import QuantizedWeight
+from quantkit.qparams import QParams
 from quantkit.quantized_model import QuantizedModel
 from quantkit.registry import Format, Recipe
 
@@ -145,34 +145,35 @@ def quantize(
 ) -> QuantizedModel:
     """Load SRC and quantize it: calibrated layer by layer, or rounded to nearest module by module. With a
     distributed `ctx` (`distributed.Context`), calibration is data-parallel and every rank ends with the same model."""
-    samples = None
-    if recipe.needs_calibration:
-        samples = calibration_samples(prepared.src, recipe, calibration or CalibrationOptions(), trust_remote_code)
-    todo = sum(entry.quantized for entry in prepared.plan)
-    with progress.task(f"Quantizing ({recipe.name}, {prepared.format.value})", total=todo) as advance:
+    options = calibration or CalibrationOptions()
+    samples = calibration_samples(prepared.src, recipe, options, trust_remote_code) if recipe.needs_calibration else None
+    plan = prepared.plan
+    with progress.task(f"Quantizing ({recipe.name}, {prepared.format.value})", total=sum(e.quantized for e in plan)) as advance:
         if prepared.format is Format.TORCHAO:  # torchao converts while transformers loads: its load is the quantization
             from quantkit.export import torchao
 
-            return QuantizedModel(torchao.load_quantized(prepared.src, prepared.plan, dtype, trust_remote_code), prepared.plan, recipe)
+            return QuantizedModel(torchao.load_quantized(prepared.src, plan, dtype, trust_remote_code), plan, recipe)
         model = models.load_model(prepared.src, dtype, trust_remote_code)
         if samples is None:
-            return QuantizedModel(model, prepared.plan, recipe, round_to_nearest(model, prepared.plan, advance))
-        result = _calibrate(model, prepared, recipe, samples, calibration or CalibrationOptions(), progress, ctx)
-        return QuantizedModel(model, prepared.plan, recipe, result.qweights, result.input_scales)
+            return QuantizedModel(model, plan, recipe, round_to_nearest(model, plan, advance))
+        result = _calibrate(model, prepared, recipe, samples, options, progress, ctx)
+        qparams = {name: qweight.qparams for name, qweight in result.qweights.items()}
+        return QuantizedModel(model, plan, recipe, qparams, result.input_scales)
 
 
-def round_to_nearest(model: nn.Module, plan: list[ModulePlan], advance=lambda: None) -> dict[str, QuantizedWeight]:
+def round_to_nearest(model: nn.Module, plan: list[ModulePlan], advance=lambda: None) -> dict[str, QParams]:
     """Each planned Linear rounded on its grid; its weight becomes the dequantized grid values."""
     rtn = get_algorithm(Algorithm.RTN)
-    qweights = {}
+    qparams = {}
     with torch.no_grad():
         for entry in plan:
             if entry.quantized:
                 module = model.get_submodule(entry.name)
-                qweights[entry.name] = rtn(module.weight.data, entry.scheme.weights)
-                module.weight.data = qweights[entry.name].dequantize(module.weight.dtype)
+                qweight = rtn(module.weight.data, entry.scheme.weights)
+                module.weight.data = qweight.dequantize(module.weight.dtype)
+                qparams[entry.name] = qweight.qparams
                 advance()
-    return qweights
+    return qparams
 
 
 def _calibrate(model: nn.Module, prepared: Prepared, recipe: Recipe, samples, options: CalibrationOptions,

@@ -26,6 +26,16 @@ _EPS = torch.finfo(torch.float32).eps
 
 
 @dataclass
+class QParams:
+    """A weight's grid without its integers (scale/zero_point: [out, in // group]): what an exporter needs beside
+    the weight itself once that holds the dequantized grid values (the integers follow from the two)."""
+
+    scale: torch.Tensor
+    zero_point: torch.Tensor | None
+    spec: WeightSpec
+
+
+@dataclass
 class QuantizedWeight:
     """qdata: int8 holding the grid's integers, or float8_e4m3fn. scale/zero_point: [out, in // group]."""
 
@@ -33,6 +43,10 @@ class QuantizedWeight:
     scale: torch.Tensor
     zero_point: torch.Tensor | None
     spec: WeightSpec
+
+    @property
+    def qparams(self) -> QParams:
+        return QParams(self.scale, self.zero_point, self.spec)
 
     @property
     def group_size(self) -> int:

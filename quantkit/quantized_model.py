@@ -8,18 +8,19 @@ import torch
 from torch import nn
 
 from quantkit.plan import ModulePlan
-from quantkit.qparams import QuantizedWeight
+from quantkit.qparams import QParams
 from quantkit.registry import Recipe
 
 
 @dataclass
 class QuantizedModel:
     """A model whose planned Linear weights hold their dequantized grid values, with each one's qparams and,
-    for static activation schemes, its input scale. A format that converts while loading (torchao) gives the
-    converted model and no qweights."""
+    for static activation schemes, its input scale. The grid integers are not kept: they follow from the weight
+    and its qparams (so a quantized model costs no more memory than the float one). A format that converts
+    while loading (torchao) gives the converted model and no qparams."""
 
     model: nn.Module
     plan: list[ModulePlan]
     recipe: Recipe
-    qweights: dict[str, QuantizedWeight] = field(default_factory=dict)
+    qparams: dict[str, QParams] = field(default_factory=dict)
     input_scales: dict[str, torch.Tensor] = field(default_factory=dict)

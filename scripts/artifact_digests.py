@@ -5,8 +5,10 @@
     python scripts/artifact_digests.py MODEL --calib-data valid.txt --out after.json --compare before.json
 
 Runs `quantkit finalize` once per recipe (every shipped recipe by default; `--nproc 2` adds a two-process run
-of each calibrated one) into a scratch directory, then records the sha256 of every safetensors file and of
-config.json's `quantization_config`. quantkit.json is left out: it holds a timestamp and the source path.
+of each calibrated one) into a scratch directory, then records, per safetensors file, the sha256 of every
+tensor's dtype, shape and bytes and of the header's metadata with sorted keys (the torchao format writes that
+metadata in a different key order on every run), and the sha256 of config.json's `quantization_config`.
+quantkit.json is left out: it holds a timestamp and the source path.
 `--compare` prints each artifact that differs and exits 1 if any does.
 """
 
@@ -15,16 +17,30 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import struct
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 
+def safetensors_digest(file: Path) -> str:
+    """The file's content, independent of the order its header lists things in."""
+    data = file.read_bytes()
+    size = struct.unpack("<Q", data[:8])[0]
+    header, body = json.loads(data[8 : 8 + size]), data[8 + size :]
+    digest = hashlib.sha256(json.dumps(header.pop("__metadata__", None), sort_keys=True).encode())
+    for name in sorted(header):
+        begin, end = header[name]["data_offsets"]
+        digest.update(f"{name}:{header[name]['dtype']}:{header[name]['shape']}".encode())
+        digest.update(body[begin:end])
+    return digest.hexdigest()
+
+
 def digest(artifact: Path) -> dict[str, str]:
     found = {}
     for file in sorted(artifact.glob("*.safetensors")):
-        found[file.name] = hashlib.sha256(file.read_bytes()).hexdigest()
+        found[file.name] = safetensors_digest(file)
     config = json.loads((artifact / "config.json").read_text()).get("quantization_config")
     found["quantization_config"] = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()
     return found

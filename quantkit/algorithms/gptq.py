@@ -35,7 +35,7 @@ import torch
 from quantkit.algorithms import Algorithm, register
 from quantkit.algorithms.arguments import GPTQArgs
 from quantkit.errors import QuantkitError
-from quantkit.qparams import QuantizedWeight, choose_qparams, quantize_with
+from quantkit.qparams import QuantizedWeight, choose_qparams
 from quantkit.schemes import Granularity, SchemeError, WeightSpec
 
 

@@ -19,7 +19,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from quantkit import data, distributed, models
+from quantkit import data, models
 from quantkit.algorithms import Algorithm
 from quantkit.algorithms.rtn import rtn_quantize
 from quantkit.calibration.hooks import capture_inputs, run_layer, with_hidden

@@ -23,7 +23,7 @@ from compressed_tensors.quantization import (
 from torch import nn
 
 from quantkit.plan import ModulePlan
-from quantkit.qparams import QuantizedWeight
+from quantkit.qparams import QParams
 from quantkit.quantized_model import QuantizedModel
 from quantkit.registry import Recipe
 from quantkit.schemes import ActivationSpec, Granularity, QuantScheme, WeightSpec
@@ -83,13 +83,12 @@ def install(model: nn.Module, plan: list[ModulePlan], recipe: Recipe) -> None:
     apply_quantization_config(model, quantization_config(plan, recipe), show_progress=False)
 
 
-def set_qparams(module: nn.Module, qweight: QuantizedWeight) -> None:
-    """Give an installed module its qparams (from any algorithm); its weight becomes the dequantized grid point,
-    which compressed-tensors re-quantizes to exactly `qweight.qdata` when it packs."""
-    module.weight.data.copy_(qweight.dequantize(module.weight.dtype))
-    module.weight_scale = nn.Parameter(qweight.scale.reshape(module.weight_scale.shape), requires_grad=False)
-    if qweight.zero_point is not None:
-        zero = qweight.zero_point.reshape(module.weight_zero_point.shape)
+def set_qparams(module: nn.Module, qparams: QParams) -> None:
+    """Give an installed module its qparams (from any algorithm). Its weight holds the dequantized grid values,
+    which compressed-tensors re-quantizes to exactly the grid integers when it packs."""
+    module.weight_scale = nn.Parameter(qparams.scale.reshape(module.weight_scale.shape), requires_grad=False)
+    if qparams.zero_point is not None:
+        zero = qparams.zero_point.reshape(module.weight_zero_point.shape)
         module.weight_zero_point.data = zero.to(module.weight_zero_point.dtype)
 
 
@@ -110,8 +109,8 @@ def as_loaded(quantized: QuantizedModel) -> nn.Module:
     if any(hasattr(module, "quantization_scheme") for module in model.modules()):
         return model
     install(model, quantized.plan, quantized.recipe)
-    for name, qweight in quantized.qweights.items():
-        set_qparams(model.get_submodule(name), qweight)
+    for name, qparams in quantized.qparams.items():
+        set_qparams(model.get_submodule(name), qparams)
     for name, scale in quantized.input_scales.items():
         set_input_scale(model.get_submodule(name), scale)
     freeze(model)

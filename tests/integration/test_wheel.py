@@ -30,6 +30,9 @@ def test_wheel_layout(wheel):
     shipped = sorted(p.name for p in (ROOT / "recipes").rglob("*.yaml"))
     assert sorted(Path(n).name for n in names if n.startswith("quantkit/recipes/") and n.endswith(".yaml")) == shipped
     assert "quantkit/cli/main.py" in names
+    sources = {f"quantkit/{p.relative_to(ROOT / 'quantkit')}" for p in (ROOT / "quantkit").rglob("*.py")}
+    sources |= {f"quantkit/cli/{p.relative_to(ROOT / 'cli')}" for p in (ROOT / "cli").rglob("*.py")}
+    assert not sources - set(names), f"modules missing from the wheel (pyproject's packages): {sorted(sources - set(names))}"
     assert not [n for n in names if n.startswith(("cli/", "recipes/", "tests/", "scripts/"))]
 
 

@@ -1,0 +1,37 @@
+"""The compressed-tensors exporter takes a QuantizedModel: installs its qparams once, then writes."""
+
+import json
+
+import torch
+
+from quantkit import registry
+from quantkit.export import compressed_tensors, exporter
+from quantkit.finalize import prepare, round_to_nearest
+from quantkit.models import load_model
+from quantkit.quantized_model import QuantizedModel
+
+
+def _quantized(src) -> QuantizedModel:
+    recipe = registry.resolve("int8-weight-only")
+    prepared = prepare(src, recipe)
+    model = load_model(src)
+    return QuantizedModel(model, prepared.plan, recipe, round_to_nearest(model, prepared.plan))
+
+
+def test_as_loaded_installs_the_qparams_once(tiny_model_dir):
+    quantized = _quantized(tiny_model_dir)
+    name, qparams = next(iter(quantized.qparams.items()))
+    weight = quantized.model.get_submodule(name).weight.data.clone()
+    model = exporter(registry.Format.COMPRESSED_TENSORS).as_loaded(quantized)
+    module = model.get_submodule(name)
+    assert torch.equal(module.weight_scale.data.reshape(qparams.scale.shape), qparams.scale)
+    assert torch.equal(module.weight.data, weight)
+    scale = module.weight_scale
+    assert compressed_tensors.as_loaded(quantized) is model and model.get_submodule(name).weight_scale is scale
+
+
+def test_write_records_the_quantization_config(tiny_model_dir, tmp_path):
+    compressed_tensors.write(_quantized(tiny_model_dir), tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    assert config["quant_method"] == "compressed-tensors" and config["ignore"] == ["lm_head"]
+    assert list(tmp_path.glob("*.safetensors"))
