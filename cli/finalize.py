@@ -20,6 +20,7 @@ from quantkit.cli.options import (
     NumSamplesOpt,
     QuantizeOpt,
     QuietOpt,
+    RevisionOpt,
     SeqLenOpt,
     ThreadsOpt,
     TrustRemoteCodeOpt,
@@ -43,6 +44,7 @@ def finalize(
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="Print the plan (samples per rank, module owners, memory per rank) and exit.")
     ] = False,
+    revision: RevisionOpt = None,
     force_recipe: Annotated[
         bool, typer.Option("--force-recipe", help="Quantize a QAT-trained model under a recipe other than its own.")
     ] = False,
@@ -54,6 +56,8 @@ def finalize(
     Examples:
 
       quantkit finalize ./my-model ./my-model-int4 --quantize int4-weight-only
+
+      quantkit finalize Qwen/Qwen3-0.6B ./qwen3-int4 -q int4-weight-only     (a hub id, from the HF cache)
 
       quantkit finalize ./my-model ./my-model-fp8 -q float8-dynamic-act-float8-weight --format compressed-tensors
 
@@ -70,7 +74,7 @@ def finalize(
 
     options = CalibrationOptions(data=calib_data, num_samples=num_samples, seq_len=seq_len, device=device)
     if dry_run:
-        out.print_json(data=library.dry_run(src, recipe, fmt, options, nproc_per_node, trust_remote_code))
+        out.print_json(data=library.dry_run(src, recipe, fmt, options, nproc_per_node, trust_remote_code, revision))
         return
     from quantkit.cli.launch import relaunch
 
@@ -82,7 +86,7 @@ def finalize(
     result = library.finalize(
         src, dst, recipe, fmt, overwrite=overwrite, dtype=dtype.value, threads=threads,
         trust_remote_code=trust_remote_code, force_recipe=force_recipe, progress=Progress(enabled=not quiet),
-        calibration=options,
+        calibration=options, revision=revision,
     )
     if not quiet:
         print_summary(result)

@@ -35,7 +35,13 @@ QuietOpt = Annotated[bool, typer.Option("--quiet", help="No progress bars or tab
 TrustRemoteCodeOpt = Annotated[
     bool, typer.Option("--trust-remote-code", help="Allow model code from the model directory to run (off by default).")
 ]
-ModelDirArg = Annotated[Path, typer.Argument(help="A Hugging Face causal-LM directory (config.json, *.safetensors, tokenizer).")]
+ModelDirArg = Annotated[
+    Path, typer.Argument(help="A Hugging Face causal-LM directory (config.json, *.safetensors, tokenizer), or a hub id (org/name) "
+                              "resolved through the Hugging Face cache (HF_HOME; HF_HUB_OFFLINE=1 stays offline).")
+]
+RevisionOpt = Annotated[
+    Optional[str], typer.Option("--revision", help="With a hub id: the branch, tag or commit; default: main.", show_default=False)
+]
 NprocOpt = Annotated[
     int, typer.Option("--nproc-per-node", min=1, help="Processes on this machine; N > 1 re-runs the command under torchrun.")
 ]

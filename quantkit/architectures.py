@@ -9,14 +9,18 @@ Calibration needs facts about a decoder layer that no Linear knows about itself:
 
 Which Linears read the very same tensor is also observed at run time (`calibration.hooks.observe`, by tensor
 identity), so the statistics never depend on this table; the table is needed where nothing runs
-(`--dry-run`'s plan) and where scales are folded. Today one wiring is known: the layout Llama, Qwen2 and
+(`--dry-run`'s plan). Where scales are folded, the names alone are not trusted: `traced_wiring` runs the layer
+once and takes as each group's norm the module whose output the group really reads (Gemma2's MLP reads
+`pre_feedforward_layernorm`, not the norm the Llama names suggest), and `norm_weight_offset` probes whether a
+norm multiplies by its weight or by 1 + weight (Gemma). Today one wiring is known: the layout Llama, Qwen2 and
 Mistral layers share. A new layout is a new `LayerWiring` in `WIRINGS`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+import torch
 from torch import nn
 
 from quantkit.errors import UnsupportedModelError
@@ -117,3 +121,76 @@ def shared_input_leaders(names: list[str]) -> dict[str, str]:
                 for name in members:
                     leaders[name] = members[0]
     return leaders
+
+
+class _Reached(Exception):
+    pass
+
+
+def feeding_modules(layer: nn.Module, call: tuple[tuple, dict], linears: tuple[str, ...]) -> dict[str, str | None]:
+    """For each named Linear, the submodule whose output tensor it reads, from one run of the layer on a captured
+    (args, kwargs) call; None where its input is computed outside any module (e.g. by the attention core).
+    The run stops once every named Linear has received its input."""
+    produced: dict[int, tuple[torch.Tensor, str]] = {}  # holds the tensors, so no id is reused meanwhile
+    found: dict[str, str | None] = {}
+
+    def record(name):
+        def hook(module, args, output):
+            if isinstance(output, torch.Tensor):
+                produced[id(output)] = (output, name)
+        return hook
+
+    def reach(name):
+        def hook(module, args):
+            hit = produced.get(id(args[0]))
+            found[name] = hit[1] if hit is not None and hit[0] is args[0] else None
+            if len(found) == len(linears):
+                raise _Reached
+        return hook
+
+    handles = [m.register_forward_hook(record(n)) for n, m in layer.named_modules() if n]
+    handles += [layer.get_submodule(name).register_forward_pre_hook(reach(name)) for name in linears]
+    args, kwargs = call
+    try:
+        with torch.no_grad():
+            layer(*args, **kwargs)
+    except _Reached:
+        pass
+    finally:
+        for handle in handles:
+            handle.remove()
+    return {name: found.get(name) for name in linears}
+
+
+def traced_wiring(layer: nn.Module, call: tuple[tuple, dict]) -> LayerWiring:
+    """The layer's wiring with each norm replaced by the module whose output the attention and MLP inputs
+    really are (see the module docstring); UnsupportedModelError when either reads no module's output."""
+    wiring = wiring_of(layer)
+    fed = feeding_modules(layer, call, (wiring.q, wiring.gate))
+    for linear, norm in fed.items():
+        if norm is None:
+            raise UnsupportedModelError(
+                f"{type(layer).__name__}: {linear} does not read a norm's output directly, so AWQ and SmoothQuant "
+                "cannot fold scales into this layer; use a gptq or rtn recipe"
+            )
+    return replace(wiring, input_norm=fed[wiring.q], post_attention_norm=fed[wiring.gate])
+
+
+def norm_weight_offset(norm: nn.Module) -> float:
+    """0 for a norm computing x_hat * weight, 1 for one computing x_hat * (1 + weight) (Gemma's RMSNorm): scales
+    fold into the first as weight / s, into the second as (1 + weight) / s - 1. Probed with weights 0 and -1."""
+    weight = norm.weight
+    x = torch.randn(2, weight.shape[0], generator=torch.Generator().manual_seed(0)).to(weight.device, weight.dtype)
+    saved = weight.data.clone()
+    try:
+        with torch.no_grad():
+            outputs = {}
+            for value in (0.0, -1.0):
+                weight.data.fill_(value)
+                outputs[value] = norm(x)
+    finally:
+        weight.data.copy_(saved)
+    for offset, value in ((0.0, 0.0), (1.0, -1.0)):
+        if not outputs[value].abs().max():
+            return offset
+    raise UnsupportedModelError(f"{type(norm).__name__}: scales cannot be folded into this norm's weight")

@@ -45,6 +45,11 @@ class FormatError(UsageError):
     """The recipe cannot be written in the requested output format."""
 
 
+class CalibrationError(QuantkitError):
+    """Calibration produced a broken layer (non-finite outputs, or errors as large as the signal): the run stops
+    naming it rather than write an artifact that computes garbage."""
+
+
 class ExportError(QuantkitError):
     """Writing the artifact failed."""
 

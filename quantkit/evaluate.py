@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from quantkit.data import eval_windows, load_texts, tokenize
 from quantkit.errors import UsageError
 from quantkit.export import metadata
-from quantkit.models import check_model_dir, load_model, load_tokenizer, quantization_method, read_config_json, weights_size
+from quantkit.models import load_model, load_tokenizer, quantization_method, read_config_json, resolve_source, weights_size
 from quantkit.progress import QUIET, Progress
 
 IGNORE_INDEX = -100
@@ -131,7 +131,7 @@ def load_eval_model(
     """(model, tokenizer) for a source or quantized model directory. Quantized directories (compressed-tensors
     or torchao `quantization_config` in config.json) load through plain transformers. With `load_weights`
     False only the tokenizer is loaded (model is None)."""
-    path = check_model_dir(path)
+    path = resolve_source(path)
     tokenizer = load_tokenizer(Path(tokenizer_path) if tokenizer_path else path, trust_remote_code)
     model = load_model(path, dtype=dtype, trust_remote_code=trust_remote_code) if load_weights else None
     return model, tokenizer
@@ -205,11 +205,12 @@ def compare(
     texts = load_texts(data, text_field)
     settings = dict(seq_len=seq_len, stride=stride, max_samples=max_samples, batch_size=batch_size, progress=progress)
     reports = []
-    for path in models:
+    for label in models:
+        path = resolve_source(label)  # a directory, or a hub id from the cache
         measure = partial(_measure, texts=texts, tokenizer=tokenizer, trust_remote_code=trust_remote_code, **settings)
-        reports.append(make_report(path, path, measure(path)))
+        reports.append(make_report(path, label, measure(path)))
         if quantization_method(path) is None:  # recipes preview full-precision models only
-            reports += [_preview(path, name, measure, trust_remote_code, progress, calibration) for name in recipes]
+            reports += [_preview(path, label, name, measure, trust_remote_code, progress, calibration) for name in recipes]
     return reports
 
 
@@ -219,7 +220,8 @@ def _measure(path: str | Path, texts: list[str], tokenizer, trust_remote_code: b
 
 
 def _preview(
-    path: str,
+    path: Path,
+    label: str,
     recipe_name: str,
     measure: Callable[..., PerplexityResult],
     trust_remote_code: bool,
@@ -238,6 +240,6 @@ def _preview(
     model = quantize_model(prepared, recipe, trust_remote_code=trust_remote_code, progress=progress, calibration=calibration)
     result = measure(path, model=model)
     return ModelReport(
-        path=str(path), label=f"{path}+{recipe.name}", recipe=recipe.name, format=prepared.format.value,
+        path=str(path), label=f"{label}+{recipe.name}", recipe=recipe.name, format=prepared.format.value,
         size_bytes=None, perplexity=result,
     )

@@ -73,13 +73,14 @@ def check_qat_recipe(src: Path, recipe: Recipe, force: bool = False) -> str | No
 
 
 def prepare(
-    src: str | Path, recipe: Recipe, fmt: Format | None = None, trust_remote_code: bool = False, force_recipe: bool = False
+    src: str | Path, recipe: Recipe, fmt: Format | None = None, trust_remote_code: bool = False, force_recipe: bool = False,
+    revision: str | None = None,
 ) -> Prepared:
-    """Every check that needs no weights: format, hardware, source directory, QAT recipe, module plan."""
+    """Every check that needs no weights: format, hardware, source (a directory or a hub id), QAT recipe, plan."""
     fmt = fmt or recipe.format
     check_supported(recipe, fmt)
     hardware.check(recipe, fmt)
-    src = models.check_model_dir(src)
+    src = models.resolve_source(src, revision)
     models.check_full_precision(src)
     check_qat_recipe(src, recipe, force_recipe)
     config = models.load_config(src, trust_remote_code)
@@ -207,6 +208,7 @@ def finalize(
     force_recipe: bool = False,
     calibration: CalibrationOptions | None = None,
     progress: Progress = QUIET,
+    revision: str | None = None,
 ) -> FinalizeResult:
     """Quantize SRC into DST. Under torchrun (WORLD_SIZE > 1) every rank runs this; calibration is data-parallel
     and only rank 0 writes, after every rank has finished calibrating."""
@@ -215,7 +217,7 @@ def finalize(
     start = time.perf_counter()
     dst = Path(dst)
     atomic.check_destination(dst, overwrite)
-    prepared = prepare(src, recipe, fmt, trust_remote_code, force_recipe)
+    prepared = prepare(src, recipe, fmt, trust_remote_code, force_recipe, revision)
     if recipe.needs_calibration:
         check_calibration_data(recipe, calibration)
     used_threads = runtime.set_threads(threads)
@@ -233,12 +235,12 @@ def finalize(
 
 
 def dry_run(src: str | Path, recipe: Recipe, fmt: Format | None, calibration: CalibrationOptions | None,
-            world_size: int, trust_remote_code: bool = False) -> dict:
+            world_size: int, trust_remote_code: bool = False, revision: str | None = None) -> dict:
     """The distributed plan without loading weights: each rank's share of the samples, the owner of every
     GPTQ module (bin-packed per layer on GPTQ work, modules sharing a Hessian together), and what each rank holds in memory."""
     from quantkit import data
 
-    prepared = prepare(src, recipe, fmt, trust_remote_code)
+    prepared = prepare(src, recipe, fmt, trust_remote_code, revision=revision)
     options = calibration or CalibrationOptions()
     num_samples = options.num_samples or recipe.calibration.num_samples
     seq_len = options.seq_len or recipe.calibration.seq_len

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,29 @@ def check_model_dir(path: str | Path) -> Path:
     if not list(path.glob("*.safetensors")):
         raise SourceModelError(f"{path} has no *.safetensors weights; save the model with safe_serialization (pickle checkpoints are not loaded)")
     return path
+
+
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # org/name
+HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.model", "merges.txt", "vocab.*", "*.jinja"]
+
+
+def resolve_source(source: str | Path, revision: str | None = None) -> Path:
+    """A model directory: `source` itself when it exists (or does not look like a hub id), else the hub id
+    `org/name` resolved through huggingface_hub: its cache (HF_HOME; HF_HUB_OFFLINE=1 never goes online), or a
+    download of the config, weights and tokenizer when the network allows."""
+    if Path(source).exists() or not HUB_ID.match(str(source)):
+        return check_model_dir(source)
+    from huggingface_hub import snapshot_download
+
+    try:
+        folder = snapshot_download(str(source), revision=revision, allow_patterns=HUB_FILES)
+    except Exception as exc:  # noqa: BLE001 - offline misses, unknown repos and revisions, network failures alike
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise SourceModelError(
+            f"{source} is neither a directory nor a model in the Hugging Face cache ({reason}); pass a model "
+            f"directory, or download it first (`hf download {source}`)"
+        ) from exc
+    return check_model_dir(folder)
 
 
 def read_config_json(path: str | Path) -> dict[str, Any]:

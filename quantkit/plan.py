@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from quantkit.errors import UnsupportedModelError
 from quantkit.registry import IndivisiblePolicy, Recipe
 from quantkit.schemes import Granularity, QuantScheme
 
@@ -67,5 +68,24 @@ def plan_module(name: str, module: nn.Linear, recipe: Recipe) -> ModulePlan:
 
 
 def plan_model(model: nn.Module, recipe: Recipe) -> list[ModulePlan]:
-    """One entry per nn.Linear, in module order. Works on a meta-device model (no weights needed)."""
+    """One entry per nn.Linear, in module order. Works on a meta-device model (no weights needed).
+    A model with weights outside nn.Linear that a recipe should cover (fused MoE experts) is refused: the
+    artifact would keep them in full precision and claim to be quantized."""
+    check_coverage(model)
     return [plan_module(name, m, recipe) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+
+
+def fused_parameters(model: nn.Module) -> list[str]:
+    """Weight matrices stacked into 3-D (or more) parameters, as transformers 5 stores MoE experts
+    (`experts.gate_up_proj` [experts, 2 * intermediate, hidden])."""
+    return [name for name, param in model.named_parameters() if param.dim() >= 3]
+
+
+def check_coverage(model: nn.Module) -> None:
+    fused = fused_parameters(model)
+    if fused:
+        raise UnsupportedModelError(
+            f"{type(model).__name__} keeps {len(fused)} weight tensors as fused 3-D parameters ({fused[0]}, ...: MoE "
+            "experts), and quantkit quantizes nn.Linear modules only so far; quantizing this model would leave them "
+            "in full precision"
+        )

@@ -16,6 +16,7 @@ import torch
 
 from quantkit.algorithms import Algorithm, register
 from quantkit.algorithms.arguments import AWQArgs
+from quantkit.algorithms.smoothquant import divide_norm_output
 from quantkit.qparams import fake_quantize_weight
 from quantkit.schemes import WeightSpec
 
@@ -39,11 +40,15 @@ def search_scales(act_mean: torch.Tensor, error_of: Callable[[torch.Tensor], flo
 
 
 @torch.no_grad()
-def fold_scales(prev_weight: torch.Tensor, prev_bias: torch.Tensor | None, weights: list[torch.Tensor], scales: torch.Tensor) -> None:
+def fold_scales(prev_weight: torch.Tensor, prev_bias: torch.Tensor | None, weights: list[torch.Tensor], scales: torch.Tensor,
+                norm_offset: float = 0.0) -> None:
     """In place: the feeding op's output channels / s (a norm's weight, or a Linear's rows and bias),
-    each fed Linear's input columns * s. The float function is unchanged."""
-    shape = (-1,) + (1,) * (prev_weight.dim() - 1)
-    prev_weight.div_(scales.to(prev_weight.dtype).reshape(shape))
+    each fed Linear's input columns * s. The float function is unchanged. A norm computing
+    x_hat * (norm_offset + weight) gets weight = (norm_offset + weight) / s - norm_offset."""
+    if prev_weight.dim() == 1:
+        divide_norm_output(prev_weight, scales, norm_offset)
+    else:
+        prev_weight.div_(scales.to(prev_weight.dtype).reshape(-1, 1))
     if prev_bias is not None:
         prev_bias.div_(scales.to(prev_bias.dtype))
     for weight in weights:

@@ -26,8 +26,18 @@ def smoothing_scales(act_absmax: torch.Tensor, weights: list[torch.Tensor], args
 
 
 @torch.no_grad()
-def fold_scales(norm_weight: torch.Tensor, weights: list[torch.Tensor], scales: torch.Tensor) -> None:
-    """In place: norm weight / s, each Linear weight * s (per input column). The float function is unchanged."""
-    norm_weight.div_(scales.to(norm_weight.dtype))
+def fold_scales(norm_weight: torch.Tensor, weights: list[torch.Tensor], scales: torch.Tensor, norm_offset: float = 0.0) -> None:
+    """In place: the norm's output / s, each Linear weight * s (per input column). The float function is unchanged.
+    A norm computing x_hat * (norm_offset + weight) gets weight = (norm_offset + weight) / s - norm_offset."""
+    divide_norm_output(norm_weight, scales, norm_offset)
     for weight in weights:
         weight.mul_(scales.to(weight.dtype))
+
+
+@torch.no_grad()
+def divide_norm_output(norm_weight: torch.Tensor, scales: torch.Tensor, norm_offset: float = 0.0) -> None:
+    """In place: a norm's weight such that its output is divided by `scales`, per channel."""
+    if norm_offset:
+        norm_weight.add_(norm_offset).div_(scales.to(norm_weight.dtype)).sub_(norm_offset)
+    else:
+        norm_weight.div_(scales.to(norm_weight.dtype))

@@ -10,7 +10,7 @@ from functools import cached_property
 import torch
 from torch import nn
 
-from quantkit.architectures import LayerWiring, wiring_of
+from quantkit.architectures import LayerWiring, traced_wiring, wiring_of
 from quantkit.distributed import Context
 from quantkit.plan import ModulePlan
 from quantkit.qparams import QuantizedWeight
@@ -51,7 +51,13 @@ class Layer:
 
     @property
     def wiring(self) -> LayerWiring:
+        """The wiring its module names give (`architectures.wiring_of`)."""
         return wiring_of(self.module)
+
+    @cached_property
+    def traced_wiring(self) -> LayerWiring:
+        """The wiring with the norms the Linears really read, from one run on the first batch: what folding needs."""
+        return traced_wiring(self.module, self.inputs[0])
 
     @property
     def distributed(self) -> bool:

@@ -27,7 +27,7 @@ from quantkit.calibration.layer import CalibrationResult, Layer, relative_error
 from quantkit.calibration.steps import STEPS
 from quantkit.calibration.steps.static_scales import static_scales_step
 from quantkit.distributed import Context
-from quantkit.errors import UsageError
+from quantkit.errors import CalibrationError, UsageError
 from quantkit.plan import ModulePlan
 from quantkit.progress import QUIET, Progress
 from quantkit.registry import AlgorithmStep, Recipe
@@ -89,7 +89,30 @@ def calibrate_layer(layer: Layer, steps: list[Step]) -> list[torch.Tensor]:
         started = time.perf_counter()
         outputs = run_layer(layer.module, layer.inputs)
         layer.result.seconds["propagate"] += time.perf_counter() - started
+    check_layer(layer, outputs)
     return outputs
+
+
+MAX_RELATIVE_ERROR = 1.0  # a module whose output error is as large as its output computes noise
+
+
+def check_layer(layer: Layer, outputs: list[torch.Tensor]) -> None:
+    """Stop the run, naming the layer or module, when quantization broke it: non-finite outputs on the
+    calibration data, or a module's relative output error of MAX_RELATIVE_ERROR or more (or NaN)."""
+    bad = sum(int((~torch.isfinite(out)).sum()) for out in outputs)
+    if bad:
+        total = sum(out.numel() for out in outputs)
+        raise CalibrationError(
+            f"decoder layer {layer.prefix} gives non-finite outputs on the calibration data after quantization ({bad} of "
+            f"{total} values); load the model in float32 (--dtype float32) or leave the layer out (recipe `ignore`)"
+        )
+    for name in layer.linears:
+        error = layer.result.errors.get(name, 0.0)
+        if not error < MAX_RELATIVE_ERROR:
+            raise CalibrationError(
+                f"{name}: relative output error {error:.3g} after quantization (the error is as large as the output); "
+                "leave the module out (recipe `ignore`) or use a wider scheme"
+            )
 
 
 def _round_the_rest(model: nn.Module, plan: list[ModulePlan], result: CalibrationResult) -> None:

@@ -67,13 +67,13 @@ def matches_layer(layer: nn.Module, wiring: LayerWiring, call: tuple[torch.Tenso
     first sample of `call`."""
     hidden, kwargs = call
     sample = (hidden[:1], kwargs)
-    with torch.no_grad():
-        out = layer(sample[0], **kwargs)
-        reference = out[0] if isinstance(out, tuple) else out
-        try:
+    try:  # a layer whose other arguments do not fit one sample (Gemma2's mask) or the stages: not this shape
+        with torch.no_grad():
+            out = layer(sample[0], **kwargs)
+            reference = out[0] if isinstance(out, tuple) else out
             staged = run_stages(layer, wiring, [sample], lambda stage, inputs: None)[0]
-        except Exception:  # noqa: BLE001 - any mismatch in structure means: not this layer shape
-            return False
+    except Exception:  # noqa: BLE001 - any failure means: not a layer the stages reproduce
+        return False
     return staged.shape == reference.shape and torch.equal(staged, reference)
 
 

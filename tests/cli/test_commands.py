@@ -273,3 +273,9 @@ def test_finalize_dry_run_prints_the_plan(monkeypatch):
     monkeypatch.setattr(quantkit.finalize, "dry_run", lambda *args: calls.append(args) or {"ranks": args[4]})
     result = invoke("finalize", "src", "dst", "-q", "gptq-w4a16", "--nproc-per-node", "4", "--dry-run")
     assert result.exit_code == 0 and json.loads(result.output) == {"ranks": 4}
+
+
+def test_finalize_passes_a_hub_id_and_its_revision(fake_finalize):
+    assert invoke("finalize", "org/model", "dst", "-q", "int4-weight-only", "--revision", "v2", "--quiet").exit_code == 0
+    (call,) = fake_finalize
+    assert str(call.src) == "org/model" and call.revision == "v2"

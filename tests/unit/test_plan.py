@@ -55,3 +55,17 @@ def test_plan_skip_policy():
 def test_per_channel_recipes_quantize_any_width():
     plan = plan_model(Toy(), registry.resolve("int8-weight-only"))
     assert [e.name for e in plan if e.quantized] == ["up", "down", "odd"]
+
+
+def test_fused_moe_experts_are_refused_not_left_in_full_precision():
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from quantkit.errors import UnsupportedModelError
+
+    config = AutoConfig.for_model("mixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                  num_attention_heads=2, num_key_value_heads=1, vocab_size=64, num_local_experts=4)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    with pytest.raises(UnsupportedModelError, match=r"fused 3-D parameters \(model.layers.0.mlp.experts"):
+        plan_model(model, registry.resolve("int4-weight-only"))

@@ -18,6 +18,7 @@ from quantkit import distributed
 from quantkit.algorithms import Algorithm
 from quantkit.algorithms.arguments import AWQArgs
 from quantkit.algorithms.awq import fold_scales, hessian_error, scaled_candidate, search_scales
+from quantkit.architectures import norm_weight_offset
 from quantkit.calibration.hooks import run_layer
 from quantkit.calibration.layer import Layer
 from quantkit.calibration.steps import register
@@ -34,8 +35,10 @@ def awq_step(layer: Layer, args: AWQArgs) -> None:
         distributed.all_reduce_observer(act, layer.ctx)
         error_of = _error_function(block, linears, specs, calls, layer.ctx)
         scales, _ = search_scales(act.mean(), error_of, args)
-        bias = prev.bias if isinstance(prev, nn.Linear) else None
-        fold_scales(prev.weight, bias, [m.weight for m in linears], scales)
+        if isinstance(prev, nn.Linear):
+            fold_scales(prev.weight, prev.bias, [m.weight for m in linears], scales)
+        else:
+            fold_scales(prev.weight, None, [m.weight for m in linears], scales, norm_weight_offset(prev))
     layer.result.seconds["transforms"] += time.perf_counter() - started
 
 
@@ -43,7 +46,7 @@ def _mappings(layer: Layer) -> list[tuple[nn.Module, nn.Module, list[nn.Module],
     """(feeding op, block, Linears, their weight specs) for each of the wiring's mappings AWQ can use here."""
     part = layer.module.get_submodule
     mappings = []
-    for prev_name, linear_names, block_name in layer.wiring.awq_mappings:
+    for prev_name, linear_names, block_name in layer.traced_wiring.awq_mappings:
         prev, block = part(prev_name), part(block_name)
         linears = [part(name) for name in linear_names]
         entries = [layer.plan.get(f"{layer.prefix}.{name}") for name in linear_names]

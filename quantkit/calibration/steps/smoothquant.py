@@ -9,6 +9,7 @@ from quantkit import distributed
 from quantkit.algorithms import Algorithm
 from quantkit.algorithms.arguments import SmoothQuantArgs
 from quantkit.algorithms.smoothquant import fold_scales, smoothing_scales
+from quantkit.architectures import norm_weight_offset
 from quantkit.calibration.hooks import observe
 from quantkit.calibration.layer import Layer
 from quantkit.calibration.steps import register
@@ -19,11 +20,11 @@ from quantkit.observers import ChannelAbsMax
 def smoothquant_step(layer: Layer, args: SmoothQuantArgs) -> None:
     started = time.perf_counter()
     part = layer.module.get_submodule
-    groups = {norm: [part(name) for name in linears] for norm, linears in layer.wiring.smoothing}
+    groups = {norm: [part(name) for name in linears] for norm, linears in layer.traced_wiring.smoothing}
     observers = observe({norm: linears[0] for norm, linears in groups.items()}, ChannelAbsMax, layer.module, layer.inputs)
     for observer in observers.values():
         distributed.all_reduce_observer(observer, layer.ctx)
     for norm, linears in groups.items():
         scales = smoothing_scales(observers[norm].state["absmax"], [m.weight for m in linears], args)
-        fold_scales(part(norm).weight, [m.weight for m in linears], scales)
+        fold_scales(part(norm).weight, [m.weight for m in linears], scales, norm_weight_offset(part(norm)))
     layer.result.seconds["transforms"] += time.perf_counter() - started
