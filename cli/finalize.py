@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
 
@@ -45,6 +45,9 @@ def finalize(
         bool, typer.Option("--dry-run", help="Print the plan (samples per rank, module owners, memory per rank) and exit.")
     ] = False,
     revision: RevisionOpt = None,
+    max_shard_size: Annotated[
+        Optional[str], typer.Option("--max-shard-size", help="Largest safetensors file, e.g. 5GB or 500MB; several files get an index. Default: transformers' (50GB).", show_default=False)
+    ] = None,
     force_recipe: Annotated[
         bool, typer.Option("--force-recipe", help="Quantize a QAT-trained model under a recipe other than its own.")
     ] = False,
@@ -62,6 +65,8 @@ def finalize(
       quantkit finalize ./my-model ./my-model-fp8 -q float8-dynamic-act-float8-weight --format compressed-tensors
 
       quantkit finalize ./my-model ./out -q ./my-recipe.yaml --overwrite
+
+      quantkit finalize ./my-model ./out -q int4-weight-only --max-shard-size 5GB
 
       quantkit finalize ./my-model ./my-model-gptq -q gptq-w4a16 --calib-data train.txt --num-samples 128 --seq-len 512
     """
@@ -86,7 +91,7 @@ def finalize(
     result = library.finalize(
         src, dst, recipe, fmt, overwrite=overwrite, dtype=dtype.value, threads=threads,
         trust_remote_code=trust_remote_code, force_recipe=force_recipe, progress=Progress(enabled=not quiet),
-        calibration=options, revision=revision,
+        calibration=options, revision=revision, max_shard_size=max_shard_size,
     )
     if not quiet:
         print_summary(result)

@@ -209,6 +209,7 @@ def finalize(
     calibration: CalibrationOptions | None = None,
     progress: Progress = QUIET,
     revision: str | None = None,
+    max_shard_size: str | None = None,
 ) -> FinalizeResult:
     """Quantize SRC into DST. Under torchrun (WORLD_SIZE > 1) every rank runs this; calibration is data-parallel
     and only rank 0 writes, after every rank has finished calibrating."""
@@ -217,6 +218,7 @@ def finalize(
     start = time.perf_counter()
     dst = Path(dst)
     atomic.check_destination(dst, overwrite)
+    shard_bytes = models.parse_size(max_shard_size) if max_shard_size else None
     prepared = prepare(src, recipe, fmt, trust_remote_code, force_recipe, revision)
     if recipe.needs_calibration:
         check_calibration_data(recipe, calibration)
@@ -225,7 +227,7 @@ def finalize(
         quantized = quantize(prepared, recipe, dtype, trust_remote_code, progress, calibration, ctx)
         distributed.barrier(ctx)  # every rank succeeded: only now does rank 0 write
         if ctx.is_main:
-            write_artifact(quantized, prepared, dst, overwrite, progress)
+            write_artifact(quantized, prepared, dst, overwrite, progress, shard_bytes)
         distributed.barrier(ctx)
     return FinalizeResult(
         dst=dst, recipe=recipe, format=prepared.format, plan=prepared.plan, seconds=time.perf_counter() - start,
@@ -272,12 +274,13 @@ def dry_run(src: str | Path, recipe: Recipe, fmt: Format | None, calibration: Ca
     }
 
 
-def write_artifact(quantized: QuantizedModel, prepared: Prepared, dst: Path, overwrite: bool, progress: Progress) -> None:
+def write_artifact(quantized: QuantizedModel, prepared: Prepared, dst: Path, overwrite: bool, progress: Progress,
+                   max_shard_size: int | None = None) -> None:
     """The format's files, the tokenizer and quantkit.json, into DST all at once (a temporary directory renamed)."""
     recipe = quantized.recipe
     with atomic.atomic_directory(dst, overwrite) as tmp:
         with progress.task(f"Writing {dst}", total=None):
-            exporter(prepared.format).write(quantized, tmp)
+            exporter(prepared.format).write(quantized, tmp, max_shard_size)
             models.copy_tokenizer(prepared.src, tmp)
             info = metadata.build(recipe, prepared.format, prepared.plan, prepared.src, models.fingerprint(prepared.src))
             info["calibration"] = prepared.calibration

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from quantkit.errors import SourceModelError, UnsupportedModelError
+from quantkit.errors import SourceModelError, UnsupportedModelError, UsageError
 
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -139,6 +139,18 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 def module_name(model: nn.Module, module: nn.Module) -> str:
     """The qualified name of `module` inside `model` (e.g. "model.layers" for the decoder layers)."""
     return next(name for name, candidate in model.named_modules() if candidate is module)
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|TB|KIB|MIB|GIB|TIB)?\s*$", re.IGNORECASE)
+_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from "5GB", "500MB", "2GiB" or a plain number of bytes; UsageError otherwise."""
+    match = _SIZE.match(str(text))
+    if not match or float(match.group(1)) <= 0:
+        raise UsageError(f"--max-shard-size {text}: not a size; write it like 5GB, 500MB or 2GiB")
+    return int(float(match.group(1)) * _UNITS[(match.group(2) or "B").upper()])
 
 
 def copy_tokenizer(src: Path, dst: Path) -> list[str]:

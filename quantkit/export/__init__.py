@@ -23,8 +23,9 @@ class Exporter(Protocol):
     def as_loaded(self, quantized: QuantizedModel) -> nn.Module:
         """The model computing exactly as plain transformers will compute the written artifact."""
 
-    def write(self, quantized: QuantizedModel, out_dir: Path) -> None:
-        """Write the weights and config.json (with `quantization_config`) into `out_dir`."""
+    def write(self, quantized: QuantizedModel, out_dir: Path, max_shard_size: int | None = None) -> None:
+        """Write the weights (in safetensors shards of at most `max_shard_size` bytes, with an index file when there
+        are several; default: transformers') and config.json (with `quantization_config`) into `out_dir`."""
 
 
 def exporter(fmt: Format) -> Exporter:

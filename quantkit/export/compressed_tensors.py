@@ -117,12 +117,12 @@ def as_loaded(quantized: QuantizedModel) -> nn.Module:
     return model
 
 
-def write(quantized: QuantizedModel, out_dir: Path) -> None:
+def write(quantized: QuantizedModel, out_dir: Path, max_shard_size: int | None = None) -> None:
     """Pack and write. Only rank 0 writes, so compressed-tensors must not spread the packing over the ranks
     of an initialised process group (it would wait for ranks that are not there)."""
     model = as_loaded(quantized)
     with as_single_threaded():
         compressor = ModelCompressor.from_pretrained_model(model)
         compressor.compress_model(model)
-        model.save_pretrained(out_dir)
+        model.save_pretrained(out_dir, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
         compressor.update_config(str(out_dir))

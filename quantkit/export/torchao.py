@@ -90,5 +90,5 @@ def as_loaded(quantized: QuantizedModel) -> nn.Module:
     return quantized.model  # converted while loading: it already computes as the artifact will
 
 
-def write(quantized: QuantizedModel, out_dir: Path) -> None:
-    quantized.model.save_pretrained(out_dir)
+def write(quantized: QuantizedModel, out_dir: Path, max_shard_size: int | None = None) -> None:
+    quantized.model.save_pretrained(out_dir, **({"max_shard_size": max_shard_size} if max_shard_size else {}))

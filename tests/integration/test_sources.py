@@ -56,3 +56,28 @@ def test_a_hub_id_missing_from_the_cache_is_a_one_line_usage_error(hub_home, tmp
 def test_an_unknown_revision_is_refused(hub_home, tmp_path):
     run = _quantkit(hub_home, "finalize", "org/tiny", str(tmp_path / "out"), "-q", "int8-weight-only", "--revision", "v9")
     assert run.returncode == 2 and "neither a directory nor a model" in run.stderr
+
+
+def test_max_shard_size_writes_shards_and_an_index_that_load_like_one_file(tiny_model_dir, tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from quantkit import registry
+    from quantkit.finalize import finalize
+
+    recipe = registry.resolve("int4-weight-only")
+    finalize(tiny_model_dir, tmp_path / "one", recipe)
+    finalize(tiny_model_dir, tmp_path / "shards", recipe, max_shard_size="100KB")
+    shards = sorted((tmp_path / "shards").glob("*.safetensors"))
+    index = json.loads((tmp_path / "shards" / "model.safetensors.index.json").read_text())
+    assert len(shards) > 1 and set(index["weight_map"].values()) == {s.name for s in shards}
+    assert all(s.stat().st_size <= 100_000 * 1.5 for s in shards)  # one tensor may overshoot, as in transformers
+    ids = torch.randint(3, 300, (1, 16), generator=torch.Generator().manual_seed(0))
+    logits = [AutoModelForCausalLM.from_pretrained(tmp_path / d)(ids).logits for d in ("one", "shards")]
+    assert torch.equal(*logits)
+
+
+def test_a_bad_shard_size_is_refused_before_any_work(tiny_model_dir, tmp_path):
+    run = _quantkit(tmp_path, "finalize", str(tiny_model_dir), str(tmp_path / "out"), "-q", "int4-weight-only",
+                    "--max-shard-size", "lots")
+    assert run.returncode == 2 and "write it like 5GB" in run.stderr and not (tmp_path / "out").exists()

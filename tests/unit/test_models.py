@@ -69,3 +69,17 @@ def test_an_already_quantized_source_is_refused(tmp_path):
     assert models.quantization_method(tmp_path) == "compressed-tensors"
     with pytest.raises(SourceModelError, match="already quantized"):
         models.check_full_precision(tmp_path)
+
+
+@pytest.mark.parametrize("text, size", [("5GB", 5 * 10**9), ("500MB", 500 * 10**6), ("2GiB", 2 * 2**30), ("1.5gb", 1_500_000_000),
+                                        ("1000", 1000)])
+def test_parse_size(text, size):
+    assert models.parse_size(text) == size
+
+
+@pytest.mark.parametrize("text", ["lots", "5XB", "0GB", "-1MB", ""])
+def test_parse_size_refuses_what_is_not_a_size(text):
+    from quantkit.errors import UsageError
+
+    with pytest.raises(UsageError, match="write it like 5GB"):
+        models.parse_size(text)
