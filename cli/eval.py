@@ -8,6 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from quantkit import sources
 from quantkit.cli.console import human_bytes, out, quiet_libraries
 from quantkit.cli.options import CalibDataOpt, QuietOpt, ThreadsOpt, TrustRemoteCodeOpt
 from quantkit.errors import GateFailedError, UsageError
@@ -44,6 +45,8 @@ def evaluate(
 
       quantkit eval ./base ./base-int4 --data test.txt --baseline ./base --max-ppl-increase 5 --json results.json
     """
+    for model in models:  # before torch loads: a wrong MODEL is reported at once
+        sources.resolve_source(model)
     quiet_libraries()
     from quantkit import evaluate as library
     from quantkit.finalize import CalibrationOptions

@@ -7,8 +7,9 @@ from typing import Annotated, Optional
 
 import typer
 
-from quantkit import registry, runtime
+from quantkit import registry, runtime, sources
 from quantkit.cli.console import human_bytes, out, quiet_libraries
+from quantkit.export import atomic
 from quantkit.cli.options import (
     CalibDataOpt,
     DeviceOpt,
@@ -72,6 +73,9 @@ def finalize(
     """
     recipe = registry.resolve(quantize)
     fmt = registry.Format(format.value) if format else None
+    src = sources.resolve_source(src, revision)  # before torch loads: a wrong SRC or DST is reported at once
+    if not dry_run:
+        atomic.check_destination(dst, overwrite)
     quiet_libraries()
     from quantkit import finalize as library
     from quantkit.finalize import CalibrationOptions

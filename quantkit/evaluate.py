@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from quantkit.data import eval_windows, load_texts, tokenize
 from quantkit.errors import UsageError
 from quantkit.export import metadata
-from quantkit.models import load_model, load_tokenizer, quantization_method, read_config_json, resolve_source, weights_size
+from quantkit.models import load_model, load_tokenizer, quantization_method, read_config_json, weights_size
+from quantkit.sources import resolve_source
 from quantkit.progress import QUIET, Progress
 
 IGNORE_INDEX = -100

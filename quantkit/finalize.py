@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from quantkit import hardware, models, runtime
+from quantkit import hardware, models, runtime, sources
 from quantkit.algorithms import Algorithm, get_algorithm
 from quantkit.errors import UsageError
 from quantkit.export import atomic, check_supported, exporter, metadata
@@ -80,11 +80,16 @@ def prepare(
     fmt = fmt or recipe.format
     check_supported(recipe, fmt)
     hardware.check(recipe, fmt)
-    src = models.resolve_source(src, revision)
+    src = sources.resolve_source(src, revision)
     models.check_full_precision(src)
     check_qat_recipe(src, recipe, force_recipe)
     config = models.load_config(src, trust_remote_code)
     plan = plan_model(models.meta_model(config, trust_remote_code), recipe)
+    if plan and not any(entry.quantized for entry in plan):
+        raise UsageError(
+            f"recipe '{recipe.name}' quantizes none of the {len(plan)} Linear modules of {src} ({plan[0].name}: {plan[0].note}); "
+            "use a recipe with a smaller group size or per-channel weights"
+        )
     return Prepared(src=src, format=fmt, plan=plan)
 
 
@@ -170,6 +175,7 @@ def round_to_nearest(model: nn.Module, plan: list[ModulePlan], advance=lambda: N
         for entry in plan:
             if entry.quantized:
                 module = model.get_submodule(entry.name)
+                models.check_finite(entry.name, module.weight.data)
                 qweight = rtn(module.weight.data, entry.scheme.weights)
                 module.weight.data = qweight.dequantize(module.weight.dtype)
                 qparams[entry.name] = qweight.qparams
@@ -218,7 +224,9 @@ def finalize(
     start = time.perf_counter()
     dst = Path(dst)
     atomic.check_destination(dst, overwrite)
-    shard_bytes = models.parse_size(max_shard_size) if max_shard_size else None
+    shard_bytes = sources.parse_size(max_shard_size) if max_shard_size else None
+    if recipe.needs_calibration:
+        hardware.check_device((calibration or CalibrationOptions()).device)
     prepared = prepare(src, recipe, fmt, trust_remote_code, force_recipe, revision)
     if recipe.needs_calibration:
         check_calibration_data(recipe, calibration)

@@ -32,6 +32,24 @@ def missing_requirement(recipe: Recipe, fmt: Format) -> str | None:
     return None
 
 
+def check_device(name: str) -> None:
+    """A compute device this machine has (`--device cuda` on a CPU-only machine is refused before any work)."""
+    import torch
+
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise HardwareError(f"--device {name}: not a device; use cpu, cuda or cuda:N") from None
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise HardwareError(f"--device {name}: this machine has no CUDA GPU (torch {torch.__version__}); use --device cpu")
+        if device.index is not None and device.index >= count:
+            raise HardwareError(f"--device {name}: this machine has {count} CUDA GPU(s), cuda:0 to cuda:{count - 1}")
+    elif device.type != "cpu":
+        raise HardwareError(f"--device {name}: calibration runs on cpu or cuda")
+
+
 def check(recipe: Recipe, fmt: Format) -> None:
     missing = missing_requirement(recipe, fmt)
     if missing is None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -12,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from quantkit.errors import SourceModelError, UnsupportedModelError, UsageError
+from quantkit.errors import SourceModelError, UnsupportedModelError
 
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -21,43 +20,6 @@ TOKENIZER_FILES = (
 # Any one of these makes a directory loadable by AutoTokenizer.
 TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def check_model_dir(path: str | Path) -> Path:
-    """A directory with config.json and safetensors weights, or SourceModelError saying what is missing."""
-    path = Path(path)
-    if not path.exists():
-        raise SourceModelError(f"{path} does not exist; pass a Hugging Face model directory")
-    if not path.is_dir():
-        raise SourceModelError(f"{path} is a file; pass a Hugging Face model directory (config.json + *.safetensors)")
-    if not (path / "config.json").is_file():
-        raise SourceModelError(f"{path} has no config.json; it is not a Hugging Face model directory")
-    if not list(path.glob("*.safetensors")):
-        raise SourceModelError(f"{path} has no *.safetensors weights; save the model with safe_serialization (pickle checkpoints are not loaded)")
-    return path
-
-
-HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # org/name
-HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.model", "merges.txt", "vocab.*", "*.jinja"]
-
-
-def resolve_source(source: str | Path, revision: str | None = None) -> Path:
-    """A model directory: `source` itself when it exists (or does not look like a hub id), else the hub id
-    `org/name` resolved through huggingface_hub: its cache (HF_HOME; HF_HUB_OFFLINE=1 never goes online), or a
-    download of the config, weights and tokenizer when the network allows."""
-    if Path(source).exists() or not HUB_ID.match(str(source)):
-        return check_model_dir(source)
-    from huggingface_hub import snapshot_download
-
-    try:
-        folder = snapshot_download(str(source), revision=revision, allow_patterns=HUB_FILES)
-    except Exception as exc:  # noqa: BLE001 - offline misses, unknown repos and revisions, network failures alike
-        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise SourceModelError(
-            f"{source} is neither a directory nor a model in the Hugging Face cache ({reason}); pass a model "
-            f"directory, or download it first (`hf download {source}`)"
-        ) from exc
-    return check_model_dir(folder)
 
 
 def read_config_json(path: str | Path) -> dict[str, Any]:
@@ -124,6 +86,16 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool = False, fix: str =
         raise SourceModelError(f"{path}: cannot load the tokenizer ({str(exc).splitlines()[0]}); {fix}") from exc
 
 
+def check_finite(name: str, weight: torch.Tensor) -> None:
+    """A weight about to be quantized holds no NaN or Inf (its scales would be non-finite and the artifact garbage)."""
+    bad = int((~torch.isfinite(weight)).sum())
+    if bad:
+        raise SourceModelError(
+            f"{name}.weight has {bad} non-finite values (NaN or Inf) in the source model; fix the checkpoint, or leave "
+            "the module out of the recipe (`ignore`)"
+        )
+
+
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The decoder layers at model.<base_model_prefix>.layers (Llama-, Qwen2-, Mistral-style models)."""
     prefix = getattr(model, "base_model_prefix", "model")
@@ -139,18 +111,6 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 def module_name(model: nn.Module, module: nn.Module) -> str:
     """The qualified name of `module` inside `model` (e.g. "model.layers" for the decoder layers)."""
     return next(name for name, candidate in model.named_modules() if candidate is module)
-
-
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|TB|KIB|MIB|GIB|TIB)?\s*$", re.IGNORECASE)
-_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-
-
-def parse_size(text: str) -> int:
-    """Bytes from "5GB", "500MB", "2GiB" or a plain number of bytes; UsageError otherwise."""
-    match = _SIZE.match(str(text))
-    if not match or float(match.group(1)) <= 0:
-        raise UsageError(f"--max-shard-size {text}: not a size; write it like 5GB, 500MB or 2GiB")
-    return int(float(match.group(1)) * _UNITS[(match.group(2) or "B").upper()])
 
 
 def copy_tokenizer(src: Path, dst: Path) -> list[str]:

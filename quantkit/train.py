@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from quantkit import checkpoint, data, distributed, models, runtime
+from quantkit import checkpoint, data, distributed, models, runtime, sources
 from quantkit.distributed import Context
 from quantkit.errors import UsageError
 from quantkit.export import atomic, metadata
@@ -87,7 +87,7 @@ def build_model(config: TrainConfig, source: Path | None) -> nn.Module:
     torch.manual_seed(config.train.seed)
     path = source or (Path(config.model.path) if config.model.path else None)
     if path is not None:
-        path = models.check_model_dir(path)
+        path = sources.check_model_dir(path)
         models.check_full_precision(path)  # QAT and other Linear transformations do not stack on a quantized model
         return models.load_model(path, dtype="float32").train()
     params = dict(config.model.config)

@@ -71,6 +71,8 @@ def calibrate(model: nn.Module, plan: list[ModulePlan], recipe: Recipe, samples:
         for i, module in enumerate(layers):
             module.to(device)
             layer = Layer(module, f"{prefix}.{i}", i, inputs, by_name, recipe, result, ctx)
+            for name, linear in layer.linears.items():
+                models.check_finite(name, linear.weight.data)
             inputs = with_hidden(inputs, calibrate_layer(layer, steps))
             result.peak_device_bytes = max(result.peak_device_bytes, _device_bytes(module, inputs, device))
             module.to("cpu")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -12,10 +13,17 @@ from quantkit.errors import DestinationExistsError
 
 
 def check_destination(dst: Path, overwrite: bool) -> None:
+    """Refuse, before any work, a DST that exists (without `overwrite`), is a file, or cannot be created."""
+    dst = Path(dst)
     if dst.exists() and not overwrite:
         raise DestinationExistsError(f"{dst} already exists; pass --overwrite to replace it or choose another path")
     if dst.exists() and not dst.is_dir():
         raise DestinationExistsError(f"{dst} exists and is a file; choose a directory path")
+    parent = next(p for p in dst.absolute().parents if p.exists())
+    if not parent.is_dir():
+        raise DestinationExistsError(f"{dst} cannot be created: {parent} is a file; choose another path")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise DestinationExistsError(f"{dst} cannot be created: {parent} is not writable; choose another path")
 
 
 @contextlib.contextmanager

@@ -20,6 +20,17 @@ from quantkit.registry import Format
 runner = CliRunner()
 
 
+@pytest.fixture(autouse=True)
+def sources_are_not_checked(monkeypatch):
+    """The commands check SRC and DST before heavy imports (tests/unit/test_finalize.py proves it); here the library
+    is patched, so the made-up paths pass through as given."""
+    from quantkit import sources
+    from quantkit.export import atomic
+
+    monkeypatch.setattr(sources, "resolve_source", lambda src, revision=None: src)
+    monkeypatch.setattr(atomic, "check_destination", lambda dst, overwrite: None)
+
+
 def invoke(*args: str, env: dict | None = None):
     return runner.invoke(app, list(args), env=env)
 

@@ -112,3 +112,9 @@ def test_layer_module_names_live_in_the_architecture_module_only():
     offenders = {name: hits for name, path in MODULES.items() if name != "quantkit.architectures"
                  for hits in [[s for s in _code_strings(path) if LAYER_NAMES.search(s) or s == "mlp"]] if hits}
     assert not offenders, offenders
+
+
+def test_test_modules_have_unique_names():
+    """pytest imports test modules by basename (rootdir-relative, no packages): two test_x.py would collide."""
+    names = [p.name for p in (ROOT / "tests").rglob("test_*.py")]
+    assert len(names) == len(set(names)), sorted({n for n in names if names.count(n) > 1})

@@ -7,19 +7,6 @@ from quantkit import models
 from quantkit.errors import SourceModelError, UnsupportedModelError
 
 
-def test_check_model_dir_says_what_is_missing(tmp_path):
-    with pytest.raises(SourceModelError, match="does not exist"):
-        models.check_model_dir(tmp_path / "nope")
-    (tmp_path / "file").write_text("x")
-    with pytest.raises(SourceModelError, match="is a file"):
-        models.check_model_dir(tmp_path / "file")
-    with pytest.raises(SourceModelError, match="no config.json"):
-        models.check_model_dir(tmp_path)
-    (tmp_path / "config.json").write_text("{}")
-    with pytest.raises(SourceModelError, match="no \\*.safetensors"):
-        models.check_model_dir(tmp_path)
-
-
 def test_load_tokenizer_ends_its_error_with_what_to_do(tmp_path, tiny_model_dir):
     with pytest.raises(SourceModelError, match="has no tokenizer files; set model.tokenizer"):
         models.load_tokenizer(tmp_path, fix="set model.tokenizer")
@@ -69,17 +56,3 @@ def test_an_already_quantized_source_is_refused(tmp_path):
     assert models.quantization_method(tmp_path) == "compressed-tensors"
     with pytest.raises(SourceModelError, match="already quantized"):
         models.check_full_precision(tmp_path)
-
-
-@pytest.mark.parametrize("text, size", [("5GB", 5 * 10**9), ("500MB", 500 * 10**6), ("2GiB", 2 * 2**30), ("1.5gb", 1_500_000_000),
-                                        ("1000", 1000)])
-def test_parse_size(text, size):
-    assert models.parse_size(text) == size
-
-
-@pytest.mark.parametrize("text", ["lots", "5XB", "0GB", "-1MB", ""])
-def test_parse_size_refuses_what_is_not_a_size(text):
-    from quantkit.errors import UsageError
-
-    with pytest.raises(UsageError, match="write it like 5GB"):
-        models.parse_size(text)

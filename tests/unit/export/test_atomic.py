@@ -40,3 +40,19 @@ def test_overwrite_replaces_and_failed_overwrite_keeps_the_old(tmp_path):
         (tmp / "new.txt").write_text("new")
     assert [p.name for p in out.iterdir()] == ["new.txt"]
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+def test_a_destination_under_a_file_is_refused_before_any_work(tmp_path):
+    from quantkit.export.atomic import check_destination
+
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(DestinationExistsError, match="afile is a file; choose another path"):
+        check_destination(tmp_path / "afile" / "deeper" / "out", overwrite=False)
+
+
+def test_a_destination_in_a_folder_it_cannot_write_is_refused(tmp_path, monkeypatch):
+    from quantkit.export import atomic
+
+    monkeypatch.setattr(atomic.os, "access", lambda path, mode: False)  # as a non-root user on a read-only folder
+    with pytest.raises(DestinationExistsError, match="is not writable"):
+        atomic.check_destination(tmp_path / "out", overwrite=False)

@@ -1,0 +1,82 @@
+"""Where a model comes from: a local directory or a hub id, checked before anything heavy is imported.
+
+No torch here: the CLI and `finalize` report a wrong SRC, DST or size within a fraction of a second. The
+safetensors headers are read (not the tensors), so a truncated or foreign file is named before any work.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from pathlib import Path
+
+from quantkit.errors import SourceModelError, UsageError
+
+
+def check_model_dir(path: str | Path) -> Path:
+    """A directory with config.json and safetensors weights, or SourceModelError saying what is missing."""
+    path = Path(path)
+    if not path.exists():
+        raise SourceModelError(f"{path} does not exist; pass a Hugging Face model directory")
+    if not path.is_dir():
+        raise SourceModelError(f"{path} is a file; pass a Hugging Face model directory (config.json + *.safetensors)")
+    if not (path / "config.json").is_file():
+        raise SourceModelError(f"{path} has no config.json; it is not a Hugging Face model directory")
+    if not list(path.glob("*.safetensors")):
+        raise SourceModelError(f"{path} has no *.safetensors weights; save the model with safe_serialization (pickle checkpoints are not loaded)")
+    check_safetensors(path)
+    return path
+
+
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # org/name
+HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.model", "merges.txt", "vocab.*", "*.jinja"]
+
+
+def resolve_source(source: str | Path, revision: str | None = None) -> Path:
+    """A model directory: `source` itself when it exists (or does not look like a hub id), else the hub id
+    `org/name` resolved through huggingface_hub: its cache (HF_HOME; HF_HUB_OFFLINE=1 never goes online), or a
+    download of the config, weights and tokenizer when the network allows."""
+    if Path(source).exists() or not HUB_ID.match(str(source)):
+        return check_model_dir(source)
+    from huggingface_hub import snapshot_download
+
+    try:
+        folder = snapshot_download(str(source), revision=revision, allow_patterns=HUB_FILES)
+    except Exception as exc:  # noqa: BLE001 - offline misses, unknown repos and revisions, network failures alike
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise SourceModelError(
+            f"{source} is neither a directory nor a model in the Hugging Face cache ({reason}); pass a model "
+            f"directory, or download it first (`hf download {source}`)"
+        ) from exc
+    return check_model_dir(folder)
+
+
+def check_safetensors(path: Path) -> None:
+    """Each safetensors file's header parses and its tensors lie within the file (a truncated download does not)."""
+    for file in sorted(Path(path).glob("*.safetensors")):
+        try:
+            with open(file, "rb") as fh:
+                (length,) = struct.unpack("<Q", fh.read(8))
+                header = json.loads(fh.read(length))
+            end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+        except (struct.error, ValueError, KeyError, TypeError, IndexError, MemoryError, OverflowError) as exc:
+            raise SourceModelError(f"{file} is not a readable safetensors file ({type(exc).__name__}); download or save it again") from exc
+        if file.stat().st_size < 8 + length + end:
+            raise SourceModelError(
+                f"{file} is truncated ({file.stat().st_size} bytes; its header describes {8 + length + end}); download or save it again"
+            )
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|TB|KIB|MIB|GIB|TIB)?\s*$", re.IGNORECASE)
+_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from "5GB", "500MB", "2GiB" or a plain number of bytes; UsageError otherwise."""
+    match = _SIZE.match(str(text))
+    if not match or float(match.group(1)) <= 0:
+        raise UsageError(f"--max-shard-size {text}: not a size; write it like 5GB, 500MB or 2GiB")
+    return int(float(match.group(1)) * _UNITS[(match.group(2) or "B").upper()])
+
+

@@ -1,0 +1,47 @@
+"""finalize's checks before any work: what a user gets wrong is refused at once, with what to do."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import make_text
+from quantkit import hardware, registry
+from quantkit.errors import HardwareError, SourceModelError, UsageError
+from quantkit.finalize import prepare, round_to_nearest
+from quantkit.models import load_model
+
+
+def test_a_recipe_that_quantizes_nothing_is_refused(tmp_path):
+    from quantkit.tiny import build_tiny_llama
+
+    odd = build_tiny_llama(tmp_path / "odd", make_text(500), hidden_size=72, intermediate_size=200)
+    with pytest.raises(UsageError, match="quantizes none of the 15 Linear modules .*group size 128 does not divide input size 72"):
+        prepare(odd, registry.resolve("int4-weight-only"))
+
+
+def test_non_finite_weights_are_refused_naming_the_tensor(tiny_model_dir):
+    model = load_model(tiny_model_dir)
+    model.model.layers[1].mlp.up_proj.weight.data[0, 0] = float("inf")
+    plan = prepare(tiny_model_dir, registry.resolve("int8-weight-only")).plan
+    with pytest.raises(SourceModelError, match=r"model.layers.1.mlp.up_proj.weight has 1 non-finite values"):
+        round_to_nearest(model, plan)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+@pytest.mark.parametrize("device, message", [("cuda", "no CUDA GPU"), ("cuda:1", "no CUDA GPU"), ("tpu", "not a device|cpu or cuda")])
+def test_a_device_this_machine_lacks_is_refused(device, message):
+    hardware.check_device("cpu")
+    with pytest.raises(HardwareError, match=message):
+        hardware.check_device(device)
+
+
+def test_a_missing_source_is_reported_before_torch_is_imported(tmp_path):
+    code = ("import sys; from quantkit.cli.main import main; "
+            f"sys.argv = ['quantkit', 'finalize', '{tmp_path / 'nope'}', '{tmp_path / 'out'}', '-q', 'int4-weight-only']\n"
+            "try:\n    main()\nexcept SystemExit as exit:\n    assert exit.code == 2, exit.code\n"
+            "assert 'torch' not in sys.modules, 'torch was imported'")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert "does not exist" in run.stderr
