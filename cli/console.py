@@ -1,9 +1,30 @@
-"""Where the CLI prints: results to stdout, errors and progress to stderr."""
+"""Where the CLI prints: results to stdout, errors and progress to stderr; `--json` documents."""
+
+import json
+from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 
 out = Console()
 err = Console(stderr=True)
+
+
+SCHEMA_VERSION = 1  # of every --json document; README "JSON output" lists their fields
+
+
+def write_json(target: Path, command: str, payload: dict[str, Any]) -> None:
+    """`{"schema_version", "command", ...payload}` to the file `target`, or to stdout alone when it is `-`."""
+    text = json.dumps({"schema_version": SCHEMA_VERSION, "command": command, **payload}, indent=2, default=str) + "\n"
+    if str(target) == "-":
+        print(text, end="", flush=True)
+    else:
+        Path(target).write_text(text)
+
+
+def json_to_stdout(target: Path | None) -> bool:
+    """`--json -`: stdout holds the JSON document and nothing else."""
+    return target is not None and str(target) == "-"
 
 
 def human_bytes(size: int) -> str:

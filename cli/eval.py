@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
 from quantkit import sources
-from quantkit.cli.console import human_bytes, out, quiet_libraries
-from quantkit.cli.options import CalibDataOpt, QuietOpt, ThreadsOpt, TrustRemoteCodeOpt
+from quantkit.cli.console import human_bytes, json_to_stdout, out, quiet_libraries, write_json
+from quantkit.cli.options import CalibDataOpt, JsonOpt, QuietOpt, ThreadsOpt, TrustRemoteCodeOpt
 from quantkit.errors import GateFailedError, UsageError
 
 
@@ -25,7 +24,7 @@ def evaluate(
     max_samples: Annotated[Optional[int], typer.Option("--max-samples", min=1, help="Evaluate at most this many windows.")] = None,
     batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Windows per forward pass.")] = 1,
     tokenizer: Annotated[Optional[Path], typer.Option("--tokenizer", help="Tokenizer directory, for models saved without one.")] = None,
-    json_path: Annotated[Optional[Path], typer.Option("--json", help="Also write the results as JSON to this file.")] = None,
+    json_path: JsonOpt = None,
     baseline: Annotated[Optional[str], typer.Option("--baseline", help="The model the gate compares against (one of MODEL).")] = None,
     max_ppl_increase: Annotated[
         Optional[float], typer.Option("--max-ppl-increase", min=0, help="Gate: exit 3 if any model's perplexity exceeds the baseline's by more than this percent.")
@@ -47,6 +46,7 @@ def evaluate(
     """
     for model in models:  # before torch loads: a wrong MODEL is reported at once
         sources.resolve_source(model)
+    quiet = quiet or json_to_stdout(json_path)  # stdout holds the JSON alone; the table would follow it
     quiet_libraries()
     from quantkit import evaluate as library
     from quantkit.finalize import CalibrationOptions
@@ -64,7 +64,7 @@ def evaluate(
     failures = library.gate(reports, baseline, max_ppl_increase) if baseline else []
     if json_path:
         payload = {"data": data, "results": [r.to_dict() for r in reports], "gate": gate_dict(baseline, max_ppl_increase, failures)}
-        json_path.write_text(json.dumps(payload, indent=2) + "\n")
+        write_json(json_path, "eval", payload)
     if not quiet:
         print_table(reports, baseline)
     if failures:

@@ -8,11 +8,12 @@ from typing import Annotated, Optional
 import typer
 
 from quantkit import registry, runtime, sources
-from quantkit.cli.console import human_bytes, out, quiet_libraries
+from quantkit.cli.console import human_bytes, json_to_stdout, out, quiet_libraries, write_json
 from quantkit.export import atomic
 from quantkit.cli.options import (
     CalibDataOpt,
     DeviceOpt,
+    JsonOpt,
     NprocOpt,
     DtypeChoice,
     DtypeOpt,
@@ -52,6 +53,7 @@ def finalize(
     force_recipe: Annotated[
         bool, typer.Option("--force-recipe", help="Quantize a QAT-trained model under a recipe other than its own.")
     ] = False,
+    json_path: JsonOpt = None,
     quiet: QuietOpt = False,
 ) -> None:
     """Quantize a model into a low-bit artifact that plain transformers (and vLLM) load: post-training
@@ -83,14 +85,16 @@ def finalize(
 
     options = CalibrationOptions(data=calib_data, num_samples=num_samples, seq_len=seq_len, device=device)
     if dry_run:
-        out.print_json(data=library.dry_run(src, recipe, fmt, options, nproc_per_node, trust_remote_code, revision))
+        plan = library.dry_run(src, recipe, fmt, options, nproc_per_node, trust_remote_code, revision)
+        write_json(json_path, "finalize --dry-run", plan) if json_path else out.print_json(data=plan)
         return
     from quantkit.cli.launch import relaunch
 
     code = relaunch(nproc_per_node, threads)
     if code is not None:
         raise typer.Exit(code)
-    quiet = quiet or not runtime.is_main_process()
+    main = runtime.is_main_process()
+    quiet = quiet or not main or json_to_stdout(json_path)
     threads = threads or runtime.launched_threads()
     result = library.finalize(
         src, dst, recipe, fmt, overwrite=overwrite, dtype=dtype.value, threads=threads,
@@ -99,6 +103,19 @@ def finalize(
     )
     if not quiet:
         print_summary(result)
+    if json_path and main:
+        write_json(json_path, "finalize", result_dict(result))
+
+
+def result_dict(result) -> dict:
+    """The `finalize` JSON document (schema in the README): what was written, how big, how long, and how it went."""
+    left_out = [{"module": e.name, "reason": e.note} for e in result.plan if not e.quantized]
+    return {
+        "dst": str(result.dst), "recipe": result.recipe.name, "format": result.format.value,
+        "modules": {"quantized": sum(e.quantized for e in result.plan), "linear": len(result.plan), "left_out": left_out},
+        "source_bytes": result.source_bytes, "output_bytes": result.output_bytes, "seconds": round(result.seconds, 3),
+        "threads": result.threads, "calibration": result.calibration,
+    }
 
 
 def group_by_note(entries) -> dict[str, list[str]]:

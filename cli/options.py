@@ -49,6 +49,10 @@ CalibDataOpt = Annotated[
     Optional[str],
     typer.Option("--calib-data", help="Calibration text for calibrated recipes (gptq, smoothquant, static scales): a file or a datasets spec."),
 ]
+JsonOpt = Annotated[
+    Optional[Path],
+    typer.Option("--json", help="Also write the result as JSON to this file; `-` prints only the JSON to stdout.", show_default=False),
+]
 NumSamplesOpt = Annotated[Optional[int], typer.Option("--num-samples", min=1, help="Calibration samples; default: the recipe's.")]
 SeqLenOpt = Annotated[Optional[int], typer.Option("--seq-len", min=2, help="Tokens per calibration sample; default: the recipe's.")]
 DeviceOpt = Annotated[

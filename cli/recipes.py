@@ -8,15 +8,20 @@ import typer
 import yaml
 
 from quantkit import registry
-from quantkit.cli.console import out
+from quantkit.cli.console import out, write_json
+from quantkit.cli.options import JsonOpt
 
 
-def list_recipes() -> None:
+def list_recipes(json_path: JsonOpt = None) -> None:
     """Every recipe: name, scheme, algorithm, default format.
 
     Example: quantkit recipes list
     """
     from rich.table import Table
+
+    if json_path:
+        write_json(json_path, "recipes list", {"recipes": [recipe.to_dict() for recipe in registry.list_recipes()]})
+        return
 
     from rich import box
 
@@ -34,10 +39,13 @@ def list_recipes() -> None:
     out.print(table)
 
 
-def show(name: Annotated[str, typer.Argument(help="Recipe name or path to a recipe .yaml file.")]) -> None:
+def show(name: Annotated[str, typer.Argument(help="Recipe name or path to a recipe .yaml file.")], json_path: JsonOpt = None) -> None:
     """One recipe as resolved: scheme, algorithm, format, ignore list, requirements.
 
     Example: quantkit recipes show int4-weight-only
     """
     recipe = registry.resolve(name)
+    if json_path:
+        write_json(json_path, "recipes show", {"recipe": recipe.to_dict()})
+        return
     out.print(yaml.safe_dump(recipe.to_dict(), sort_keys=False), end="", highlight=False)

@@ -8,8 +8,8 @@ from typing import Annotated, Optional
 import typer
 
 from quantkit import runtime
-from quantkit.cli.console import out, quiet_libraries
-from quantkit.cli.options import NprocOpt, QuietOpt, ThreadsOpt
+from quantkit.cli.console import json_to_stdout, out, quiet_libraries, write_json
+from quantkit.cli.options import JsonOpt, NprocOpt, QuietOpt, ThreadsOpt
 
 
 def train(
@@ -28,6 +28,7 @@ def train(
     ] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Start over in an output_dir that holds a run.")] = False,
     threads: ThreadsOpt = None,
+    json_path: JsonOpt = None,
     quiet: QuietOpt = False,
 ) -> None:
     """Train or fine-tune a causal LM; with --qat-recipe, quantization-aware training.
@@ -64,8 +65,15 @@ def train(
     from quantkit.train import train as run
 
     main_rank = runtime.is_main_process()
+    quiet = quiet or json_to_stdout(json_path)
     threads = threads or runtime.launched_threads()
     result = run(cfg, resume=resume, overwrite=overwrite, threads=threads, progress=Progress(enabled=not quiet and main_rank))
+    if json_path and main_rank:
+        write_json(json_path, "train", {
+            "output_dir": str(result.output_dir), "final_dir": str(result.final_dir), "steps": result.steps,
+            "final_loss": result.final_loss, "eval_perplexity": result.eval_perplexity, "seconds": round(result.seconds, 3),
+            "tokens_per_second": result.tokens_per_second, "qat_recipe": cfg.qat_recipe,
+        })
     if not quiet and main_rank:
         ppl = f", eval perplexity {result.eval_perplexity:.3f}" if result.eval_perplexity is not None else ""
         out.print(f"trained {result.steps} steps in {result.seconds:.1f} s (final loss {result.final_loss:.4f}{ppl}); "

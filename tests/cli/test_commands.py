@@ -214,7 +214,7 @@ def fake_train(monkeypatch):
 
     def fake(config, **kwargs):
         calls.append(SimpleNamespace(config=config, **kwargs))
-        return SimpleNamespace(steps=3, seconds=1.0, final_loss=2.0, eval_perplexity=None,
+        return SimpleNamespace(steps=3, seconds=1.0, final_loss=2.0, eval_perplexity=None, tokens_per_second=100.0,
                                final_dir=Path("o/final"), output_dir=Path("o"))
 
     monkeypatch.setattr(quantkit.train, "train", fake)
@@ -290,3 +290,42 @@ def test_finalize_passes_a_hub_id_and_its_revision(fake_finalize):
     assert invoke("finalize", "org/model", "dst", "-q", "int4-weight-only", "--revision", "v2", "--quiet").exit_code == 0
     (call,) = fake_finalize
     assert str(call.src) == "org/model" and call.revision == "v2"
+
+
+def _only_json(result) -> dict:
+    """`--json -`: stdout is one JSON document and nothing else."""
+    assert result.exit_code == 0, result.output
+    document = json.loads(result.stdout)
+    assert document["schema_version"] == 1
+    return document
+
+
+def test_finalize_json_to_stdout(fake_finalize):
+    document = _only_json(invoke("finalize", "src", "dst", "-q", "int4-weight-only", "--json", "-"))
+    assert document["command"] == "finalize" and document["recipe"] == "int4-weight-only"
+    assert (document["dst"], document["output_bytes"], document["modules"]["linear"]) == ("dst", 50, 0)
+
+
+def test_finalize_json_to_a_file_keeps_the_table(fake_finalize, tmp_path):
+    result = invoke("finalize", "src", "dst", "-q", "int4-weight-only", "--json", str(tmp_path / "f.json"))
+    assert result.exit_code == 0 and "weights on disk" in result.stdout
+    assert json.loads((tmp_path / "f.json").read_text())["command"] == "finalize"
+
+
+def test_recipes_list_and_show_json():
+    from quantkit import registry
+
+    listed = _only_json(invoke("recipes", "list", "--json", "-"))
+    assert [r["name"] for r in listed["recipes"]] == registry.recipe_names()
+    shown = _only_json(invoke("recipes", "show", "gptq-w4a16", "--json", "-"))
+    assert shown["recipe"] == registry.resolve("gptq-w4a16").to_dict()
+
+
+def test_train_json_to_stdout(fake_train, train_yaml):
+    document = _only_json(invoke("train", str(train_yaml), "--json", "-"))
+    assert (document["command"], document["steps"], document["final_dir"]) == ("train", 3, str(Path("o/final")))
+
+
+def test_eval_json_to_stdout(fake_compare):
+    document = _only_json(invoke("eval", "a", "b", "--data", "t.txt", "--json", "-"))
+    assert document["command"] == "eval" and [r["label"] for r in document["results"]] == ["a", "b"]
