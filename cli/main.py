@@ -65,7 +65,24 @@ app.add_typer(recipes_app, name="recipes")
 
 
 def main() -> None:
-    app()
+    """Run the app. A usage error (unknown option, value out of range, missing argument) is one line on stderr
+    and exit 2, like every other user mistake; typer's own display would be a multi-line panel."""
+    import sys
+
+    try:
+        code = app(standalone_mode=False)
+    except typer.TyperException as exc:  # typer's public base of its (vendored) click usage errors
+        if type(exc).__name__ == "NoArgsIsHelpError":  # `quantkit finalize` alone: its help, as before
+            exc.show()
+        else:
+            ctx = getattr(exc, "ctx", None)
+            where = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
+            err.print(f"[red]error:[/red] {exc.format_message()}{where}", highlight=False, soft_wrap=True)
+        code = getattr(exc, "exit_code", 2)
+    except typer.Abort:
+        err.print("interrupted; nothing was written")
+        code = 130
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":

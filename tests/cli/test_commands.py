@@ -329,3 +329,36 @@ def test_train_json_to_stdout(fake_train, train_yaml):
 def test_eval_json_to_stdout(fake_compare):
     document = _only_json(invoke("eval", "a", "b", "--data", "t.txt", "--json", "-"))
     assert document["command"] == "eval" and [r["label"] for r in document["results"]] == ["a", "b"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["finalize", "a", "b", "-q", "int4-weight-only", "--num-samples", "0"], "Invalid value for '--num-samples'"),
+    (["finalize", "a", "b", "-q", "int4-weight-only", "--nproc-per-node", "0"], "Invalid value for '--nproc-per-node'"),
+    (["finalize", "a", "b", "-q", "int4-weight-only", "--seq-len", "0"], "Invalid value for '--seq-len'"),
+    (["finalize", "--bogus"], "No such option: --bogus"),
+    (["finalize", "a"], "Missing argument"),
+    (["bogus"], "No such command"),
+])
+def test_usage_errors_are_one_line_and_exit_2(monkeypatch, capsys, argv, message):
+    import sys
+
+    from quantkit.cli.main import main
+
+    monkeypatch.setattr(sys, "argv", ["quantkit", *argv])
+    with pytest.raises(SystemExit) as exit:
+        main()
+    assert exit.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error:") and message in err, err
+
+
+def test_a_command_without_arguments_shows_its_help(monkeypatch, capsys):
+    import sys
+
+    from quantkit.cli.main import main
+
+    monkeypatch.setattr(sys, "argv", ["quantkit", "finalize"])
+    with pytest.raises(SystemExit):
+        main()
+    shown = "".join(capsys.readouterr())
+    assert "Usage:" in shown and "--quantize" in shown and "error:" not in shown
