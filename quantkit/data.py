@@ -164,8 +164,12 @@ def sample_blocks(ids: torch.Tensor, num_samples: int, seq_len: int, seed: int =
     gives the same blocks."""
     if num_samples < 1 or seq_len < 1:
         raise DataError(f"num_samples and seq_len must be positive (got {num_samples}, {seq_len})")
-    if ids.numel() < seq_len + 1:
-        raise DataError(f"the dataset gives {ids.numel()} tokens; calibration with seq_len={seq_len} needs at least {seq_len + 1}")
+    if ids.numel() < num_samples * seq_len + 1:  # fewer would repeat the same tokens many times over
+        most = max(0, (ids.numel() - 1) // seq_len)
+        raise DataError(
+            f"the calibration data gives {ids.numel()} tokens, fewer than --num-samples {num_samples} x --seq-len "
+            f"{seq_len} = {num_samples * seq_len}; pass more text, or at most --num-samples {most} at this --seq-len"
+        )
     generator = torch.Generator().manual_seed(seed)
     starts = torch.randint(0, ids.numel() - seq_len, (num_samples,), generator=generator)
     return torch.stack([ids[start : start + seq_len] for start in starts.tolist()])

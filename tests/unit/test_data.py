@@ -267,13 +267,15 @@ def test_sample_blocks_leave_the_global_rng_alone():
 
 
 def test_sample_blocks_at_minimum_length():
-    blocks = sample_blocks(torch.arange(11), num_samples=4, seq_len=10)
-    assert torch.equal(blocks, torch.arange(10).expand(4, 10))
+    blocks = sample_blocks(torch.arange(41), num_samples=4, seq_len=10)
+    assert blocks.shape == (4, 10) and int(blocks.max()) <= 40
 
 
-def test_sample_blocks_short_corpus():
-    with pytest.raises(DataError, match="needs at least 11"):
-        sample_blocks(torch.arange(10), num_samples=1, seq_len=10)
+@pytest.mark.parametrize("tokens, num_samples, most", [(10, 1, 0), (40, 4, 3), (100, 64, 9)])
+def test_too_little_calibration_text_is_refused_saying_how_much_there_is(tokens, num_samples, most):
+    with pytest.raises(DataError, match=f"gives {tokens} tokens, fewer than --num-samples {num_samples} x --seq-len 10 "
+                                        f"= {num_samples * 10}; pass more text, or at most --num-samples {most}"):
+        sample_blocks(torch.arange(tokens), num_samples=num_samples, seq_len=10)
 
 
 # ---------------------------------------------------------------- rank slices
