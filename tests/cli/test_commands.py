@@ -241,19 +241,18 @@ def test_train_checks_recipe_and_config_before_anything(fake_train, train_yaml, 
 
 
 def test_train_relaunches_itself_under_torchrun(fake_train, train_yaml, monkeypatch):
+    import os
+
     seen = {}
-
-    def fake_run(cmd, env):
-        seen.update(cmd=cmd, env=env)
-        return SimpleNamespace(returncode=0)
-
-    monkeypatch.setattr(launch.subprocess, "run", fake_run)
+    monkeypatch.setattr(launch, "run_torchrun", lambda args: seen.update(args=args, env=dict(os.environ)) or 0)
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "99")  # monkeypatch restores what relaunch sets
+    monkeypatch.setenv("QUANTKIT_THREADS", "99")
     result = invoke("train", str(train_yaml), "--nproc-per-node", "2")
     assert result.exit_code == 0, result.output
-    assert seen["cmd"][1:6] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m"]
-    assert seen["cmd"][6] == "quantkit.cli.main" and int(seen["env"]["OMP_NUM_THREADS"]) >= 1
+    assert seen["args"][:4] == ["--standalone", "--nproc-per-node=2", "-m", "quantkit.cli.main"]
+    assert 1 <= int(seen["env"]["OMP_NUM_THREADS"]) < 99
     assert not fake_train  # the parent only launches
 
 
@@ -265,16 +264,18 @@ def test_train_under_torchrun_does_not_relaunch(fake_train, train_yaml, monkeypa
 
 def test_finalize_relaunches_itself_under_torchrun(fake_finalize, monkeypatch):
     seen = {}
-    monkeypatch.setattr(launch.subprocess, "run", lambda cmd, env: seen.update(cmd=cmd) or SimpleNamespace(returncode=3))
+    monkeypatch.setattr(launch, "run_torchrun", lambda args: seen.update(args=args) or 3)
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # restored after the test
+    monkeypatch.setenv("QUANTKIT_THREADS", "1")
     result = invoke("finalize", "src", "dst", "-q", "gptq-w4a16", "--calib-data", "c.txt", "--nproc-per-node", "2")
     assert result.exit_code == 3  # the ranks' exit code is the command's
-    assert seen["cmd"][3:5] == ["--standalone", "--nproc-per-node=2"] and not fake_finalize
+    assert seen["args"][:2] == ["--standalone", "--nproc-per-node=2"] and not fake_finalize
 
 
 def test_finalize_with_one_process_runs_in_process(fake_finalize, monkeypatch):
-    monkeypatch.setattr(launch.subprocess, "run", lambda *a, **k: pytest.fail("must not launch"))
+    monkeypatch.setattr(launch, "run_torchrun", lambda *a, **k: pytest.fail("must not launch"))
     assert invoke("finalize", "src", "dst", "-q", "gptq-w4a16", "--calib-data", "c.txt", "--nproc-per-node", "1").exit_code == 0
     assert len(fake_finalize) == 1
 

@@ -74,3 +74,14 @@ def test_dry_run_prints_the_plan_without_loading(tiny_model_dir, calib_file, tmp
     assert plan["ranks"] == 2 and plan["samples_per_rank"] == [8, 8]
     assert sum(plan["modules_per_rank"]) == 14 and len(plan["owners"]) == 14
     assert not (tmp_path / "out").exists()
+
+
+def test_a_rank_failing_under_the_self_launcher_is_one_line_with_its_exit_code(tiny_model_dir, tmp_path):
+    """Every rank reads the calibration data, so a missing file fails each with a usage error (exit 2): the
+    parent reports that in one line, keeps the exit code, and prints no torchrun traceback."""
+    done = finalize(tiny_model_dir, tmp_path / "out", "gptq-w4a16", tmp_path / "missing.txt", 2)
+    assert done.returncode == 2
+    lines = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert lines[-1].startswith("error: rank") and "failed (exit code 2)" in lines[-1]
+    assert "Traceback" not in done.stderr and "ChildFailedError" not in done.stderr
+    assert not (tmp_path / "out").exists()
