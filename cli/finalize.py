@@ -114,7 +114,7 @@ def result_dict(result) -> dict:
         "dst": str(result.dst), "recipe": result.recipe.name, "format": result.format.value,
         "modules": {"quantized": sum(e.quantized for e in result.plan), "linear": len(result.plan), "left_out": left_out},
         "source_bytes": result.source_bytes, "output_bytes": result.output_bytes, "seconds": round(result.seconds, 3),
-        "threads": result.threads, "calibration": result.calibration,
+        "threads": result.threads, "calibration": result.calibration, "coverage": result.coverage,
     }
 
 
@@ -123,6 +123,17 @@ def group_by_note(entries) -> dict[str, list[str]]:
     for entry in entries:
         grouped.setdefault(entry.note, []).append(entry.name)
     return grouped
+
+
+def coverage_line(coverage: dict) -> str:
+    """"97.1% of Linear parameters, 74.0% of all; full precision: 2 embeddings ..." from `plan.coverage`."""
+    share = coverage["quantized_parameters"] / max(1, coverage["linear_parameters"])
+    overall = coverage["quantized_parameters"] / max(1, coverage["all_parameters"])
+    reasons: dict[str, int] = {}
+    for tensor in coverage["full_precision"]:
+        reasons[tensor["reason"]] = reasons.get(tensor["reason"], 0) + 1
+    kept = "; ".join(f"{count} x {reason}" for reason, count in reasons.items())
+    return f"{share:.1%} of Linear parameters, {overall:.1%} of all; left in full precision: {kept or 'nothing'}"
 
 
 def print_summary(result) -> None:
@@ -136,6 +147,8 @@ def print_summary(result) -> None:
     for label, entries in (("  group size changed", changed), ("  left in full precision", left_out)):
         for note, names in group_by_note(entries).items():
             table.add_row(label, f"{note}: {names[0]}" + (f" and {len(names) - 1} more" if len(names) > 1 else ""))
+    if result.coverage:
+        table.add_row("parameters quantized", coverage_line(result.coverage))
     ratio = result.source_bytes / max(1, result.output_bytes)
     table.add_row("weights on disk", f"{human_bytes(result.source_bytes)} -> {human_bytes(result.output_bytes)} ({ratio:.2f}x smaller)")
     if result.calibration:

@@ -17,7 +17,7 @@ from quantkit import hardware, models, runtime, sources
 from quantkit.algorithms import Algorithm, get_algorithm
 from quantkit.errors import UsageError
 from quantkit.export import atomic, check_supported, exporter, metadata
-from quantkit.plan import ModulePlan, plan_model
+from quantkit.plan import ModulePlan, coverage, plan_model
 from quantkit.progress import QUIET, Progress
 from quantkit.qparams import QParams
 from quantkit.quantized_model import QuantizedModel
@@ -35,6 +35,7 @@ class FinalizeResult:
     output_bytes: int
     threads: int
     calibration: dict | None = None
+    coverage: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,7 @@ class Prepared:
     src: Path
     format: Format
     plan: list[ModulePlan]
+    coverage: dict | None = None  # plan.coverage: parameters quantized, tensors left in full precision and why
     calibration: dict | None = None  # filled by quantize_model for calibrated recipes: errors, timings, samples
 
 
@@ -84,13 +86,14 @@ def prepare(
     models.check_full_precision(src)
     check_qat_recipe(src, recipe, force_recipe)
     config = models.load_config(src, trust_remote_code)
-    plan = plan_model(models.meta_model(config, trust_remote_code), recipe)
+    skeleton = models.meta_model(config, trust_remote_code)
+    plan = plan_model(skeleton, recipe)
     if plan and not any(entry.quantized for entry in plan):
         raise UsageError(
             f"recipe '{recipe.name}' quantizes none of the {len(plan)} Linear modules of {src} ({plan[0].name}: {plan[0].note}); "
             "use a recipe with a smaller group size or per-channel weights"
         )
-    return Prepared(src=src, format=fmt, plan=plan)
+    return Prepared(src=src, format=fmt, plan=plan, coverage=coverage(skeleton, plan))
 
 
 def calibration_samples(src: Path, recipe: Recipe, options: CalibrationOptions, trust_remote_code: bool = False):
@@ -240,7 +243,7 @@ def finalize(
     return FinalizeResult(
         dst=dst, recipe=recipe, format=prepared.format, plan=prepared.plan, seconds=time.perf_counter() - start,
         source_bytes=models.weights_size(prepared.src), output_bytes=models.weights_size(dst), threads=used_threads,
-        calibration=prepared.calibration,
+        calibration=prepared.calibration, coverage=prepared.coverage,
     )
 
 
@@ -291,5 +294,6 @@ def write_artifact(quantized: QuantizedModel, prepared: Prepared, dst: Path, ove
             exporter(prepared.format).write(quantized, tmp, max_shard_size)
             models.copy_tokenizer(prepared.src, tmp)
             info = metadata.build(recipe, prepared.format, prepared.plan, prepared.src, models.fingerprint(prepared.src))
+            info["modules"]["coverage"] = prepared.coverage
             info["calibration"] = prepared.calibration
             metadata.write(tmp, info)

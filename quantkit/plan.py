@@ -75,6 +75,33 @@ def plan_model(model: nn.Module, recipe: Recipe) -> list[ModulePlan]:
     return [plan_module(name, m, recipe) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
 
 
+def coverage(model: nn.Module, plan: list[ModulePlan]) -> dict:
+    """How much of the model the plan quantizes: Linear and all parameters, and every tensor left in full
+    precision with the reason. Works on a meta-device model."""
+    quantized = {entry.name for entry in plan if entry.quantized}
+    notes = {entry.name: entry.note for entry in plan}
+    kept, quantized_count = [], 0
+    for name, param in model.named_parameters():
+        owner, _, kind = name.rpartition(".")
+        if owner in quantized and kind == "weight":
+            quantized_count += param.numel()
+        else:
+            kept.append({"tensor": name, "parameters": param.numel(), "reason": _full_precision_reason(owner, kind, param, notes)})
+    linear = sum(entry.in_features * entry.out_features for entry in plan)
+    total = quantized_count + sum(k["parameters"] for k in kept)
+    return {"quantized_parameters": quantized_count, "linear_parameters": linear, "all_parameters": total, "full_precision": kept}
+
+
+def _full_precision_reason(owner: str, kind: str, param, notes: dict[str, str]) -> str:
+    if owner in notes and kind == "weight":
+        return notes[owner]  # a Linear the plan leaves out, and why
+    if kind == "bias":
+        return "a bias (recipes quantize weights)"
+    if param.dim() == 1:
+        return "a norm or scale vector (not a Linear weight)"
+    return "not an nn.Linear weight (e.g. an embedding)"
+
+
 def fused_parameters(model: nn.Module) -> list[str]:
     """Weight matrices stacked into 3-D (or more) parameters, as transformers 5 stores MoE experts
     (`experts.gate_up_proj` [experts, 2 * intermediate, hidden])."""

@@ -43,7 +43,7 @@ def fake_finalize(monkeypatch):
         calls.append(SimpleNamespace(src=src, dst=dst, recipe=recipe, fmt=fmt, **kwargs))
         return SimpleNamespace(
             dst=Path(dst), recipe=recipe, format=fmt or recipe.format, plan=[], seconds=1.0,
-            source_bytes=100, output_bytes=50, threads=2, calibration=None,
+            source_bytes=100, output_bytes=50, threads=2, calibration=None, coverage=None,
         )
 
     monkeypatch.setattr(quantkit.finalize, "finalize", fake)
@@ -363,3 +363,13 @@ def test_a_command_without_arguments_shows_its_help(monkeypatch, capsys):
         main()
     shown = "".join(capsys.readouterr())
     assert "Usage:" in shown and "--quantize" in shown and "error:" not in shown
+
+
+def test_the_summary_says_how_much_was_quantized_and_what_was_not():
+    from quantkit.cli.finalize import coverage_line
+
+    line = coverage_line({"quantized_parameters": 90, "linear_parameters": 100, "all_parameters": 120, "full_precision": [
+        {"tensor": "embed.weight", "parameters": 20, "reason": "an embedding"},
+        {"tensor": "lm_head.weight", "parameters": 10, "reason": "ignored by recipe"},
+        {"tensor": "norm.weight", "parameters": 0, "reason": "ignored by recipe"}]})
+    assert line == "90.0% of Linear parameters, 75.0% of all; left in full precision: 1 x an embedding; 2 x ignored by recipe"

@@ -69,3 +69,26 @@ def test_fused_moe_experts_are_refused_not_left_in_full_precision():
         model = AutoModelForCausalLM.from_config(config)
     with pytest.raises(UnsupportedModelError, match=r"fused 3-D parameters \(model.layers.0.mlp.experts"):
         plan_model(model, registry.resolve("int4-weight-only"))
+
+
+def test_coverage_counts_parameters_and_names_every_full_precision_tensor():
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from quantkit.plan import coverage
+
+    config = AutoConfig.for_model("llama", hidden_size=64, intermediate_size=176, num_hidden_layers=1,
+                                  num_attention_heads=4, num_key_value_heads=2, vocab_size=100)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    plan = plan_model(model, registry.resolve("int4-weight-only"))
+    found = coverage(model, plan)
+    quantized = sum(e.in_features * e.out_features for e in plan if e.quantized)
+    assert found["quantized_parameters"] == quantized
+    assert found["linear_parameters"] == quantized + 64 * 100  # lm_head is ignored
+    assert found["all_parameters"] == sum(p.numel() for p in model.parameters())
+    reasons = {t["tensor"]: t["reason"] for t in found["full_precision"]}
+    assert reasons["lm_head.weight"] == "ignored by recipe"
+    assert reasons["model.embed_tokens.weight"].startswith("not an nn.Linear weight")
+    assert reasons["model.norm.weight"].startswith("a norm")
+    assert found["quantized_parameters"] + sum(t["parameters"] for t in found["full_precision"]) == found["all_parameters"]
