@@ -159,6 +159,8 @@ def print_summary(result) -> None:
         table.add_row("  relative error", f"mean {error['mean']:.4f}, worst {error['max']:.4f} ({worst})")
         phases = ", ".join(f"{phase} {sec:.1f} s" for phase, sec in calib["seconds"].items())
         table.add_row("  time per phase", phases)
+        for what, why in (calib.get("skipped") or {}).items():
+            table.add_row("  not applied", f"{what} ({why})")
         if calib.get("owners"):
             table.add_row("  GPTQ modules per rank", " / ".join(map(str, calib["owners"]["modules_per_rank"])))
     table.add_row("time", f"{result.seconds:.1f} s on {result.threads} threads")

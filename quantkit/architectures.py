@@ -32,16 +32,19 @@ class LayerWiring:
 
         h = h + attention(input_norm(h))              attention ends with o(attention core(q, k, v))
         h = h + mlp(post_attention_norm(h))           mlp = down(act(gate(x)) * up(x))
-    """
+
+    The norms are where the names say in Llama-style layers; `traced_wiring` replaces them by what the layer
+    really feeds its Linears with, or None where no norm does (OLMo2 normalises after attention and MLP, so its
+    Linears read the residual stream: nothing to fold scales into)."""
 
     name: str
-    input_norm: str
+    input_norm: str | None
     attention: str
     q: str
     k: str
     v: str
     o: str
-    post_attention_norm: str
+    post_attention_norm: str | None
     mlp: str
     gate: str
     up: str
@@ -53,13 +56,13 @@ class LayerWiring:
         return (self.q, self.k, self.v), (self.o,), (self.gate, self.up), (self.down,)
 
     @property
-    def smoothing(self) -> tuple[tuple[str, tuple[str, ...]], ...]:
-        """(norm, the Linears it feeds): where SmoothQuant folds its scales."""
+    def smoothing(self) -> tuple[tuple[str | None, tuple[str, ...]], ...]:
+        """(norm, the Linears it feeds): where SmoothQuant folds its scales (no norm: nowhere)."""
         return (self.input_norm, (self.q, self.k, self.v)), (self.post_attention_norm, (self.gate, self.up))
 
     @property
-    def awq_mappings(self) -> tuple[tuple[str, tuple[str, ...], str], ...]:
-        """(the op feeding the Linears, the Linears, the block whose output measures the error)."""
+    def awq_mappings(self) -> tuple[tuple[str | None, tuple[str, ...], str], ...]:
+        """(the op feeding the Linears (None: no norm feeds them), the Linears, the block whose output measures the error)."""
         return (
             (self.input_norm, (self.q, self.k, self.v), self.attention),
             (self.v, (self.o,), self.o),
@@ -69,7 +72,8 @@ class LayerWiring:
 
     @property
     def parts(self) -> tuple[str, ...]:
-        return (self.input_norm, self.post_attention_norm, self.attention, self.mlp) + tuple(n for s in self.stages for n in s)
+        """What a layer must have for this wiring: the blocks and the Linears (the norms are traced)."""
+        return (self.attention, self.mlp) + tuple(n for s in self.stages for n in s)
 
     def missing(self, layer: nn.Module) -> str | None:
         """The first part `layer` lacks, or None if it has them all."""
@@ -164,16 +168,18 @@ def feeding_modules(layer: nn.Module, call: tuple[tuple, dict], linears: tuple[s
 
 def traced_wiring(layer: nn.Module, call: tuple[tuple, dict]) -> LayerWiring:
     """The layer's wiring with each norm replaced by the module whose output the attention and MLP inputs
-    really are (see the module docstring); UnsupportedModelError when either reads no module's output."""
+    really are (see the module docstring), or None where that is no norm."""
     wiring = wiring_of(layer)
     fed = feeding_modules(layer, call, (wiring.q, wiring.gate))
-    for linear, norm in fed.items():
-        if norm is None:
-            raise UnsupportedModelError(
-                f"{type(layer).__name__}: {linear} does not read a norm's output directly, so AWQ and SmoothQuant "
-                "cannot fold scales into this layer; use a gptq or rtn recipe"
-            )
-    return replace(wiring, input_norm=fed[wiring.q], post_attention_norm=fed[wiring.gate])
+    norms = {linear: name if name is not None and _is_norm(layer.get_submodule(name), layer.get_submodule(linear)) else None
+             for linear, name in fed.items()}
+    return replace(wiring, input_norm=norms[wiring.q], post_attention_norm=norms[wiring.gate])
+
+
+def _is_norm(module: nn.Module, linear: nn.Linear) -> bool:
+    """A module with one weight per input channel of `linear` (a norm's scale), so scales can fold into it."""
+    weight = getattr(module, "weight", None)
+    return isinstance(weight, torch.Tensor) and weight.dim() == 1 and weight.shape[0] == linear.in_features
 
 
 def norm_weight_offset(norm: nn.Module) -> float:

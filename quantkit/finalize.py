@@ -131,6 +131,7 @@ def calibration_summary(result, samples, options: CalibrationOptions, recipe: Re
         "gptq_order": ("true-sequential (one staged pass per layer)" if result.true_sequential else "layer-wise")
         if recipe.quantizer.name is Algorithm.GPTQ else None,
         "peak_device_bytes": result.peak_device_bytes,
+        "skipped": result.skipped,
         "relative_error": {"mean": sum(errors.values()) / max(1, len(errors)), "max": max(errors.values(), default=0.0),
                            "per_module": errors},
     }

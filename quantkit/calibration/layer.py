@@ -27,6 +27,7 @@ class CalibrationResult:
     seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))  # per phase
     peak_device_bytes: int = 0
     owners: dict[str, int] = field(default_factory=dict)  # GPTQ module -> the rank that quantized it
+    skipped: dict[str, str] = field(default_factory=dict)  # transforms not applied: "smoothquant: q_proj, ..." -> why
     true_sequential: bool = False  # GPTQ ran stage by stage in one pass per layer (`true_sequential`)
 
 
@@ -62,6 +63,10 @@ class Layer:
     @property
     def distributed(self) -> bool:
         return self.ctx is not None and self.ctx.distributed
+
+    def skip(self, step: str, linears: tuple[str, ...], reason: str) -> None:
+        """A transform left these Linears alone (noted once per run, for the summary)."""
+        self.result.skipped.setdefault(f"{step}: {', '.join(linears)}", reason)
 
     def record(self, name: str, qweight: QuantizedWeight, error: float) -> None:
         """Keep a module's qparams and error; its weight becomes the dequantized grid values (the layers after it

@@ -1,4 +1,4 @@
-"""The calibration pipeline on tiny Llama, Qwen2, Mistral, Qwen3 and Gemma2 models built from configs: every
+"""The calibration pipeline on tiny Llama, Qwen2, Mistral, Qwen3, Gemma2 and OLMo2 models built from configs: every
 calibrated recipe finalizes, reloads in plain transformers with logits equal to the in-memory model, and keeps
 about one layer on the compute device."""
 
@@ -21,7 +21,8 @@ from quantkit.finalize import CalibrationOptions, calibration_samples, finalize,
 
 pytestmark = pytest.mark.integration
 
-ARCHITECTURES = {"llama": {}, "qwen2": {}, "mistral": {}, "qwen3": {"head_dim": 16}, "gemma2": {"head_dim": 16}}
+ARCHITECTURES = {"llama": {}, "qwen2": {}, "mistral": {}, "qwen3": {"head_dim": 16}, "gemma2": {"head_dim": 16},
+                 "olmo2": {"pad_token_id": 0}}
 STAGED = ["llama", "qwen2", "mistral", "qwen3"]  # GPTQ's staged pass reproduces these layers; Gemma2's norms differ
 RECIPES = [name for name in registry.recipe_names() if registry.resolve(name).needs_calibration]
 CASES = [(arch, name) for arch in ARCHITECTURES for name in RECIPES]
@@ -93,6 +94,19 @@ def test_gptq_runs_true_sequential_where_the_stages_reproduce_the_layer(artifact
         assert "forward" in info["seconds"] and "propagate" not in info["seconds"]
     else:
         assert info["gptq_order"] == "layer-wise" and "propagate" in info["seconds"]
+
+
+def test_folding_is_skipped_and_reported_where_no_norm_feeds_the_linears(artifacts):
+    """OLMo2 normalises after attention and MLP: q/k/v and gate/up read the residual stream, so AWQ keeps only its
+    v -> o and up -> down mappings and SmoothQuant has nothing to fold into; both say so."""
+    import json
+
+    root, _ = artifacts
+    for recipe, step in (("awq-w4a16", "awq"), ("smoothquant-w8a8", "smoothquant")):
+        skipped = json.loads((root / f"olmo2-{recipe}" / "quantkit.json").read_text())["calibration"]["skipped"]
+        assert set(skipped) == {f"{step}: self_attn.q_proj, self_attn.k_proj, self_attn.v_proj", f"{step}: mlp.gate_proj, mlp.up_proj"}
+        llama = json.loads((root / f"llama-{recipe}" / "quantkit.json").read_text())["calibration"]["skipped"]
+        assert llama == {}
 
 
 def test_static_scales_are_written(artifacts):

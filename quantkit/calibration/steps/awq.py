@@ -47,6 +47,9 @@ def _mappings(layer: Layer) -> list[tuple[nn.Module, nn.Module, list[nn.Module],
     part = layer.module.get_submodule
     mappings = []
     for prev_name, linear_names, block_name in layer.traced_wiring.awq_mappings:
+        if prev_name is None:
+            layer.skip("awq", linear_names, "no norm feeds them: their input is the residual stream")
+            continue
         prev, block = part(prev_name), part(block_name)
         linears = [part(name) for name in linear_names]
         entries = [layer.plan.get(f"{layer.prefix}.{name}") for name in linear_names]

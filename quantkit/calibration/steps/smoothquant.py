@@ -20,7 +20,12 @@ from quantkit.observers import ChannelAbsMax
 def smoothquant_step(layer: Layer, args: SmoothQuantArgs) -> None:
     started = time.perf_counter()
     part = layer.module.get_submodule
-    groups = {norm: [part(name) for name in linears] for norm, linears in layer.traced_wiring.smoothing}
+    groups = {}
+    for norm, linears in layer.traced_wiring.smoothing:
+        if norm is None:
+            layer.skip("smoothquant", linears, "no norm feeds them: their input is the residual stream")
+        else:
+            groups[norm] = [part(name) for name in linears]
     observers = observe({norm: linears[0] for norm, linears in groups.items()}, ChannelAbsMax, layer.module, layer.inputs)
     for observer in observers.values():
         distributed.all_reduce_observer(observer, layer.ctx)
