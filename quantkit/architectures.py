@@ -13,7 +13,8 @@ identity), so the statistics never depend on this table; the table is needed whe
 once and takes as each group's norm the module whose output the group really reads (Gemma2's MLP reads
 `pre_feedforward_layernorm`, not the norm the Llama names suggest), and `norm_weight_offset` probes whether a
 norm multiplies by its weight or by 1 + weight (Gemma). Today one wiring is known: the layout Llama, Qwen2 and
-Mistral layers share. A new layout is a new `LayerWiring` in `WIRINGS`.
+Mistral layers share, and Phi-3's, whose q/k/v and gate/up projections are fused into one Linear each. A new
+layout is a new `LayerWiring` in `WIRINGS`.
 """
 
 from __future__ import annotations
@@ -51,22 +52,30 @@ class LayerWiring:
     down: str
 
     @property
+    def qkv(self) -> tuple[str, ...]:
+        return _unique(self.q, self.k, self.v)  # one name where the projections are fused (Phi-3's qkv_proj)
+
+    @property
+    def gate_up(self) -> tuple[str, ...]:
+        return _unique(self.gate, self.up)
+
+    @property
     def stages(self) -> tuple[tuple[str, ...], ...]:
         """The Linears in the order the layer runs them, grouped by shared input."""
-        return (self.q, self.k, self.v), (self.o,), (self.gate, self.up), (self.down,)
+        return self.qkv, (self.o,), self.gate_up, (self.down,)
 
     @property
     def smoothing(self) -> tuple[tuple[str | None, tuple[str, ...]], ...]:
         """(norm, the Linears it feeds): where SmoothQuant folds its scales (no norm: nowhere)."""
-        return (self.input_norm, (self.q, self.k, self.v)), (self.post_attention_norm, (self.gate, self.up))
+        return (self.input_norm, self.qkv), (self.post_attention_norm, self.gate_up)
 
     @property
     def awq_mappings(self) -> tuple[tuple[str | None, tuple[str, ...], str], ...]:
         """(the op feeding the Linears (None: no norm feeds them), the Linears, the block whose output measures the error)."""
         return (
-            (self.input_norm, (self.q, self.k, self.v), self.attention),
-            (self.v, (self.o,), self.o),
-            (self.post_attention_norm, (self.gate, self.up), self.mlp),
+            (self.input_norm, self.qkv, self.attention),
+            (self.v, (self.o,), self.o),  # skipped by AWQ where v's output is not o's whole input (GQA, fused qkv)
+            (self.post_attention_norm, self.gate_up, self.mlp),
             (self.up, (self.down,), self.down),
         )
 
@@ -92,7 +101,18 @@ LLAMA = LayerWiring(
     post_attention_norm="post_attention_layernorm", mlp="mlp",
     gate="mlp.gate_proj", up="mlp.up_proj", down="mlp.down_proj",
 )
-WIRINGS = (LLAMA,)
+PHI3 = LayerWiring(
+    name="Phi-3-style (fused qkv_proj and gate_up_proj)",
+    input_norm="input_layernorm", attention="self_attn",
+    q="self_attn.qkv_proj", k="self_attn.qkv_proj", v="self_attn.qkv_proj", o="self_attn.o_proj",
+    post_attention_norm="post_attention_layernorm", mlp="mlp",
+    gate="mlp.gate_up_proj", up="mlp.gate_up_proj", down="mlp.down_proj",
+)
+WIRINGS = (LLAMA, PHI3)
+
+
+def _unique(*names: str) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(names))
 
 
 def find_wiring(layer: nn.Module) -> LayerWiring | None:

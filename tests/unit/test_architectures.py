@@ -5,14 +5,14 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from quantkit.architectures import LLAMA, find_wiring, shared_input_leaders, wiring_of
+from quantkit.architectures import LLAMA, PHI3, find_wiring, shared_input_leaders, wiring_of
 from quantkit.errors import UnsupportedModelError
 from quantkit.models import decoder_layers
 
 
 def _layer(model_type: str) -> nn.Module:
     config = AutoConfig.for_model(model_type, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                  num_attention_heads=2, num_key_value_heads=1, vocab_size=64)
+                                  num_attention_heads=2, num_key_value_heads=1, vocab_size=64, pad_token_id=0)
     with torch.device("meta"):
         return decoder_layers(AutoModelForCausalLM.from_config(config))[0]
 
@@ -23,6 +23,13 @@ def test_llama_style_layers_have_the_llama_wiring(model_type):
     assert find_wiring(layer) is LLAMA and wiring_of(layer) is LLAMA
     for stage in LLAMA.stages:
         assert all(isinstance(layer.get_submodule(name), nn.Linear) for name in stage)
+
+
+def test_fused_projections_have_the_phi3_wiring_with_each_linear_once():
+    layer = _layer("phi3")
+    assert find_wiring(layer) is PHI3
+    assert PHI3.stages == ((PHI3.q,), (PHI3.o,), (PHI3.gate,), (PHI3.down,))
+    assert [linears for _, linears in PHI3.smoothing] == [(PHI3.q,), (PHI3.gate,)]  # a fused Linear is scaled once
 
 
 def test_the_wiring_orders_and_groups_the_linears():
