@@ -1,6 +1,6 @@
-"""The calibration pipeline on tiny Llama, Qwen2, Mistral, Qwen3, Gemma2, OLMo2 and Phi-3 models built from configs: every
-calibrated recipe finalizes, reloads in plain transformers with logits equal to the in-memory model, and keeps
-about one layer on the compute device."""
+"""The calibration pipeline on tiny Llama, Qwen2, Mistral, Qwen3, Gemma2, Gemma3, OLMo2, Phi-3 and Granite models
+built from configs: every calibrated recipe finalizes, reloads in plain transformers with logits equal to the
+in-memory model, and keeps about one layer on the compute device."""
 
 from __future__ import annotations
 
@@ -22,8 +22,10 @@ from quantkit.finalize import CalibrationOptions, calibration_samples, finalize,
 pytestmark = pytest.mark.integration
 
 ARCHITECTURES = {"llama": {}, "qwen2": {}, "mistral": {}, "qwen3": {"head_dim": 16}, "gemma2": {"head_dim": 16},
-                 "olmo2": {"pad_token_id": 0}, "phi3": {"pad_token_id": 0}}
-STAGED = ["llama", "qwen2", "mistral", "qwen3", "phi3"]  # GPTQ's staged pass reproduces these layers; Gemma2's norms differ
+                 "olmo2": {"pad_token_id": 0}, "phi3": {"pad_token_id": 0}, "gemma3_text": {"head_dim": 16},
+                 "granite": {"residual_multiplier": 0.5}}  # a scaled residual: the staged pass must notice
+STAGED = ["llama", "qwen2", "mistral", "qwen3", "phi3"]  # GPTQ's staged pass reproduces these layers, not Gemma's
+# extra norms, OLMo2's post-norms or Granite's scaled residual
 RECIPES = [name for name in registry.recipe_names() if registry.resolve(name).needs_calibration]
 CASES = [(arch, name) for arch in ARCHITECTURES for name in RECIPES]
 
