@@ -1,13 +1,16 @@
 """Where the CLI prints: results to stdout, errors and progress to stderr; `--json` documents."""
 
 import json
+import os
+import sys
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 
-out = Console()
-err = Console(stderr=True)
+# In a log or a pipe (no terminal) rich would fold tables at 80 columns; give them room unless COLUMNS says.
+out = Console(width=None if sys.stdout.isatty() or "COLUMNS" in os.environ else 160)
+err = Console(stderr=True, width=None if sys.stderr.isatty() or "COLUMNS" in os.environ else 160)
 
 
 SCHEMA_VERSION = 1  # of every --json document; README "JSON output" lists their fields

@@ -37,4 +37,13 @@ $QK finalize "$OUT/runs/qat/final" "$OUT/qat-int8-dynamic-act-int4-weight" --qua
 echo "== eval: every model against the full-precision one, with an accuracy gate"
 $QK eval "$OUT/runs/plain/final" "$OUT"/ptq-* "$OUT/qat-int8-dynamic-act-int4-weight" --data "$OUT/eval.txt" \
   --seq-len 128 --max-samples 48 --baseline "$OUT/runs/plain/final" --max-ppl-increase 25 --json "$OUT/eval.json"
-echo "== done: models, artifacts and eval.json under $OUT/"
+cat <<EOF
+== done
+  trained models:   $OUT/runs/plain/final (plain), $OUT/runs/qat/final (QAT for int8-dynamic-act-int4-weight)
+  quantized:        $OUT/ptq-* (post-training), $OUT/qat-int8-dynamic-act-int4-weight (the QAT convert step)
+  measurements:     $OUT/eval.json (the table above)
+next, for example:
+  quantkit recipes show gptq-w4a16
+  quantkit finalize $OUT/runs/plain/final $OUT/gptq -q gptq-w4a16 --calib-data $OUT/train.txt --num-samples 32 --seq-len 128
+  quantkit eval $OUT/runs/plain/final $OUT/gptq --data $OUT/eval.txt --seq-len 128 --max-samples 48
+EOF
