@@ -101,12 +101,9 @@ LLAMA = LayerWiring(
     post_attention_norm="post_attention_layernorm", mlp="mlp",
     gate="mlp.gate_proj", up="mlp.up_proj", down="mlp.down_proj",
 )
-PHI3 = LayerWiring(
-    name="Phi-3-style (fused qkv_proj and gate_up_proj)",
-    input_norm="input_layernorm", attention="self_attn",
-    q="self_attn.qkv_proj", k="self_attn.qkv_proj", v="self_attn.qkv_proj", o="self_attn.o_proj",
-    post_attention_norm="post_attention_layernorm", mlp="mlp",
-    gate="mlp.gate_up_proj", up="mlp.gate_up_proj", down="mlp.down_proj",
+PHI3 = replace(  # the Llama layout with q/k/v fused into one Linear, and gate/up into another
+    LLAMA, name="Phi-3-style (fused qkv_proj and gate_up_proj)",
+    q="self_attn.qkv_proj", k="self_attn.qkv_proj", v="self_attn.qkv_proj", gate="mlp.gate_up_proj", up="mlp.gate_up_proj",
 )
 WIRINGS = (LLAMA, PHI3)
 
