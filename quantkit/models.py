@@ -47,7 +47,9 @@ def load_config(path: Path, trust_remote_code: bool = False):
     try:
         return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (ValueError, KeyError, OSError) as exc:
-        raise SourceModelError(f"{path}: cannot read the model config ({str(exc).splitlines()[0]})") from exc
+        custom = not trust_remote_code and "auto_map" in read_config_json(path)
+        hint = "; it ships its own model code: pass --trust-remote-code to run it, if you trust it" if custom else ""
+        raise SourceModelError(f"{path}: cannot read the model config ({str(exc).splitlines()[0]}){hint}") from exc
 
 
 def meta_model(config, trust_remote_code: bool = False) -> nn.Module:

@@ -1,0 +1,112 @@
+"""The bad-input catalogue, through the real CLI: each case exits non-zero with one line on stderr, no traceback,
+nothing at DST or beside it, and nothing run from the user's files."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.integration
+
+QUANTKIT = [sys.executable, "-m", "quantkit.cli.main"]
+
+
+@pytest.fixture(scope="module")
+def sources(tiny_model_dir, tmp_path_factory) -> dict[str, Path]:
+    """Broken variants of the tiny model, a calibration text, recipe and train-config files."""
+    from safetensors.torch import load_file, save_file
+
+    root = tmp_path_factory.mktemp("bad")
+
+    def variant(name: str) -> Path:
+        return Path(shutil.copytree(tiny_model_dir, root / name))
+
+    found = {"model": tiny_model_dir, "empty-dir": root / "empty-dir", "afile": root / "afile"}
+    found["empty-dir"].mkdir()
+    found["afile"].write_text("x")
+    truncated = variant("truncated") / "model.safetensors"
+    truncated.write_bytes(truncated.read_bytes()[:5000])
+    found["truncated"] = truncated.parent
+    (variant("bad-config") / "config.json").write_text("{")
+    found["bad-config"] = root / "bad-config"
+    custom = variant("custom-code")
+    config = json.loads((custom / "config.json").read_text())
+    config.update(model_type="evil-model", auto_map={"AutoConfig": "evil.EvilConfig", "AutoModelForCausalLM": "evil.EvilModel"})
+    (custom / "config.json").write_text(json.dumps(config))
+    (custom / "evil.py").write_text(f"open({str(root / 'PWNED')!r}, 'w').write('ran')\n")
+    found["custom-code"], found["pwned"] = custom, root / "PWNED"
+    quantized = variant("quantized")
+    config = json.loads((quantized / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "compressed-tensors"}
+    (quantized / "config.json").write_text(json.dumps(config))
+    found["quantized"] = quantized
+    nan = variant("nan")
+    tensors = load_file(nan / "model.safetensors")
+    tensors["model.layers.0.mlp.up_proj.weight"][0, 0] = float("nan")
+    save_file(tensors, nan / "model.safetensors", metadata={"format": "pt"})
+    found["nan"] = nan
+    found["short"] = root / "short.txt"
+    found["short"].write_text("a few words only\n")
+    found["empty"] = root / "empty.txt"
+    found["empty"].write_text("")
+    found["evil-recipe"] = root / "evil.yaml"
+    found["evil-recipe"].write_text(f"scheme: !!python/object/apply:os.system ['touch {root / 'PWNED'}']\nformat: torchao\n")
+    found["bad-recipe"] = root / "bad.yaml"
+    found["bad-recipe"].write_text("scheme: {weights: {dtype: int3, granularity: channel}}\nformat: compressed-tensors\n")
+    found["evil-config"] = root / "train.yaml"
+    found["evil-config"].write_text(f"model: !!python/object/apply:os.system ['touch {root / 'PWNED'}']\n")
+    found["typo-config"] = root / "typo.yaml"
+    found["typo-config"].write_text(f"model: {{path: {tiny_model_dir}}}\ndata: {{train: x.txt}}\ntrian: {{max_steps: 1}}\n")
+    return found
+
+
+CASES = {
+    "unknown recipe": (["finalize", "{model}", "{dst}", "-q", "int4-weight-onyl"], 2, "did you mean"),
+    "malformed recipe field": (["finalize", "{model}", "{dst}", "-q", "{bad-recipe}"], 2, "scheme.weights.dtype"),
+    "recipe with a python tag": (["finalize", "{model}", "{dst}", "-q", "{evil-recipe}"], 2, "not valid YAML"),
+    "missing SRC": (["finalize", "{dst}-missing", "{dst}", "-q", "int4-weight-only"], 2, "does not exist"),
+    "empty SRC dir": (["finalize", "{empty-dir}", "{dst}", "-q", "int4-weight-only"], 2, "has no config.json"),
+    "truncated weights": (["finalize", "{truncated}", "{dst}", "-q", "int4-weight-only"], 2, "is truncated"),
+    "invalid config.json": (["finalize", "{bad-config}", "{dst}", "-q", "int4-weight-only"], 2, "not valid JSON"),
+    "custom code without the flag": (["finalize", "{custom-code}", "{dst}", "-q", "int4-weight-only"], 2,
+                                     "pass --trust-remote-code to run it, if you trust it"),
+    "already quantized SRC": (["finalize", "{quantized}", "{dst}", "-q", "int4-weight-only"], 2, "already quantized"),
+    "DST under a file": (["finalize", "{model}", "{afile}/out", "-q", "int4-weight-only"], 2, "is a file"),
+    "missing calibration file": (["finalize", "{model}", "{dst}", "-q", "gptq-w4a16", "--calib-data", "{dst}.txt"], 2, "does not exist"),
+    "empty calibration file": (["finalize", "{model}", "{dst}", "-q", "gptq-w4a16", "--calib-data", "{empty}"], 2, "has no text"),
+    "calibration file too short": (["finalize", "{model}", "{dst}", "-q", "gptq-w4a16", "--calib-data", "{short}",
+                                    "--num-samples", "4", "--seq-len", "32"], 2, "tokens, fewer than --num-samples 4"),
+    "--num-samples 0": (["finalize", "{model}", "{dst}", "-q", "gptq-w4a16", "--num-samples", "0"], 2, "--num-samples"),
+    "--num-samples -1": (["finalize", "{model}", "{dst}", "-q", "gptq-w4a16", "--num-samples", "-1"], 2, "--num-samples"),
+    "--seq-len 0": (["finalize", "{model}", "{dst}", "-q", "gptq-w4a16", "--seq-len", "0"], 2, "--seq-len"),
+    "--nproc-per-node 0": (["finalize", "{model}", "{dst}", "-q", "gptq-w4a16", "--nproc-per-node", "0"], 2, "--nproc-per-node"),
+    "NaN weights": (["finalize", "{nan}", "{dst}", "-q", "int4-weight-only"], 2, "non-finite values"),
+    "bad shard size": (["finalize", "{model}", "{dst}", "-q", "int4-weight-only", "--max-shard-size", "huge"], 2, "5GB"),
+    "train config with a python tag": (["train", "{evil-config}"], 2, "not valid YAML"),
+    "mistyped train config key": (["train", "{typo-config}"], 2, "trian"),
+}
+if not torch.cuda.is_available():
+    CASES["--device cuda without a GPU"] = (["finalize", "{model}", "{dst}", "-q", "gptq-w4a16", "--calib-data", "{short}",
+                                             "--device", "cuda"], 2, "no CUDA GPU")
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_input_is_one_line_and_leaves_nothing(sources, tmp_path, case):
+    args, code, message = CASES[case]
+    values = {**{k: str(v) for k, v in sources.items()}, "dst": str(tmp_path / "out")}
+    env = {k: v for k, v in os.environ.items() if k != "QUANTKIT_DEBUG"}
+    done = subprocess.run([*QUANTKIT, *[a.format(**values) for a in args]], capture_output=True, text=True,
+                          timeout=300, env=env)
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == code, done.stderr
+    assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], done.stderr
+    assert "Traceback" not in done.stderr
+    assert [p.name for p in tmp_path.iterdir()] == []  # no DST, no temporary directory beside it
+    assert not sources["pwned"].exists()  # nothing from the user's files ran
