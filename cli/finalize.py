@@ -86,7 +86,10 @@ def finalize(
     options = CalibrationOptions(data=calib_data, num_samples=num_samples, seq_len=seq_len, device=device)
     if dry_run:
         plan = library.dry_run(src, recipe, fmt, options, nproc_per_node, trust_remote_code, revision)
-        write_json(json_path, "finalize --dry-run", plan) if json_path else out.print_json(data=plan)
+        if json_path:
+            write_json(json_path, "finalize --dry-run", plan)
+        else:
+            out.print_json(data=plan)
         return
     from quantkit.cli.launch import relaunch
 
@@ -126,7 +129,7 @@ def group_by_note(entries) -> dict[str, list[str]]:
 
 
 def coverage_line(coverage: dict) -> str:
-    """"97.1% of Linear parameters, 74.0% of all; full precision: 2 embeddings ..." from `plan.coverage`."""
+    """`plan.coverage` in one line: "97.1% of Linear parameters, 74.0% of all; left in full precision: 1 x <reason>; ..."."""
     share = coverage["quantized_parameters"] / max(1, coverage["linear_parameters"])
     overall = coverage["quantized_parameters"] / max(1, coverage["all_parameters"])
     reasons: dict[str, int] = {}
