@@ -49,7 +49,8 @@ def quiet_libraries() -> None:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("DATASETS_VERBOSITY", "error")
-    for name in ("torchao", "torch.utils._pytree", "compressed_tensors", "datasets", "huggingface_hub"):
+    for name in ("torchao", "torch.utils._pytree", "compressed_tensors", "datasets", "huggingface_hub", "lm_eval",
+                 "accelerate"):
         logging.getLogger(name).setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", category=UserWarning)
     warnings.filterwarnings("ignore", category=FutureWarning)

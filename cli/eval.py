@@ -1,4 +1,4 @@
-"""`quantkit eval MODEL [MODEL ...] --data D`."""
+"""`quantkit eval MODEL [MODEL ...] --data D [--tasks T1,T2]`."""
 
 from __future__ import annotations
 
@@ -29,6 +29,19 @@ def evaluate(
     max_ppl_increase: Annotated[
         Optional[float], typer.Option("--max-ppl-increase", min=0, help="Gate: exit 3 if any model's perplexity exceeds the baseline's by more than this percent.")
     ] = None,
+    tasks: Annotated[
+        Optional[str], typer.Option("--tasks", help="lm-evaluation-harness tasks, groups or tags, comma-separated (e.g. arc_easy,hellaswag); "
+                                                     "needs `pip install 'quantkit[tasks]'`.", show_default=False)
+    ] = None,
+    tasks_dir: Annotated[
+        Optional[list[Path]], typer.Option("--tasks-dir", help="A folder of lm-eval task YAML files whose tasks --tasks may name "
+                                                               "(local data files work offline; repeatable).", show_default=False)
+    ] = None,
+    limit: Annotated[Optional[int], typer.Option("--limit", min=1, help="Documents per task; default: all.", show_default=False)] = None,
+    max_acc_drop: Annotated[
+        Optional[float], typer.Option("--max-acc-drop", min=0, help="Gate: exit 3 if any model's score on any --tasks task is more than "
+                                                                    "this many points (percentage points) below the baseline's.")
+    ] = None,
     calib_data: CalibDataOpt = None,
     threads: ThreadsOpt = None,
     trust_remote_code: TrustRemoteCodeOpt = False,
@@ -43,53 +56,110 @@ def evaluate(
       quantkit eval ./my-model --data test.txt -q int4-weight-only -q int8-weight-only
 
       quantkit eval ./base ./base-int4 --data test.txt --baseline ./base --max-ppl-increase 5 --json results.json
+
+      quantkit eval ./base ./base-int4 --data test.txt --tasks arc_easy,hellaswag --limit 500 --baseline ./base --max-acc-drop 1
     """
     for model in models:  # before torch loads: a wrong MODEL is reported at once
         sources.resolve_source(model)
     quiet = quiet or json_to_stdout(json_path)  # stdout holds the JSON alone; the table would follow it
     quiet_libraries()
+    check_gate_options(baseline, max_ppl_increase, max_acc_drop, tasks)
+    if tasks is None and (tasks_dir or limit is not None):
+        raise UsageError("--tasks-dir and --limit apply to --tasks; pass --tasks NAMES too")
     from quantkit import evaluate as library
     from quantkit.finalize import CalibrationOptions
     from quantkit.progress import Progress
+    from quantkit.tasks import TaskOptions, parse_names
 
-    if (baseline is None) != (max_ppl_increase is None):
-        raise UsageError("--baseline and --max-ppl-increase go together; pass both to gate on accuracy")
+    task_options = None
+    if tasks is not None:
+        task_options = TaskOptions(parse_names(tasks), tuple(tasks_dir or ()), limit, trust_remote_code=trust_remote_code)
     models = list(models) + ([baseline] if baseline and baseline not in models else [])
     reports = library.compare(
         models, data, recipes=quantize or [], seq_len=seq_len, stride=stride, max_samples=max_samples,
         batch_size=batch_size, tokenizer=tokenizer, threads=threads, trust_remote_code=trust_remote_code,
         progress=Progress(enabled=not quiet),
-        calibration=CalibrationOptions(data=calib_data) if calib_data else None,
+        calibration=CalibrationOptions(data=calib_data) if calib_data else None, tasks=task_options,
     )
-    failures = library.gate(reports, baseline, max_ppl_increase) if baseline else []
+    failures = library.gate(reports, baseline, max_ppl_increase, max_acc_drop) if baseline else []
     if json_path:
-        payload = {"data": data, "results": [r.to_dict() for r in reports], "gate": gate_dict(baseline, max_ppl_increase, failures)}
-        write_json(json_path, "eval", payload)
+        gate = gate_dict(baseline, max_ppl_increase, max_acc_drop, failures)
+        write_json(json_path, "eval", {"data": data, "results": [r.to_dict() for r in reports], "gate": gate})
     if not quiet:
         print_table(reports, baseline)
     if failures:
         raise GateFailedError("; ".join(failures))
 
 
-def gate_dict(baseline: str | None, max_increase: float | None, failures: list[str]) -> dict | None:
+def check_gate_options(baseline: str | None, max_ppl_increase: float | None, max_acc_drop: float | None, tasks: str | None) -> None:
+    limits = (max_ppl_increase, max_acc_drop)
+    if baseline is None and any(x is not None for x in limits):
+        raise UsageError("--max-ppl-increase and --max-acc-drop compare against --baseline MODEL; pass it too")
+    if baseline is not None and all(x is None for x in limits):
+        raise UsageError("--baseline needs a limit to gate on: --max-ppl-increase PCT and/or --max-acc-drop POINTS")
+    if max_acc_drop is not None and tasks is None:
+        raise UsageError("--max-acc-drop gates the scores of --tasks; pass --tasks NAMES too")
+
+
+def gate_dict(baseline: str | None, max_increase: float | None, max_drop: float | None, failures: list[str]) -> dict | None:
     if baseline is None:
         return None
-    return {"baseline": baseline, "max_ppl_increase_pct": max_increase, "passed": not failures, "failures": failures}
+    return {"baseline": baseline, "max_ppl_increase_pct": max_increase, "max_acc_drop_points": max_drop,
+            "passed": not failures, "failures": failures}
 
 
 def print_table(reports, baseline: str | None) -> None:
-    from rich.table import Table
-
+    """One line per model under short labels (directory names, or M1..Mn when those collide or do not fit the
+    terminal), then a legend with each label's full path and how it was made."""
     base = next((r for r in reports if r.label == baseline), reports[0])
-    table = Table(title="quantkit eval", caption=f"perplexity change is relative to {base.label}")
-    for column in ("model", "recipe / format"):
-        table.add_column(column, overflow="fold")
+    names = [short_name(r) for r in reports]
+    table = results_table(reports, base, names)
+    if len(set(names)) < len(names) or out.measure(table, options=out.options.update_width(10_000)).maximum > out.width:
+        names = [f"M{i}" for i in range(1, len(reports) + 1)]
+        table = results_table(reports, base, names)
+    out.print(table)
+    out.print(legend(reports, names))
+
+
+def results_table(reports, base, names: list[str]):
+    from rich.table import Table
+    from rich.text import Text
+
+    tasks = list(base.tasks)
+    metrics = sorted({score.metric for score in base.tasks.values()})
+    scores = f"; task scores: {', '.join(metrics)} in %" if tasks else ""
+    table = Table(title="quantkit eval", caption=f"perplexity change is relative to {names[reports.index(base)]}{scores}")
+    table.add_column("model", no_wrap=True)
     for column in ("size", "perplexity", "change", "tokens/s"):
         table.add_column(column, justify="right", no_wrap=True)
-    for r in reports:
+    for task in tasks:  # a long task name folds in the header; the scores themselves stay on one line
+        table.add_column(task, justify="right", overflow="fold")
+    for name, r in zip(names, reports):
         delta = 100 * (r.perplexity.perplexity / base.perplexity.perplexity - 1)
-        made = f"{r.recipe} / {r.format}" if r.recipe else (r.format or "-")
         size = human_bytes(r.size_bytes) if r.size_bytes is not None else "in memory"
         change = "baseline" if r is base else f"{delta:+.2f}%"
-        table.add_row(r.label, made, size, f"{r.perplexity.perplexity:.3f}", change, f"{r.perplexity.tokens_per_second:,.0f}")
-    out.print(table)
+        task_cells = [f"{100 * r.tasks[t].value:.1f}" if t in r.tasks else "-" for t in tasks]
+        table.add_row(Text(name), size, f"{r.perplexity.perplexity:.3f}", change, f"{r.perplexity.tokens_per_second:,.0f}", *task_cells)
+    return table
+
+
+def legend(reports, names: list[str]):
+    """Each short label with the model as given (a path, a hub id, PATH+RECIPE for a preview) and how it was made."""
+    from rich.table import Table
+    from rich.text import Text
+
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(no_wrap=True)
+    grid.add_column(overflow="fold")
+    for name, r in zip(names, reports):
+        made = f"{r.recipe} / {r.format}" if r.recipe else (r.format or "")
+        grid.add_row(Text(name), Text(f"{r.label} ({made})" if made else r.label))
+    return grid
+
+
+def short_name(report) -> str:
+    """The model directory's (or hub id's) last part; an in-memory preview keeps its +RECIPE."""
+    preview = report.size_bytes is None and report.recipe and report.label.endswith(f"+{report.recipe}")
+    source = report.label.removesuffix(f"+{report.recipe}") if preview else report.label
+    name = Path(source).name or source
+    return f"{name}+{report.recipe}" if preview else name

@@ -31,6 +31,8 @@ def handle_errors(fn: Callable) -> Callable:
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        from rich.markup import escape
+
         from quantkit.errors import QuantkitError
 
         try:
@@ -38,7 +40,8 @@ def handle_errors(fn: Callable) -> Callable:
         except QuantkitError as exc:
             if debug_enabled():
                 raise
-            err.print(f"[red]error:[/red] {exc}", highlight=False, markup=True, soft_wrap=True)
+            # escaped: a message's own brackets ("quantkit[tasks]", a path) are text, not rich markup
+            err.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False, markup=True, soft_wrap=True)
             raise typer.Exit(exc.exit_code) from None
         except KeyboardInterrupt:
             err.print("interrupted; nothing was written")
@@ -48,7 +51,7 @@ def handle_errors(fn: Callable) -> Callable:
         except Exception as exc:  # a failure we did not anticipate: still one line, exit 1
             if debug_enabled():
                 raise
-            err.print(f"[red]error:[/red] {type(exc).__name__}: {exc} (set QUANTKIT_DEBUG=1 for the traceback)",
+            err.print(f"[red]error:[/red] {type(exc).__name__}: {escape(str(exc))} (set QUANTKIT_DEBUG=1 for the traceback)",
                       highlight=False, soft_wrap=True)
             raise typer.Exit(1) from None
 

@@ -1,10 +1,11 @@
-"""Measuring models: strided perplexity, per-model reports, and the accuracy gate."""
+"""Measuring models: strided perplexity, lm-eval task scores (`quantkit.tasks`), per-model reports, and the
+accuracy gate."""
 
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
@@ -18,6 +19,7 @@ from quantkit.export import metadata
 from quantkit.models import load_model, load_tokenizer, quantization_method, read_config_json, weights_size
 from quantkit.sources import resolve_source
 from quantkit.progress import QUIET, Progress
+from quantkit.tasks import TaskOptions, TaskResult, TaskSuite, load_tasks
 
 IGNORE_INDEX = -100
 
@@ -42,6 +44,7 @@ class ModelReport:
     format: str | None
     size_bytes: int | None  # None for an in-memory preview (nothing written)
     perplexity: PerplexityResult
+    tasks: dict[str, TaskResult] = field(default_factory=dict)  # by task name; empty without --tasks
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -149,29 +152,53 @@ def describe(path: str | Path) -> tuple[str | None, str | None]:
 
 
 def make_report(
-    path: str | Path, label: str, result: PerplexityResult, recipe: str | None = None
+    path: str | Path, label: str, result: PerplexityResult, recipe: str | None = None,
+    tasks: dict[str, TaskResult] | None = None,
 ) -> ModelReport:
     """A report for the model at `path`; `recipe` (e.g. a previewed recipe) overrides quantkit.json's."""
     found_recipe, fmt = describe(path)
     return ModelReport(
         path=str(path), label=label, recipe=recipe or found_recipe, format=fmt,
-        size_bytes=weights_size(Path(path)), perplexity=result,
+        size_bytes=weights_size(Path(path)), perplexity=result, tasks=tasks or {},
     )
 
 
-def gate(reports: list[ModelReport], baseline_label: str, max_increase_pct: float) -> list[str]:
-    """One message per model whose perplexity rose more than `max_increase_pct` percent over the baseline's."""
+def gate(
+    reports: list[ModelReport], baseline_label: str, max_increase_pct: float | None = None,
+    max_acc_drop: float | None = None,
+) -> list[str]:
+    """One message per model whose perplexity rose more than `max_increase_pct` percent over the baseline's,
+    and one per model and task whose score fell more than `max_acc_drop` points (percentage points) below it."""
     baseline = _find(reports, baseline_label)
-    base = baseline.perplexity.perplexity
-    limit = base * (1.0 + max_increase_pct / 100.0)  # compared as a product: 10.5 vs 10 at 5% passes exactly
     failures = []
     for report in reports:
-        ppl = report.perplexity.perplexity
-        if report is not baseline and not ppl <= limit:  # NaN fails too
-            failures.append(
-                f"{report.label}: perplexity {ppl:.4g} is {(ppl / base - 1.0) * 100.0:+.2f}% over "
-                f"{baseline.label} ({base:.4g}); the limit is +{max_increase_pct:g}%"
-            )
+        if report is baseline:
+            continue
+        if max_increase_pct is not None:
+            failures += _perplexity_failures(report, baseline, max_increase_pct)
+        if max_acc_drop is not None:
+            failures += _task_failures(report, baseline, max_acc_drop)
+    return failures
+
+
+def _perplexity_failures(report: ModelReport, baseline: ModelReport, max_increase_pct: float) -> list[str]:
+    base, ppl = baseline.perplexity.perplexity, report.perplexity.perplexity
+    limit = base * (1.0 + max_increase_pct / 100.0)  # compared as a product: 10.5 vs 10 at 5% passes exactly
+    if ppl <= limit:  # NaN fails too
+        return []
+    return [f"{report.label}: perplexity {ppl:.4g} is {(ppl / base - 1.0) * 100.0:+.2f}% over "
+            f"{baseline.label} ({base:.4g}); the limit is +{max_increase_pct:g}%"]
+
+
+def _task_failures(report: ModelReport, baseline: ModelReport, max_drop: float) -> list[str]:
+    failures = []
+    for name, base in baseline.tasks.items():
+        score = report.tasks.get(name)
+        drop = 100.0 * (base.value - score.value) if score is not None else math.nan
+        if not drop <= max_drop + 1e-9:  # points of k/n fractions: 62.5 - 60.0 is 2.5000000000000027; NaN fails
+            got = f"{score.metric} {100 * score.value:.2f}" if score is not None else "no score"
+            failures.append(f"{report.label}: {name} {got} is {drop:.2f} points below {baseline.label} "
+                            f"({100 * base.value:.2f}); the limit is {max_drop:g} points")
     return failures
 
 
@@ -197,34 +224,45 @@ def compare(
     text_field: str = "text",
     progress: Progress = QUIET,
     calibration=None,
+    tasks: TaskOptions | None = None,
 ) -> list[ModelReport]:
-    """Each model on the same data, labelled by its path as given; then, for each recipe, the model
-    quantized under it in memory (labelled "PATH+RECIPE"), as `finalize` would quantize it."""
+    """Each model on the same data (and `tasks`), labelled by its path as given; then, for each recipe, the
+    model quantized under it in memory (labelled "PATH+RECIPE"), as `finalize` would quantize it."""
     from quantkit import runtime
 
     runtime.set_threads(threads)
+    suite = load_tasks(tasks) if tasks else None  # a wrong task name or missing task data: before any model loads
     texts = load_texts(data, text_field)
     settings = dict(seq_len=seq_len, stride=stride, max_samples=max_samples, batch_size=batch_size, progress=progress)
     reports = []
     for label in models:
         path = resolve_source(label)  # a directory, or a hub id from the cache
-        measure = partial(_measure, texts=texts, tokenizer=tokenizer, trust_remote_code=trust_remote_code, **settings)
-        reports.append(make_report(path, label, measure(path)))
+        measure = partial(_measure, texts=texts, tokenizer=tokenizer, trust_remote_code=trust_remote_code,
+                          suite=suite, **settings)
+        result, scores = measure(path)
+        reports.append(make_report(path, label, result, tasks=scores))
         if quantization_method(path) is None:  # recipes preview full-precision models only
             reports += [_preview(path, label, name, measure, trust_remote_code, progress, calibration) for name in recipes]
     return reports
 
 
-def _measure(path: str | Path, texts: list[str], tokenizer, trust_remote_code: bool, model=None, **settings) -> PerplexityResult:
+def _measure(
+    path: str | Path, texts: list[str], tokenizer, trust_remote_code: bool, model=None, suite: TaskSuite | None = None,
+    **settings,
+) -> tuple[PerplexityResult, dict[str, TaskResult]]:
+    """Perplexity on `texts`, then the suite's task scores, on the model at `path` (or `model`, loaded already)."""
     loaded, tok = load_eval_model(path, trust_remote_code, tokenizer, load_weights=model is None)
-    return perplexity(model if model is not None else loaded, tokenize(tok, texts), **settings)
+    model = model if model is not None else loaded
+    result = perplexity(model, tokenize(tok, texts), **settings)
+    scores = suite.run(model, tok, batch_size=settings["batch_size"], progress=settings["progress"]) if suite else {}
+    return result, scores
 
 
 def _preview(
     path: Path,
     label: str,
     recipe_name: str,
-    measure: Callable[..., PerplexityResult],
+    measure: Callable[..., tuple[PerplexityResult, dict[str, TaskResult]]],
     trust_remote_code: bool,
     progress: Progress,
     calibration=None,
@@ -239,8 +277,8 @@ def _preview(
     if recipe.needs_calibration:
         check_calibration_data(recipe, calibration)
     model = quantize_model(prepared, recipe, trust_remote_code=trust_remote_code, progress=progress, calibration=calibration)
-    result = measure(path, model=model)
+    result, scores = measure(path, model=model)
     return ModelReport(
         path=str(path), label=f"{label}+{recipe.name}", recipe=recipe.name, format=prepared.format.value,
-        size_bytes=None, perplexity=result,
+        size_bytes=None, perplexity=result, tasks=scores,
     )

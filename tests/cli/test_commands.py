@@ -16,6 +16,7 @@ from quantkit import errors
 from quantkit.cli.main import app
 from quantkit.evaluate import ModelReport, PerplexityResult
 from quantkit.registry import Format
+from quantkit.tasks import TaskOptions, TaskResult
 
 runner = CliRunner()
 
@@ -141,7 +142,11 @@ def fake_compare(monkeypatch):
 
     def fake(models, data, **kwargs):
         calls.append(SimpleNamespace(models=models, data=data, **kwargs))
-        return [_report(m, 10.0 if i == 0 else 10.8) for i, m in enumerate(models)]
+        reports = [_report(m, 10.0 if i == 0 else 10.8) for i, m in enumerate(models)]
+        names = kwargs["tasks"].names if kwargs.get("tasks") else ()
+        for i, report in enumerate(reports):  # the first model scores 60%, the others 55%, on every task
+            report.tasks = {name: TaskResult("acc", 0.60 if i == 0 else 0.55, 0.01, 100) for name in names}
+        return reports
 
     monkeypatch.setattr(quantkit.evaluate, "compare", fake)
     return calls
@@ -178,6 +183,52 @@ def test_gate_options_go_together(fake_compare):
     result = invoke("eval", "a", "--data", "t.txt", "--max-ppl-increase", "5")
     assert result.exit_code == 2 and "--baseline" in result.output
     assert not fake_compare
+
+
+def test_eval_passes_task_options(fake_compare, tmp_path):
+    result = invoke("eval", "a", "--data", "t.txt", "--tasks", "arc_easy, hellaswag", "--tasks-dir", str(tmp_path),
+                    "--limit", "5", "--trust-remote-code")
+    assert result.exit_code == 0, result.output
+    assert fake_compare[0].tasks == TaskOptions(("arc_easy", "hellaswag"), (tmp_path,), 5, trust_remote_code=True)
+    assert invoke("eval", "a", "--data", "t.txt").exit_code == 0 and fake_compare[1].tasks is None
+
+
+def test_score_gate_exits_3_and_writes_json(fake_compare, tmp_path):
+    out = tmp_path / "r.json"
+    result = invoke("eval", "a", "b", "--data", "t.txt", "--tasks", "arc_easy", "--baseline", "a", "--max-acc-drop", "4",
+                    "--json", str(out))
+    assert result.exit_code == 3
+    assert "b: arc_easy acc 55.00 is 5.00 points below a (60.00); the limit is 4 points" in result.output
+    document = json.loads(out.read_text())
+    assert document["gate"] == {"baseline": "a", "max_ppl_increase_pct": None, "max_acc_drop_points": 4.0, "passed": False,
+                                "failures": [document["gate"]["failures"][0]]}
+    assert document["results"][1]["tasks"] == {"arc_easy": {"metric": "acc", "value": 0.55, "stderr": 0.01, "samples": 100, "metrics": {}}}
+    within = invoke("eval", "a", "b", "--data", "t.txt", "--tasks", "arc_easy", "--baseline", "a", "--max-acc-drop", "5",
+                    "--max-ppl-increase", "10")
+    assert within.exit_code == 0, within.output
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--tasks", "x", "--max-acc-drop", "1"], "compare against --baseline MODEL"),
+    (["--baseline", "a"], "--max-ppl-increase PCT and/or --max-acc-drop POINTS"),
+    (["--baseline", "a", "--max-acc-drop", "1"], "pass --tasks NAMES too"),
+    (["--limit", "3"], "--tasks-dir and --limit apply to --tasks"),
+    (["--tasks", " , "], "--tasks names no task"),
+])
+def test_task_and_gate_options_that_do_not_go_together(fake_compare, args, message):
+    result = invoke("eval", "a", "--data", "t.txt", *args)
+    assert result.exit_code == 2 and message in result.output, result.output
+    assert not fake_compare
+
+
+def test_without_lm_eval_tasks_are_one_line_naming_the_extra(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "lm_eval", None)  # `import lm_eval` now fails as if it were not installed
+    result = invoke("eval", "a", "--data", "t.txt", "--tasks", "arc_easy")
+    assert result.exit_code == 2
+    (line,) = result.output.strip().splitlines()
+    assert line.startswith("error: --tasks needs lm-evaluation-harness") and "pip install 'quantkit[tasks]'" in line
 
 
 def test_recipes_list_and_show():

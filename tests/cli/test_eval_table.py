@@ -1,0 +1,68 @@
+"""The eval table fits the terminal: short model names, one line per model, and a legend with the full paths."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+from rich.console import Console
+
+import quantkit.cli.eval as eval_cmd
+from quantkit.evaluate import ModelReport, PerplexityResult
+from quantkit.tasks import TaskResult
+
+LONG = "/home/someone/experiments/2025-11-qat-sweep/run-{i}/checkpoints/final-model-with-a-long-name-{i}"
+
+
+def report(label: str, recipe: str | None = None, fmt: str | None = None, size: int | None = 123_456_789,
+           tasks: tuple[str, ...] = ()) -> ModelReport:
+    return ModelReport(path=label, label=label, recipe=recipe, format=fmt, size_bytes=size,
+                       perplexity=PerplexityResult(1234.567, 7.1, 1000, 1.0, 123_456.0, 512),
+                       tasks={t: TaskResult("acc", 0.6234, 0.01, 500) for t in tasks})
+
+
+def render(monkeypatch, reports: list[ModelReport], width: int = 80) -> list[str]:
+    console = Console(file=io.StringIO(), width=width, color_system=None, force_terminal=False)
+    monkeypatch.setattr(eval_cmd, "out", console)
+    eval_cmd.print_table(reports, reports[0].label)
+    return console.file.getvalue().splitlines()
+
+
+def rows(lines: list[str]) -> list[str]:
+    return [line for line in lines if line.startswith("│")]
+
+
+@pytest.mark.parametrize("tasks", [(), ("arc_easy", "hellaswag")])
+def test_five_long_paths_fit_80_columns_one_line_per_model(monkeypatch, tasks):
+    reports = [report(LONG.format(i=i), tasks=tasks) for i in range(4)]
+    reports.append(report(LONG.format(i=0) + "+int8-dynamic-act-int4-weight", "int8-dynamic-act-int4-weight", "torchao",
+                          size=None, tasks=tasks))
+    lines = render(monkeypatch, reports)
+    assert max(map(len, lines)) <= 80, "\n".join(lines)
+    assert [row.split()[1] for row in rows(lines)] == ["M1", "M2", "M3", "M4", "M5"]
+    header = next(line for line in lines if "model" in line and "perplexity" in line)
+    assert all(task in header for task in tasks)
+    start = next(i for i, line in enumerate(lines) if line.startswith("M1 "))
+    legend = "".join(line.strip() for line in lines[start:]).replace(" ", "")  # paths fold over several lines
+    assert all(f"M{i}{r.label}" in legend for i, r in enumerate(reports, 1))
+    assert "(int8-dynamic-act-int4-weight/torchao)" in legend
+
+
+def test_directory_names_when_they_are_distinct_and_fit(monkeypatch):
+    reports = [report("runs/plain/final"), report("runs/qat-int4", "int4-weight-only", "compressed-tensors"),
+               report("Qwen/Qwen3-0.6B")]
+    lines = render(monkeypatch, reports)
+    assert [row.split()[1] for row in rows(lines)] == ["final", "qat-int4", "Qwen3-0.6B"]
+    assert any(line.split() == ["qat-int4", "runs/qat-int4", "(int4-weight-only", "/", "compressed-tensors)"] for line in lines)
+
+
+def test_names_that_collide_are_numbered(monkeypatch):
+    lines = render(monkeypatch, [report("runs/plain/final"), report("runs/qat/final")])
+    assert [row.split()[1] for row in rows(lines)] == ["M1", "M2"]
+    assert [line.split() for line in lines if line.startswith("M")] == [["M1", "runs/plain/final"], ["M2", "runs/qat/final"]]
+
+
+def test_a_preview_keeps_its_recipe_in_its_name():
+    preview = report("runs/base+int4-weight-only", "int4-weight-only", "compressed-tensors", size=None)
+    assert eval_cmd.short_name(preview) == "base+int4-weight-only"
+    assert eval_cmd.short_name(report("./base/")) == "base" and eval_cmd.short_name(report(".")) == "."
