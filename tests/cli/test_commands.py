@@ -229,6 +229,10 @@ def test_without_lm_eval_tasks_are_one_line_naming_the_extra(monkeypatch):
     assert result.exit_code == 2
     (line,) = result.output.strip().splitlines()
     assert line.startswith("error: --tasks needs lm-evaluation-harness") and "pip install 'quantkit[tasks]'" in line
+    import subprocess
+
+    without = "import sys; sys.modules['lm_eval'] = None; import quantkit.evaluate, quantkit.cli.eval"
+    assert subprocess.run([sys.executable, "-c", without]).returncode == 0  # eval without --tasks needs no lm-eval
 
 
 def test_recipes_list_and_show():
