@@ -109,8 +109,8 @@ def gate_dict(baseline: str | None, max_increase: float | None, max_drop: float 
 
 
 def print_table(reports, baseline: str | None) -> None:
-    """One line per model under short labels (directory names, or M1..Mn when those collide or do not fit the
-    terminal), then a legend with each label's full path and how it was made."""
+    """One line per model under a short name (its directory's, or M1..Mn when two collide or the table would not
+    fit the terminal), then a legend with each name's full path and how the model was made."""
     base = next((r for r in reports if r.label == baseline), reports[0])
     names = [short_name(r) for r in reports]
     table = results_table(reports, base, names)
@@ -118,7 +118,9 @@ def print_table(reports, baseline: str | None) -> None:
         names = [f"M{i}" for i in range(1, len(reports) + 1)]
         table = results_table(reports, base, names)
     out.print(table)
-    out.print(legend(reports, names))
+    entries = [(name, origin(r)) for name, r in zip(names, reports)]
+    if any(name != text for name, text in entries):  # `quantkit eval m` needs no "m  m" under its table
+        out.print(legend(entries))
 
 
 def results_table(reports, base, names: list[str]):
@@ -143,17 +145,22 @@ def results_table(reports, base, names: list[str]):
     return table
 
 
-def legend(reports, names: list[str]):
-    """Each short label with the model as given (a path, a hub id, PATH+RECIPE for a preview) and how it was made."""
+def origin(report) -> str:
+    """The model as given (a path, a hub id, PATH+RECIPE for a preview) and how it was made."""
+    made = f"{report.recipe} / {report.format}" if report.recipe else (report.format or "")
+    return f"{report.label} ({made})" if made else report.label
+
+
+def legend(entries: list[tuple[str, str]]):
+    """Short names and their origins; a long path folds under its own column."""
     from rich.table import Table
     from rich.text import Text
 
     grid = Table.grid(padding=(0, 2))
     grid.add_column(no_wrap=True)
     grid.add_column(overflow="fold")
-    for name, r in zip(names, reports):
-        made = f"{r.recipe} / {r.format}" if r.recipe else (r.format or "")
-        grid.add_row(Text(name), Text(f"{r.label} ({made})" if made else r.label))
+    for name, text in entries:
+        grid.add_row(Text(name), Text(text))
     return grid
 
 

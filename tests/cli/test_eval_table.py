@@ -62,6 +62,12 @@ def test_names_that_collide_are_numbered(monkeypatch):
     assert [line.split() for line in lines if line.startswith("M")] == [["M1", "runs/plain/final"], ["M2", "runs/qat/final"]]
 
 
+def test_no_legend_when_the_names_are_the_models_as_given(monkeypatch):
+    lines = render(monkeypatch, [report("base"), report("other")])
+    assert [row.split()[1] for row in rows(lines)] == ["base", "other"]
+    assert not [line for line in lines if line.startswith(("base ", "other "))]
+
+
 def test_a_preview_keeps_its_recipe_in_its_name():
     preview = report("runs/base+int4-weight-only", "int4-weight-only", "compressed-tensors", size=None)
     assert eval_cmd.short_name(preview) == "base+int4-weight-only"
