@@ -112,6 +112,19 @@ def test_a_model_that_picks_the_answers_scores_100_and_another_drops_below_it(mo
     assert gate(reports, "base", max_acc_drop=drop) == []
 
 
+def test_a_tag_gives_a_column_per_task_and_an_aggregating_group_one(model_and_tokenizer, tmp_path):
+    model, tokenizer = model_and_tokenizer
+    for name, seed in (("qk_a", 1), ("qk_b", 2)):
+        write_task(tmp_path, choice_rows(8, seed), name=name, extra="tag: qk_tag\n")
+    (tmp_path / "group.yaml").write_text("group: qk_group\ntask: [qk_a, qk_b]\n"
+                                        "aggregate_metric_list:\n  - metric: acc\n    weight_by_size: true\n")
+    tagged = load_tasks(TaskOptions(("qk_tag",), (tmp_path,))).run(model, tokenizer)
+    grouped = load_tasks(TaskOptions(("qk_group",), (tmp_path,))).run(model, tokenizer)
+    assert list(tagged) == ["qk_a", "qk_b"] and list(grouped) == ["qk_group"]
+    assert grouped["qk_group"].samples == 16
+    assert grouped["qk_group"].value == pytest.approx((tagged["qk_a"].value + tagged["qk_b"].value) / 2, abs=1e-12)
+
+
 def test_a_score_drop_exactly_at_the_limit_passes():
     def report(label: str, value: float) -> ModelReport:
         return ModelReport(label, label, None, None, 1, PerplexityResult(10.0, 1.0, 1, 1.0, 1.0),
