@@ -8,8 +8,9 @@ from typing import Annotated, Optional
 import typer
 
 from quantkit import registry, runtime, sources
-from quantkit.cli.console import human_bytes, json_to_stdout, out, quiet_libraries, write_json
+from quantkit.cli.console import err, human_bytes, json_to_stdout, out, quiet_libraries, write_json
 from quantkit.export import atomic
+
 from quantkit.cli.options import (
     CalibDataOpt,
     DeviceOpt,
@@ -53,6 +54,9 @@ def finalize(
     force_recipe: Annotated[
         bool, typer.Option("--force-recipe", help="Quantize a QAT-trained model under a recipe other than its own.")
     ] = False,
+    resume: Annotated[
+        bool, typer.Option("--resume", help="Continue an interrupted calibrated run from its last finished layer (saved in DST.partial).")
+    ] = False,
     json_path: JsonOpt = None,
     quiet: QuietOpt = False,
 ) -> None:
@@ -72,12 +76,15 @@ def finalize(
       quantkit finalize ./my-model ./out -q int4-weight-only --max-shard-size 5GB
 
       quantkit finalize ./my-model ./my-model-gptq -q gptq-w4a16 --calib-data train.txt --num-samples 128 --seq-len 512
+
+      quantkit finalize ./my-model ./my-model-gptq -q gptq-w4a16 --calib-data train.txt --resume   (after Ctrl-C or a crash)
     """
     recipe = registry.resolve(quantize)
     fmt = registry.Format(format.value) if format else None
     src = sources.resolve_source(src, revision)  # before torch loads: a wrong SRC or DST is reported at once
     if not dry_run:
         atomic.check_destination(dst, overwrite)
+        atomic.check_work_dir(dst, resume, None if runtime.under_torchrun() else nproc_per_node)
     quiet_libraries()
     from quantkit import finalize as library
     from quantkit.finalize import CalibrationOptions
@@ -85,11 +92,11 @@ def finalize(
 
     options = CalibrationOptions(data=calib_data, num_samples=num_samples, seq_len=seq_len, device=device)
     if dry_run:
-        plan = library.dry_run(src, recipe, fmt, options, nproc_per_node, trust_remote_code, revision)
+        plan = library.dry_run(src, recipe, fmt, options, nproc_per_node, trust_remote_code, revision, dst, dtype.value)
         if json_path:
             write_json(json_path, "finalize --dry-run", plan)
         else:
-            out.print_json(data=plan)
+            print_plan(plan, recipe.name, dst)
         return
     from quantkit.cli.launch import relaunch
 
@@ -102,12 +109,46 @@ def finalize(
     result = library.finalize(
         src, dst, recipe, fmt, overwrite=overwrite, dtype=dtype.value, threads=threads,
         trust_remote_code=trust_remote_code, force_recipe=force_recipe, progress=Progress(enabled=not quiet),
-        calibration=options, revision=revision, max_shard_size=max_shard_size,
+        calibration=options, revision=revision, max_shard_size=max_shard_size, resume=resume,
+        announce=None if quiet else announce,
     )
     if not quiet:
         print_summary(result)
     if json_path and main:
         write_json(json_path, "finalize", result_dict(result))
+
+
+def announce(report: dict) -> None:
+    """The first line of a real run: what it will need, before any weight is loaded."""
+    work = f", resume state {human_bytes(report['work_dir_bytes'])}" if report["work_dir_bytes"] else ""
+    err.print(f"preflight: peak RAM about {human_bytes(report['peak_ram_bytes'])}, output {human_bytes(report['output_bytes'])}"
+              f"{work}, {human_bytes(report['free_disk_bytes'])} free at DST", highlight=False, soft_wrap=True)
+
+
+def print_plan(plan: dict, recipe: str, dst) -> None:
+    """`--dry-run` for people: the preflight, then the ranks' shares (the whole plan: --json)."""
+    from rich.table import Table
+
+    report = plan["preflight"]
+    table = Table(title=f"{recipe} -> {dst}: preflight (nothing loaded)", show_header=False)
+    table.add_row("peak RAM", f"about {human_bytes(report['peak_ram_bytes'])} per rank")
+    for part, size in report["peak_ram_breakdown"].items():
+        table.add_row("", f"{human_bytes(size)}  {part}")
+    if report["peak_device_bytes"]:
+        table.add_row("peak device memory", f"about {human_bytes(report['peak_device_bytes'])} per rank")
+    table.add_row("output", f"{human_bytes(report['output_bytes'])} (model {human_bytes(report['model_bytes'])})")
+    if report["work_dir_bytes"]:
+        table.add_row("resume state", f"{human_bytes(report['work_dir_bytes'])} at most, beside DST while it runs")
+    fits = "fits" if report["fits_on_disk"] else "DOES NOT FIT: free some space or choose another DST"
+    table.add_row("disk at DST", f"{human_bytes(report['free_disk_bytes'])} free; needs {human_bytes(report['disk_needed_bytes'])}: {fits}")
+    timing = report.get("time")
+    if timing:
+        table.add_row("time", f"about {timing['seconds']:.0f} s: one layer {timing['one_layer_seconds']:.2f} s here x {timing['layers']} layers ({timing['note']})")
+    if plan["samples_per_rank"]:
+        table.add_row("ranks", f"{plan['ranks']}: samples per rank {' / '.join(map(str, plan['samples_per_rank']))} of {plan['seq_len']} tokens")
+    if plan["owners"]:
+        table.add_row("GPTQ modules per rank", " / ".join(map(str, plan["modules_per_rank"])))
+    out.print(table)
 
 
 def result_dict(result) -> dict:
@@ -118,6 +159,7 @@ def result_dict(result) -> dict:
         "modules": {"quantized": sum(e.quantized for e in result.plan), "linear": len(result.plan), "left_out": left_out},
         "source_bytes": result.source_bytes, "output_bytes": result.output_bytes, "seconds": round(result.seconds, 3),
         "threads": result.threads, "calibration": result.calibration, "coverage": result.coverage,
+        "peak_ram_bytes": result.peak_ram_bytes, "preflight": result.preflight,
     }
 
 
@@ -167,4 +209,6 @@ def print_summary(result) -> None:
         if calib.get("owners"):
             table.add_row("  GPTQ modules per rank", " / ".join(map(str, calib["owners"]["modules_per_rank"])))
     table.add_row("time", f"{result.seconds:.1f} s on {result.threads} threads")
+    if result.peak_ram_bytes and result.preflight:
+        table.add_row("peak RAM", f"{human_bytes(result.peak_ram_bytes)} (estimated {human_bytes(result.preflight['peak_ram_bytes'])})")
     out.print(table)

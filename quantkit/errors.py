@@ -58,3 +58,9 @@ class GateFailedError(QuantkitError):
     """A model degraded beyond the accuracy budget (exit 3)."""
 
     exit_code = 3
+
+
+class InterruptedRunError(QuantkitError):
+    """Ctrl-C during calibration, with finished layers saved for `--resume` (exit 130, like any interrupt)."""
+
+    exit_code = 130

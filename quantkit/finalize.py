@@ -15,7 +15,7 @@ from torch import nn
 
 from quantkit import hardware, models, runtime, sources
 from quantkit.algorithms import Algorithm, get_algorithm
-from quantkit.errors import UsageError
+from quantkit.errors import InterruptedRunError, QuantkitError, UsageError
 from quantkit.export import atomic, check_supported, exporter, metadata
 from quantkit.plan import ModulePlan, coverage, plan_model
 from quantkit.progress import QUIET, Progress
@@ -36,6 +36,8 @@ class FinalizeResult:
     threads: int
     calibration: dict | None = None
     coverage: dict | None = None
+    preflight: dict | None = None  # the estimate made before loading (`preflight.estimate`)
+    peak_ram_bytes: int | None = None  # measured: this process's peak resident size
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,9 @@ class Prepared:
     plan: list[ModulePlan]
     coverage: dict | None = None  # plan.coverage: parameters quantized, tensors left in full precision and why
     calibration: dict | None = None  # filled by quantize_model for calibrated recipes: errors, timings, samples
+    work_dir: Path | None = None  # calibrated finalize: where each finished layer is saved (`calibration.resume`)
+    resume: bool = False  # continue the interrupted run saved in work_dir
+    resumable: object | None = None  # the run's `calibration.resume.Resumable`, once calibration starts
 
 
 def check_qat_recipe(src: Path, recipe: Recipe, force: bool = False) -> str | None:
@@ -166,7 +171,7 @@ def quantize(
         model = models.load_model(prepared.src, dtype, trust_remote_code)
         if samples is None:
             return QuantizedModel(model, plan, recipe, round_to_nearest(model, plan, advance))
-        result = _calibrate(model, prepared, recipe, samples, options, progress, ctx)
+        result = _calibrate(model, prepared, recipe, samples, options, progress, ctx, dtype)
         qparams = {name: qweight.qparams for name, qweight in result.qweights.items()}
         return QuantizedModel(model, plan, recipe, qparams, result.input_scales)
 
@@ -188,13 +193,38 @@ def round_to_nearest(model: nn.Module, plan: list[ModulePlan], advance=lambda: N
 
 
 def _calibrate(model: nn.Module, prepared: Prepared, recipe: Recipe, samples, options: CalibrationOptions,
-               progress: Progress, ctx):
+               progress: Progress, ctx, dtype: str = "auto"):
     from quantkit.calibration import calibrate
 
     device = _calibration_device(options.device, ctx)
-    result = calibrate(model, prepared.plan, recipe, samples, device, options.batch_size, progress, ctx)
+    if prepared.work_dir is not None:
+        prepared.resumable = _resumable(prepared, recipe, samples, options, ctx, dtype)
+    result = calibrate(model, prepared.plan, recipe, samples, device, options.batch_size, progress, ctx, prepared.resumable)
     prepared.calibration = calibration_summary(result, samples, options, recipe, ctx)
     return result
+
+
+def _resumable(prepared: Prepared, recipe: Recipe, samples, options: CalibrationOptions, ctx, dtype: str):
+    """The run's work directory, fingerprinted by everything that decides its result."""
+    import hashlib
+    import json
+
+    import quantkit
+    from quantkit.calibration import resume
+
+    recipe_hash = hashlib.sha256(json.dumps(recipe.to_dict(), sort_keys=True).encode()).hexdigest()[:12]
+    fingerprint = {
+        "quantkit version": quantkit.__version__,
+        "source": f"{prepared.src} ({resume.source_identity(prepared.src)})",
+        "recipe": f"{recipe.name} ({recipe_hash})",
+        "format": prepared.format.value,
+        "samples": f"{samples.shape[0]} x {samples.shape[1]} tokens, seed {options.seed}, batch size {options.batch_size}",
+        "calibration data": f"{options.data or recipe.calibration.dataset} ({resume.samples_identity(samples)})",
+        "ranks": str(ctx.world_size if ctx is not None else 1),
+        "dtype": dtype,
+        "device": options.device,
+    }
+    return resume.Resumable(prepared.work_dir, fingerprint, prepared.resume, ctx)
 
 
 def quantize_model(
@@ -220,10 +250,14 @@ def finalize(
     progress: Progress = QUIET,
     revision: str | None = None,
     max_shard_size: str | None = None,
+    resume: bool = False,
+    announce=None,
 ) -> FinalizeResult:
     """Quantize SRC into DST. Under torchrun (WORLD_SIZE > 1) every rank runs this; calibration is data-parallel
-    and only rank 0 writes, after every rank has finished calibrating."""
-    from quantkit import distributed
+    and only rank 0 writes, after every rank has finished calibrating. A calibrated run saves every finished
+    layer beside DST (`calibration.resume`); `resume` continues an interrupted one. Before loading, the
+    preflight estimate is checked against the free disk at DST and passed to `announce`."""
+    from quantkit import distributed, preflight
 
     start = time.perf_counter()
     dst = Path(dst)
@@ -234,31 +268,61 @@ def finalize(
     prepared = prepare(src, recipe, fmt, trust_remote_code, force_recipe, revision)
     if recipe.needs_calibration:
         check_calibration_data(recipe, calibration)
+    if recipe.needs_calibration and prepared.format is not Format.TORCHAO:
+        prepared.work_dir, prepared.resume = atomic.work_dir(dst), resume
+    atomic.check_work_dir(dst, resume)
+    world = distributed.world_from_env()[1]
+    estimate = preflight.estimate(prepared, recipe, calibration or CalibrationOptions(), world, dst, dtype)
+    preflight.check_disk(estimate, dst)
+    if announce is not None:
+        announce(estimate)
     used_threads = runtime.set_threads(threads)
     with distributed.process_group() as ctx:
-        quantized = quantize(prepared, recipe, dtype, trust_remote_code, progress, calibration, ctx)
+        quantized = _quantize_resumably(prepared, recipe, dtype, trust_remote_code, progress, calibration, ctx)
         distributed.barrier(ctx)  # every rank succeeded: only now does rank 0 write
         if ctx.is_main:
             write_artifact(quantized, prepared, dst, overwrite, progress, shard_bytes)
         distributed.barrier(ctx)
+        if prepared.resumable is not None:
+            prepared.resumable.finish()
     return FinalizeResult(
         dst=dst, recipe=recipe, format=prepared.format, plan=prepared.plan, seconds=time.perf_counter() - start,
         source_bytes=models.weights_size(prepared.src), output_bytes=models.weights_size(dst), threads=used_threads,
-        calibration=prepared.calibration, coverage=prepared.coverage,
+        calibration=prepared.calibration, coverage=prepared.coverage, preflight=estimate,
+        peak_ram_bytes=preflight.peak_resident_bytes(),
     )
 
 
+def _quantize_resumably(prepared: Prepared, recipe: Recipe, dtype: str, trust_remote_code: bool, progress: Progress,
+                        calibration: CalibrationOptions | None, ctx) -> QuantizedModel:
+    """`quantize`, keeping the finished layers of an interrupted calibration for `--resume`: they are dropped
+    when the run failed on its own terms (a broken layer, bad data: a rerun would fail the same way)."""
+    try:
+        return quantize(prepared, recipe, dtype, trust_remote_code, progress, calibration, ctx)
+    except KeyboardInterrupt:
+        work = prepared.resumable
+        if work is None or not work.completed:
+            raise
+        raise InterruptedRunError(
+            f"interrupted after {work.completed} finished layers, saved in {work.path}; "
+            "run the same command with --resume to continue from there"
+        ) from None
+    except QuantkitError:
+        if prepared.resumable is not None and not prepared.resume:
+            prepared.resumable.finish()
+        raise
+
+
 def dry_run(src: str | Path, recipe: Recipe, fmt: Format | None, calibration: CalibrationOptions | None,
-            world_size: int, trust_remote_code: bool = False, revision: str | None = None) -> dict:
-    """The distributed plan without loading weights: each rank's share of the samples, the owner of every
-    GPTQ module (bin-packed per layer on GPTQ work, modules sharing a Hessian together), and what each rank holds in memory."""
-    from quantkit import data
+            world_size: int, trust_remote_code: bool = False, revision: str | None = None, dst: str | Path | None = None,
+            dtype: str = "auto") -> dict:
+    """The plan without loading weights: each rank's share of the samples, the owner of every GPTQ module
+    (bin-packed per layer on GPTQ work, modules sharing a Hessian together), and the preflight: peak RAM and
+    device memory, output and work directory size, free disk at DST, and the time one layer takes here."""
+    from quantkit import preflight
 
     prepared = prepare(src, recipe, fmt, trust_remote_code, revision=revision)
     options = calibration or CalibrationOptions()
-    num_samples = options.num_samples or recipe.calibration.num_samples
-    seq_len = options.seq_len or recipe.calibration.seq_len
-    shares = [sum(map(len, data.rank_batches(num_samples, options.batch_size, rank, world_size))) for rank in range(world_size)]
     quantized = [e for e in prepared.plan if e.quantized]
     owners = {}
     if recipe.quantizer.name is Algorithm.GPTQ:
@@ -268,21 +332,15 @@ def dry_run(src: str | Path, recipe: Recipe, fmt: Format | None, calibration: Ca
         for layer in sorted({e.name.rsplit(".", 2)[0] for e in quantized}):
             shapes = {e.name: (e.in_features, e.out_features) for e in quantized if e.name.rsplit(".", 2)[0] == layer}
             owners.update(gptq_owners(shapes, shared_input_leaders(list(shapes)), world_size))
-    config = models.read_config_json(prepared.src)
-    hidden = config.get("hidden_size", 0)
-    model_bytes = models.weights_size(prepared.src)
-    layers = max(1, config.get("num_hidden_layers", 1))
+    report = preflight.estimate(prepared, recipe, options, world_size, dst, dtype, measure_time=True,
+                                trust_remote_code=trust_remote_code)
     return {
         "ranks": world_size,
-        "samples_per_rank": shares,
-        "seq_len": seq_len,
+        "samples_per_rank": report["samples_per_rank"],
+        "seq_len": (options.seq_len or recipe.calibration.seq_len) if recipe.needs_calibration else None,
         "owners": owners,
         "modules_per_rank": [sum(1 for r in owners.values() if r == rank) for rank in range(world_size)],
-        "memory_per_rank_bytes": {
-            "model_in_cpu_memory": model_bytes,  # every rank holds the model (safetensors are memory-mapped)
-            "one_layer_on_device": model_bytes // (layers + 2),
-            "activations": max(shares) * seq_len * hidden * 4 * 2,
-        },
+        "preflight": report,
     }
 
 

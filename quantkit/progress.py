@@ -14,7 +14,7 @@ class Progress:
         self.enabled = enabled and sys.stderr.isatty()
 
     @contextlib.contextmanager
-    def task(self, description: str, total: int | None = None) -> Iterator[Callable[..., None]]:
+    def task(self, description: str, total: int | None = None, completed: int = 0) -> Iterator[Callable[..., None]]:
         if not self.enabled:
             yield lambda *args, **kwargs: None
             return
@@ -24,7 +24,7 @@ class Progress:
 
         columns = [SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
         with RichProgress(*columns, console=Console(stderr=True), transient=False) as bar:
-            task_id = bar.add_task(description, total=total)
+            task_id = bar.add_task(description, total=total, completed=completed)
 
             def advance(amount: int = 1, description: str | None = None) -> None:
                 bar.update(task_id, advance=amount, **({"description": description} if description else {}))

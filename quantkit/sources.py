@@ -68,6 +68,21 @@ def check_safetensors(path: Path) -> None:
             )
 
 
+DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2,
+               "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1, "BOOL": 1}
+
+
+def tensor_headers(path: Path) -> dict[str, tuple[str, list[int]]]:
+    """Every tensor's (safetensors dtype, shape) in a model directory, from the headers alone."""
+    tensors = {}
+    for file in sorted(Path(path).glob("*.safetensors")):
+        with open(file, "rb") as fh:
+            (length,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(length))
+        tensors.update({k: (t["dtype"], t["shape"]) for k, t in header.items() if k != "__metadata__"})
+    return tensors
+
+
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|TB|KIB|MIB|GIB|TIB)?\s*$", re.IGNORECASE)
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 

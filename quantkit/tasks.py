@@ -83,8 +83,8 @@ class TaskSuite:
 
 
 def load_tasks(options: TaskOptions) -> TaskSuite:
-    """Resolve `options.names` and load their data. Raises TaskNotFoundError (with close matches) for an
-    unknown name, DataError naming the task and its dataset when the data cannot be loaded."""
+    """Resolve `options.names` and load their data. Raises UsageError (with close matches) for an unknown name,
+    DataError naming the task and its dataset when the data cannot be loaded, HardwareError without lm-eval."""
     require_lm_eval()
     dirs = [_task_dir(d) for d in options.dirs]
     if not options.trust_remote_code:

@@ -24,6 +24,7 @@ from quantkit.algorithms import Algorithm
 from quantkit.algorithms.rtn import rtn_quantize
 from quantkit.calibration.hooks import capture_inputs, run_layer, with_hidden
 from quantkit.calibration.layer import CalibrationResult, Layer, relative_error
+from quantkit.calibration.resume import Resumable
 from quantkit.calibration.steps import STEPS
 from quantkit.calibration.steps.static_scales import static_scales_step
 from quantkit.distributed import Context
@@ -52,11 +53,12 @@ def _bound(step: AlgorithmStep) -> Step:
 
 def calibrate(model: nn.Module, plan: list[ModulePlan], recipe: Recipe, samples: torch.Tensor,
               device: torch.device, batch_size: int = 8, progress: Progress = QUIET,
-              ctx: Context | None = None) -> CalibrationResult:
+              ctx: Context | None = None, resumable: Resumable | None = None) -> CalibrationResult:
     """Quantize `model` (in CPU memory) layer by layer on `device`; its Linear weights end up dequantized.
     With a distributed `ctx`, this rank calibrates on its share of `samples` (whole batches of the same full
     sample set on every rank, `data.rank_batches`) and statistics are merged at every layer, so every rank
-    ends with the same qparams."""
+    ends with the same qparams. With `resumable`, every finished layer is saved to its work directory, and a
+    resumed run starts at the first unfinished layer."""
     steps = layer_steps(recipe)
     result = CalibrationResult()
     by_name = {entry.name: entry for entry in plan}
@@ -67,15 +69,26 @@ def calibrate(model: nn.Module, plan: list[ModulePlan], recipe: Recipe, samples:
     started = time.perf_counter()
     inputs = capture_inputs(model, layers, batches, device)
     result.seconds["capture"] = time.perf_counter() - started
-    with progress.task(f"Calibrating {len(layers)} layers ({recipe.describe_algorithm()})", total=len(layers)) as advance:
+    state = resumable.open() if resumable is not None else None
+    if state is not None:
+        hidden = resumable.restore(state, layers, prefix, by_name, result)
+        inputs = with_hidden(inputs, [h.to(device) for h in hidden])
+    done = resumable.completed if resumable is not None else 0
+    with progress.task(f"Calibrating {len(layers)} layers ({recipe.describe_algorithm()})", total=len(layers),
+                       completed=done) as advance:
         for i, module in enumerate(layers):
+            if i < done:
+                continue
             module.to(device)
             layer = Layer(module, f"{prefix}.{i}", i, inputs, by_name, recipe, result, ctx)
             for name, linear in layer.linears.items():
                 models.check_finite(name, linear.weight.data)
-            inputs = with_hidden(inputs, calibrate_layer(layer, steps))
+            outputs = calibrate_layer(layer, steps)
+            inputs = with_hidden(inputs, outputs)
             result.peak_device_bytes = max(result.peak_device_bytes, _device_bytes(module, inputs, device))
             module.to("cpu")
+            if resumable is not None:
+                resumable.save_layer(i, module, layer.prefix, result, outputs, len(layers))
             worst = max((result.errors[n] for n in layer.linears), default=0.0)
             advance(description=f"Calibrating layer {i + 1}/{len(layers)} (worst relative error {worst:.4f})")
     _round_the_rest(model, plan, result)

@@ -13,6 +13,7 @@ from quantkit.registry import Format, Recipe
 if TYPE_CHECKING:  # this package's __init__ stays light: metadata.py is read without torch
     from torch import nn
 
+    from quantkit.plan import ModulePlan
     from quantkit.quantized_model import QuantizedModel
 
 
@@ -22,6 +23,10 @@ class Exporter(Protocol):
 
     def as_loaded(self, quantized: QuantizedModel) -> nn.Module:
         """The model computing exactly as plain transformers will compute the written artifact."""
+
+    def weight_bytes(self, entry: ModulePlan, element_size: int) -> int:
+        """Bytes a quantized Linear's weight takes in the written files (grid, scales, zero points; for
+        `--dry-run`'s output size), given the bytes per element of the model's dtype."""
 
     def write(self, quantized: QuantizedModel, out_dir: Path, max_shard_size: int | None = None) -> None:
         """Write the weights (in safetensors shards of at most `max_shard_size` bytes, with an index file when there

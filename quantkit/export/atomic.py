@@ -1,15 +1,19 @@
-"""Write a directory all at once: into a temporary directory beside the destination, renamed at the end."""
+"""Write a directory all at once: into a temporary directory beside the destination, renamed at the end. Also
+what else lives beside DST: a calibrated run's work directory (DST.partial), checked here before torch loads."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
 from typing import Iterator
 
-from quantkit.errors import DestinationExistsError
+from quantkit.errors import DestinationExistsError, UsageError
+
+STATE = "state.json"  # in a work directory: the interrupted run (`calibration.resume`)
 
 
 def check_destination(dst: Path, overwrite: bool) -> None:
@@ -24,6 +28,43 @@ def check_destination(dst: Path, overwrite: bool) -> None:
         raise DestinationExistsError(f"{dst} cannot be created: {parent} is a file; choose another path")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise DestinationExistsError(f"{dst} cannot be created: {parent} is not writable; choose another path")
+
+
+def work_dir(dst: str | Path) -> Path:
+    """Where a calibrated finalize of DST keeps its per-layer state: beside DST."""
+    dst = Path(dst)
+    return dst.parent / f"{dst.name}.partial"
+
+
+def check_work_dir(dst: str | Path, resume: bool, ranks: int | None = None) -> None:
+    """Before any work: `--resume` needs an interrupted run (of as many `ranks`, when given: checked before the
+    launcher starts them); a run without it must not silently discard one."""
+    path = work_dir(dst)
+    found = (path / STATE).is_file()
+    if resume and not found:
+        raise UsageError(f"--resume: there is no interrupted run of {dst} ({path} does not exist); run without --resume")
+    if resume and ranks is not None:
+        saved = _read_state(path).get("fingerprint", {}).get("ranks")
+        if saved is not None and saved != str(ranks):
+            raise UsageError(
+                f"--resume: the interrupted run in {path} had ranks {saved}, this one has {ranks}; "
+                f"rerun with --nproc-per-node {saved}, or delete {path} and run without --resume"
+            )
+    if not resume and found:
+        completed = _read_state(path).get("completed")
+        done = f"{completed} layers done" if completed is not None else "its state file is unreadable"
+        raise UsageError(
+            f"{path} holds an interrupted run of {dst} ({done}): pass --resume to continue it, "
+            f"or delete {path} to start over"
+        )
+
+
+def _read_state(path: Path) -> dict:
+    try:
+        state = json.loads((path / STATE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return state if isinstance(state, dict) else {}
 
 
 @contextlib.contextmanager

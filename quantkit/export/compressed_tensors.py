@@ -26,7 +26,7 @@ from quantkit.plan import ModulePlan
 from quantkit.qparams import QParams
 from quantkit.quantized_model import QuantizedModel
 from quantkit.registry import Recipe
-from quantkit.schemes import ActivationSpec, Granularity, QuantScheme, WeightSpec
+from quantkit.schemes import ActivationSpec, Granularity, QuantScheme, ScaleDtype, WeightSpec
 
 
 def unsupported(recipe: Recipe) -> str | None:
@@ -40,6 +40,22 @@ def compression_format(scheme: QuantScheme) -> str:
     if scheme.weights.dtype.is_float:
         return "float-quantized"
     return "int-quantized" if scheme.activations else "pack-quantized"
+
+
+def weight_bytes(entry: ModulePlan, element_size: int) -> int:
+    """Packed grid (int32 words for pack-quantized, else one byte per element), scales, zero points, shape."""
+    spec, rows, cols = entry.scheme.weights, entry.out_features, entry.in_features
+    if compression_format(entry.scheme) == "pack-quantized":
+        grid = rows * -(-cols * spec.dtype.bits // 32) * 4 + 16  # weight_packed + weight_shape
+    else:
+        grid = rows * cols
+    return grid + _qparam_bytes(spec, rows, cols, element_size) + (4 if entry.scheme.activations and not entry.scheme.activations.dynamic else 0)
+
+
+def _qparam_bytes(spec: WeightSpec, rows: int, cols: int, element_size: int) -> int:
+    groups = rows * (cols // spec.group_size if spec.granularity is Granularity.GROUP else 1)
+    scale = 4 if spec.scale_dtype is ScaleDtype.FLOAT32 else element_size
+    return groups * (scale + (0 if spec.symmetric else 1))
 
 
 def _weight_args(spec: WeightSpec) -> QuantizationArgs:

@@ -1,0 +1,220 @@
+"""Resumable calibration: the state of a calibrated `finalize`, saved after every decoder layer.
+
+    DST.partial/
+      state.json                          the run's fingerprint, the layers finished, the summary so far
+      layer-00003.safetensors             a finished layer: its quantized weights (grid integers, scales, zero
+                                          points), every other tensor it holds (norms folded by AWQ/SmoothQuant),
+                                          static input scales
+      hidden-00004-rank0.safetensors      the next layer's input hidden states for rank 0's calibration batches,
+                                          and rank 0's RNG state (one file per rank)
+
+After layer i: rank 0 writes layer i, every rank writes its hidden states for layer i + 1, and after a barrier
+rank 0 replaces state.json (so state.json never names a layer whose files are incomplete) and deletes the
+hidden states for layer i. Every file is written to a temporary name and renamed. `--resume` checks the
+fingerprint field by field, restores the finished layers into the freshly loaded model, recomputes the
+first layer's other inputs (attention mask, rotary embeddings: they are the same for every layer) and goes
+on with the saved hidden states, so the artifact is identical to an uninterrupted run's. The work directory
+is removed when the artifact is written.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from quantkit import distributed
+from quantkit.calibration.layer import CalibrationResult
+from quantkit.errors import UsageError
+from quantkit.export.atomic import STATE
+from quantkit.plan import ModulePlan
+from quantkit.qparams import QuantizedWeight
+
+
+
+def source_identity(src: Path) -> str:
+    """A cheap identity of the source weights: config.json, and each safetensors file's name, size,
+    modification time and header (hashing every byte of a 140 GB model would take minutes per run)."""
+    digest = hashlib.sha256((src / "config.json").read_bytes())
+    for file in sorted(src.glob("*.safetensors")):
+        stat = file.stat()
+        digest.update(f"{file.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+        with open(file, "rb") as fh:
+            length = int.from_bytes(fh.read(8), "little")
+            digest.update(fh.read(min(length, 100_000_000)))
+    return "sha256:" + digest.hexdigest()[:16]
+
+
+def samples_identity(samples: torch.Tensor) -> str:
+    return "sha256:" + hashlib.sha256(samples.contiguous().numpy().tobytes()).hexdigest()[:16]
+
+
+@dataclass
+class Resumable:
+    """One calibrated run's work directory. `fingerprint`: what must match for `--resume` (name -> value)."""
+
+    path: Path
+    fingerprint: dict[str, str]
+    resume: bool
+    ctx: distributed.Context | None = None
+    completed: int = 0
+
+    @property
+    def rank(self) -> int:
+        return self.ctx.rank if self.ctx is not None else 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def open(self) -> dict | None:
+        """The saved state when resuming (fingerprint checked), else None. A directory without a state file
+        (a run killed while saving its first layer) is discarded."""
+        state = self._read_state() if self.resume else None
+        if state is not None:
+            self._check(state["fingerprint"])
+            self.completed = state["completed"]
+        distributed.barrier(self.ctx)  # every rank has read the state before rank 0 touches the directory
+        if state is None and self.is_main and self.path.exists():
+            shutil.rmtree(self.path)
+        distributed.barrier(self.ctx)
+        return state
+
+    def _read_state(self) -> dict:
+        try:
+            return json.loads((self.path / STATE).read_text())
+        except (OSError, ValueError) as exc:
+            raise UsageError(f"--resume: cannot read {self.path / STATE} ({exc}); delete {self.path} and run without --resume") from None
+
+    def _check(self, saved: dict[str, str]) -> None:
+        for field, value in self.fingerprint.items():
+            if saved.get(field) != value:
+                raise UsageError(
+                    f"--resume: the interrupted run in {self.path} had {field} {saved.get(field)}, this one has {value}; "
+                    f"rerun with the same settings, or delete {self.path} and run without --resume"
+                )
+
+    # ---------------------------------------------------------------- saving
+
+    def save_layer(self, index: int, module: nn.Module, prefix: str, result: CalibrationResult,
+                   hidden: list[torch.Tensor], num_layers: int) -> None:
+        """Layer `index` is finished: its tensors (rank 0), this rank's hidden states for the next layer, then
+        (after every rank has written) the state file."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        if self.is_main:
+            _save(self.path / f"layer-{index:05d}.safetensors", layer_tensors(module, prefix, result))
+        if index + 1 < num_layers:  # the next layer's inputs (none after the last)
+            tensors = {"rng": torch.get_rng_state(), **{f"h.{b}": h for b, h in enumerate(hidden)}}
+            _save(self._hidden_file(index + 1, self.rank), tensors)
+        distributed.barrier(self.ctx)
+        if self.is_main:
+            state = {"fingerprint": self.fingerprint, "completed": index + 1, "layers": num_layers,
+                     "result": _result_dict(result)}
+            _write_atomic(self.path / STATE, json.dumps(state, indent=1).encode())
+            for old in self.path.glob(f"hidden-{index:05d}-rank*.safetensors"):
+                old.unlink()
+        self.completed = index + 1
+
+    def _hidden_file(self, layer: int, rank: int) -> Path:
+        return self.path / f"hidden-{layer:05d}-rank{rank}.safetensors"
+
+    # ---------------------------------------------------------------- restoring
+
+    def restore(self, state: dict, layers: nn.ModuleList, prefix: str, plan: dict[str, ModulePlan],
+                result: CalibrationResult) -> list[torch.Tensor]:
+        """Put the finished layers back into the model and the summary; return this rank's hidden states for
+        the first unfinished layer."""
+        for index in range(self.completed):
+            restore_layer(layers[index], f"{prefix}.{index}", plan, result,
+                          load_file(self.path / f"layer-{index:05d}.safetensors"))
+        _restore_result(state["result"], result)
+        if self.completed == len(layers):
+            return []
+        saved = load_file(self._hidden_file(self.completed, self.rank))
+        torch.set_rng_state(saved.pop("rng"))
+        return [saved[f"h.{b}"] for b in range(len(saved))]
+
+    def finish(self) -> None:
+        if self.is_main:
+            shutil.rmtree(self.path, ignore_errors=True)
+
+
+def layer_tensors(module: nn.Module, prefix: str, result: CalibrationResult) -> dict[str, torch.Tensor]:
+    """A finished layer as flat tensors: grid integers, scales and zero points of its quantized Linears (their
+    dequantized weights follow from those exactly), static input scales, and every other tensor as it is."""
+    tensors = {}
+    quantized = set()
+    for name, qweight in result.qweights.items():
+        if name.startswith(prefix + "."):
+            local = name[len(prefix) + 1:]
+            quantized.add(f"{local}.weight")
+            tensors[f"qdata.{local}"] = qweight.qdata
+            tensors[f"scale.{local}"] = qweight.scale
+            if qweight.zero_point is not None:
+                tensors[f"zero.{local}"] = qweight.zero_point
+            if name in result.input_scales:
+                tensors[f"input_scale.{local}"] = result.input_scales[name]
+    for name, tensor in module.state_dict().items():
+        if name not in quantized:
+            tensors[f"state.{name}"] = tensor
+    return tensors
+
+
+def restore_layer(module: nn.Module, prefix: str, plan: dict[str, ModulePlan], result: CalibrationResult,
+                  tensors: dict[str, torch.Tensor]) -> None:
+    """The inverse of `layer_tensors`: the layer computes what it did when it was finished."""
+    state = {name[len("state."):]: t for name, t in tensors.items() if name.startswith("state.")}
+    for key in (k for k in tensors if k.startswith("qdata.")):
+        local = key[len("qdata."):]
+        name = f"{prefix}.{local}"
+        linear = module.get_submodule(local)
+        qweight = QuantizedWeight(tensors[key], tensors[f"scale.{local}"], tensors.get(f"zero.{local}"),
+                                  plan[name].scheme.weights)
+        state[f"{local}.weight"] = qweight.dequantize(linear.weight.dtype)
+        result.qweights[name] = qweight
+        if f"input_scale.{local}" in tensors:
+            result.input_scales[name] = tensors[f"input_scale.{local}"]
+    module.load_state_dict(state, strict=True)
+
+
+def _result_dict(result: CalibrationResult) -> dict:
+    return {"errors": result.errors, "seconds": dict(result.seconds), "peak_device_bytes": result.peak_device_bytes,
+            "owners": result.owners, "skipped": result.skipped, "true_sequential": result.true_sequential}
+
+
+def _restore_result(saved: dict, result: CalibrationResult) -> None:
+    result.errors.update(saved["errors"])
+    result.seconds.update(saved["seconds"])
+    result.peak_device_bytes = saved["peak_device_bytes"]
+    result.owners.update(saved["owners"])
+    result.skipped.update(saved["skipped"])
+    result.true_sequential = saved["true_sequential"]
+
+
+def _save(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, str(tmp))
+    _sync_and_rename(tmp, path)
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    _sync_and_rename(tmp, path)
+
+
+def _sync_and_rename(tmp: Path, path: Path) -> None:
+    with open(tmp, "rb") as fh:
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def directory_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())

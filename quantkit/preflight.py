@@ -1,0 +1,241 @@
+"""Preflight: what a finalize will need (peak RAM, device memory, disk) and give (output size), and how long its
+quantization takes, before any weight is loaded.
+
+Sizes come from the safetensors headers and the plan: every quantized Linear's bytes in the written files are
+the exporter's `weight_bytes`, every other tensor keeps its bytes. Peak RAM is this process's resident size
+(torch, transformers and the recipe's code imported: the fixed cost of any run) plus the model-dependent terms
+of the run's phases:
+
+- loading and writing: the model held once, plus a transient copy of it while transformers loads it and the
+  exporter packs it (LOAD_AND_WRITE_COPIES; torchao converts while loading, so its transient is smaller);
+- calibration: the grid integers of every finished layer (one byte per quantized weight, kept until written),
+  the calibration hidden states of this rank (inputs and outputs of a layer), one batch's activations inside
+  the widest layer, and the Hessian accumulators (float64) of a layer plus GPTQ's float32 work copies.
+
+The constants were measured with `/usr/bin/time` on bf16 and float32 Llama models of 20M to 270M parameters
+(`tests/integration/test_preflight.py` checks the estimate against measured runs). Time is measured, not
+modelled: one decoder layer of the same shape, with random weights, quantized by the recipe on this machine
+(calibrated recipes on one batch: the phases that run the samples scale to this rank's share, the quantizer's
+own work does not), times the layers.
+"""
+
+from __future__ import annotations
+
+import copy
+import resource
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from quantkit import sources
+from quantkit.plan import ModulePlan
+from quantkit.registry import Format, Recipe
+
+LOAD_AND_WRITE_COPIES = {Format.COMPRESSED_TENSORS: 2.0, Format.TORCHAO: 1.75}
+_LOAD_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def estimate(prepared, recipe: Recipe, options, world_size: int, dst: str | Path | None, dtype: str = "auto",
+             measure_time: bool = False, trust_remote_code: bool = False) -> dict:
+    """The preflight report (`finalize --dry-run`, and the check a real run makes before loading)."""
+    from quantkit import data
+    from quantkit.export import exporter
+
+    headers = sources.tensor_headers(prepared.src)
+    size = lambda name: _LOAD_DTYPE_BYTES.get(dtype) or sources.DTYPE_BYTES[headers[name][0]]  # noqa: E731
+    numel = {name: _numel(shape) for name, (_, shape) in headers.items()}
+    quantized = {f"{e.name}.weight": e for e in prepared.plan if e.quantized and f"{e.name}.weight" in headers}
+    write = exporter(prepared.format)
+    model_bytes = sum(numel[n] * size(n) for n in headers)
+    output_bytes = sum(write.weight_bytes(quantized[n], size(n)) if n in quantized else numel[n] * size(n) for n in headers)
+    output_bytes += _other_files(prepared.src)
+    config = _config(prepared.src)
+    hidden, layers = config.get("hidden_size", 0), max(1, config.get("num_hidden_layers", 1))
+    element = max((size(n) for n in headers), default=4) if dtype == "auto" else _LOAD_DTYPE_BYTES[dtype]
+
+    _import_run_modules(recipe)
+    fixed = peak_resident_bytes()
+    ram = {"fixed (this process: python, torch, transformers)": fixed,
+           "model and its transient copy while loading and writing": int(LOAD_AND_WRITE_COPIES[prepared.format] * model_bytes)}
+    device = None
+    work_dir = None
+    shares = None
+    if recipe.needs_calibration:
+        num_samples = options.num_samples or recipe.calibration.num_samples
+        seq_len = options.seq_len or recipe.calibration.seq_len
+        shares = [sum(map(len, data.rank_batches(num_samples, options.batch_size, r, world_size))) for r in range(world_size)]
+        calib = calibration_bytes(prepared.plan, quantized, numel, max(shares), seq_len, hidden, element, options.batch_size)
+        ram.update(calib)
+        work_dir = _work_dir_bytes(headers, numel, size, quantized, shares, seq_len, hidden, element)
+        if options.device != "cpu":
+            layer = model_bytes // (layers + 2)
+            device = layer + calib["calibration hidden states (this rank)"] + calib["one batch's activations in a layer"] + calib["Hessians of one layer"]
+    free = _free_disk(dst) if dst is not None else None
+    needed = output_bytes + (work_dir or 0)
+    report = {
+        "model_bytes": model_bytes,
+        "output_bytes": output_bytes,
+        "peak_ram_bytes": sum(ram.values()),
+        "peak_ram_breakdown": ram,
+        "peak_device_bytes": device,
+        "work_dir_bytes": work_dir,
+        "disk_needed_bytes": needed,
+        "free_disk_bytes": free,
+        "fits_on_disk": None if free is None else needed <= free,
+        "ranks": world_size,
+        "samples_per_rank": shares,
+    }
+    if measure_time:
+        report["time"] = time_estimate(prepared, recipe, options, max(shares) if shares else 0, layers, dtype, trust_remote_code)
+    return report
+
+
+def calibration_bytes(plan: list[ModulePlan], quantized: dict[str, ModulePlan], numel: dict[str, int], samples: int,
+                      seq_len: int, hidden: int, element: int, batch_size: int) -> dict[str, int]:
+    """What calibration adds to the model in RAM (see the module docstring)."""
+    layer = _first_layer(plan)
+    inputs = {}  # distinct input widths of one layer's Linears: one Hessian each (modules sharing an input share it)
+    for entry in layer:
+        inputs.setdefault((entry.in_features, _group_of(entry.name)), entry.in_features)
+    widest = max((e.in_features for e in layer), default=hidden)
+    outer = max((max(e.out_features, e.in_features) for e in layer), default=hidden)
+    return {
+        "grid integers of finished layers": sum(numel[n] for n in quantized),
+        "calibration hidden states (this rank)": 2 * samples * seq_len * hidden * element,
+        "one batch's activations in a layer": 3 * min(samples, batch_size) * seq_len * outer * 4,
+        "Hessians of one layer": sum(w * w * 8 for w in inputs.values()) + 3 * widest * widest * 4,
+    }
+
+
+def _first_layer(plan: list[ModulePlan]) -> list[ModulePlan]:
+    quantized = [e for e in plan if e.quantized and ".0." in e.name]
+    if not quantized:
+        return []
+    prefix = quantized[0].name.split(".0.")[0] + ".0."
+    return [e for e in quantized if e.name.startswith(prefix)]
+
+
+def _group_of(name: str) -> str:
+    """Linears fed the same tensor: q/k/v, gate/up (named by what they read), everything else alone."""
+    tail = name.rsplit(".", 1)[-1]
+    return {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "mlp", "up_proj": "mlp"}.get(tail, tail)
+
+
+def _work_dir_bytes(headers, numel, size, quantized, shares, seq_len, hidden, element) -> int:
+    """`--resume`'s work directory at its largest: every layer's grid integers (one byte each) and qparams, the
+    layers' other tensors, and one layer's hidden states per rank (two while the next replaces them)."""
+    layer_tensors = [n for n in headers if ".layers." in n]
+    grids = sum(_grid_bytes(quantized[n], size(n)) if n in quantized else numel[n] * size(n) for n in layer_tensors)
+    return grids + 2 * sum(shares) * seq_len * hidden * element
+
+
+def _grid_bytes(entry: ModulePlan, element: int) -> int:
+    from quantkit.schemes import Granularity, ScaleDtype
+
+    spec, rows, cols = entry.scheme.weights, entry.out_features, entry.in_features
+    groups = rows * (cols // spec.group_size if spec.granularity is Granularity.GROUP else 1)
+    return rows * cols + groups * ((4 if spec.scale_dtype is ScaleDtype.FLOAT32 else element) + (0 if spec.symmetric else 1))
+
+
+def time_estimate(prepared, recipe: Recipe, options, samples: int, layers: int, dtype: str, trust_remote_code: bool) -> dict:
+    """One decoder layer of the model's shape, random weights, quantized by the recipe here; times the layers."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from quantkit import models
+    from quantkit.finalize import round_to_nearest
+    from quantkit.plan import plan_model
+
+    config = copy.deepcopy(models.load_config(prepared.src, trust_remote_code))
+    config.num_hidden_layers = 1
+    config.vocab_size, config.pad_token_id = 256, None
+    if getattr(config, "layer_types", None):
+        config.layer_types = config.layer_types[:1]
+    torch.manual_seed(0)
+    torch_dtype = None if dtype == "auto" else getattr(torch, dtype)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype or _stored_dtype(prepared.src), trust_remote_code=trust_remote_code).eval()
+    plan = plan_model(model, recipe)
+    if not recipe.needs_calibration:
+        started = time.perf_counter()
+        round_to_nearest(model, plan)
+        per_layer = time.perf_counter() - started
+        return {"seconds": round(per_layer * layers, 1), "one_layer_seconds": round(per_layer, 3), "layers": layers,
+                "note": "quantization only; loading and writing the weights are not included"}
+    from quantkit.calibration import calibrate
+
+    count = min(samples, options.batch_size)  # one batch, timed by phase
+    ids = torch.randint(0, 256, (count, options.seq_len or recipe.calibration.seq_len))
+    started = time.perf_counter()
+    result = calibrate(model, plan, recipe, ids, torch.device(options.device), options.batch_size)
+    total = time.perf_counter() - started
+    fixed = result.seconds.get("quantize", 0.0)  # GPTQ's solve and rounding: the same for any number of samples
+    per_layer = fixed + (total - fixed) * samples / count
+    return {"seconds": round(per_layer * layers, 1), "one_layer_seconds": round(per_layer, 3), "layers": layers,
+            "measured": {"samples": count, "seconds": round(total, 3), "quantize_seconds": round(fixed, 3)},
+            "note": "calibration only; loading and writing the weights are not included"}
+
+
+def check_disk(report: dict, dst: str | Path) -> None:
+    """Refuse, before any work, a DST whose file system cannot hold the output (and the resume state)."""
+    from quantkit.errors import UsageError
+
+    if report["fits_on_disk"] is False:
+        raise UsageError(
+            f"{dst} needs about {_gb(report['disk_needed_bytes'])} (output"
+            f"{' and the resume state' if report['work_dir_bytes'] else ''}) but its file system has "
+            f"{_gb(report['free_disk_bytes'])} free; free some space or choose another DST"
+        )
+
+
+def _gb(size: int) -> str:
+    return f"{size / 1e9:.2f} GB" if size >= 1e8 else f"{size / 1e6:.1f} MB"
+
+
+def _numel(shape: list[int]) -> int:
+    total = 1
+    for dim in shape:
+        total *= dim
+    return total
+
+
+def _other_files(src: Path) -> int:
+    """Config, tokenizer and the like: copied beside the weights."""
+    return sum(f.stat().st_size for f in Path(src).iterdir()
+               if f.is_file() and not f.name.endswith(".safetensors") and not f.name.endswith(".index.json"))
+
+
+def _config(src: Path) -> dict:
+    from quantkit.models import read_config_json
+
+    config = read_config_json(src)
+    return config.get("text_config", config) if "hidden_size" not in config else config
+
+
+def _stored_dtype(src: Path):
+    import torch
+
+    kinds = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+    stored = [kinds[d] for d, _ in sources.tensor_headers(src).values() if d in kinds]
+    return max(set(stored), key=stored.count) if stored else torch.float32
+
+
+def _import_run_modules(recipe: Recipe) -> None:
+    """What a real run imports before its peak, so that this process's size is the run's fixed cost."""
+    import compressed_tensors  # noqa: F401
+    import safetensors.torch  # noqa: F401
+
+    if recipe.needs_calibration:
+        import quantkit.calibration  # noqa: F401
+        import quantkit.data  # noqa: F401
+
+
+def peak_resident_bytes() -> int:
+    """This process's peak resident size so far (ru_maxrss: KiB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+def _free_disk(dst: str | Path) -> int:
+    existing = next(p for p in [Path(dst).absolute(), *Path(dst).absolute().parents] if p.exists())
+    return shutil.disk_usage(existing).free
