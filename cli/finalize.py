@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from quantkit import registry, runtime, sources
-from quantkit.cli.console import err, human_bytes, json_to_stdout, out, quiet_libraries, write_json
+from quantkit.cli.console import human_bytes, json_to_stdout, out, quiet_libraries, write_json
 from quantkit.export import atomic
 
 from quantkit.cli.options import (
@@ -121,7 +121,7 @@ def finalize(
 def announce(report: dict) -> None:
     """The first line of a real run: what it will need, before any weight is loaded."""
     work = f", resume state {human_bytes(report['work_dir_bytes'])}" if report["work_dir_bytes"] else ""
-    err.print(f"preflight: peak RAM about {human_bytes(report['peak_ram_bytes'])}, output {human_bytes(report['output_bytes'])}"
+    out.print(f"preflight: peak RAM about {human_bytes(report['peak_ram_bytes'])}, output {human_bytes(report['output_bytes'])}"
               f"{work}, {human_bytes(report['free_disk_bytes'])} free at DST", highlight=False, soft_wrap=True)
 
 

@@ -6,6 +6,7 @@ layer: a `QuantizedModel`) -> write_artifact (the format's exporter writes it, a
 
 from __future__ import annotations
 
+import errno
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +16,7 @@ from torch import nn
 
 from quantkit import hardware, models, runtime, sources
 from quantkit.algorithms import Algorithm, get_algorithm
-from quantkit.errors import InterruptedRunError, QuantkitError, UsageError
+from quantkit.errors import ExportError, InterruptedRunError, QuantkitError, UsageError
 from quantkit.export import atomic, check_supported, exporter, metadata
 from quantkit.plan import ModulePlan, coverage, plan_model
 from quantkit.progress import QUIET, Progress
@@ -347,6 +348,18 @@ def dry_run(src: str | Path, recipe: Recipe, fmt: Format | None, calibration: Ca
 def write_artifact(quantized: QuantizedModel, prepared: Prepared, dst: Path, overwrite: bool, progress: Progress,
                    max_shard_size: int | None = None) -> None:
     """The format's files, the tokenizer and quantkit.json, into DST all at once (a temporary directory renamed)."""
+    recipe = quantized.recipe
+    try:
+        _write(quantized, prepared, dst, overwrite, progress, max_shard_size)
+    except OSError as exc:
+        if exc.errno != errno.ENOSPC:
+            raise
+        raise ExportError(f"no space left on the device while writing {dst}; nothing was written: free some space "
+                          "or choose another DST") from None
+
+
+def _write(quantized: QuantizedModel, prepared: Prepared, dst: Path, overwrite: bool, progress: Progress,
+           max_shard_size: int | None) -> None:
     recipe = quantized.recipe
     with atomic.atomic_directory(dst, overwrite) as tmp:
         with progress.task(f"Writing {dst}", total=None):

@@ -12,8 +12,10 @@ of the run's phases:
   the calibration hidden states of this rank (inputs and outputs of a layer), one batch's activations inside
   the widest layer, and the Hessian accumulators (float64) of a layer plus GPTQ's float32 work copies.
 
-The constants were measured with `/usr/bin/time` on bf16 and float32 Llama models of 20M to 270M parameters
-(`tests/integration/test_preflight.py` checks the estimate against measured runs). Time is measured, not
+LOAD_AND_WRITE_COPIES was measured with `/usr/bin/time` on Llama models of 20M (float32) to 270M parameters (bf16):
+the peak above the fixed cost was 1.8 to 2.8 times the model for compressed-tensors (allocator reuse varies from
+run to run), 1.5 to 1.8 times for torchao. `tests/integration/test_preflight.py` checks the estimate against
+measured runs. Time is measured, not
 modelled: one decoder layer of the same shape, with random weights, quantized by the recipe on this machine
 (calibrated recipes on one batch: the phases that run the samples scale to this rank's share, the quantizer's
 own work does not), times the layers.
@@ -32,7 +34,7 @@ from quantkit import sources
 from quantkit.plan import ModulePlan
 from quantkit.registry import Format, Recipe
 
-LOAD_AND_WRITE_COPIES = {Format.COMPRESSED_TENSORS: 2.0, Format.TORCHAO: 1.75}
+LOAD_AND_WRITE_COPIES = {Format.COMPRESSED_TENSORS: 2.3, Format.TORCHAO: 1.75}
 _LOAD_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -189,7 +191,7 @@ def check_disk(report: dict, dst: str | Path) -> None:
 
 
 def _gb(size: int) -> str:
-    return f"{size / 1e9:.2f} GB" if size >= 1e8 else f"{size / 1e6:.1f} MB"
+    return f"{size / 1e9:.2f} GB" if size >= 1e8 else f"{size / 1e6:.1f} MB" if size >= 1e5 else f"{size / 1e3:.1f} kB"
 
 
 def _numel(shape: list[int]) -> int:
@@ -231,7 +233,15 @@ def _import_run_modules(recipe: Recipe) -> None:
 
 
 def peak_resident_bytes() -> int:
-    """This process's peak resident size so far (ru_maxrss: KiB on Linux, bytes on macOS)."""
+    """This process's peak resident size so far: VmHWM on Linux (ru_maxrss would include the memory of a parent
+    that forked it, as it survives execve), else ru_maxrss (bytes on macOS)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024
 

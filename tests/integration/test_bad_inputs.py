@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import make_text
+
 pytestmark = pytest.mark.integration
 
 QUANTKIT = [sys.executable, "-m", "quantkit.cli.main"]
@@ -89,6 +91,8 @@ CASES = {
     "--nproc-per-node 0": (["finalize", "{model}", "{dst}", "-q", "gptq-w4a16", "--nproc-per-node", "0"], 2, "--nproc-per-node"),
     "NaN weights": (["finalize", "{nan}", "{dst}", "-q", "int4-weight-only"], 2, "non-finite values"),
     "bad shard size": (["finalize", "{model}", "{dst}", "-q", "int4-weight-only", "--max-shard-size", "huge"], 2, "5GB"),
+    "--resume without an interrupted run": (["finalize", "{model}", "{dst}", "-q", "gptq-w4a16", "--calib-data", "{short}",
+                                             "--resume"], 2, "no interrupted run"),
     "train config with a python tag": (["train", "{evil-config}"], 2, "not valid YAML"),
     "mistyped train config key": (["train", "{typo-config}"], 2, "trian"),
 }
@@ -110,3 +114,39 @@ def test_bad_input_is_one_line_and_leaves_nothing(sources, tmp_path, case):
     assert "Traceback" not in done.stderr
     assert [p.name for p in tmp_path.iterdir()] == []  # no DST, no temporary directory beside it
     assert not sources["pwned"].exists()  # nothing from the user's files ran
+
+
+DISK_RUNNER = str(Path(__file__).with_name("disk_full.py"))
+
+
+@pytest.mark.parametrize("disk,message", [("small", "free; free some space or choose another DST"),
+                                          ("full", "no space left on the device while writing")])
+def test_a_full_disk_is_one_line_and_leaves_nothing(sources, tmp_path, disk, message):
+    """Too little free space is refused before loading (the preflight's output size); a disk that fills up
+    while writing (ENOSPC, simulated) leaves no DST and no temporary directory."""
+    env = {**{k: v for k, v in os.environ.items() if k != "QUANTKIT_DEBUG"}, "QUANTKIT_TEST_DISK": disk}
+    done = subprocess.run([sys.executable, DISK_RUNNER, "finalize", str(sources["model"]), str(tmp_path / "out"),
+                           "-q", "int4-weight-only", "--quiet"], capture_output=True, text=True, timeout=300, env=env)
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == (2 if disk == "small" else 1), done.stderr
+    assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], done.stderr
+    assert [p.name for p in tmp_path.iterdir()] == []
+
+
+def test_sigkill_of_one_rank_stops_every_rank_and_leaves_no_dst_or_process(sources, tmp_path):
+    """Rank 1 killed with SIGKILL once it finished its first layer: the launcher exits non-zero in one line within
+    the collective timeout, no DST, and no rank is left running."""
+    runner = str(Path(__file__).with_name("signalled_at_layer.py"))
+    env = {**{k: v for k, v in os.environ.items() if k not in ("QUANTKIT_DEBUG", "RANK", "WORLD_SIZE", "LOCAL_RANK")},
+           "QUANTKIT_TEST_KILL_LAYER": "0", "QUANTKIT_TEST_KILL_RANK": "1", "QUANTKIT_DIST_TIMEOUT": "60"}
+    marker = f"quantkit-sigkill-{tmp_path.name}"
+    calib = tmp_path.parent / f"{tmp_path.name}-calib.txt"
+    calib.write_text(make_text(2000, seed=4))
+    args = ["finalize", str(sources["model"]), str(tmp_path / "out"), "-q", "gptq-w4a16", "--calib-data", str(calib),
+            "--num-samples", "4", "--seq-len", "16", "--threads", "1", "--quiet", "--json", str(tmp_path / marker)]
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", runner, *args],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode != 0
+    assert not (tmp_path / "out").exists()
+    left = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True)
+    assert left.stdout.strip() == "", f"orphan ranks: {left.stdout}"

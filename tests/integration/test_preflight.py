@@ -1,0 +1,70 @@
+"""The preflight (`finalize --dry-run`, and the first line of a real run) against what the run then measured:
+peak RAM and output size within 25% on a 136 MB bf16 Llama, for round-to-nearest (both formats) and GPTQ."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import make_text
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, tiny_model_dir) -> Path:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out = tmp_path_factory.mktemp("preflight") / "llama136m"
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=768, intermediate_size=2048, num_hidden_layers=6, num_attention_heads=12,
+                         num_key_value_heads=12, vocab_size=16384, max_position_embeddings=512)
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_model_dir / name, out / name)
+    return out
+
+
+@pytest.fixture(scope="module")
+def calib(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("preflight-data") / "calib.txt"
+    path.write_text(make_text(6000, seed=3))
+    return path
+
+
+def finalize(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "quantkit.cli.main", "finalize", *args, "--threads", "2"],
+                          capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.parametrize("recipe", ["int4-weight-only", "int8-dynamic-act-int4-weight", "gptq-w4a16"])
+def test_estimates_are_within_a_quarter_of_the_measured_run(model_dir, calib, tmp_path, recipe):
+    done = finalize(str(model_dir), str(tmp_path / "out"), "-q", recipe, "--calib-data", str(calib),
+                    "--num-samples", "8", "--seq-len", "128", "--json", str(tmp_path / "run.json"))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith("preflight: peak RAM about")  # the first line, before anything is loaded
+    run = json.loads((tmp_path / "run.json").read_text())
+    estimate = run["preflight"]
+    written = sum(f.stat().st_size for f in (tmp_path / "out").iterdir() if f.name != "quantkit.json")
+    assert abs(estimate["output_bytes"] / written - 1) <= 0.25, (estimate["output_bytes"], written)
+    assert abs(estimate["peak_ram_bytes"] / run["peak_ram_bytes"] - 1) <= 0.25, (estimate["peak_ram_breakdown"], run["peak_ram_bytes"])
+
+
+def test_dry_run_reports_memory_disk_and_a_measured_time_without_loading(model_dir, calib, tmp_path):
+    done = finalize(str(model_dir), str(tmp_path / "out"), "-q", "gptq-w4a16", "--calib-data", str(calib),
+                    "--num-samples", "16", "--seq-len", "64", "--nproc-per-node", "2", "--dry-run", "--json", "-")
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout)["preflight"]
+    assert report["ranks"] == 2 and report["samples_per_rank"] == [8, 8]
+    assert report["work_dir_bytes"] > 0 and report["fits_on_disk"] is True and report["free_disk_bytes"] > 0
+    assert report["time"]["layers"] == 6 and report["time"]["one_layer_seconds"] > 0
+    assert report["peak_ram_bytes"] == sum(report["peak_ram_breakdown"].values())
+    assert not (tmp_path / "out").exists()
+    table = finalize(str(model_dir), str(tmp_path / "out"), "-q", "int4-weight-only", "--dry-run")
+    assert table.returncode == 0 and "peak RAM" in table.stdout and "disk at DST" in table.stdout
