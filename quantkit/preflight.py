@@ -96,10 +96,11 @@ def estimate(prepared, recipe: Recipe, options, world_size: int, dst: str | Path
 def calibration_bytes(plan: list[ModulePlan], quantized: dict[str, ModulePlan], numel: dict[str, int], samples: int,
                       seq_len: int, hidden: int, element: int, batch_size: int) -> dict[str, int]:
     """What calibration adds to the model in RAM (see the module docstring)."""
+    from quantkit.architectures import shared_input_leaders
+
     layer = _first_layer(plan)
-    inputs = {}  # distinct input widths of one layer's Linears: one Hessian each (modules sharing an input share it)
-    for entry in layer:
-        inputs.setdefault((entry.in_features, _group_of(entry.name)), entry.in_features)
+    leaders = shared_input_leaders([e.name for e in layer])  # modules sharing an input share one Hessian
+    inputs = {leaders[e.name]: e.in_features for e in layer}
     widest = max((e.in_features for e in layer), default=hidden)
     outer = max((max(e.out_features, e.in_features) for e in layer), default=hidden)
     return {
@@ -116,12 +117,6 @@ def _first_layer(plan: list[ModulePlan]) -> list[ModulePlan]:
         return []
     prefix = quantized[0].name.split(".0.")[0] + ".0."
     return [e for e in quantized if e.name.startswith(prefix)]
-
-
-def _group_of(name: str) -> str:
-    """Linears fed the same tensor: q/k/v, gate/up (named by what they read), everything else alone."""
-    tail = name.rsplit(".", 1)[-1]
-    return {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "mlp", "up_proj": "mlp"}.get(tail, tail)
 
 
 def _work_dir_bytes(headers, numel, size, quantized, shares, seq_len, hidden, element) -> int:
@@ -146,7 +141,7 @@ def time_estimate(prepared, recipe: Recipe, options, samples: int, layers: int, 
     from transformers import AutoModelForCausalLM
 
     from quantkit import models
-    from quantkit.finalize import round_to_nearest
+    from quantkit.algorithms import Algorithm, get_algorithm
     from quantkit.plan import plan_model
 
     config = copy.deepcopy(models.load_config(prepared.src, trust_remote_code))
@@ -159,8 +154,10 @@ def time_estimate(prepared, recipe: Recipe, options, samples: int, layers: int, 
     model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype or _stored_dtype(prepared.src), trust_remote_code=trust_remote_code).eval()
     plan = plan_model(model, recipe)
     if not recipe.needs_calibration:
+        rtn = get_algorithm(Algorithm.RTN)
         started = time.perf_counter()
-        round_to_nearest(model, plan)
+        for entry in (e for e in plan if e.quantized):
+            rtn(model.get_submodule(entry.name).weight.data, entry.scheme.weights).dequantize()
         per_layer = time.perf_counter() - started
         return {"seconds": round(per_layer * layers, 1), "one_layer_seconds": round(per_layer, 3), "layers": layers,
                 "note": "quantization only; loading and writing the weights are not included"}

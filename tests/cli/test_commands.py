@@ -44,7 +44,7 @@ def fake_finalize(monkeypatch):
         calls.append(SimpleNamespace(src=src, dst=dst, recipe=recipe, fmt=fmt, **kwargs))
         return SimpleNamespace(
             dst=Path(dst), recipe=recipe, format=fmt or recipe.format, plan=[], seconds=1.0,
-            source_bytes=100, output_bytes=50, threads=2, calibration=None, coverage=None,
+            source_bytes=100, output_bytes=50, threads=2, calibration=None, coverage=None, preflight=None, peak_ram_bytes=None,
         )
 
     monkeypatch.setattr(quantkit.finalize, "finalize", fake)
@@ -338,8 +338,8 @@ def test_finalize_with_one_process_runs_in_process(fake_finalize, monkeypatch):
 def test_finalize_dry_run_prints_the_plan(monkeypatch):
     calls = []
     monkeypatch.setattr(quantkit.finalize, "dry_run", lambda *args: calls.append(args) or {"ranks": args[4]})
-    result = invoke("finalize", "src", "dst", "-q", "gptq-w4a16", "--nproc-per-node", "4", "--dry-run")
-    assert result.exit_code == 0 and json.loads(result.output) == {"ranks": 4}
+    result = invoke("finalize", "src", "dst", "-q", "gptq-w4a16", "--nproc-per-node", "4", "--dry-run", "--json", "-")
+    assert result.exit_code == 0 and json.loads(result.output)["ranks"] == 4
 
 
 def test_finalize_passes_a_hub_id_and_its_revision(fake_finalize):

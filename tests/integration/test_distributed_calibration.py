@@ -68,7 +68,7 @@ def test_a_failing_rank_stops_every_rank_and_writes_nothing(tiny_model_dir, cali
 
 
 def test_dry_run_prints_the_plan_without_loading(tiny_model_dir, calib_file, tmp_path):
-    done = finalize(tiny_model_dir, tmp_path / "out", "gptq-w4a16", calib_file, 2, "--dry-run")
+    done = finalize(tiny_model_dir, tmp_path / "out", "gptq-w4a16", calib_file, 2, "--dry-run", "--json", "-")
     assert done.returncode == 0, done.stderr
     plan = json.loads(done.stdout)
     assert plan["ranks"] == 2 and plan["samples_per_rank"] == [8, 8]
