@@ -11,6 +11,7 @@ from enum import Enum
 
 
 class QDtype(str, Enum):
+    INT3 = "int3"
     INT4 = "int4"
     INT8 = "int8"
     FLOAT8 = "float8_e4m3fn"
@@ -21,12 +22,14 @@ class QDtype(str, Enum):
 
     @property
     def bits(self) -> int:
-        return 4 if self is QDtype.INT4 else 8
+        return {QDtype.INT3: 3, QDtype.INT4: 4}.get(self, 8)
 
     @property
     def qrange(self) -> tuple[float, float]:
         """The representable range: the full two's-complement range for ints, +-448 for float8 e4m3."""
-        return {QDtype.INT4: (-8, 7), QDtype.INT8: (-128, 127), QDtype.FLOAT8: (-448.0, 448.0)}[self]
+        if self.is_float:
+            return (-448.0, 448.0)
+        return (-(2 ** (self.bits - 1)), 2 ** (self.bits - 1) - 1)
 
 
 class Granularity(str, Enum):
@@ -103,7 +106,7 @@ class ActivationSpec:
     def __post_init__(self) -> None:
         if self.observer not in ("static_minmax", "minmax"):
             raise SchemeError("activations.observer", f"'{self.observer}' is not allowed; allowed: static_minmax, minmax")
-        if self.dtype is QDtype.INT4:
+        if self.dtype.bits < 8:
             raise SchemeError("activations.dtype", "activations are int8 or float8_e4m3fn")
         expected = Granularity.TOKEN if self.dynamic else Granularity.TENSOR
         if self.granularity is not expected:

@@ -81,6 +81,7 @@ def test_configs_use_torchao_where_it_is_exact_and_quantkit_elsewhere():
 
     assert {name: kinds(name) for name in RECIPES} == {
         "float8-dynamic-act-float8-weight": (Float8FakeQuantizeConfig.__name__,) * 2,
+        "int3-weight-only": ("NoneType", IntxFakeQuantizeConfig.__name__),
         "int4-weight-only": ("NoneType", IntxFakeQuantizeConfig.__name__),
         "int8-dynamic-act-int4-weight": (IntxFakeQuantizeConfig.__name__,) * 2,
         "int8-dynamic-act-int8-weight": ("Int8TokenFakeQuantizeConfig", IntxFakeQuantizeConfig.__name__),
