@@ -7,7 +7,7 @@ bfloat16. Activations are fake-quantized the way torchao's PTQ runtime quantizes
 
 Where a torchao fake quantizer reproduces the grid exactly it is used, configured to match qparams
 (`scale_precision` float32 or None, meaning the weight's own dtype at every call; eps = float32 eps;
-int3 in [-4, 3], int4 in [-8, 7], int8 in [-128, 127]). Where none does, a quantkit config and fake quantizer take its place
+int2 in [-2, 1], int3 in [-4, 3], int4 in [-8, 7], int8 in [-128, 127]). Where none does, a quantkit config and fake quantizer take its place
 behind the same interface (`fake_quantize_configs` -> `fake_quantizer`):
 
 - `GridFakeQuantizeConfig`: asymmetric integer weights (torchao's asymmetric weight path is unsigned with a
@@ -52,7 +52,7 @@ from quantkit.plan import ModulePlan
 from quantkit.schemes import ActivationSpec, Granularity, QDtype, QuantScheme, ScaleDtype, WeightObserver, WeightSpec
 
 _EPS = torch.finfo(torch.float32).eps  # qparams' eps; tests check tiny groups, where a different eps shows
-_TORCH_INT = {QDtype.INT3: torch.int3, QDtype.INT4: torch.int4, QDtype.INT8: torch.int8}
+_TORCH_INT = {QDtype.INT2: torch.int2, QDtype.INT3: torch.int3, QDtype.INT4: torch.int4, QDtype.INT8: torch.int8}
 
 
 # ---------------------------------------------------------------- configs

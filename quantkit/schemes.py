@@ -11,6 +11,7 @@ from enum import Enum
 
 
 class QDtype(str, Enum):
+    INT2 = "int2"
     INT3 = "int3"
     INT4 = "int4"
     INT8 = "int8"
@@ -22,7 +23,7 @@ class QDtype(str, Enum):
 
     @property
     def bits(self) -> int:
-        return {QDtype.INT3: 3, QDtype.INT4: 4}.get(self, 8)
+        return {QDtype.INT2: 2, QDtype.INT3: 3, QDtype.INT4: 4}.get(self, 8)
 
     @property
     def qrange(self) -> tuple[float, float]:

@@ -73,7 +73,7 @@ def gptq_quantize(
 
 def _check_inputs(weight: torch.Tensor, hessian: torch.Tensor, spec: WeightSpec) -> None:
     if spec.dtype.is_float:
-        raise SchemeError("weights.dtype", "GPTQ supports integer weights (int3, int4, int8); use rtn for float8 weights")
+        raise SchemeError("weights.dtype", "GPTQ supports integer weights (int2, int3, int4, int8); use rtn for float8 weights")
     if weight.dim() != 2 or hessian.shape != (weight.shape[1], weight.shape[1]):
         raise ValueError(f"GPTQ needs a 2-D weight [out, in] and a Hessian [in, in]; got {tuple(weight.shape)} "
                          f"and {tuple(hessian.shape)}")

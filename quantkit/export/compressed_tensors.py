@@ -1,7 +1,7 @@
 """compressed-tensors output (vLLM's native format), produced on any device, CPU included.
 
 The weights arrive quantized on the recipe's grid (`QuantizedModel`); compressed-tensors receives their qparams
-and packs them: int3/int4/int8 weight-only as pack-quantized (int3 densely, across int32 words), int8 W8A8 as int-quantized, float8 as float-quantized.
+and packs them: int2/int3/int4/int8 weight-only as pack-quantized (int3 densely, across int32 words), int8 W8A8 as int-quantized, float8 as float-quantized.
 `as_loaded` gives the model compressed-tensors' own forward (dequantized weights, activations quantized per
 token at run time), so it computes exactly what the reloaded artifact computes.
 """

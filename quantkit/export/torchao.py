@@ -64,7 +64,7 @@ def torchao_config(scheme: QuantScheme):
             return Int8DynamicActivationInt8WeightConfig(granularity=PerRow())
     if float32_scale:
         raise ValueError("torchao's int configs keep scales in the model's dtype here; use scale_dtype: model")
-    dtype = {QDtype.INT3: torch.int3, QDtype.INT4: torch.int4}.get(w.dtype, torch.int8)
+    dtype = {QDtype.INT2: torch.int2, QDtype.INT3: torch.int3, QDtype.INT4: torch.int4}.get(w.dtype, torch.int8)
     if a is None:
         return IntxWeightOnlyConfig(weight_dtype=dtype, granularity=granularity, mapping_type=mapping)
     if a.symmetric:
@@ -91,7 +91,7 @@ def as_loaded(quantized: QuantizedModel) -> nn.Module:
 
 
 def weight_bytes(entry: ModulePlan, element_size: int) -> int:
-    """torchao's CPU tensors keep one byte per element (int3 and int4 unpacked into int8, int8, float8), scales in the
+    """torchao's CPU tensors keep one byte per element (int2, int3 and int4 unpacked into int8, int8, float8), scales in the
     model's dtype (float32 for per-row int8), int8 zero points for asymmetric grids."""
     spec, rows, cols = entry.scheme.weights, entry.out_features, entry.in_features
     groups = rows * (cols // spec.group_size if spec.granularity is Granularity.GROUP else 1)

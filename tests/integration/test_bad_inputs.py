@@ -61,7 +61,7 @@ def sources(tiny_model_dir, tmp_path_factory) -> dict[str, Path]:
     found["evil-recipe"] = root / "evil.yaml"
     found["evil-recipe"].write_text(f"scheme: !!python/object/apply:os.system ['touch {root / 'PWNED'}']\nformat: torchao\n")
     found["bad-recipe"] = root / "bad.yaml"
-    found["bad-recipe"].write_text("scheme: {weights: {dtype: int2, granularity: channel}}\nformat: compressed-tensors\n")
+    found["bad-recipe"].write_text("scheme: {weights: {dtype: int16, granularity: channel}}\nformat: compressed-tensors\n")
     found["evil-config"] = root / "train.yaml"
     found["evil-config"].write_text(f"model: !!python/object/apply:os.system ['touch {root / 'PWNED'}']\n")
     found["typo-config"] = root / "typo.yaml"

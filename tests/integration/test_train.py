@@ -115,7 +115,7 @@ def test_one_rank_equals_two_ranks(workspace):
         torch.testing.assert_close(one[name], two[name], atol=2e-5, rtol=1e-4, msg=name)
 
 
-@pytest.mark.parametrize("recipe", ["int8-dynamic-act-int4-weight", "int4-weight-only", "int3-weight-only"])
+@pytest.mark.parametrize("recipe", ["int8-dynamic-act-int4-weight", "int4-weight-only", "int2-weight-only"])
 def test_qat_train_finalize_reload(workspace, recipe, tmp_path):
     """The artifact's dequantized weights equal the fake-quantized weights the model trained with."""
     from quantkit import qat

@@ -64,8 +64,9 @@ def test_fake_quantized_weight_equals_qparams(name, dtype):
         WeightSpec(QDtype.INT8, Granularity.CHANNEL, symmetric=False, scale_dtype=ScaleDtype.FLOAT32),
         WeightSpec(QDtype.INT4, Granularity.GROUP, 64, scale_dtype=ScaleDtype.FLOAT32),
         WeightSpec(QDtype.FLOAT8, Granularity.CHANNEL, scale_dtype=ScaleDtype.MODEL),
+        WeightSpec(QDtype.INT3, Granularity.GROUP, 32),
     ],
-    ids=["int4-asym", "int8-asym", "int4-fp32-scale", "fp8-model-scale"],
+    ids=["int4-asym", "int8-asym", "int4-fp32-scale", "fp8-model-scale", "int3"],
 )
 def test_grids_beyond_the_shipped_recipes_are_exact(spec, dtype):
     weight = _weight(dtype)
@@ -81,7 +82,7 @@ def test_configs_use_torchao_where_it_is_exact_and_quantkit_elsewhere():
 
     assert {name: kinds(name) for name in RECIPES} == {
         "float8-dynamic-act-float8-weight": (Float8FakeQuantizeConfig.__name__,) * 2,
-        "int3-weight-only": ("NoneType", IntxFakeQuantizeConfig.__name__),
+        "int2-weight-only": ("NoneType", IntxFakeQuantizeConfig.__name__),
         "int4-weight-only": ("NoneType", IntxFakeQuantizeConfig.__name__),
         "int8-dynamic-act-int4-weight": (IntxFakeQuantizeConfig.__name__,) * 2,
         "int8-dynamic-act-int8-weight": ("Int8TokenFakeQuantizeConfig", IntxFakeQuantizeConfig.__name__),

@@ -63,7 +63,7 @@ def test_missing_recipe_file_is_not_parsed_as_a_name(tmp_path):
 @pytest.mark.parametrize(
     "body, field",
     [
-        ("scheme: {weights: {dtype: int2, granularity: group, group_size: 32}}\nformat: torchao", "scheme.weights.dtype"),
+        ("scheme: {weights: {dtype: int16, granularity: group, group_size: 32}}\nformat: torchao", "scheme.weights.dtype"),
         ("scheme: {weights: {dtype: int4, granularity: group}}\nformat: torchao", "scheme.weights.group_size"),
         ("scheme: {weights: {dtype: int4, granularity: channel}}\nformat: zip", "format"),
         ("scheme: {weights: {dtype: int4, granularity: channel}}\nformat: torchao\nalgorithm: {name: magic}", "algorithm.name"),

@@ -21,7 +21,7 @@ def test_float8_weights_are_symmetric_per_channel():
 
 
 def test_activations_are_per_token_int8_or_float8():
-    for dtype in (QDtype.INT3, QDtype.INT4):
+    for dtype in (QDtype.INT2, QDtype.INT3, QDtype.INT4):
         with pytest.raises(SchemeError, match="activations.dtype"):
             ActivationSpec(dtype)
     with pytest.raises(SchemeError, match="activations.granularity"):
@@ -36,6 +36,6 @@ def test_with_group_size_changes_only_the_group_size():
 
 
 def test_qranges():
-    assert QDtype.INT3.qrange == (-4, 3) and QDtype.INT4.qrange == (-8, 7) and QDtype.INT8.qrange == (-128, 127)
+    assert QDtype.INT2.qrange == (-2, 1) and QDtype.INT3.qrange == (-4, 3) and QDtype.INT4.qrange == (-8, 7) and QDtype.INT8.qrange == (-128, 127)
     assert QDtype.FLOAT8.qrange == (-448.0, 448.0)
-    assert [d.bits for d in QDtype] == [3, 4, 8, 8]
+    assert [d.bits for d in QDtype] == [2, 3, 4, 8, 8]
