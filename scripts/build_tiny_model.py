@@ -16,9 +16,33 @@ from quantkit.tiny import build_tiny_llama
 
 
 def generated_text(n_words: int = 20000, seed: int = 0) -> str:
+    """Text in a made-up language, for when no real text is at hand. 256 made-up words; which four words may come
+    next (weighted 8:4:2:1) depends on the last word and on whether the word before it is odd or even. So a model
+    has structure to learn, attention to the word before last included (and quantization something to lose).
+    The language is fixed; `seed` draws another text from it."""
+    language = random.Random("quantkit-demo-language")
+    syllables = [c + v for c in "bdfgklmnprstvz" for v in "aeiou"]
+    words = sorted({"".join(language.choice(syllables) for _ in range(language.randint(1, 3))) for _ in range(400)})[:256]
+    parity = {word: i % 2 for i, word in enumerate(words)}
+    weights = [8, 4, 2, 1]
+    successors: dict[tuple[str, int], list[str]] = {}
+
+    def next_words(before: str, last: str) -> list[str]:
+        key = (last, parity[before])
+        if key not in successors:
+            successors[key] = random.Random(f"quantkit-demo:{last}:{parity[before]}").sample(words, len(weights))
+        return successors[key]
+
     rng = random.Random(seed)
-    words = "the model weight scale group token layer river stone light king queen ship sea wind song".split()
-    return "\n".join(" ".join(rng.choice(words) for _ in range(12)) + "." for _ in range(n_words // 12))
+    before, last = words[0], words[0]
+    lines, line = [], []
+    for _ in range(n_words):
+        before, last = last, rng.choices(next_words(before, last), weights)[0]
+        line.append(last)
+        if len(line) >= 12 and rng.random() < 0.3:
+            lines.append(" ".join(line) + ".")
+            line = []
+    return "\n".join(lines)
 
 
 def main() -> None:
