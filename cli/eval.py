@@ -31,7 +31,7 @@ def evaluate(
     ] = None,
     tasks: Annotated[
         Optional[str], typer.Option("--tasks", help="lm-evaluation-harness tasks, groups or tags, comma-separated (e.g. arc_easy,hellaswag); "
-                                                     "needs `pip install 'quantkit[tasks]'`.", show_default=False)
+                                                     "needs `pip install 'quantkit\\[tasks]'`.", show_default=False)
     ] = None,
     tasks_dir: Annotated[
         Optional[list[Path]], typer.Option("--tasks-dir", help="A folder of lm-eval task YAML files whose tasks --tasks may name "
@@ -165,8 +165,10 @@ def legend(entries: list[tuple[str, str]]):
 
 
 def short_name(report) -> str:
-    """The model directory's (or hub id's) last part; an in-memory preview keeps its +RECIPE."""
+    """The model directory's (or hub id's) last part (a training run's OUTPUT_DIR/final: OUTPUT_DIR's); an
+    in-memory preview keeps its +RECIPE."""
     preview = report.size_bytes is None and report.recipe and report.label.endswith(f"+{report.recipe}")
     source = report.label.removesuffix(f"+{report.recipe}") if preview else report.label
-    name = Path(source).name or source
+    path = Path(source)
+    name = (path.parent.name if path.name == "final" and path.parent.name else path.name) or source
     return f"{name}+{report.recipe}" if preview else name

@@ -52,14 +52,14 @@ def test_directory_names_when_they_are_distinct_and_fit(monkeypatch):
     reports = [report("runs/plain/final"), report("runs/qat-int4", "int4-weight-only", "compressed-tensors"),
                report("Qwen/Qwen3-0.6B")]
     lines = render(monkeypatch, reports)
-    assert [row.split()[1] for row in rows(lines)] == ["final", "qat-int4", "Qwen3-0.6B"]
+    assert [row.split()[1] for row in rows(lines)] == ["plain", "qat-int4", "Qwen3-0.6B"]  # a run's final: the run's name
     assert any(line.split() == ["qat-int4", "runs/qat-int4", "(int4-weight-only", "/", "compressed-tensors)"] for line in lines)
 
 
 def test_names_that_collide_are_numbered(monkeypatch):
-    lines = render(monkeypatch, [report("runs/plain/final"), report("runs/qat/final")])
+    lines = render(monkeypatch, [report("a/model"), report("b/model")])
     assert [row.split()[1] for row in rows(lines)] == ["M1", "M2"]
-    assert [line.split() for line in lines if line.startswith("M")] == [["M1", "runs/plain/final"], ["M2", "runs/qat/final"]]
+    assert [line.split() for line in lines if line.startswith("M")] == [["M1", "a/model"], ["M2", "b/model"]]
 
 
 def test_no_legend_when_the_names_are_the_models_as_given(monkeypatch):
