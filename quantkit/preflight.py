@@ -72,7 +72,7 @@ def estimate(prepared, recipe: Recipe, options, world_size: int, dst: str | Path
         work_dir = _work_dir_bytes(headers, numel, size, quantized, shares, seq_len, hidden, element)
         if options.device != "cpu":
             layer = model_bytes // (layers + 2)
-            device = layer + calib["calibration hidden states (this rank)"] + calib["one batch's activations in a layer"] + calib["Hessians of one layer"]
+            device = layer + sum(calib.values()) - calib["grid integers of finished layers"]  # the grids stay in RAM
     free = _free_disk(dst) if dst is not None else None
     needed = output_bytes + (work_dir or 0)
     report = {
@@ -89,7 +89,8 @@ def estimate(prepared, recipe: Recipe, options, world_size: int, dst: str | Path
         "samples_per_rank": shares,
     }
     if measure_time:
-        report["time"] = time_estimate(prepared, recipe, options, max(shares) if shares else 0, layers, dtype, trust_remote_code)
+        report["time"] = time_estimate(prepared, recipe, options, max(shares) if shares else 0, layers,
+                                       dtype if dtype != "auto" else _stored_dtype(headers), trust_remote_code)
     return report
 
 
@@ -123,16 +124,9 @@ def _work_dir_bytes(headers, numel, size, quantized, shares, seq_len, hidden, el
     """`--resume`'s work directory at its largest: every layer's grid integers (one byte each) and qparams, the
     layers' other tensors, and one layer's hidden states per rank (two while the next replaces them)."""
     layer_tensors = [n for n in headers if ".layers." in n]
-    grids = sum(_grid_bytes(quantized[n], size(n)) if n in quantized else numel[n] * size(n) for n in layer_tensors)
+    grids = sum(numel[n] + quantized[n].scheme.weights.qparam_bytes(quantized[n].out_features, quantized[n].in_features, size(n))
+                if n in quantized else numel[n] * size(n) for n in layer_tensors)
     return grids + 2 * sum(shares) * seq_len * hidden * element
-
-
-def _grid_bytes(entry: ModulePlan, element: int) -> int:
-    from quantkit.schemes import Granularity, ScaleDtype
-
-    spec, rows, cols = entry.scheme.weights, entry.out_features, entry.in_features
-    groups = rows * (cols // spec.group_size if spec.granularity is Granularity.GROUP else 1)
-    return rows * cols + groups * ((4 if spec.scale_dtype is ScaleDtype.FLOAT32 else element) + (0 if spec.symmetric else 1))
 
 
 def time_estimate(prepared, recipe: Recipe, options, samples: int, layers: int, dtype: str, trust_remote_code: bool) -> dict:
@@ -150,8 +144,7 @@ def time_estimate(prepared, recipe: Recipe, options, samples: int, layers: int, 
     if getattr(config, "layer_types", None):
         config.layer_types = config.layer_types[:1]
     torch.manual_seed(0)
-    torch_dtype = None if dtype == "auto" else getattr(torch, dtype)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype or _stored_dtype(prepared.src), trust_remote_code=trust_remote_code).eval()
+    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code).eval()
     plan = plan_model(model, recipe)
     if not recipe.needs_calibration:
         rtn = get_algorithm(Algorithm.RTN)
@@ -211,12 +204,11 @@ def _config(src: Path) -> dict:
     return config.get("text_config", config) if "hidden_size" not in config else config
 
 
-def _stored_dtype(src: Path):
-    import torch
-
-    kinds = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
-    stored = [kinds[d] for d, _ in sources.tensor_headers(src).values() if d in kinds]
-    return max(set(stored), key=stored.count) if stored else torch.float32
+def _stored_dtype(headers: dict) -> str:
+    """The dtype most of the checkpoint's floating-point tensors are stored in (what `--dtype auto` loads)."""
+    kinds = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+    stored = [kinds[d] for d, _ in headers.values() if d in kinds]
+    return max(set(stored), key=stored.count) if stored else "float32"
 
 
 def _import_run_modules(recipe: Recipe) -> None:

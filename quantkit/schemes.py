@@ -87,6 +87,12 @@ class WeightSpec:
     def is_asymmetric(self) -> bool:
         return not self.symmetric
 
+    def qparam_bytes(self, rows: int, cols: int, element_size: int) -> int:
+        """Bytes of the scales (float32, or the model's `element_size`) and int8 zero points of a [rows, cols] weight."""
+        groups = rows * (cols // self.group_size if self.granularity is Granularity.GROUP else 1)
+        scale = 4 if self.scale_dtype is ScaleDtype.FLOAT32 else element_size
+        return groups * (scale + (0 if self.symmetric else 1))
+
     def describe(self) -> str:
         grain = f"g{self.group_size}" if self.granularity is Granularity.GROUP else "channel"
         mse = " mse" if self.observer is WeightObserver.MSE else ""

@@ -26,7 +26,7 @@ from quantkit.plan import ModulePlan
 from quantkit.qparams import QParams
 from quantkit.quantized_model import QuantizedModel
 from quantkit.registry import Recipe
-from quantkit.schemes import ActivationSpec, Granularity, QuantScheme, ScaleDtype, WeightSpec
+from quantkit.schemes import ActivationSpec, Granularity, QuantScheme, WeightSpec
 
 
 def unsupported(recipe: Recipe) -> str | None:
@@ -49,13 +49,7 @@ def weight_bytes(entry: ModulePlan, element_size: int) -> int:
         grid = rows * -(-cols * spec.dtype.bits // 32) * 4 + 16  # weight_packed + weight_shape
     else:
         grid = rows * cols
-    return grid + _qparam_bytes(spec, rows, cols, element_size) + (4 if entry.scheme.activations and not entry.scheme.activations.dynamic else 0)
-
-
-def _qparam_bytes(spec: WeightSpec, rows: int, cols: int, element_size: int) -> int:
-    groups = rows * (cols // spec.group_size if spec.granularity is Granularity.GROUP else 1)
-    scale = 4 if spec.scale_dtype is ScaleDtype.FLOAT32 else element_size
-    return groups * (scale + (0 if spec.symmetric else 1))
+    return grid + spec.qparam_bytes(rows, cols, element_size) + (4 if entry.scheme.activations and not entry.scheme.activations.dynamic else 0)
 
 
 def _weight_args(spec: WeightSpec) -> QuantizationArgs:

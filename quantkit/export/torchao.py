@@ -93,10 +93,8 @@ def as_loaded(quantized: QuantizedModel) -> nn.Module:
 def weight_bytes(entry: ModulePlan, element_size: int) -> int:
     """torchao's CPU tensors keep one byte per element (int2, int3 and int4 unpacked into int8, int8, float8), scales in the
     model's dtype (float32 for per-row int8), int8 zero points for asymmetric grids."""
-    spec, rows, cols = entry.scheme.weights, entry.out_features, entry.in_features
-    groups = rows * (cols // spec.group_size if spec.granularity is Granularity.GROUP else 1)
-    scale = 4 if spec.scale_dtype is ScaleDtype.FLOAT32 else element_size
-    return rows * cols + groups * (scale + (0 if spec.symmetric else 1))
+    rows, cols = entry.out_features, entry.in_features
+    return rows * cols + entry.scheme.weights.qparam_bytes(rows, cols, element_size)
 
 
 def write(quantized: QuantizedModel, out_dir: Path, max_shard_size: int | None = None) -> None:
