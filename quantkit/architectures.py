@@ -4,7 +4,8 @@ Calibration needs facts about a decoder layer that no Linear knows about itself:
 - the order its Linears run in, grouped by the input they read (GPTQ's true-sequential stages; Linears that
   read one tensor share one Hessian);
 - which op produces each group's input: a norm, or a Linear whose output reaches the group through a
-  channel-wise op (SmoothQuant and AWQ fold their scales into it);
+  channel-wise op (SmoothQuant and AWQ fold their scales into it; `scales_fold` runs the layer to check that
+  the op in between lets scales through: gate * up does, a non-gated MLP's GELU does not);
 - which block's output measures AWQ's error for each group.
 
 Which Linears read the very same tensor is also observed at run time (`calibration.hooks.observe`, by tensor
@@ -12,9 +13,9 @@ identity), so the statistics never depend on this table; the table is needed whe
 (`--dry-run`'s plan). Where scales are folded, the names alone are not trusted: `traced_wiring` runs the layer
 once and takes as each group's norm the module whose output the group really reads (Gemma2's MLP reads
 `pre_feedforward_layernorm`, not the norm the Llama names suggest), and `norm_weight_offset` probes whether a
-norm multiplies by its weight or by 1 + weight (Gemma). Today one wiring is known: the layout Llama, Qwen2 and
-Mistral layers share, and Phi-3's, whose q/k/v and gate/up projections are fused into one Linear each. A new
-layout is a new `LayerWiring` in `WIRINGS`.
+norm multiplies by its weight or by 1 + weight (Gemma). Known wirings: the layout Llama, Qwen2 and Mistral
+layers share; Phi-3's, whose q/k/v and gate/up projections are fused into one Linear each; Starcoder2's, whose
+MLP is not gated (c_proj(act(c_fc(x))), LayerNorms with a bias). A new layout is a new `LayerWiring` in `WIRINGS`.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ class LayerWiring:
     """Module names relative to the decoder layer. The layer computes
 
         h = h + attention(input_norm(h))              attention ends with o(attention core(q, k, v))
-        h = h + mlp(post_attention_norm(h))           mlp = down(act(gate(x)) * up(x))
+        h = h + mlp(post_attention_norm(h))           mlp = down(act(gate(x)) * up(x)), or down(act(up(x)))
+                                                      where there is no gate (a non-gated MLP)
 
     The norms are where the names say in Llama-style layers; `traced_wiring` replaces them by what the layer
     really feeds its Linears with, or None where no norm does (OLMo2 normalises after attention and MLP, so its
@@ -47,7 +49,7 @@ class LayerWiring:
     o: str
     post_attention_norm: str | None
     mlp: str
-    gate: str
+    gate: str | None
     up: str
     down: str
 
@@ -57,7 +59,7 @@ class LayerWiring:
 
     @property
     def gate_up(self) -> tuple[str, ...]:
-        return _unique(self.gate, self.up)
+        return _unique(*(name for name in (self.gate, self.up) if name is not None))
 
     @property
     def stages(self) -> tuple[tuple[str, ...], ...]:
@@ -76,7 +78,7 @@ class LayerWiring:
             (self.input_norm, self.qkv, self.attention),
             (self.v, (self.o,), self.o),  # skipped by AWQ where v's output is not o's whole input (GQA, fused qkv)
             (self.post_attention_norm, self.gate_up, self.mlp),
-            (self.up, (self.down,), self.down),
+            (self.up, (self.down,), self.down),  # skipped where up's output reaches down through a non-linear op
         )
 
     @property
@@ -105,7 +107,10 @@ PHI3 = replace(  # the Llama layout with q/k/v fused into one Linear, and gate/u
     LLAMA, name="Phi-3-style (fused qkv_proj and gate_up_proj)",
     q="self_attn.qkv_proj", k="self_attn.qkv_proj", v="self_attn.qkv_proj", gate="mlp.gate_up_proj", up="mlp.gate_up_proj",
 )
-WIRINGS = (LLAMA, PHI3)
+STARCODER2 = replace(  # the Llama layout with a non-gated MLP (and LayerNorms with a bias, Linears with biases)
+    LLAMA, name="Starcoder2-style (non-gated MLP c_fc, c_proj)", gate=None, up="mlp.c_fc", down="mlp.c_proj",
+)
+WIRINGS = (LLAMA, PHI3, STARCODER2)
 
 
 def _unique(*names: str) -> tuple[str, ...]:
@@ -187,10 +192,11 @@ def traced_wiring(layer: nn.Module, call: tuple[tuple, dict]) -> LayerWiring:
     """The layer's wiring with each norm replaced by the module whose output the attention and MLP inputs
     really are (see the module docstring), or None where that is no norm."""
     wiring = wiring_of(layer)
-    fed = feeding_modules(layer, call, (wiring.q, wiring.gate))
+    attention_in, mlp_in = wiring.qkv[0], wiring.gate_up[0]
+    fed = feeding_modules(layer, call, (attention_in, mlp_in))
     norms = {linear: name if name is not None and _is_norm(layer.get_submodule(name), layer.get_submodule(linear)) else None
              for linear, name in fed.items()}
-    return replace(wiring, input_norm=norms[wiring.q], post_attention_norm=norms[wiring.gate])
+    return replace(wiring, input_norm=norms[attention_in], post_attention_norm=norms[mlp_in])
 
 
 def _is_norm(module: nn.Module, linear: nn.Linear) -> bool:
@@ -200,20 +206,54 @@ def _is_norm(module: nn.Module, linear: nn.Linear) -> bool:
 
 
 def norm_weight_offset(norm: nn.Module) -> float:
-    """0 for a norm computing x_hat * weight, 1 for one computing x_hat * (1 + weight) (Gemma's RMSNorm): scales
-    fold into the first as weight / s, into the second as (1 + weight) / s - 1. Probed with weights 0 and -1."""
-    weight = norm.weight
+    """0 for a norm computing x_hat * weight (+ bias), 1 for one computing x_hat * (1 + weight) (Gemma's RMSNorm):
+    scales fold into the first as weight / s (and bias / s), into the second as (1 + weight) / s - 1. Probed with
+    weights 0 and -1, the bias (LayerNorm's) held at 0."""
+    weight, bias = norm.weight, getattr(norm, "bias", None)
+    params = [weight] if bias is None else [weight, bias]
     x = torch.randn(2, weight.shape[0], generator=torch.Generator().manual_seed(0)).to(weight.device, weight.dtype)
-    saved = weight.data.clone()
+    saved = [p.data.clone() for p in params]
     try:
         with torch.no_grad():
+            if bias is not None:
+                bias.data.zero_()
             outputs = {}
             for value in (0.0, -1.0):
                 weight.data.fill_(value)
                 outputs[value] = norm(x)
     finally:
-        weight.data.copy_(saved)
+        for param, data in zip(params, saved):
+            param.data.copy_(data)
     for offset, value in ((0.0, 0.0), (1.0, -1.0)):
         if not outputs[value].abs().max():
             return offset
     raise UnsupportedModelError(f"{type(norm).__name__}: scales cannot be folded into this norm's weight")
+
+
+def scales_fold(layer: nn.Module, call: tuple[tuple, dict], prev: str, linears: tuple[str, ...]) -> bool:
+    """Whether scales fold between the Linear `prev` and the Linears it feeds: with prev's output channels
+    divided by s and their input columns multiplied by s, the layer's output on a captured (args, kwargs) call is
+    unchanged bit for bit. s are powers of two, so a channel-wise op in between (gate * up, attention's weighted
+    sum of v, a ReLU) gives the very same floats; a non-linear one (a non-gated MLP's GELU) does not."""
+    source, fed = layer.get_submodule(prev), [layer.get_submodule(name) for name in linears]
+    params = [p for p in (source.weight, source.bias, *(m.weight for m in fed)) if p is not None]
+    saved = [p.data.clone() for p in params]
+    exponents = torch.randint(-1, 2, (source.out_features,), generator=torch.Generator().manual_seed(0))
+    scales = torch.pow(2.0, exponents.double()).to(source.weight.device, source.weight.dtype)
+    args, kwargs = call
+    try:
+        with torch.no_grad():
+            reference = _hidden(layer(*args, **kwargs))
+            source.weight.div_(scales.reshape(-1, 1))
+            if source.bias is not None:
+                source.bias.div_(scales)
+            for module in fed:
+                module.weight.mul_(scales)
+            return torch.equal(_hidden(layer(*args, **kwargs)), reference)
+    finally:
+        for param, data in zip(params, saved):
+            param.data.copy_(data)
+
+
+def _hidden(output) -> torch.Tensor:
+    return output[0] if isinstance(output, tuple) else output

@@ -42,7 +42,7 @@ def search_scales(act_mean: torch.Tensor, error_of: Callable[[torch.Tensor], flo
 @torch.no_grad()
 def fold_scales(prev_weight: torch.Tensor, prev_bias: torch.Tensor | None, weights: list[torch.Tensor], scales: torch.Tensor,
                 norm_offset: float = 0.0) -> None:
-    """In place: the feeding op's output channels / s (a norm's weight, or a Linear's rows and bias),
+    """In place: the feeding op's output channels / s (a norm's weight and bias, or a Linear's rows and bias),
     each fed Linear's input columns * s. The float function is unchanged. A norm computing
     x_hat * (norm_offset + weight) gets weight = (norm_offset + weight) / s - norm_offset."""
     if prev_weight.dim() == 1:

@@ -26,10 +26,14 @@ def smoothing_scales(act_absmax: torch.Tensor, weights: list[torch.Tensor], args
 
 
 @torch.no_grad()
-def fold_scales(norm_weight: torch.Tensor, weights: list[torch.Tensor], scales: torch.Tensor, norm_offset: float = 0.0) -> None:
-    """In place: the norm's output / s, each Linear weight * s (per input column). The float function is unchanged.
-    A norm computing x_hat * (norm_offset + weight) gets weight = (norm_offset + weight) / s - norm_offset."""
+def fold_scales(norm_weight: torch.Tensor, weights: list[torch.Tensor], scales: torch.Tensor, norm_offset: float = 0.0,
+                norm_bias: torch.Tensor | None = None) -> None:
+    """In place: the norm's output / s (its weight, and its bias if it has one: LayerNorm), each Linear weight * s
+    (per input column). The float function is unchanged. A norm computing x_hat * (norm_offset + weight) gets
+    weight = (norm_offset + weight) / s - norm_offset."""
     divide_norm_output(norm_weight, scales, norm_offset)
+    if norm_bias is not None:
+        norm_bias.div_(scales.to(norm_bias.dtype))
     for weight in weights:
         weight.mul_(scales.to(weight.dtype))
 

@@ -3,7 +3,7 @@
 A decoder layer with a known wiring (`quantkit.architectures.LayerWiring`) computes
 
     h = h + attention(input_norm(h))               attention ends with o(attention core(q, k, v))
-    h = h + mlp(post_attention_norm(h))            mlp = down(act(gate(x)) * up(x))
+    h = h + mlp(post_attention_norm(h))            mlp = down(act(gate(x)) * up(x)), or down(act(up(x)))
 
 `run_stages` walks the calibration batches through the layer in the wiring's four stages: q/k/v (input: the
 normed h), o, gate/up (the normed h after attention) and down. Each stage's inputs come from the stages before

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from quantkit.architectures import LLAMA, PHI3, find_wiring, shared_input_leaders, wiring_of
+from quantkit.architectures import LLAMA, PHI3, STARCODER2, find_wiring, shared_input_leaders, wiring_of
 from quantkit.errors import UnsupportedModelError
 from quantkit.models import decoder_layers
 
@@ -30,6 +30,14 @@ def test_fused_projections_have_the_phi3_wiring_with_each_linear_once():
     assert find_wiring(layer) is PHI3
     assert PHI3.stages == ((PHI3.q,), (PHI3.o,), (PHI3.gate,), (PHI3.down,))
     assert [linears for _, linears in PHI3.smoothing] == [(PHI3.q,), (PHI3.gate,)]  # a fused Linear is scaled once
+
+
+def test_a_non_gated_mlp_has_the_starcoder2_wiring_with_one_linear_reading_the_norm():
+    layer = _layer("starcoder2")
+    assert find_wiring(layer) is STARCODER2 and STARCODER2.gate is None
+    assert STARCODER2.stages == (STARCODER2.qkv, (STARCODER2.o,), (STARCODER2.up,), (STARCODER2.down,))
+    assert [linears for _, linears in STARCODER2.smoothing] == [STARCODER2.qkv, (STARCODER2.up,)]
+    assert all(isinstance(layer.get_submodule(name), nn.Linear) for stage in STARCODER2.stages for name in stage)
 
 
 def test_the_wiring_orders_and_groups_the_linears():

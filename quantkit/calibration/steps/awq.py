@@ -18,7 +18,7 @@ from quantkit import distributed
 from quantkit.algorithms import Algorithm
 from quantkit.algorithms.arguments import AWQArgs
 from quantkit.algorithms.awq import fold_scales, hessian_error, scaled_candidate, search_scales
-from quantkit.architectures import norm_weight_offset
+from quantkit.architectures import norm_weight_offset, scales_fold
 from quantkit.calibration.hooks import run_layer
 from quantkit.calibration.layer import Layer
 from quantkit.calibration.steps import register
@@ -35,10 +35,8 @@ def awq_step(layer: Layer, args: AWQArgs) -> None:
         distributed.all_reduce_observer(act, layer.ctx)
         error_of = _error_function(block, linears, specs, calls, layer.ctx)
         scales, _ = search_scales(act.mean(), error_of, args)
-        if isinstance(prev, nn.Linear):
-            fold_scales(prev.weight, prev.bias, [m.weight for m in linears], scales)
-        else:
-            fold_scales(prev.weight, None, [m.weight for m in linears], scales, norm_weight_offset(prev))
+        offset = 0.0 if isinstance(prev, nn.Linear) else norm_weight_offset(prev)
+        fold_scales(prev.weight, getattr(prev, "bias", None), [m.weight for m in linears], scales, offset)
     layer.result.seconds["transforms"] += time.perf_counter() - started
 
 
@@ -57,8 +55,18 @@ def _mappings(layer: Layer) -> list[tuple[nn.Module, nn.Module, list[nn.Module],
             continue  # a Linear left in full precision: nothing to protect
         if isinstance(prev, nn.Linear) and prev.out_features != linears[0].in_features:
             continue  # e.g. v -> o under grouped-query attention
+        if isinstance(prev, nn.Linear) and not _scales_fold(layer, prev_name, linear_names):
+            layer.skip("awq", linear_names, f"{prev_name} feeds them through a non-linear op (an activation): no scale folds between them")
+            continue
         mappings.append((prev, block, linears, [e.scheme.weights for e in entries]))
     return mappings
+
+
+def _scales_fold(layer: Layer, prev: str, linears: tuple[str, ...]) -> bool:
+    """`architectures.scales_fold` on this rank's first batch, agreed by every rank (they must keep the same mappings)."""
+    folds = scales_fold(layer.module, layer.inputs[0], prev, linears)
+    world = layer.ctx.world_size if layer.distributed else 1
+    return distributed.all_reduce_sum(float(folds), layer.ctx) == world
 
 
 def _error_function(block, linears, specs, calls, ctx):

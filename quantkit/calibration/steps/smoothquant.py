@@ -31,5 +31,6 @@ def smoothquant_step(layer: Layer, args: SmoothQuantArgs) -> None:
         distributed.all_reduce_observer(observer, layer.ctx)
     for norm, linears in groups.items():
         scales = smoothing_scales(observers[norm].state["absmax"], [m.weight for m in linears], args)
-        fold_scales(part(norm).weight, [m.weight for m in linears], scales, norm_weight_offset(part(norm)))
+        module = part(norm)
+        fold_scales(module.weight, [m.weight for m in linears], scales, norm_weight_offset(module), getattr(module, "bias", None))
     layer.result.seconds["transforms"] += time.perf_counter() - started
