@@ -6,6 +6,7 @@ layer: a `QuantizedModel`) -> write_artifact (the format's exporter writes it, a
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import time
 from dataclasses import dataclass
@@ -39,6 +40,7 @@ class FinalizeResult:
     coverage: dict | None = None
     preflight: dict | None = None  # the estimate made before loading (`preflight.estimate`)
     peak_ram_bytes: int | None = None  # measured: this process's peak resident size
+    loading: str | None = None  # streamed layer by layer, or the whole model in memory (and why)
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,7 @@ class Prepared:
     work_dir: Path | None = None  # calibrated finalize: where each finished layer is saved (`calibration.resume`)
     resume: bool = False  # continue the interrupted run saved in work_dir
     resumable: object | None = None  # the run's `calibration.resume.Resumable`, once calibration starts
+    loading: str | None = None  # how finalize held the model: streamed layer by layer, or whole (and why)
 
 
 def check_qat_recipe(src: Path, recipe: Recipe, force: bool = False) -> str | None:
@@ -194,13 +197,14 @@ def round_to_nearest(model: nn.Module, plan: list[ModulePlan], advance=lambda: N
 
 
 def _calibrate(model: nn.Module, prepared: Prepared, recipe: Recipe, samples, options: CalibrationOptions,
-               progress: Progress, ctx, dtype: str = "auto"):
+               progress: Progress, ctx, dtype: str = "auto", stream=None):
     from quantkit.calibration import calibrate
 
     device = _calibration_device(options.device, ctx)
     if prepared.work_dir is not None:
         prepared.resumable = _resumable(prepared, recipe, samples, options, ctx, dtype)
-    result = calibrate(model, prepared.plan, recipe, samples, device, options.batch_size, progress, ctx, prepared.resumable)
+    result = calibrate(model, prepared.plan, recipe, samples, device, options.batch_size, progress, ctx, prepared.resumable,
+                       stream)
     prepared.calibration = calibration_summary(result, samples, options, recipe, ctx)
     return result
 
@@ -279,10 +283,17 @@ def finalize(
         announce(estimate)
     used_threads = runtime.set_threads(threads)
     with distributed.process_group() as ctx:
-        quantized = _quantize_resumably(prepared, recipe, dtype, trust_remote_code, progress, calibration, ctx)
-        distributed.barrier(ctx)  # every rank succeeded: only now does rank 0 write
-        if ctx.is_main:
-            write_artifact(quantized, prepared, dst, overwrite, progress, shard_bytes)
+        streamed = open_streamed(prepared, dtype, trust_remote_code, progress)
+        with _resumable_errors(prepared):
+            if streamed is not None:
+                _write_errors(dst, lambda: _stream(streamed, prepared, recipe, dst, overwrite, trust_remote_code,
+                                                   progress, calibration, ctx, shard_bytes, dtype))
+            else:
+                quantized = quantize(prepared, recipe, dtype, trust_remote_code, progress, calibration, ctx)
+        if streamed is None:
+            distributed.barrier(ctx)  # every rank succeeded: only now does rank 0 write
+            if ctx.is_main:
+                write_artifact(quantized, prepared, dst, overwrite, progress, shard_bytes)
         distributed.barrier(ctx)
         if prepared.resumable is not None:
             prepared.resumable.finish()
@@ -290,16 +301,16 @@ def finalize(
         dst=dst, recipe=recipe, format=prepared.format, plan=prepared.plan, seconds=time.perf_counter() - start,
         source_bytes=models.weights_size(prepared.src), output_bytes=models.weights_size(dst), threads=used_threads,
         calibration=prepared.calibration, coverage=prepared.coverage, preflight=estimate,
-        peak_ram_bytes=preflight.peak_resident_bytes(),
+        peak_ram_bytes=preflight.peak_resident_bytes(), loading=prepared.loading,
     )
 
 
-def _quantize_resumably(prepared: Prepared, recipe: Recipe, dtype: str, trust_remote_code: bool, progress: Progress,
-                        calibration: CalibrationOptions | None, ctx) -> QuantizedModel:
-    """`quantize`, keeping the finished layers of an interrupted calibration for `--resume`: they are dropped
-    when the run failed on its own terms (a broken layer, bad data: a rerun would fail the same way)."""
+@contextlib.contextmanager
+def _resumable_errors(prepared: Prepared):
+    """Keep the finished layers of an interrupted calibration for `--resume`: they are dropped when the run
+    failed on its own terms (a broken layer, bad data: a rerun would fail the same way)."""
     try:
-        return quantize(prepared, recipe, dtype, trust_remote_code, progress, calibration, ctx)
+        yield
     except KeyboardInterrupt:
         work = prepared.resumable
         if work is None or not work.completed:
@@ -312,6 +323,91 @@ def _quantize_resumably(prepared: Prepared, recipe: Recipe, dtype: str, trust_re
         if prepared.resumable is not None and not prepared.resume:
             prepared.resumable.finish()
         raise
+
+
+# ---------------------------------------------------------------- streaming: one decoder layer in memory at a time
+
+
+def open_streamed(prepared: Prepared, dtype: str, trust_remote_code: bool, progress: Progress):
+    """The source as a `streaming.StreamedModel` (its decoder layers still on disk), or None where finalize loads
+    it whole: the torchao format (transformers converts while it loads) or a checkpoint stored in another layout
+    than the model's own (said on the progress line)."""
+    from quantkit.streaming import NotStreamable, StreamedModel
+
+    if prepared.format is Format.TORCHAO:
+        prepared.loading = "whole model in memory: transformers converts to torchao while it loads"
+        return None
+    try:
+        streamed = StreamedModel.open(prepared.src, dtype, trust_remote_code)
+    except NotStreamable as exc:
+        prepared.loading = f"whole model in memory: {exc}"
+        return None
+    prepared.loading = "streamed: one decoder layer in memory at a time"
+    return streamed
+
+
+class _LayerIO:
+    """A streamed run's `calibration.pipeline.LayerStream`: a layer is read before its turn, written (rank 0)
+    and freed after it."""
+
+    def __init__(self, streamed, writer):
+        self.streamed, self.writer = streamed, writer
+
+    def load(self, module: nn.Module) -> None:
+        self.streamed.load(module)
+
+    def done(self, module: nn.Module, prefix: str, result) -> None:
+        inside = lambda names: [n for n in names if n.startswith(f"{prefix}.")]  # noqa: E731
+        qparams = {n: result.qweights.pop(n).qparams for n in inside(list(result.qweights))}
+        scales = {n: result.input_scales.pop(n) for n in inside(list(result.input_scales))}
+        self.write([module], qparams, scales)
+
+    def write(self, modules: list[nn.Module], qparams: dict[str, QParams], scales: dict) -> None:
+        if self.writer is not None:
+            self.writer.add(modules, qparams, scales)
+        for module in modules:
+            self.streamed.release(module)
+
+
+def _stream(streamed, prepared: Prepared, recipe: Recipe, dst: Path, overwrite: bool, trust_remote_code: bool,
+            progress: Progress, calibration: CalibrationOptions | None, ctx, max_shard_size: int | None,
+            dtype: str) -> None:
+    """Quantize and write layer by layer: every rank reads each decoder layer when its turn comes; rank 0 packs
+    it into the output shards (in a temporary directory renamed at the end) and every rank frees it."""
+    from quantkit import distributed
+
+    options = calibration or CalibrationOptions()
+    samples = calibration_samples(prepared.src, recipe, options, trust_remote_code) if recipe.needs_calibration else None
+    plan = prepared.plan
+    with contextlib.ExitStack() as stack:
+        tmp = stack.enter_context(atomic.atomic_directory(dst, overwrite)) if ctx.is_main else None
+        writer = exporter(prepared.format).StreamWriter(streamed.model, plan, recipe, tmp, max_shard_size) if tmp else None
+        io = _LayerIO(streamed, writer)
+        if samples is None:
+            rest = _round_streamed(streamed, plan, recipe, prepared, io, progress)
+            scales = {}
+        else:
+            result = _calibrate(streamed.model, prepared, recipe, samples, options, progress, ctx, dtype, io)
+            rest, scales = {n: q.qparams for n, q in result.qweights.items()}, result.input_scales
+        distributed.barrier(ctx)  # every rank succeeded: only now does rank 0 finish the artifact
+        if writer is not None:
+            with progress.task(f"Writing {dst}", total=None):
+                io.write(streamed.rest(), rest, scales)
+                writer.finish()
+                _write_beside(prepared, recipe, tmp)
+
+
+def _round_streamed(streamed, plan: list[ModulePlan], recipe: Recipe, prepared: Prepared, io: _LayerIO,
+                    progress: Progress) -> dict[str, QParams]:
+    """Round to nearest decoder layer by decoder layer, each written as soon as it is rounded; returns the
+    qparams of the planned modules outside the layers (rounded last, written with the rest)."""
+    layer_prefix = f"{streamed.prefix}."
+    with progress.task(f"Quantizing ({recipe.name}, {prepared.format.value})", total=sum(e.quantized for e in plan)) as advance:
+        for i, module in enumerate(streamed.layers):
+            io.load(module)
+            inside = [e for e in plan if e.name.startswith(f"{layer_prefix}{i}.")]
+            io.write([module], round_to_nearest(streamed.model, inside, advance), {})
+        return round_to_nearest(streamed.model, [e for e in plan if not e.name.startswith(layer_prefix)], advance)
 
 
 def dry_run(src: str | Path, recipe: Recipe, fmt: Format | None, calibration: CalibrationOptions | None,
@@ -348,9 +444,19 @@ def dry_run(src: str | Path, recipe: Recipe, fmt: Format | None, calibration: Ca
 def write_artifact(quantized: QuantizedModel, prepared: Prepared, dst: Path, overwrite: bool, progress: Progress,
                    max_shard_size: int | None = None) -> None:
     """The format's files, the tokenizer and quantkit.json, into DST all at once (a temporary directory renamed)."""
-    recipe = quantized.recipe
+    def write():
+        with atomic.atomic_directory(dst, overwrite) as tmp:
+            with progress.task(f"Writing {dst}", total=None):
+                exporter(prepared.format).write(quantized, tmp, max_shard_size)
+                _write_beside(prepared, quantized.recipe, tmp)
+
+    _write_errors(dst, write)
+
+
+def _write_errors(dst: Path, write) -> None:
+    """Run `write`; a full disk is a one-line error (the temporary directory is gone by then)."""
     try:
-        _write(quantized, prepared, dst, overwrite, progress, max_shard_size)
+        write()
     except OSError as exc:
         if exc.errno != errno.ENOSPC:
             raise
@@ -358,14 +464,10 @@ def write_artifact(quantized: QuantizedModel, prepared: Prepared, dst: Path, ove
                           "or choose another DST") from None
 
 
-def _write(quantized: QuantizedModel, prepared: Prepared, dst: Path, overwrite: bool, progress: Progress,
-           max_shard_size: int | None) -> None:
-    recipe = quantized.recipe
-    with atomic.atomic_directory(dst, overwrite) as tmp:
-        with progress.task(f"Writing {dst}", total=None):
-            exporter(prepared.format).write(quantized, tmp, max_shard_size)
-            models.copy_tokenizer(prepared.src, tmp)
-            info = metadata.build(recipe, prepared.format, prepared.plan, prepared.src, models.fingerprint(prepared.src))
-            info["modules"]["coverage"] = prepared.coverage
-            info["calibration"] = prepared.calibration
-            metadata.write(tmp, info)
+def _write_beside(prepared: Prepared, recipe: Recipe, out: Path) -> None:
+    """The tokenizer and quantkit.json beside the weights."""
+    models.copy_tokenizer(prepared.src, out)
+    info = metadata.build(recipe, prepared.format, prepared.plan, prepared.src, models.fingerprint(prepared.src))
+    info["modules"]["coverage"] = prepared.coverage
+    info["calibration"] = prepared.calibration
+    metadata.write(out, info)

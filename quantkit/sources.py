@@ -72,15 +72,22 @@ DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16"
                "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1, "BOOL": 1}
 
 
-def tensor_headers(path: Path) -> dict[str, tuple[str, list[int]]]:
-    """Every tensor's (safetensors dtype, shape) in a model directory, from the headers alone."""
-    tensors = {}
+def _headers(path: Path):
     for file in sorted(Path(path).glob("*.safetensors")):
         with open(file, "rb") as fh:
             (length,) = struct.unpack("<Q", fh.read(8))
             header = json.loads(fh.read(length))
-        tensors.update({k: (t["dtype"], t["shape"]) for k, t in header.items() if k != "__metadata__"})
-    return tensors
+        yield file, {k: t for k, t in header.items() if k != "__metadata__"}
+
+
+def tensor_headers(path: Path) -> dict[str, tuple[str, list[int]]]:
+    """Every tensor's (safetensors dtype, shape) in a model directory, from the headers alone."""
+    return {k: (t["dtype"], t["shape"]) for _, header in _headers(path) for k, t in header.items()}
+
+
+def tensor_files(path: Path) -> dict[str, Path]:
+    """The safetensors file each tensor of a model directory is stored in, from the headers alone."""
+    return {k: file for file, header in _headers(path) for k in header}
 
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|TB|KIB|MIB|GIB|TIB)?\s*$", re.IGNORECASE)

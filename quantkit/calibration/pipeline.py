@@ -14,7 +14,7 @@ nearest. Works for models whose decoder layers `models.decoder_layers` finds.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 from torch import nn
@@ -51,14 +51,25 @@ def _bound(step: AlgorithmStep) -> Step:
     return lambda layer: function(layer, arguments)
 
 
+class LayerStream(Protocol):
+    """Where decoder layers come from and go to when the model is streamed (`finalize`): `load` reads a layer's
+    weights before its turn, `done` writes the finished layer and frees it (taking its qparams out of the result)."""
+
+    def load(self, module: nn.Module) -> None: ...
+
+    def done(self, module: nn.Module, prefix: str, result: CalibrationResult) -> None: ...
+
+
 def calibrate(model: nn.Module, plan: list[ModulePlan], recipe: Recipe, samples: torch.Tensor,
               device: torch.device, batch_size: int = 8, progress: Progress = QUIET,
-              ctx: Context | None = None, resumable: Resumable | None = None) -> CalibrationResult:
+              ctx: Context | None = None, resumable: Resumable | None = None,
+              stream: LayerStream | None = None) -> CalibrationResult:
     """Quantize `model` (in CPU memory) layer by layer on `device`; its Linear weights end up dequantized.
     With a distributed `ctx`, this rank calibrates on its share of `samples` (whole batches of the same full
     sample set on every rank, `data.rank_batches`) and statistics are merged at every layer, so every rank
     ends with the same qparams. With `resumable`, every finished layer is saved to its work directory, and a
-    resumed run starts at the first unfinished layer."""
+    resumed run starts at the first unfinished layer. With `stream`, the decoder layers are read before and
+    handed over after their turn (the model's other modules are in memory)."""
     steps = layer_steps(recipe)
     result = CalibrationResult()
     by_name = {entry.name: entry for entry in plan}
@@ -71,28 +82,42 @@ def calibrate(model: nn.Module, plan: list[ModulePlan], recipe: Recipe, samples:
     result.seconds["capture"] = time.perf_counter() - started
     state = resumable.open() if resumable is not None else None
     if state is not None:
-        hidden = resumable.restore(state, layers, prefix, by_name, result)
+        hidden = resumable.restore(state, result, len(layers))
         inputs = with_hidden(inputs, [h.to(device) for h in hidden])
     done = resumable.completed if resumable is not None else 0
     with progress.task(f"Calibrating {len(layers)} layers ({recipe.describe_algorithm()})", total=len(layers),
                        completed=done) as advance:
         for i, module in enumerate(layers):
+            if stream is not None:
+                stream.load(module)
             if i < done:
-                continue
-            module.to(device)
-            layer = Layer(module, f"{prefix}.{i}", i, inputs, by_name, recipe, result, ctx)
-            for name, linear in layer.linears.items():
-                models.check_finite(name, linear.weight.data)
-            outputs = calibrate_layer(layer, steps)
-            inputs = with_hidden(inputs, outputs)
-            result.peak_device_bytes = max(result.peak_device_bytes, _device_bytes(module, inputs, device))
-            module.to("cpu")
-            if resumable is not None:
-                resumable.save_layer(i, module, layer.prefix, result, outputs, len(layers))
-            worst = max((result.errors[n] for n in layer.linears), default=0.0)
-            advance(description=f"Calibrating layer {i + 1}/{len(layers)} (worst relative error {worst:.4f})")
-    _round_the_rest(model, plan, result)
+                resumable.restore_layer(i, module, f"{prefix}.{i}", by_name, result)
+            else:
+                outputs = _calibrate_one(i, module, f"{prefix}.{i}", inputs, by_name, recipe, result, ctx, steps, device,
+                                         resumable, len(layers))
+                inputs = with_hidden(inputs, outputs)
+                worst = max((e for n, e in result.errors.items() if n.startswith(f"{prefix}.{i}.")), default=0.0)
+                advance(description=f"Calibrating layer {i + 1}/{len(layers)} (worst relative error {worst:.4f})")
+            if stream is not None:
+                stream.done(module, f"{prefix}.{i}", result)
+    _round_the_rest(model, plan, result, prefix)
     return result
+
+
+def _calibrate_one(i: int, module: nn.Module, prefix: str, inputs: list[tuple], by_name: dict[str, ModulePlan],
+                   recipe: Recipe, result: CalibrationResult, ctx: Context | None, steps: list[Step],
+                   device: torch.device, resumable: Resumable | None, num_layers: int) -> list[torch.Tensor]:
+    """Run the steps on decoder layer `i`; return its outputs (the next layer's inputs)."""
+    module.to(device)
+    layer = Layer(module, prefix, i, inputs, by_name, recipe, result, ctx)
+    for name, linear in layer.linears.items():
+        models.check_finite(name, linear.weight.data)
+    outputs = calibrate_layer(layer, steps)
+    result.peak_device_bytes = max(result.peak_device_bytes, _device_bytes(module, with_hidden(inputs, outputs), device))
+    module.to("cpu")
+    if resumable is not None:
+        resumable.save_layer(i, module, prefix, result, outputs, num_layers)
+    return outputs
 
 
 def calibrate_layer(layer: Layer, steps: list[Step]) -> list[torch.Tensor]:
@@ -130,9 +155,10 @@ def check_layer(layer: Layer, outputs: list[torch.Tensor]) -> None:
             )
 
 
-def _round_the_rest(model: nn.Module, plan: list[ModulePlan], result: CalibrationResult) -> None:
+def _round_the_rest(model: nn.Module, plan: list[ModulePlan], result: CalibrationResult, layers_prefix: str) -> None:
+    """Round to nearest the planned modules outside the decoder layers (the layers' steps quantized theirs)."""
     for entry in plan:
-        if entry.quantized and entry.name not in result.qweights:
+        if entry.quantized and entry.name not in result.qweights and not entry.name.startswith(f"{layers_prefix}."):
             module = model.get_submodule(entry.name)
             qweight = rtn_quantize(module.weight.data, entry.scheme.weights)
             result.errors[entry.name] = relative_error(module.weight.data, qweight, None)

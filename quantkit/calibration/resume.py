@@ -127,19 +127,20 @@ class Resumable:
 
     # ---------------------------------------------------------------- restoring
 
-    def restore(self, state: dict, layers: nn.ModuleList, prefix: str, plan: dict[str, ModulePlan],
-                result: CalibrationResult) -> list[torch.Tensor]:
-        """Put the finished layers back into the model and the summary; return this rank's hidden states for
-        the first unfinished layer."""
-        for index in range(self.completed):
-            restore_layer(layers[index], f"{prefix}.{index}", plan, result,
-                          load_file(self.path / f"layer-{index:05d}.safetensors"))
+    def restore(self, state: dict, result: CalibrationResult, num_layers: int) -> list[torch.Tensor]:
+        """Put the finished run's summary back; return this rank's hidden states for the first unfinished layer
+        (the finished layers come back one at a time, `restore_layer`)."""
         _restore_result(state["result"], result)
-        if self.completed == len(layers):
+        if self.completed == num_layers:
             return []
         saved = load_file(self._hidden_file(self.completed, self.rank))
         torch.set_rng_state(saved.pop("rng"))
         return [saved[f"h.{b}"] for b in range(len(saved))]
+
+    def restore_layer(self, index: int, module: nn.Module, prefix: str, plan: dict[str, ModulePlan],
+                      result: CalibrationResult) -> None:
+        """Finished layer `index` computes again what it did when it was finished, and its qparams are back."""
+        restore_layer(module, prefix, plan, result, load_file(self.path / f"layer-{index:05d}.safetensors"))
 
     def finish(self) -> None:
         if self.is_main:
@@ -181,7 +182,7 @@ def restore_layer(module: nn.Module, prefix: str, plan: dict[str, ModulePlan], r
         result.qweights[name] = qweight
         if f"input_scale.{local}" in tensors:
             result.input_scales[name] = tensors[f"input_scale.{local}"]
-    module.load_state_dict(state, strict=True)
+    module.load_state_dict(state, strict=True, assign=True)  # assign: a streamed layer may be on the meta device
 
 
 def _result_dict(result: CalibrationResult) -> dict:

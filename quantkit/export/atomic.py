@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import shutil
+import socket
 import tempfile
 from pathlib import Path
 from typing import Iterator
@@ -67,13 +68,41 @@ def _read_state(path: Path) -> dict:
     return state if isinstance(state, dict) else {}
 
 
+def _tmp_prefix(dst: Path) -> str:
+    return f".{dst.name}.tmp-"
+
+
+def remove_abandoned(dst: Path) -> list[Path]:
+    """Delete the temporary directories of earlier writes of `dst` on this machine whose process is gone (killed
+    with SIGKILL, or the machine lost power, half-way through a streamed write). Returns what was removed."""
+    removed = []
+    host = socket.gethostname()
+    for tmp in Path(dst).parent.glob(f"{_tmp_prefix(Path(dst))}{host}-*"):
+        pid = tmp.name[len(_tmp_prefix(Path(dst)) + host) + 1 :].split("-", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(tmp, ignore_errors=True)
+            removed.append(tmp)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 @contextlib.contextmanager
 def atomic_directory(dst: str | Path, overwrite: bool = False) -> Iterator[Path]:
     """Yield a temporary directory; on success it replaces `dst`. On any failure or Ctrl-C nothing is left."""
     dst = Path(dst)
     check_destination(dst, overwrite)
     dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
+    remove_abandoned(dst)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{_tmp_prefix(dst)}{socket.gethostname()}-{os.getpid()}-", dir=dst.parent))
     try:
         yield tmp
         if dst.exists():

@@ -136,3 +136,57 @@ def write(quantized: QuantizedModel, out_dir: Path, max_shard_size: int | None =
         compressor.compress_model(model)
         model.save_pretrained(out_dir, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
         compressor.update_config(str(out_dir))
+
+
+class StreamWriter:
+    """The artifact written group of modules by group of modules (a streamed finalize): each decoder layer's
+    packed tensors go to the output shards as soon as the layer is quantized, so no more than one layer is
+    ever held, and the written files equal `write`'s for the same model."""
+
+    def __init__(self, model: nn.Module, plan: list[ModulePlan], recipe: Recipe, out_dir: Path,
+                 max_shard_size: int | None = None):
+        from quantkit.export.shards import ShardWriter
+
+        self.model, self.recipe, self.out_dir = model, recipe, Path(out_dir)
+        self.config = quantization_config(plan, recipe)
+        self.planned = {entry.name for entry in plan if entry.quantized}
+        self.names = {module: name for name, module in model.named_modules()}
+        self.shards = ShardWriter(out_dir, max_shard_size)
+
+    def add(self, modules: list[nn.Module], qparams: dict[str, QParams], input_scales: dict[str, torch.Tensor]) -> None:
+        """Pack `modules` (and everything inside them), whose planned Linears hold their dequantized grid values,
+        with their qparams, and hand their tensors to the shards."""
+        from compressed_tensors.compressors.base import compress_module
+
+        inside = [sub for module in modules for sub in module.modules()]
+        apply_quantization_config(self.model, self.config, show_progress=False, allowed_modules=inside)
+        for sub in inside:
+            name = self.names[sub]
+            if name not in self.planned:
+                continue
+            if name not in qparams:
+                raise RuntimeError(f"{name} is planned for quantization but has no qparams")
+            set_qparams(sub, qparams[name])
+            if name in input_scales:
+                set_input_scale(sub, input_scales[name])
+            sub.quantization_status = QuantizationStatus.FROZEN
+            with as_single_threaded():
+                compress_module(sub)
+        tensors, seen = {}, set()
+        for module in modules:
+            prefix = self.names[module]
+            for key, value in module.state_dict(prefix=f"{prefix}." if prefix else "", keep_vars=True).items():
+                if id(value) not in seen:
+                    seen.add(id(value))
+                    tensors[key] = value.detach()
+        self.shards.add(tensors)
+
+    def finish(self) -> None:
+        """The shards (and their index), config.json with the quantization config, generation_config.json."""
+        with as_single_threaded():
+            compressor = ModelCompressor.from_pretrained_model(self.model)
+        self.shards.finish()
+        self.model.config.save_pretrained(self.out_dir)
+        if getattr(self.model, "generation_config", None) is not None and self.model.can_generate():
+            self.model.generation_config.save_pretrained(self.out_dir)
+        compressor.update_config(str(self.out_dir))
