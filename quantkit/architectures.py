@@ -67,19 +67,27 @@ class LayerWiring:
         return self.qkv, (self.o,), self.gate_up, (self.down,)
 
     @property
+    def parallel(self) -> bool:
+        """Attention and MLP read one norm's output, h + attention(norm(h)) + mlp(norm(h)) (Cohere; traced): one
+        scale per channel of that norm serves q/k/v and gate/up alike."""
+        return self.input_norm is not None and self.input_norm == self.post_attention_norm
+
+    @property
     def smoothing(self) -> tuple[tuple[str | None, tuple[str, ...]], ...]:
         """(norm, the Linears it feeds): where SmoothQuant folds its scales (no norm: nowhere)."""
+        if self.parallel:
+            return ((self.input_norm, self.qkv + self.gate_up),)
         return (self.input_norm, self.qkv), (self.post_attention_norm, self.gate_up)
 
     @property
     def awq_mappings(self) -> tuple[tuple[str | None, tuple[str, ...], str], ...]:
-        """(the op feeding the Linears (None: no norm feeds them), the Linears, the block whose output measures the error)."""
-        return (
-            (self.input_norm, self.qkv, self.attention),
-            (self.v, (self.o,), self.o),  # skipped by AWQ where v's output is not o's whole input (GQA, fused qkv)
-            (self.post_attention_norm, self.gate_up, self.mlp),
-            (self.up, (self.down,), self.down),  # skipped where up's output reaches down through a non-linear op
-        )
+        """(the op feeding the Linears (None: no norm feeds them), the Linears, the block whose output measures the
+        error; "" is the whole layer)."""
+        v_o = (self.v, (self.o,), self.o)  # skipped by AWQ where v's output is not o's whole input (GQA, fused qkv)
+        up_down = (self.up, (self.down,), self.down)  # skipped where up's output reaches down through a non-linear op
+        if self.parallel:
+            return (self.input_norm, self.qkv + self.gate_up, ""), v_o, up_down
+        return (self.input_norm, self.qkv, self.attention), v_o, (self.post_attention_norm, self.gate_up, self.mlp), up_down
 
     @property
     def parts(self) -> tuple[str, ...]:

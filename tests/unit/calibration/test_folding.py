@@ -40,6 +40,7 @@ def _layer_and_inputs(model_type: str, **extra):
     ("llama", {}, "post_attention_layernorm", 0.0),
     ("gemma2", {"head_dim": 16}, "pre_feedforward_layernorm", 1.0),
     ("starcoder2", {}, "post_attention_layernorm", 0.0),  # nn.LayerNorm: the scales fold into weight and bias
+    ("cohere", {}, "input_layernorm", 0.0),  # attention and MLP in parallel, on one norm's output
 ])
 def test_folding_into_the_traced_norms_keeps_the_layers_function(model_type, extra, mlp_norm, offset):
     layer, inputs = _layer_and_inputs(model_type, **extra)
@@ -55,20 +56,21 @@ def test_folding_into_the_traced_norms_keeps_the_layers_function(model_type, ext
         torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("model_type", ["starcoder2", "cohere"])
 @pytest.mark.parametrize("recipe, step, args", [("awq-w4a16", awq_step, AWQArgs(grid=4)),
                                                  ("smoothquant-w8a8", smoothquant_step, SmoothQuantArgs())])
-def test_the_steps_fold_into_a_layernorm_with_a_bias_keeping_the_layers_function(recipe, step, args):
+def test_the_steps_fold_keeping_the_layers_function(model_type, recipe, step, args):
     """Starcoder2's LayerNorms have a bias (set away from 0 here): a step that divided only the weight by the scales
-    would change the layer."""
-    model, inputs = _model_and_inputs("starcoder2")
+    would change the layer. Cohere's attention and MLP read one norm: folding a scale for each into it would too."""
+    model, inputs = _model_and_inputs(model_type)
     module = decoder_layers(model)[0]
-    norms = [module.input_layernorm.weight, module.input_layernorm.bias, module.post_attention_layernorm.bias]
+    norms = [p for name, p in module.named_parameters() if "layernorm" in name]
     before = [p.detach().clone() for p in norms]
     reference = run_layer(module, inputs)
     plan = {e.name: e for e in plan_model(model, registry.resolve(recipe))}
     layer = Layer(module, "model.layers.0", 0, inputs, plan, registry.resolve(recipe), CalibrationResult())
     step(layer, args)
-    assert all(not torch.equal(p, b) for p, b in zip(norms, before))  # scales were folded, into the biases too
+    assert norms and all(not torch.equal(p, b) for p, b in zip(norms, before))  # folded, into the biases too
     for ours, theirs in zip(run_layer(module, inputs), reference):
         torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
 
