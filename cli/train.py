@@ -52,6 +52,7 @@ def train(
     overrides += [f"train.max_steps={max_steps}"] if max_steps else []
     overrides += [f"qat_recipe={qat_recipe}"] if qat_recipe else []
     cfg = train_config.load(config, overrides)  # validated before launching any process
+    train_config.resolve_sources(cfg)  # a missing directory or hub id too, before torch loads
     if cfg.qat_recipe:
         from quantkit import qat
 

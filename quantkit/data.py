@@ -18,15 +18,16 @@ DEFAULT_SPLIT = "test"
 _SPEC_HINT = "pass a .txt/.jsonl/.parquet file or a datasets spec like wikitext:wikitext-2-raw-v1:test"
 
 
-def load_texts(spec: str, text_field: str = "text") -> list[str]:
+def load_texts(spec: str, text_field: str = "text", default_split: str = DEFAULT_SPLIT) -> list[str]:
     """The documents named by `spec`: a local file if it exists or has a data suffix, else a `datasets` spec
-    `name[:config][:split]` (split defaults to "test"); `name` may be a hub name or a local dataset directory."""
+    `name[:config][:split]` (split defaults to `default_split`: "test", or "train" for training data); `name` may
+    be a hub name or a local dataset directory."""
     if Path(spec.split(":", 1)[0]).is_dir():  # a local dataset directory, loaded by `datasets` like a hub name
-        texts = _load_datasets(spec, text_field)
+        texts = _load_datasets(spec, text_field, default_split)
     elif Path(spec).exists() or Path(spec).suffix.lower() in LOCAL_SUFFIXES:
         texts = _load_local(Path(spec), text_field)
     else:
-        texts = _load_datasets(spec, text_field)
+        texts = _load_datasets(spec, text_field, default_split)
     if not any(texts):
         raise DataError(f"{spec} has no text (every '{text_field}' value is empty)")
     return texts
@@ -92,19 +93,19 @@ def _column_of(table, text_field: str, where: str) -> list[str]:
     return [value or "" for value in table[text_field]]
 
 
-def parse_hub_spec(spec: str) -> tuple[str, str | None, str]:
+def parse_hub_spec(spec: str, default_split: str = DEFAULT_SPLIT) -> tuple[str, str | None, str]:
     """`name[:config][:split]` -> (name, config, split)."""
     parts = spec.split(":")
     if len(parts) > 3 or not all(parts):
         raise DataError(f"'{spec}' is not a file or a datasets spec; {_SPEC_HINT}")
     name, config, split = (parts + [None, None])[:3]
-    return name, config, split or DEFAULT_SPLIT
+    return name, config, split or default_split
 
 
-def _load_datasets(spec: str, text_field: str) -> list[str]:
+def _load_datasets(spec: str, text_field: str, default_split: str) -> list[str]:
     import datasets
 
-    name, config, split = parse_hub_spec(spec)
+    name, config, split = parse_hub_spec(spec, default_split)
     try:
         table = datasets.load_dataset(name, config, split=split)
     except Exception as exc:  # offline, unknown name, bad config/split: all reported the same way

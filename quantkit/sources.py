@@ -30,26 +30,41 @@ def check_model_dir(path: str | Path) -> Path:
 
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # org/name
-HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.model", "merges.txt", "vocab.*", "*.jinja"]
+TOKENIZER_FILES = ["*.json", "tokenizer*", "*.model", "merges.txt", "vocab.*", "*.jinja"]
+HUB_FILES = [*TOKENIZER_FILES, "*.safetensors"]
+
+
+def is_hub_id(source: str | Path) -> bool:
+    """`org/name` that is not an existing path: resolved through the Hugging Face cache."""
+    return not Path(source).exists() and bool(HUB_ID.match(str(source)))
 
 
 def resolve_source(source: str | Path, revision: str | None = None) -> Path:
     """A model directory: `source` itself when it exists (or does not look like a hub id), else the hub id
     `org/name` resolved through huggingface_hub: its cache (HF_HOME; HF_HUB_OFFLINE=1 never goes online), or a
     download of the config, weights and tokenizer when the network allows."""
-    if Path(source).exists() or not HUB_ID.match(str(source)):
+    if not is_hub_id(source):
         return check_model_dir(source)
+    return check_model_dir(_snapshot(str(source), revision, HUB_FILES, "model"))
+
+
+def resolve_tokenizer(source: str | Path, revision: str | None = None) -> Path:
+    """A tokenizer directory: `source` itself when it is not a hub id, else the hub id's tokenizer files (no
+    weights) resolved like `resolve_source`. Whether tokenizer files are there is `models.load_tokenizer`'s check."""
+    return _snapshot(str(source), revision, TOKENIZER_FILES, "tokenizer") if is_hub_id(source) else Path(source)
+
+
+def _snapshot(repo_id: str, revision: str | None, patterns: list[str], what: str) -> Path:
     from huggingface_hub import snapshot_download
 
     try:
-        folder = snapshot_download(str(source), revision=revision, allow_patterns=HUB_FILES)
+        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns))
     except Exception as exc:  # noqa: BLE001 - offline misses, unknown repos and revisions, network failures alike
         reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise SourceModelError(
-            f"{source} is neither a directory nor a model in the Hugging Face cache ({reason}); pass a model "
-            f"directory, or download it first (`hf download {source}`)"
+            f"{repo_id} is neither a directory nor a {what} in the Hugging Face cache ({reason}); pass a {what} "
+            f"directory, or download it first (`hf download {repo_id}`)"
         ) from exc
-    return check_model_dir(folder)
 
 
 def check_safetensors(path: Path) -> None:

@@ -24,7 +24,7 @@ from quantkit.errors import UsageError
 from quantkit.export import atomic, metadata
 from quantkit.progress import QUIET, Progress
 from quantkit.registry import Recipe
-from quantkit.train_config import TrainConfig, accumulation_steps
+from quantkit.train_config import Sources, TrainConfig, accumulation_steps, resolve_sources
 
 
 @dataclass
@@ -54,6 +54,7 @@ class Run:
     eval_ids: torch.Tensor | None
     accum: int
     recipe: Recipe | None
+    sources: Sources
     start_step: int = 0
 
 
@@ -80,12 +81,12 @@ def autocast(config: TrainConfig, device: torch.device):
     return torch.autocast(device.type, dtype=torch.bfloat16)
 
 
-def build_model(config: TrainConfig, source: Path | None) -> nn.Module:
-    """fp32 master weights: from a checkpoint being resumed, a model directory, or a config (from scratch)."""
+def build_model(config: TrainConfig, path: Path | None) -> nn.Module:
+    """fp32 master weights: from a model directory (a checkpoint being resumed, or model.path resolved), or
+    model.config (from scratch) when `path` is None."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(config.train.seed)
-    path = source or (Path(config.model.path) if config.model.path else None)
     if path is not None:
         path = sources.check_model_dir(path)
         models.check_full_precision(path)  # QAT and other Linear transformations do not stack on a quantized model
@@ -97,7 +98,8 @@ def build_model(config: TrainConfig, source: Path | None) -> nn.Module:
 
 def load_blocks(config: TrainConfig, tokenizer) -> tuple[torch.Tensor, torch.Tensor | None]:
     d = config.data
-    blocks = data.pack_blocks(data.tokenize(tokenizer, data.load_texts(d.train, d.text_field)), d.seq_len)
+    train_texts = data.load_texts(d.train, d.text_field, default_split="train")  # a datasets spec's train split
+    blocks = data.pack_blocks(data.tokenize(tokenizer, train_texts), d.seq_len)
     eval_ids = data.tokenize(tokenizer, data.load_texts(d.eval, d.text_field)) if d.eval else None
     return blocks, eval_ids
 
@@ -113,9 +115,10 @@ def setup(config: TrainConfig, ctx: Context, recipe: Recipe | None, resume_from:
     from quantkit import qat
     from quantkit.plan import plan_model
 
-    tokenizer = models.load_tokenizer(config.model.tokenizer or config.model.path, fix="set model.tokenizer to a tokenizer directory")
+    found = resolve_sources(config)
+    tokenizer = models.load_tokenizer(found.tokenizer, fix="set model.tokenizer to a tokenizer directory or hub id")
     blocks, eval_ids = load_blocks(config, tokenizer)
-    model = build_model(config, resume_from)
+    model = build_model(config, resume_from or found.model)
     if recipe is not None:  # fake quantizers go in before the optimizer is built
         qat.prepare(model, plan_model(model, recipe))
     model.to(ctx.device)
@@ -125,7 +128,7 @@ def setup(config: TrainConfig, ctx: Context, recipe: Recipe | None, resume_from:
         trained = nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
     optimizer, scheduler = make_optimizer(model, config)
     run = Run(config, ctx, model, trained, tokenizer, optimizer, scheduler, blocks, eval_ids,
-              accumulation_steps(config, ctx.world_size), recipe)
+              accumulation_steps(config, ctx.world_size), recipe, found)
     if resume_from is not None:
         restore(run, checkpoint.load_state(resume_from))
     return run
@@ -178,7 +181,9 @@ def evaluate(run: Run) -> float | None:
 def model_info(run: Run, step: int) -> dict[str, Any]:
     info: dict[str, Any] = {"kind": "training-checkpoint", "step": step, "world_size": run.ctx.world_size,
                             "accumulation_steps": run.accum, "versions": metadata.versions(),
-                            "train_config": run.config.to_dict()}
+                            "train_config": run.config.to_dict(),
+                            "sources": {"model": str(run.sources.model) if run.sources.model else None,
+                                        "tokenizer": str(run.sources.tokenizer)}}
     if run.recipe is not None:
         info["qat"] = {"recipe": run.recipe.to_dict(), "scheme": run.recipe.scheme.describe()}
     return info

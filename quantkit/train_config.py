@@ -24,9 +24,19 @@ class ConfigError(UsageError):
 
 @dataclass
 class ModelSection:
-    path: str | None = None  # a Hugging Face model directory to fine-tune
+    path: str | None = None  # a Hugging Face model directory or hub id (org/name, from the HF cache) to fine-tune
+    revision: str | None = None  # with a hub id in `path`: the branch, tag or commit; default: main
     config: dict | None = None  # or a model config (with model_type) to train from scratch
-    tokenizer: str | None = None  # tokenizer directory; default: `path`
+    tokenizer: str | None = None  # tokenizer directory or hub id; default: `path`
+    tokenizer_revision: str | None = None  # with a hub id in `tokenizer`
+
+
+@dataclass(frozen=True)
+class Sources:
+    """Where the model and tokenizer come from, as directories."""
+
+    model: Path | None  # None: trained from model.config
+    tokenizer: Path
 
 
 @dataclass
@@ -157,6 +167,11 @@ def validate(config: TrainConfig) -> None:
         raise ConfigError("model.config.model_type is required (e.g. llama)")
     if m.config is not None and not m.tokenizer:
         raise ConfigError("model.tokenizer is required when training from model.config")
+    if m.revision is not None and m.path is None:
+        raise ConfigError("model.revision is the revision of model.path (a hub id); set model.path or remove model.revision")
+    if m.tokenizer_revision is not None and m.tokenizer is None:
+        raise ConfigError("model.tokenizer_revision is the revision of model.tokenizer (a hub id); set model.tokenizer "
+                          "or use model.revision for model.path's tokenizer")
     if not d.train:
         raise ConfigError("data.train is required (a .txt/.jsonl/.parquet file or a datasets spec)")
     for key, choices in _CHOICES.items():
@@ -171,6 +186,26 @@ def validate(config: TrainConfig) -> None:
             raise ConfigError(f"{key}: must be >= 1 (got {value})")
     if t.lr <= 0 or not 0 <= t.min_lr_ratio <= 1 or t.warmup_steps < 0:
         raise ConfigError("train.lr must be > 0, train.min_lr_ratio in [0, 1], train.warmup_steps >= 0")
+
+
+def resolve_sources(config: TrainConfig) -> Sources:
+    """model.path and model.tokenizer as directories: as given, or hub ids resolved through the Hugging Face cache
+    (`sources.resolve_source`: HF_HUB_OFFLINE=1 never goes online). The tokenizer defaults to the model's. Errors
+    name the config key."""
+    from quantkit import sources
+    from quantkit.errors import SourceModelError
+
+    m = config.model
+    try:
+        model = sources.resolve_source(m.path, m.revision) if m.path else None
+    except SourceModelError as exc:
+        raise SourceModelError(f"model.path: {exc}") from exc
+    if not m.tokenizer:
+        return Sources(model, model)
+    try:
+        return Sources(model, sources.resolve_tokenizer(m.tokenizer, m.tokenizer_revision))
+    except SourceModelError as exc:
+        raise SourceModelError(f"model.tokenizer: {exc}") from exc
 
 
 def accumulation_steps(config: TrainConfig, world_size: int) -> int:

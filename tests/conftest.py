@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -39,3 +42,23 @@ def text_file(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("data") / "eval.txt"
     path.write_text(make_text(1500, seed=1))
     return path
+
+
+HUB_COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+def hub_snapshot(home: Path, repo_id: str, commit: str = HUB_COMMIT, ref: str = "main") -> Path:
+    """An empty snapshot directory of `repo_id` at `commit` in the huggingface_hub cache under HF_HOME=`home`, named
+    by refs/`ref`: fill it, and with HF_HUB_OFFLINE=1 the hub id resolves to it (at revision `ref` or `commit`)."""
+    repo = home / "hub" / f"models--{repo_id.replace('/', '--')}"
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (repo / "refs").mkdir(exist_ok=True)
+    (repo / "refs" / ref).write_text(commit)
+    return snapshot
+
+
+def quantkit_offline(home: Path, *args: str) -> subprocess.CompletedProcess:
+    """`quantkit ARGS` in a fresh process with HF_HOME=`home`, offline."""
+    env = {**os.environ, "HF_HOME": str(home), "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([sys.executable, "-m", "quantkit.cli.main", *args], env=env, capture_output=True, text=True)

@@ -276,6 +276,23 @@ def fake_train(monkeypatch):
     return calls
 
 
+def test_train_refuses_a_missing_model_before_launching(monkeypatch, train_yaml):
+    from quantkit import sources
+    from quantkit.errors import SourceModelError
+
+    def missing(src, revision=None):
+        raise SourceModelError(f"{src} does not exist (revision {revision})")
+
+    launched = []
+    monkeypatch.setattr(sources, "resolve_source", missing)
+    monkeypatch.setattr(quantkit.train, "train", lambda *a, **k: pytest.fail("train must not run"))
+    monkeypatch.setattr(launch, "run_torchrun", lambda args: launched.append(args) or 0)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    result = invoke("train", str(train_yaml), "--nproc-per-node", "2")
+    assert result.exit_code == 2 and "model.path: m does not exist (revision None)" in result.output and not launched
+
+
 def test_train_passes_the_resolved_config(fake_train, train_yaml):
     result = invoke("train", str(train_yaml), "--qat-recipe", "int4-weight-only", "--set", "train.lr=1e-4",
                     "--max-steps", "7", "--output-dir", "runs/x", "--resume", "latest")

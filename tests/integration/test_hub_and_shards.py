@@ -4,16 +4,15 @@ sharded safetensors (an index file) in it."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.integration
+from conftest import HUB_COMMIT as COMMIT
+from conftest import hub_snapshot
+from conftest import quantkit_offline as _quantkit
 
-COMMIT = "0123456789abcdef0123456789abcdef01234567"
+pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
@@ -22,18 +21,10 @@ def hub_home(tiny_model_dir, tmp_path_factory) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     home = tmp_path_factory.mktemp("hf-home")
-    repo = home / "hub" / "models--org--tiny"
-    snapshot = repo / "snapshots" / COMMIT
+    snapshot = hub_snapshot(home, "org/tiny", COMMIT)
     AutoModelForCausalLM.from_pretrained(tiny_model_dir).save_pretrained(snapshot, max_shard_size="100KB")
     AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(snapshot)
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text(COMMIT)
     return home
-
-
-def _quantkit(home: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HOME": str(home), "HF_HUB_OFFLINE": "1"}
-    return subprocess.run([sys.executable, "-m", "quantkit.cli.main", *args], env=env, capture_output=True, text=True)
 
 
 def test_a_hub_id_resolves_offline_from_the_cache_with_sharded_weights(hub_home, tmp_path):

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from quantkit import registry, train_config
 from quantkit.train import train
 
-from conftest import make_text
+from conftest import HUB_COMMIT, hub_snapshot, make_text, quantkit_offline
 
 pytestmark = pytest.mark.integration
 
@@ -92,6 +92,25 @@ def test_resume_latest_continues_to_a_longer_run(workspace):
                                 if "loss" in r][-2:] == [3, 4]
 
 
+def test_train_data_takes_a_datasets_spec_and_its_train_split(workspace, tmp_path):
+    """data.train as a datasets spec (a local dataset directory: the loader hub names go through); without a split
+    it reads "train", where eval and calibration default to "test". data.eval keeps "test"."""
+    from quantkit.data import tokenize
+    from quantkit.models import load_tokenizer
+    from quantkit.train import load_blocks
+
+    root = tmp_path / "my-dataset"
+    root.mkdir()
+    train_text = make_text(400, seed=7)
+    (root / "train.jsonl").write_text(json.dumps({"text": train_text}) + "\n")
+    (root / "test.jsonl").write_text(json.dumps({"text": "held out"}) + "\n")
+    cfg = train_config.from_dict({**config_dict(workspace, "ds"), "data": {"train": str(root), "eval": str(root), "seq_len": 32}})
+    tokenizer = load_tokenizer(workspace / "tok")
+    blocks, eval_ids = load_blocks(cfg, tokenizer)
+    assert len(blocks) > 1 and blocks.flatten().tolist() == tokenize(tokenizer, [train_text])[: blocks.numel()].tolist()
+    assert tokenizer.decode(eval_ids) == "held out"
+
+
 def _cli_train(cfg_path: Path, *args: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID")}
     return subprocess.run([sys.executable, "-m", "quantkit.cli.main", "train", str(cfg_path), "--quiet", *args],
@@ -144,3 +163,67 @@ def test_qat_train_finalize_reload(workspace, recipe, tmp_path):
         torch.testing.assert_close(reloaded[name], weight.float(), atol=0, rtol=0, msg=name)
     info = json.loads((artifact / "quantkit.json").read_text())
     assert info["source"]["qat_recipe"] == recipe
+
+
+TAGGED = "1" * 40  # org/tiny's commit at tag v1
+
+
+@pytest.fixture(scope="module")
+def hub_home(workspace, tiny_model_dir, tmp_path_factory) -> Path:
+    """HF_HOME with org/tiny cached at main and at tag v1 (two snapshots of the tiny Llama), and org/tok: a
+    tokenizer alone (no config, no weights)."""
+    import shutil
+
+    home = tmp_path_factory.mktemp("hf-home")
+    for commit, ref in ((HUB_COMMIT, "main"), (TAGGED, "v1")):
+        shutil.copytree(tiny_model_dir, hub_snapshot(home, "org/tiny", commit, ref), dirs_exist_ok=True)
+    shutil.copytree(workspace / "tok", hub_snapshot(home, "org/tok"), dirs_exist_ok=True)
+    return home
+
+
+def _snapshot(home: Path, repo: str, commit: str) -> str:
+    return str(home / "hub" / f"models--{repo.replace('/', '--')}" / "snapshots" / commit)
+
+
+def _hub_config(workspace: Path, tmp_path: Path, model: dict) -> Path:
+    cfg = {"model": model, "data": {"train": str(workspace / "train.txt"), "seq_len": 32}, "output_dir": str(tmp_path / "run"),
+           "train": {"micro_batch_size": 4, "global_batch_size": 4, "max_steps": 2, "warmup_steps": 1}}
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def test_train_fine_tunes_hub_ids_from_the_cache(workspace, hub_home, tmp_path, monkeypatch):
+    """model.path and model.tokenizer as hub ids, offline: model.revision picks the snapshot; the run records
+    the directories it read and keeps the ids in its config. In this process (a fresh one costs 8 s of imports):
+    huggingface_hub reads HF_HOME at import, so its cache and offline switch are set where it reads them."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(hub_home / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    model = {"path": "org/tiny", "revision": "v1", "tokenizer": "org/tok"}
+    train(train_config.load(_hub_config(workspace, tmp_path, model)))
+    info = json.loads((tmp_path / "run" / "final" / "quantkit.json").read_text())
+    assert info["sources"] == {"model": _snapshot(hub_home, "org/tiny", TAGGED), "tokenizer": _snapshot(hub_home, "org/tok", HUB_COMMIT)}
+    assert info["train_config"]["model"] | model == info["train_config"]["model"] and info["step"] == 2
+
+
+def test_the_tokenizer_defaults_to_the_models_snapshot(hub_home):
+    code = ("from quantkit import train_config as t; "
+            "s = t.resolve_sources(t.from_dict({'model': {'path': 'org/tiny'}, 'data': {'train': 'x.txt'}})); "
+            "print(s.model, s.tokenizer, 'torch' in __import__('sys').modules)")
+    env = {**os.environ, "HF_HOME": str(hub_home), "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    main = _snapshot(hub_home, "org/tiny", HUB_COMMIT)
+    assert done.stdout.split() == [main, main, "False"], done.stderr[-2000:]  # resolved before torch loads
+
+
+@pytest.mark.parametrize("model, message", [
+    ({"path": "org/absent"}, "model.path: org/absent is neither a directory nor a model in the Hugging Face cache"),
+    ({"path": "org/tiny", "revision": "v9"}, "model.path: org/tiny is neither a directory nor a model"),
+    ({"path": "org/tiny", "tokenizer": "org/absent"}, "model.tokenizer: org/absent is neither a directory nor a tokenizer"),
+])
+def test_a_hub_id_missing_from_the_cache_is_a_one_line_usage_error(workspace, hub_home, tmp_path, model, message):
+    done = quantkit_offline(hub_home, "train", str(_hub_config(workspace, tmp_path, model)))
+    assert done.returncode == 2 and message in done.stderr and "hf download" in done.stderr, done.stderr[-2000:]
+    assert len(done.stderr.strip().splitlines()) == 1 and not (tmp_path / "run").exists()

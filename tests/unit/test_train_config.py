@@ -30,6 +30,9 @@ def test_defaults_and_float_coercion():
         ({"model": {"config": {"hidden_size": 8}, "tokenizer": "t"}}, "model_type is required"),
         ({"model": {"config": {"model_type": "llama"}}}, "model.tokenizer is required"),
         ({"train": {"micro_batch": 4}}, "unknown key 'train.micro_batch'"),
+        ({"model": {"config": {"model_type": "llama"}, "tokenizer": "t", "revision": "v1"}}, "model.revision is the revision of model.path"),
+        ({"model": {"path": "org/m", "tokenizer_revision": "v1"}}, "model.tokenizer_revision is the revision of model.tokenizer"),
+        ({"model": {"path": "org/m", "revision": 3}}, "model.revision: 3 is not allowed; expected str or null"),
     ],
 )
 def test_config_errors_name_the_key(sections, message):
