@@ -57,6 +57,9 @@ def finalize(
     resume: Annotated[
         bool, typer.Option("--resume", help="Continue an interrupted calibrated run from its last finished layer (saved in DST.partial).")
     ] = False,
+    in_memory: Annotated[
+        bool, typer.Option("--in-memory", help="Load the whole model instead of streaming it one decoder layer at a time (needs RAM for about twice the model).")
+    ] = False,
     json_path: JsonOpt = None,
     quiet: QuietOpt = False,
 ) -> None:
@@ -92,7 +95,8 @@ def finalize(
 
     options = CalibrationOptions(data=calib_data, num_samples=num_samples, seq_len=seq_len, device=device)
     if dry_run:
-        plan = library.dry_run(src, recipe, fmt, options, nproc_per_node, trust_remote_code, revision, dst, dtype.value)
+        plan = library.dry_run(src, recipe, fmt, options, nproc_per_node, trust_remote_code, revision, dst, dtype.value,
+                               in_memory)
         if json_path:
             write_json(json_path, "finalize --dry-run", plan)
         else:
@@ -110,7 +114,7 @@ def finalize(
         src, dst, recipe, fmt, overwrite=overwrite, dtype=dtype.value, threads=threads,
         trust_remote_code=trust_remote_code, force_recipe=force_recipe, progress=Progress(enabled=not quiet),
         calibration=options, revision=revision, max_shard_size=max_shard_size, resume=resume,
-        announce=None if quiet else announce,
+        announce=None if quiet else announce, in_memory=in_memory,
     )
     if not quiet:
         print_summary(result)
@@ -132,6 +136,7 @@ def print_plan(plan: dict, recipe: str, dst) -> None:
     report = plan["preflight"]
     table = Table(title=f"{recipe} -> {dst}: preflight (nothing loaded)", show_header=False)
     table.add_row("peak RAM", f"about {human_bytes(report['peak_ram_bytes'])} per rank")
+    table.add_row("", "the model streamed, one decoder layer at a time" if report["streamed"] else "the whole model loaded (see `--in-memory`)")
     for part, size in report["peak_ram_breakdown"].items():
         table.add_row("", f"{human_bytes(size)}  {part}")
     if report["peak_device_bytes"]:
@@ -159,7 +164,7 @@ def result_dict(result) -> dict:
         "modules": {"quantized": sum(e.quantized for e in result.plan), "linear": len(result.plan), "left_out": left_out},
         "source_bytes": result.source_bytes, "output_bytes": result.output_bytes, "seconds": round(result.seconds, 3),
         "threads": result.threads, "calibration": result.calibration, "coverage": result.coverage,
-        "peak_ram_bytes": result.peak_ram_bytes, "preflight": result.preflight,
+        "peak_ram_bytes": result.peak_ram_bytes, "preflight": result.preflight, "loading": result.loading,
     }
 
 
@@ -209,6 +214,8 @@ def print_summary(result) -> None:
         if calib.get("owners"):
             table.add_row("  GPTQ modules per rank", " / ".join(map(str, calib["owners"]["modules_per_rank"])))
     table.add_row("time", f"{result.seconds:.1f} s on {result.threads} threads")
+    if result.loading:
+        table.add_row("model held", result.loading)
     if result.peak_ram_bytes and result.preflight:
         table.add_row("peak RAM", f"{human_bytes(result.peak_ram_bytes)} (estimated {human_bytes(result.preflight['peak_ram_bytes'])})")
     out.print(table)

@@ -102,7 +102,19 @@ def prepare(
             f"recipe '{recipe.name}' quantizes none of the {len(plan)} Linear modules of {src} ({plan[0].name}: {plan[0].note}); "
             "use a recipe with a smaller group size or per-channel weights"
         )
-    return Prepared(src=src, format=fmt, plan=plan, coverage=coverage(skeleton, plan))
+    prepared = Prepared(src=src, format=fmt, plan=plan, coverage=coverage(skeleton, plan))
+    prepared.loading = _whole_model_reason(src, fmt, skeleton)
+    return prepared
+
+
+def _whole_model_reason(src: Path, fmt: Format, skeleton: nn.Module) -> str | None:
+    """Why finalize must load this model whole instead of streaming it layer by layer, or None."""
+    from quantkit.streaming import layout_mismatch
+
+    if fmt is Format.TORCHAO:
+        return "whole model in memory: transformers converts to torchao while it loads"
+    reason = layout_mismatch(skeleton, sources.tensor_files(src))
+    return f"whole model in memory: {reason}" if reason else None
 
 
 def calibration_samples(src: Path, recipe: Recipe, options: CalibrationOptions, trust_remote_code: bool = False):
@@ -257,11 +269,14 @@ def finalize(
     max_shard_size: str | None = None,
     resume: bool = False,
     announce=None,
+    in_memory: bool = False,
 ) -> FinalizeResult:
     """Quantize SRC into DST. Under torchrun (WORLD_SIZE > 1) every rank runs this; calibration is data-parallel
     and only rank 0 writes, after every rank has finished calibrating. A calibrated run saves every finished
-    layer beside DST (`calibration.resume`); `resume` continues an interrupted one. Before loading, the
-    preflight estimate is checked against the free disk at DST and passed to `announce`."""
+    layer beside DST (`calibration.resume`); `resume` continues an interrupted one. The model is streamed, one
+    decoder layer read, quantized and written at a time (`open_streamed`), unless `in_memory` or where it
+    cannot be. Before loading, the preflight estimate is checked against the free disk at DST and passed to
+    `announce`."""
     from quantkit import distributed, preflight
 
     start = time.perf_counter()
@@ -277,13 +292,14 @@ def finalize(
         prepared.work_dir, prepared.resume = atomic.work_dir(dst), resume
     atomic.check_work_dir(dst, resume)
     world = distributed.world_from_env()[1]
-    estimate = preflight.estimate(prepared, recipe, calibration or CalibrationOptions(), world, dst, dtype)
+    estimate = preflight.estimate(prepared, recipe, calibration or CalibrationOptions(), world, dst, dtype,
+                                  streamed=not in_memory and prepared.loading is None)
     preflight.check_disk(estimate, dst)
     if announce is not None:
         announce(estimate)
     used_threads = runtime.set_threads(threads)
     with distributed.process_group() as ctx:
-        streamed = open_streamed(prepared, dtype, trust_remote_code, progress)
+        streamed = open_streamed(prepared, dtype, trust_remote_code, in_memory)
         with _resumable_errors(prepared):
             if streamed is not None:
                 _write_errors(dst, lambda: _stream(streamed, prepared, recipe, dst, overwrite, trust_remote_code,
@@ -328,22 +344,26 @@ def _resumable_errors(prepared: Prepared):
 # ---------------------------------------------------------------- streaming: one decoder layer in memory at a time
 
 
-def open_streamed(prepared: Prepared, dtype: str, trust_remote_code: bool, progress: Progress):
+def open_streamed(prepared: Prepared, dtype: str, trust_remote_code: bool, in_memory: bool = False):
     """The source as a `streaming.StreamedModel` (its decoder layers still on disk), or None where finalize loads
-    it whole: the torchao format (transformers converts while it loads) or a checkpoint stored in another layout
-    than the model's own (said on the progress line)."""
+    it whole: asked to (`in_memory`), the torchao format (transformers converts while it loads), or a checkpoint
+    stored in another layout than the model's own. `prepared.loading` says which, and why."""
     from quantkit.streaming import NotStreamable, StreamedModel
 
-    if prepared.format is Format.TORCHAO:
-        prepared.loading = "whole model in memory: transformers converts to torchao while it loads"
+    if in_memory:
+        prepared.loading = "whole model in memory (--in-memory)"
+    if prepared.loading is not None:
         return None
     try:
         streamed = StreamedModel.open(prepared.src, dtype, trust_remote_code)
     except NotStreamable as exc:
         prepared.loading = f"whole model in memory: {exc}"
         return None
-    prepared.loading = "streamed: one decoder layer in memory at a time"
+    prepared.loading = STREAMED
     return streamed
+
+
+STREAMED = "streamed: one decoder layer in memory at a time"
 
 
 class _LayerIO:
@@ -412,7 +432,7 @@ def _round_streamed(streamed, plan: list[ModulePlan], recipe: Recipe, prepared: 
 
 def dry_run(src: str | Path, recipe: Recipe, fmt: Format | None, calibration: CalibrationOptions | None,
             world_size: int, trust_remote_code: bool = False, revision: str | None = None, dst: str | Path | None = None,
-            dtype: str = "auto") -> dict:
+            dtype: str = "auto", in_memory: bool = False) -> dict:
     """The plan without loading weights: each rank's share of the samples, the owner of every GPTQ module
     (bin-packed per layer on GPTQ work, modules sharing a Hessian together), and the preflight: peak RAM and
     device memory, output and work directory size, free disk at DST, and the time one layer takes here."""
@@ -430,7 +450,7 @@ def dry_run(src: str | Path, recipe: Recipe, fmt: Format | None, calibration: Ca
             shapes = {e.name: (e.in_features, e.out_features) for e in quantized if e.name.rsplit(".", 2)[0] == layer}
             owners.update(gptq_owners(shapes, shared_input_leaders(list(shapes)), world_size))
     report = preflight.estimate(prepared, recipe, options, world_size, dst, dtype, measure_time=True,
-                                trust_remote_code=trust_remote_code)
+                                trust_remote_code=trust_remote_code, streamed=not in_memory and prepared.loading is None)
     return {
         "ranks": world_size,
         "samples_per_rank": report["samples_per_rank"],

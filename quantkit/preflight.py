@@ -24,6 +24,7 @@ own work does not), times the layers.
 from __future__ import annotations
 
 import copy
+import re
 import resource
 import shutil
 import sys
@@ -35,12 +36,14 @@ from quantkit.plan import ModulePlan
 from quantkit.registry import Format, Recipe
 
 LOAD_AND_WRITE_COPIES = {Format.COMPRESSED_TENSORS: 2.3, Format.TORCHAO: 1.75}
+STREAMED_LAYER_COPIES = 3
 _LOAD_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def estimate(prepared, recipe: Recipe, options, world_size: int, dst: str | Path | None, dtype: str = "auto",
-             measure_time: bool = False, trust_remote_code: bool = False) -> dict:
-    """The preflight report (`finalize --dry-run`, and the check a real run makes before loading)."""
+             measure_time: bool = False, trust_remote_code: bool = False, streamed: bool | None = None) -> dict:
+    """The preflight report (`finalize --dry-run`, and the check a real run makes before loading). `streamed`:
+    whether finalize streams the model layer by layer (default: where it can, `prepared.loading` is None)."""
     from quantkit import data
     from quantkit.export import exporter
 
@@ -58,8 +61,15 @@ def estimate(prepared, recipe: Recipe, options, world_size: int, dst: str | Path
 
     _import_run_modules(recipe)
     fixed = peak_resident_bytes()
-    ram = {"fixed (this process: python, torch, transformers)": fixed,
-           "model and its transient copy while loading and writing": int(LOAD_AND_WRITE_COPIES[prepared.format] * model_bytes)}
+    streamed = prepared.loading is None if streamed is None else streamed
+    ram = {"fixed (this process: python, torch, transformers)": fixed}
+    if streamed:
+        per_layer = _layer_bytes(headers, numel, size)
+        rest = model_bytes - sum(per_layer.values())
+        ram["embeddings, final norm and lm_head (held; copied once when written)"] = 2 * rest
+        ram["one decoder layer (read, quantized, packed)"] = STREAMED_LAYER_COPIES * max(per_layer.values(), default=0)
+    else:
+        ram["model and its transient copy while loading and writing"] = int(LOAD_AND_WRITE_COPIES[prepared.format] * model_bytes)
     device = None
     work_dir = None
     shares = None
@@ -68,16 +78,19 @@ def estimate(prepared, recipe: Recipe, options, world_size: int, dst: str | Path
         seq_len = options.seq_len or recipe.calibration.seq_len
         shares = [sum(map(len, data.rank_batches(num_samples, options.batch_size, r, world_size))) for r in range(world_size)]
         calib = calibration_bytes(prepared.plan, quantized, numel, max(shares), seq_len, hidden, element, options.batch_size)
+        if streamed:  # each layer's grid integers are written with it
+            calib.pop("grid integers of finished layers")
         ram.update(calib)
         work_dir = _work_dir_bytes(headers, numel, size, quantized, shares, seq_len, hidden, element)
         if options.device != "cpu":
             layer = model_bytes // (layers + 2)
-            device = layer + sum(calib.values()) - calib["grid integers of finished layers"]  # the grids stay in RAM
+            device = layer + sum(calib.values()) - calib.get("grid integers of finished layers", 0)  # grids stay in RAM
     free = _free_disk(dst) if dst is not None else None
     needed = output_bytes + (work_dir or 0)
     report = {
         "model_bytes": model_bytes,
         "output_bytes": output_bytes,
+        "streamed": streamed,
         "peak_ram_bytes": sum(ram.values()),
         "peak_ram_breakdown": ram,
         "peak_device_bytes": device,
@@ -110,6 +123,19 @@ def calibration_bytes(plan: list[ModulePlan], quantized: dict[str, ModulePlan], 
         "one batch's activations in a layer": 3 * min(samples, batch_size) * seq_len * outer * 4,
         "Hessians of one layer": sum(w * w * 8 for w in inputs.values()) + 3 * widest * widest * 4,
     }
+
+
+def _layer_bytes(headers, numel, size) -> dict[int, int]:
+    """Bytes of each decoder layer's tensors (in the dtype they are loaded in), by layer index."""
+    found: dict[int, int] = {}
+    for name in headers:
+        match = _LAYER.search(name)
+        if match:
+            found[int(match.group(1))] = found.get(int(match.group(1)), 0) + numel[name] * size(name)
+    return found
+
+
+_LAYER = re.compile(r"\.layers\.(\d+)\.")
 
 
 def _first_layer(plan: list[ModulePlan]) -> list[ModulePlan]:

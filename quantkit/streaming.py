@@ -82,12 +82,9 @@ class StreamedModel:
                                                      trust_remote_code=trust_remote_code)
         model.eval()
         files = sources.tensor_files(src)
-        missing = [key for key in stored_keys(model) if key not in files]
-        if missing:
-            raise NotStreamable(
-                f"the checkpoint does not name its tensors as {type(model).__name__} does ({missing[0]} is not in it; "
-                "transformers converts this layout while loading)"
-            )
+        reason = layout_mismatch(model, files)
+        if reason:
+            raise NotStreamable(reason)
         layers = models.decoder_layers(model)
         streamed = cls(model, files, layers, models.module_name(model, layers))
         in_layers = {id(p) for p in layers.parameters()}
@@ -113,6 +110,7 @@ class StreamedModel:
             for name, buffer in list(owner._buffers.items()):
                 if buffer is not None and name not in owner._non_persistent_buffers_set:
                     owner._buffers[name] = buffer.to("meta")
+        return_freed_memory()
 
     def _load_where(self, wanted) -> None:
         from safetensors import safe_open
@@ -132,6 +130,26 @@ class StreamedModel:
                     _assign(self.model, key, tensor)
 
 
+def return_freed_memory() -> None:
+    """Give the memory freed so far back to the system (glibc's `malloc_trim`). Without it, a layer's worth of
+    small allocations freed between big ones stays in the heap: measured, the peak grew by ~0.6 of a layer's
+    size per layer streamed; with it, it stays flat."""
+    global _TRIM
+    if _TRIM is None:
+        import ctypes
+        import ctypes.util
+
+        try:
+            _TRIM = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+        except (OSError, AttributeError):  # not glibc (macOS, musl): nothing to do
+            _TRIM = False
+    if _TRIM:
+        _TRIM(0)
+
+
+_TRIM = None
+
+
 def _state(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     """(name, tensor) of every parameter and persistent buffer, each tensor once (tied weights under their first name)."""
     seen, out = set(), []
@@ -145,6 +163,15 @@ def _state(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
 def stored_keys(model: nn.Module) -> list[str]:
     """The names a checkpoint of `model` stores: its state dict without the aliases of tied weights."""
     return [name for name, _ in _state(model)]
+
+
+def layout_mismatch(model: nn.Module, stored: dict[str, Path]) -> str | None:
+    """Why a checkpoint holding the tensors `stored` cannot be read into `model` name by name, or None."""
+    missing = next((key for key in stored_keys(model) if key not in stored), None)
+    if missing is None:
+        return None
+    return (f"the checkpoint does not name its tensors as {type(model).__name__} does ({missing} is not in it: "
+            "transformers converts this layout while loading)")
 
 
 def _assign(model: nn.Module, key: str, tensor: torch.Tensor) -> None:

@@ -31,14 +31,17 @@ def train_tokenizer(text: str, vocab_size: int):
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
 
 
-def build_tiny_llama(out_dir: str | Path, text: str, seed: int = 0, dtype: str = "float32", **overrides: Any) -> Path:
-    return build_tiny_model(out_dir, text, "llama", seed, dtype, **overrides)
+def build_tiny_llama(out_dir: str | Path, text: str, seed: int = 0, dtype: str = "float32", max_shard_size: str | None = None,
+                     **overrides: Any) -> Path:
+    return build_tiny_model(out_dir, text, "llama", seed, dtype, max_shard_size, **overrides)
 
 
 def build_tiny_model(
-    out_dir: str | Path, text: str, model_type: str = "llama", seed: int = 0, dtype: str = "float32", **overrides: Any
+    out_dir: str | Path, text: str, model_type: str = "llama", seed: int = 0, dtype: str = "float32",
+    max_shard_size: str | None = None, **overrides: Any
 ) -> Path:
-    """A tiny causal LM of `model_type` (llama, qwen2, mistral, ...) from a config, random weights."""
+    """A tiny causal LM of `model_type` (llama, qwen2, mistral, ...) from a config, random weights; saved in
+    safetensors files of at most `max_shard_size` (transformers' default: one file)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -49,6 +52,6 @@ def build_tiny_model(
     config = AutoConfig.for_model(model_type, **params, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
     model = AutoModelForCausalLM.from_config(config).to(getattr(torch, dtype))
     out_dir = Path(out_dir)
-    model.save_pretrained(out_dir)
+    model.save_pretrained(out_dir, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     tokenizer.save_pretrained(out_dir)
     return out_dir

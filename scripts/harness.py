@@ -137,7 +137,8 @@ def tokenizer_text(path: Path, generate_if_missing: bool = False) -> str:
     return "\n".join(" ".join(words[(i * 7 + j) % len(words)] for j in range(12)) for i in range(20000))
 
 
-def build_llama(dst: Path, text: Path, dtype: str, generate_if_missing: bool = False, **shape: int) -> Path:
+def build_llama(dst: Path, text: Path, dtype: str, generate_if_missing: bool = False, max_shard_size: str | None = None,
+                **shape: int) -> Path:
     """A Llama of random weights (seed 0) with a tokenizer trained on `text`, built once at `dst` (into a
     temp dir, then renamed); see `tokenizer_text` for `generate_if_missing`."""
     if (dst / "config.json").is_file() and list(dst.glob("*.safetensors")):
@@ -147,7 +148,7 @@ def build_llama(dst: Path, text: Path, dtype: str, generate_if_missing: bool = F
     tmp = dst.with_name(f"{dst.name}.building")
     shutil.rmtree(tmp, ignore_errors=True)
     print(f"building {dst} ...", file=sys.stderr)
-    build_tiny_llama(tmp, tokenizer_text(text, generate_if_missing), seed=0, dtype=dtype, **shape)
+    build_tiny_llama(tmp, tokenizer_text(text, generate_if_missing), seed=0, dtype=dtype, max_shard_size=max_shard_size, **shape)
     tmp.rename(dst)
     return dst
 

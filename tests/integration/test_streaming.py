@@ -1,0 +1,73 @@
+"""Streamed finalize: the same files as loading the model whole, and a peak memory that does not grow with the
+number of layers."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import make_text
+from quantkit.finalize import STREAMED, CalibrationOptions, finalize
+from quantkit.registry import resolve
+
+pytestmark = pytest.mark.integration
+
+
+def tensors(folder) -> dict[str, torch.Tensor]:
+    found = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        found.update(load_file(file))
+    return found
+
+
+@pytest.mark.parametrize("recipe", ["int4-weight-only", "gptq-w4a16", "fp8-static"])
+def test_a_streamed_artifact_equals_the_in_memory_one(tiny_model_dir, text_file, tmp_path, recipe):
+    options = CalibrationOptions(data=str(text_file), num_samples=4, seq_len=32)
+    runs = {}
+    for in_memory in (False, True):
+        dst = tmp_path / ("whole" if in_memory else "streamed")
+        runs[in_memory] = finalize(tiny_model_dir, dst, resolve(recipe), calibration=options, max_shard_size="60KB",
+                                   in_memory=in_memory)
+    assert runs[False].loading == STREAMED and runs[True].loading.startswith("whole model in memory")
+    streamed, whole = tmp_path / "streamed", tmp_path / "whole"
+    assert len(list(streamed.glob("*.safetensors"))) > 1 and (streamed / "model.safetensors.index.json").is_file()
+    a, b = tensors(streamed), tensors(whole)
+    assert a.keys() == b.keys()
+    for key in a:
+        assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), key
+    assert json.loads((streamed / "config.json").read_text()) == json.loads((whole / "config.json").read_text())
+    index = json.loads((streamed / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(a)
+
+
+@pytest.fixture(scope="module")
+def layered(tmp_path_factory):
+    """The same Llama shape (hidden 384, float32: 7 MB a layer) with 4 and with 16 layers."""
+    from quantkit.tiny import build_tiny_llama
+
+    root = tmp_path_factory.mktemp("layered")
+    text = make_text(2000)
+    shape = dict(hidden_size=384, intermediate_size=1024, num_attention_heads=6, num_key_value_heads=6)
+    return {n: build_tiny_llama(root / f"L{n}", text, num_hidden_layers=n, **shape) for n in (4, 16)}
+
+
+def peak_ram(src, dst) -> int:
+    """The peak resident size a `quantkit finalize` process reports (its VmHWM), in bytes."""
+    cmd = [sys.executable, "-m", "quantkit.cli.main", "finalize", str(src), str(dst), "-q", "int4-weight-only", "--json", "-"]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    report = json.loads(run.stdout)
+    assert report["loading"] == STREAMED
+    return report["peak_ram_bytes"]
+
+
+def test_peak_memory_does_not_grow_with_the_number_of_layers(layered, tmp_path):
+    layer_bytes = (sum(f.stat().st_size for f in layered[16].glob("*.safetensors"))
+                   - sum(f.stat().st_size for f in layered[4].glob("*.safetensors"))) / 12
+    four, sixteen = peak_ram(layered[4], tmp_path / "four"), peak_ram(layered[16], tmp_path / "sixteen")
+    assert sixteen - four < 2 * layer_bytes, f"16 layers: {sixteen >> 20} MiB, 4 layers: {four >> 20} MiB"
