@@ -377,9 +377,9 @@ class _LayerIO:
         self.streamed.load(module)
 
     def done(self, module: nn.Module, prefix: str, result) -> None:
-        inside = lambda names: [n for n in names if n.startswith(f"{prefix}.")]  # noqa: E731
-        qparams = {n: result.qweights.pop(n).qparams for n in inside(list(result.qweights))}
-        scales = {n: result.input_scales.pop(n) for n in inside(list(result.input_scales))}
+        """Layer `prefix` is finished: its qparams and input scales leave the result with it."""
+        qparams = {n: result.qweights.pop(n).qparams for n in _under(prefix, result.qweights)}
+        scales = {n: result.input_scales.pop(n) for n in _under(prefix, result.input_scales)}
         self.write([module], qparams, scales)
 
     def write(self, modules: list[nn.Module], qparams: dict[str, QParams], scales: dict) -> None:
@@ -387,6 +387,10 @@ class _LayerIO:
             self.writer.add(modules, qparams, scales)
         for module in modules:
             self.streamed.release(module)
+
+
+def _under(prefix: str, names) -> list[str]:
+    return [name for name in names if name.startswith(f"{prefix}.")]
 
 
 def _stream(streamed, prepared: Prepared, recipe: Recipe, dst: Path, overwrite: bool, trust_remote_code: bool,
@@ -402,31 +406,31 @@ def _stream(streamed, prepared: Prepared, recipe: Recipe, dst: Path, overwrite: 
     with contextlib.ExitStack() as stack:
         tmp = stack.enter_context(atomic.atomic_directory(dst, overwrite)) if ctx.is_main else None
         writer = exporter(prepared.format).StreamWriter(streamed.model, plan, recipe, tmp, max_shard_size) if tmp else None
-        io = _LayerIO(streamed, writer)
+        layer_io = _LayerIO(streamed, writer)
         if samples is None:
-            rest = _round_streamed(streamed, plan, recipe, prepared, io, progress)
+            rest = _round_streamed(streamed, plan, recipe, prepared, layer_io, progress)
             scales = {}
         else:
-            result = _calibrate(streamed.model, prepared, recipe, samples, options, progress, ctx, dtype, io)
+            result = _calibrate(streamed.model, prepared, recipe, samples, options, progress, ctx, dtype, layer_io)
             rest, scales = {n: q.qparams for n, q in result.qweights.items()}, result.input_scales
         distributed.barrier(ctx)  # every rank succeeded: only now does rank 0 finish the artifact
         if writer is not None:
             with progress.task(f"Writing {dst}", total=None):
-                io.write(streamed.rest(), rest, scales)
+                layer_io.write(streamed.rest(), rest, scales)
                 writer.finish()
                 _write_beside(prepared, recipe, tmp)
 
 
-def _round_streamed(streamed, plan: list[ModulePlan], recipe: Recipe, prepared: Prepared, io: _LayerIO,
+def _round_streamed(streamed, plan: list[ModulePlan], recipe: Recipe, prepared: Prepared, layer_io: _LayerIO,
                     progress: Progress) -> dict[str, QParams]:
     """Round to nearest decoder layer by decoder layer, each written as soon as it is rounded; returns the
     qparams of the planned modules outside the layers (rounded last, written with the rest)."""
     layer_prefix = f"{streamed.prefix}."
     with progress.task(f"Quantizing ({recipe.name}, {prepared.format.value})", total=sum(e.quantized for e in plan)) as advance:
         for i, module in enumerate(streamed.layers):
-            io.load(module)
+            layer_io.load(module)
             inside = [e for e in plan if e.name.startswith(f"{layer_prefix}{i}.")]
-            io.write([module], round_to_nearest(streamed.model, inside, advance), {})
+            layer_io.write([module], round_to_nearest(streamed.model, inside, advance), {})
         return round_to_nearest(streamed.model, [e for e in plan if not e.name.startswith(layer_prefix)], advance)
 
 

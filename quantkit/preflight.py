@@ -6,9 +6,13 @@ the exporter's `weight_bytes`, every other tensor keeps its bytes. Peak RAM is t
 (torch, transformers and the recipe's code imported: the fixed cost of any run) plus the model-dependent terms
 of the run's phases:
 
-- loading and writing: the model held once, plus a transient copy of it while transformers loads it and the
-  exporter packs it (LOAD_AND_WRITE_COPIES; torchao converts while loading, so its transient is smaller);
-- calibration: the grid integers of every finished layer (one byte per quantized weight, kept until written),
+- streamed (the default, `quantkit.streaming`): the modules outside the decoder layers, held all along and
+  copied once when written at the end, and the largest decoder layer STREAMED_LAYER_COPIES times (read, its
+  dequantized weights, its packed tensors being written);
+- loaded whole (`--in-memory`, torchao, a checkpoint transformers converts): the model held once, plus a
+  transient copy of it while transformers loads it and the exporter packs it (LOAD_AND_WRITE_COPIES; torchao
+  converts while loading, so its transient is smaller);
+- calibration: (loaded whole) the grid integers of every finished layer (one byte per quantized weight, kept until written),
   the calibration hidden states of this rank (inputs and outputs of a layer), one batch's activations inside
   the widest layer, and the Hessian accumulators (float64) of a layer plus GPTQ's float32 work copies.
 

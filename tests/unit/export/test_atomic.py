@@ -56,3 +56,22 @@ def test_a_destination_in_a_folder_it_cannot_write_is_refused(tmp_path, monkeypa
     monkeypatch.setattr(atomic.os, "access", lambda path, mode: False)  # as a non-root user on a read-only folder
     with pytest.raises(DestinationExistsError, match="is not writable"):
         atomic.check_destination(tmp_path / "out", overwrite=False)
+
+
+def test_an_abandoned_temporary_output_is_removed_by_the_next_write(tmp_path):
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    host = socket.gethostname()
+    abandoned = tmp_path / f".out.tmp-{host}-{gone.stdout.strip()}-abc"  # its process exited without cleaning up
+    alive = tmp_path / f".out.tmp-{host}-{os.getpid()}-def"  # another write of DST, still running
+    other_host = tmp_path / f".out.tmp-elsewhere-{gone.stdout.strip()}-ghi"  # a process we cannot see
+    for folder in (abandoned, alive, other_host):
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(b"\0" * 16)
+    with atomic_directory(tmp_path / "out") as tmp:
+        (tmp / "a.txt").write_text("x")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["out", alive.name, other_host.name])
