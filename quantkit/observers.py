@@ -138,7 +138,20 @@ class HessianObserver(Observer):
         """H = 2/n sum x x^T, the GPTQ normalisation."""
         if "xtx" not in self.state:
             raise ValueError("no calibration tokens reached this module; its Hessian is empty")
-        return (self.state["xtx"] * (2.0 / self.state["count"].clamp(min=1.0))).float()
+        xtx, factor = self.state["xtx"], 2.0 / self.state["count"].clamp(min=1.0)
+        out = torch.empty(xtx.shape, dtype=torch.float32, device=xtx.device)
+        for start in range(0, xtx.shape[0], _HESSIAN_ROWS):  # by row blocks: no float64 copy of the whole matrix
+            out[start : start + _HESSIAN_ROWS] = xtx[start : start + _HESSIAN_ROWS] * factor
+        return out
+
+    def pop_hessian(self) -> torch.Tensor:
+        """`hessian()`, freeing the float64 sums (the observer is done)."""
+        hessian = self.hessian()
+        self.state.clear()
+        return hessian
+
+
+_HESSIAN_ROWS = 256
 
 
 def gram(rows: torch.Tensor) -> torch.Tensor:

@@ -65,6 +65,7 @@ def gptq_quantize(
         w, h = w[:, perm], h[perm][:, perm]
     order = perm.tolist() if perm is not None else list(range(w.shape[1]))
     hinv = _inverse_hessian_cholesky(h, args.dampening_frac, damping_retries)
+    del h  # one [in, in] float32 matrix less while the columns are quantized
     qdata = _quantize_columns(w, hinv, grid, order, _aligned_block_size(args.block_size, spec))
     if perm is not None:
         qdata = qdata[:, torch.argsort(perm)]
@@ -94,13 +95,18 @@ def _inverse_hessian_cholesky(hessian: torch.Tensor, dampening_frac: float, retr
     With J the reversal permutation and J H J = L L^T (lower Cholesky factor L), H^-1 = U^T U for the upper
     triangular U = J L^-1 J: one Cholesky and one triangular inverse, instead of a Cholesky, an inverse from it
     and a second Cholesky (about half the time at 2816 columns)."""
-    eye = torch.eye(hessian.shape[0], dtype=hessian.dtype, device=hessian.device)
     mean_diag = hessian.diagonal().mean()
     frac = dampening_frac
     for _ in range(retries + 1):
-        lower, info = torch.linalg.cholesky_ex((hessian + frac * mean_diag * eye).flip(0, 1))
+        damped = hessian.flip(0, 1)  # a copy; its diagonal is H's, reversed: the damping adds to it in place
+        damped.diagonal().add_(frac * mean_diag)
+        lower, info = torch.linalg.cholesky_ex(damped)
+        del damped
         if info.item() == 0:
-            upper = _lower_inverse(lower).flip(0, 1)
+            inverse = _lower_inverse(lower)
+            del lower
+            upper = inverse.flip(0, 1)
+            del inverse
             if torch.isfinite(upper).all():
                 return upper
         frac *= 10

@@ -74,6 +74,7 @@ def _staged(layer: Layer, args: GPTQArgs) -> list[torch.Tensor]:
             distributed.reduce_observer_to(observer, owner, layer.ctx)
         mid = time.perf_counter()
         _quantize_on_owner(layer, names, observer, owner, args)
+        del observer
         spent["observe"] += mid - began
         spent["quantize"] += time.perf_counter() - mid
 
@@ -118,11 +119,11 @@ def gptq_owners(shapes: dict[str, tuple[int, int]], leaders: dict[str, str], wor
 def _quantize_on_owner(layer: Layer, names: list[str], observer: HessianObserver, owner: int | None, args: GPTQArgs) -> None:
     """The owner quantizes and broadcasts qdata, scale and zero point; every rank installs the same result."""
     if owner is None or not layer.distributed:
-        for name, qweight, error in _quantize_group(layer, names, observer.hessian(), args):
+        for name, qweight, error in _quantize_group(layer, names, observer.pop_hessian(), args):
             layer.record(name, qweight, error)
         return
     if layer.ctx.rank == owner:
-        results = _quantize_group(layer, names, observer.hessian(), args)
+        results = _quantize_group(layer, names, observer.pop_hessian(), args)
     else:
         results = [(n, empty_quantized(layer.linears[n].weight.data, layer.plan[n].scheme.weights), 0.0) for n in names]
     for name, qweight, error in results:
