@@ -134,7 +134,7 @@ def time_estimate(prepared, recipe: Recipe, options, samples: int, layers: int, 
     import torch
     from transformers import AutoModelForCausalLM
 
-    from quantkit import models
+    from quantkit import models, moe
     from quantkit.algorithms import Algorithm, get_algorithm
     from quantkit.plan import plan_model
 
@@ -145,7 +145,7 @@ def time_estimate(prepared, recipe: Recipe, options, samples: int, layers: int, 
         config.layer_types = config.layer_types[:1]
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code).eval()
-    plan = plan_model(model, recipe)
+    plan = plan_model(moe.linearize(model), recipe)
     if not recipe.needs_calibration:
         rtn = get_algorithm(Algorithm.RTN)
         started = time.perf_counter()

@@ -22,6 +22,7 @@ from compressed_tensors.quantization import (
 )
 from torch import nn
 
+from quantkit import moe
 from quantkit.plan import ModulePlan
 from quantkit.qparams import QParams
 from quantkit.quantized_model import QuantizedModel
@@ -69,13 +70,19 @@ def _activation_args(spec: ActivationSpec | None) -> QuantizationArgs | None:
     )
 
 
-def quantization_config(plan: list[ModulePlan], recipe: Recipe) -> QuantizationConfig:
+def quantization_config(plan: list[ModulePlan], recipe: Recipe, experts: tuple[str, str | None] = ((), None)) -> QuantizationConfig:
     """The recipe's scheme targets every Linear; modules with a fallback group size are named exactly
-    (an exact name wins over a class in compressed-tensors and vLLM); modules left out are ignored by name."""
+    (an exact name wins over a class in compressed-tensors and vLLM), MoE experts by one `re:` pattern (`experts`:
+    their names and `moe.expert_pattern`; it names them in the checkpoint too, and is how transformers finds their
+    scheme); modules left out are ignored by name."""
+    names, pattern = set(experts[0]), experts[1]
     groups: dict[QuantScheme, list[str]] = {}
     for entry in plan:
         if entry.quantized and entry.scheme != recipe.scheme:
-            groups.setdefault(entry.scheme, []).append(entry.name)
+            targets = groups.setdefault(entry.scheme, [])
+            target = pattern if entry.name in names else entry.name
+            if target not in targets:
+                targets.append(target)
     if any(entry.scheme == recipe.scheme for entry in plan):
         groups[recipe.scheme] = ["Linear"]
     config_groups = {
@@ -90,7 +97,8 @@ def quantization_config(plan: list[ModulePlan], recipe: Recipe) -> QuantizationC
 
 def install(model: nn.Module, plan: list[ModulePlan], recipe: Recipe) -> None:
     """Attach compressed-tensors' quantization (schemes, qparam slots, quantized forward) to `model`."""
-    apply_quantization_config(model, quantization_config(plan, recipe), show_progress=False)
+    experts = (tuple(moe.expert_linears(model)), moe.expert_pattern(model))
+    apply_quantization_config(model, quantization_config(plan, recipe, experts), show_progress=False)
 
 
 def set_qparams(module: nn.Module, qparams: QParams) -> None:

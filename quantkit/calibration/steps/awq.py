@@ -30,20 +30,23 @@ from quantkit.schemes import WeightSpec
 def awq_step(layer: Layer, args: AWQArgs) -> None:
     started = time.perf_counter()
     mappings = _mappings(layer)
-    captured = capture_blocks(layer.module, [(block, linears[0]) for _, block, linears, _ in mappings], layer.inputs)
-    for (prev, block, linears, specs), (calls, act) in zip(mappings, captured):
+    captured = capture_blocks(layer.module, [(block, linears[0]) for _, block, linears, _, _ in mappings], layer.inputs)
+    for (prev, block, linears, specs, along), (calls, act) in zip(mappings, captured):
         distributed.all_reduce_observer(act, layer.ctx)
         error_of = _error_function(block, linears, specs, calls, layer.ctx)
         scales, _ = search_scales(act.mean(), error_of, args)
+        weights = [m.weight for m in linears + along]
         if isinstance(prev, nn.Linear):
-            fold_scales(prev.weight, prev.bias, [m.weight for m in linears], scales)
+            fold_scales(prev.weight, prev.bias, weights, scales)
         else:
-            fold_scales(prev.weight, None, [m.weight for m in linears], scales, norm_weight_offset(prev))
+            fold_scales(prev.weight, None, weights, scales, norm_weight_offset(prev))
     layer.result.seconds["transforms"] += time.perf_counter() - started
 
 
-def _mappings(layer: Layer) -> list[tuple[nn.Module, nn.Module, list[nn.Module], list[WeightSpec]]]:
-    """(feeding op, block, Linears, their weight specs) for each of the wiring's mappings AWQ can use here."""
+def _mappings(layer: Layer) -> list[tuple[nn.Module, nn.Module, list[nn.Module], list[WeightSpec], list[nn.Module]]]:
+    """(feeding op, block, quantized Linears, their weight specs, the modules reading the same input that stay in
+    full precision) for each of the wiring's mappings AWQ can use here. The scales are searched on the quantized
+    Linears and folded into all of them (an MoE router takes them too, so the routing does not change)."""
     part = layer.module.get_submodule
     mappings = []
     for prev_name, linear_names, block_name in layer.traced_wiring.awq_mappings:
@@ -51,13 +54,15 @@ def _mappings(layer: Layer) -> list[tuple[nn.Module, nn.Module, list[nn.Module],
             layer.skip("awq", linear_names, "no norm feeds them: their input is the residual stream")
             continue
         prev, block = part(prev_name), part(block_name)
-        linears = [part(name) for name in linear_names]
-        entries = [layer.plan.get(f"{layer.prefix}.{name}") for name in linear_names]
-        if not all(e is not None and e.quantized for e in entries):
-            continue  # a Linear left in full precision: nothing to protect
+        entries = {name: layer.plan.get(f"{layer.prefix}.{name}") for name in linear_names}
+        quantized = [name for name, e in entries.items() if e is not None and e.quantized]
+        if not quantized:
+            continue  # every Linear left in full precision: nothing to protect
+        linears = [part(name) for name in quantized]
         if isinstance(prev, nn.Linear) and prev.out_features != linears[0].in_features:
             continue  # e.g. v -> o under grouped-query attention
-        mappings.append((prev, block, linears, [e.scheme.weights for e in entries]))
+        along = [part(name) for name in linear_names if name not in quantized]
+        mappings.append((prev, block, linears, [entries[n].scheme.weights for n in quantized], along))
     return mappings
 
 
