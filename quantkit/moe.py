@@ -16,9 +16,11 @@ scales into the norm the block reads, so these modules' weights are scaled along
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 from dataclasses import dataclass, replace
+from typing import Iterator
 
 import torch
 from torch import nn
@@ -159,6 +161,22 @@ def _check_equivalent(fused: nn.Module, experts: LinearExperts, name: str) -> No
     if not (ours - reference).norm() <= 1e-2 * reference.norm():
         raise UnsupportedModelError(f"{name} ({type(fused).__name__}): its experts split into per-expert Linear modules "
                                     "do not compute what the fused module does; quantkit cannot quantize this model's experts")
+
+
+@contextlib.contextmanager
+def real_routing(module: nn.Module) -> Iterator[None]:
+    """The experts inside `module` run on their routed tokens only, whatever `all_tokens` says: for runs that
+    need the block's output and no statistics (AWQ's candidate scores), which all tokens would make
+    experts / top-k times slower."""
+    experts = [m for m in module.modules() if isinstance(m, LinearExperts)]
+    saved = [m.all_tokens for m in experts]
+    for m in experts:
+        m.all_tokens = False
+    try:
+        yield
+    finally:
+        for m, value in zip(experts, saved):
+            m.all_tokens = value
 
 
 def experts_modules(model: nn.Module) -> dict[str, LinearExperts]:

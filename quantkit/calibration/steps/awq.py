@@ -22,6 +22,7 @@ from quantkit.architectures import norm_weight_offset
 from quantkit.calibration.hooks import run_layer
 from quantkit.calibration.layer import Layer
 from quantkit.calibration.steps import register
+from quantkit.moe import real_routing
 from quantkit.observers import ChannelAbsMean, HessianObserver, Observer
 from quantkit.schemes import WeightSpec
 
@@ -76,8 +77,13 @@ def _error_function(block, linears, specs, calls, ctx):
         xtx = hessian.state["xtx"].float()
         weight = linears[0].weight.data
         return lambda scales: hessian_error(weight, scaled_candidate(weight, specs[0], scales), xtx)
-    reference = run_layer(block, calls)
-    return lambda scales: distributed.all_reduce_sum(block_error(block, calls, reference, linears, specs, scales), ctx)
+    with real_routing(block):  # the block's output is all the scores need: MoE experts on their own tokens only
+        reference = run_layer(block, calls)
+
+    def error_of(scales):
+        with real_routing(block):
+            return distributed.all_reduce_sum(block_error(block, calls, reference, linears, specs, scales), ctx)
+    return error_of
 
 
 def capture_blocks(layer: nn.Module, blocks: list[tuple[nn.Module, nn.Module]], inputs: list[tuple]) -> list[tuple[list[tuple], Observer]]:
