@@ -102,7 +102,12 @@ def prepare(
             f"recipe '{recipe.name}' quantizes none of the {len(plan)} Linear modules of {src} ({plan[0].name}: {plan[0].note}); "
             "use a recipe with a smaller group size or per-channel weights"
         )
-    return Prepared(src=src, format=fmt, plan=plan, coverage=coverage(skeleton, plan))
+    report = coverage(skeleton, plan)
+    if fmt is Format.COMPRESSED_TENSORS:
+        from quantkit.export.compressed_tensors import experts_caveat
+
+        report["notes"] = [note for note in [experts_caveat(skeleton, recipe)] if note]
+    return Prepared(src=src, format=fmt, plan=plan, coverage=report)
 
 
 def calibration_samples(src: Path, recipe: Recipe, options: CalibrationOptions, trust_remote_code: bool = False):

@@ -43,6 +43,20 @@ def compression_format(scheme: QuantScheme) -> str:
     return "int-quantized" if scheme.activations else "pack-quantized"
 
 
+def experts_caveat(model: nn.Module, recipe: Recipe) -> str | None:
+    """What plain transformers cannot do with the MoE experts this recipe writes, or None. transformers 5 loads
+    compressed-tensors MoE experts by dequantizing them into its fused parameters, and does that for packed
+    (pack-quantized) and FP8 experts only: int8 experts with quantized activations (int-quantized, vLLM's W8A8
+    layout) do not load."""
+    if not moe.experts_modules(model) or compression_format(recipe.scheme) != "int-quantized":
+        return None
+    import transformers
+
+    return (f"written for vLLM: transformers {transformers.__version__} cannot load int8 W8A8 MoE experts "
+            "(it dequantizes packed and FP8 experts only), so neither can `quantkit eval`; fp8-static and "
+            "float8-dynamic-act-float8-weight quantize MoE activations in a layout both load")
+
+
 def weight_bytes(entry: ModulePlan, element_size: int) -> int:
     """Packed grid (int32 words for pack-quantized, else one byte per element), scales, zero points, shape."""
     spec, rows, cols = entry.scheme.weights, entry.out_features, entry.in_features

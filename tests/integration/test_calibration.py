@@ -139,6 +139,8 @@ def test_moe_summary_counts_routed_tokens_and_quantizes_every_expert(artifacts, 
         assert len(counts) == 4 and sum(counts) == 8 * 32 * 2  # samples x tokens x top-2
         assert info["calibration"]["skipped"] == {}  # AWQ and SmoothQuant fold into the norm the experts read
         kept = info["modules"]["coverage"]["full_precision"]
+        notes = info["modules"]["coverage"]["notes"]  # says so where plain transformers cannot load the experts
+        assert (notes and "cannot load int8 W8A8 MoE experts" in notes[0]) if recipe == "smoothquant-w8a8" else notes == []
         assert not [k for k in kept if ".experts." in k["tensor"]]
         assert {k["reason"] for k in kept if k["tensor"].endswith("mlp.gate.weight")} == {"an MoE router or gate (kept in full precision; vLLM serves them unquantized)"}
 
