@@ -163,6 +163,17 @@ def _check_equivalent(fused: nn.Module, experts: LinearExperts, name: str) -> No
                                     "do not compute what the fused module does; quantkit cannot quantize this model's experts")
 
 
+def checkpoint_names(model: nn.Module, names: list[str]) -> dict[str, str]:
+    """Each of `model`'s tensor names (per-expert ones included) as its checkpoint names it: transformers renames
+    some while loading (Mixtral's `block_sparse_moe` is `mlp` in the model) and back while saving."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import PrefixChange, WeightRenaming, apply_renamings
+
+    conversions = [c for c in get_model_conversion_mapping(model, add_legacy=False) if not isinstance(c, PrefixChange)]
+    renamings = [r for r in (c.reverse_transform() for c in conversions[::-1]) if isinstance(r, WeightRenaming)]
+    return {name: apply_renamings(name, renamings) for name in names}
+
+
 @contextlib.contextmanager
 def real_routing(module: nn.Module) -> Iterator[None]:
     """The experts inside `module` run on their routed tokens only, whatever `all_tokens` says: for runs that

@@ -47,7 +47,7 @@ def estimate(prepared, recipe: Recipe, options, world_size: int, dst: str | Path
     headers = sources.tensor_headers(prepared.src)
     size = lambda name: _LOAD_DTYPE_BYTES.get(dtype) or sources.DTYPE_BYTES[headers[name][0]]  # noqa: E731
     numel = {name: _numel(shape) for name, (_, shape) in headers.items()}
-    quantized = {f"{e.name}.weight": e for e in prepared.plan if e.quantized and f"{e.name}.weight" in headers}
+    quantized = _quantized_in_checkpoint(prepared, headers, trust_remote_code)
     write = exporter(prepared.format)
     model_bytes = sum(numel[n] * size(n) for n in headers)
     output_bytes = sum(write.weight_bytes(quantized[n], size(n)) if n in quantized else numel[n] * size(n) for n in headers)
@@ -92,6 +92,18 @@ def estimate(prepared, recipe: Recipe, options, world_size: int, dst: str | Path
         report["time"] = time_estimate(prepared, recipe, options, max(shares) if shares else 0, layers,
                                        dtype if dtype != "auto" else _stored_dtype(headers), trust_remote_code)
     return report
+
+
+def _quantized_in_checkpoint(prepared, headers: dict, trust_remote_code: bool) -> dict[str, ModulePlan]:
+    """Each quantized Linear's weight by its name in the checkpoint: the model's name, unless transformers renames
+    it while loading (Mixtral's experts are under `block_sparse_moe` on disk; a meta skeleton says how)."""
+    from quantkit import models, moe
+
+    by_name = {f"{e.name}.weight": e for e in prepared.plan if e.quantized}
+    if any(name not in headers for name in by_name):
+        skeleton = moe.linearize(models.meta_model(models.load_config(prepared.src, trust_remote_code), trust_remote_code))
+        by_name = {checkpoint: by_name[name] for name, checkpoint in moe.checkpoint_names(skeleton, list(by_name)).items()}
+    return {name: entry for name, entry in by_name.items() if name in headers}
 
 
 def calibration_bytes(plan: list[ModulePlan], quantized: dict[str, ModulePlan], numel: dict[str, int], samples: int,

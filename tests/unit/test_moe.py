@@ -139,3 +139,11 @@ def test_moe_models_are_refused_for_torchao(tmp_path):
     tiny_moe("mixtral").save_pretrained(tmp_path)
     with pytest.raises(FormatError, match="mixture-of-experts.*--format compressed-tensors"):
         prepare(tmp_path, registry.resolve("int4-weight-only"), Format.TORCHAO)
+
+
+def test_checkpoint_names_follow_transformers_renamings():
+    """The preflight finds the experts in the checkpoint by these names (Mixtral's block is renamed on load)."""
+    model = moe.linearize(tiny_moe("mixtral", "meta"))
+    names = moe.checkpoint_names(model, ["model.layers.0.mlp.experts.1.w2.weight", "model.layers.0.self_attn.q_proj.weight"])
+    assert names == {"model.layers.0.mlp.experts.1.w2.weight": "model.layers.0.block_sparse_moe.experts.1.w2.weight",
+                     "model.layers.0.self_attn.q_proj.weight": "model.layers.0.self_attn.q_proj.weight"}
