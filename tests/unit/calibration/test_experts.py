@@ -61,3 +61,23 @@ def test_a_dense_layer_is_left_alone():
     with calibrating(layer):
         pass
     assert layer.result.routed_tokens == {}
+
+
+def test_gptq_stages_the_dense_layers_of_a_model_whose_first_layer_is_dense_and_not_its_moe_layers():
+    """Qwen2-MoE with `mlp_only_layers=[0]` (as DeepSeek's first dense layers): GPTQ's staged pass, chosen at layer 0,
+    runs on the dense layer; the MoE layer after it takes the observe-and-propagate passes."""
+    from quantkit.calibration import calibrate
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("qwen2_moe", hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
+                                  shared_expert_intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=2, vocab_size=300, num_experts=4, num_experts_per_tok=2,
+                                  mlp_only_layers=[0])
+    model = linearize(AutoModelForCausalLM.from_config(config).eval())
+    recipe = registry.resolve("gptq-w4a16")
+    plan = plan_model(model, recipe)
+    ids = torch.randint(0, 300, (4, 16), generator=torch.Generator().manual_seed(0))
+    result = calibrate(model, plan, recipe, ids, torch.device("cpu"), batch_size=2)
+    assert result.true_sequential and "propagate" in result.seconds and "forward" in result.seconds
+    assert set(result.qweights) == {e.name for e in plan if e.quantized}
+    assert sum(result.routed_tokens["model.layers.1.mlp.experts"]) == 64 * 2
