@@ -32,9 +32,9 @@ def awq_step(layer: Layer, args: AWQArgs) -> None:
     started = time.perf_counter()
     mappings = _mappings(layer)
     captured = capture_blocks(layer.module, [(block, linears[0]) for _, block, linears, _, _ in mappings], layer.inputs)
-    for (prev, block, linears, specs, along), (calls, act) in zip(mappings, captured):
+    for (prev, block, linears, specs, along), (calls, act, hessian) in zip(mappings, captured):
         distributed.all_reduce_observer(act, layer.ctx)
-        error_of = _error_function(block, linears, specs, calls, layer.ctx)
+        error_of = _error_function(block, linears, specs, calls, hessian, layer.ctx)
         scales, _ = search_scales(act.mean(), error_of, args)
         weights = [m.weight for m in linears + along]
         if isinstance(prev, nn.Linear):
@@ -67,12 +67,9 @@ def _mappings(layer: Layer) -> list[tuple[nn.Module, nn.Module, list[nn.Module],
     return mappings
 
 
-def _error_function(block, linears, specs, calls, ctx):
+def _error_function(block, linears, specs, calls, hessian, ctx):
     """error_of(scales): the block's summed squared output error with the candidate weights, over all ranks."""
-    if len(linears) == 1 and block is linears[0]:
-        hessian = HessianObserver()
-        for args, _ in calls:
-            hessian.update(args[0])
+    if hessian is not None:  # the block is one Linear
         distributed.all_reduce_observer(hessian, ctx)  # every rank then scores every candidate the same
         xtx = hessian.state["xtx"].float()
         weight = linears[0].weight.data
@@ -86,13 +83,19 @@ def _error_function(block, linears, specs, calls, ctx):
     return error_of
 
 
-def capture_blocks(layer: nn.Module, blocks: list[tuple[nn.Module, nn.Module]], inputs: list[tuple]) -> list[tuple[list[tuple], Observer]]:
-    """For each (block, its first Linear): the (args, kwargs) of every call of the block, and mean |x| of the
-    Linear's input, from one run of the layer."""
-    captured = [([], ChannelAbsMean()) for _ in blocks]
+def capture_blocks(layer: nn.Module, blocks: list[tuple[nn.Module, nn.Module]],
+                   inputs: list[tuple]) -> list[tuple[list[tuple], Observer, HessianObserver | None]]:
+    """For each (block, its first Linear), from one run of the layer: the (args, kwargs) of every call of the block
+    (none kept for a block that is that Linear: its input Hessian, accumulated instead, is all its scores need, and
+    an MoE layer's every expert down projection would keep experts x tokens x intermediate values), mean |x| of
+    the Linear's input, and that Hessian (None for other blocks)."""
+    captured = [([], ChannelAbsMean(), HessianObserver() if block is first else None) for block, first in blocks]
     handles = []
-    for (block, first), (calls, act) in zip(blocks, captured):
-        handles.append(block.register_forward_pre_hook(lambda m, a, k, calls=calls: calls.append((a, k)), with_kwargs=True))
+    for (block, first), (calls, act, hessian) in zip(blocks, captured):
+        if hessian is None:
+            handles.append(block.register_forward_pre_hook(lambda m, a, k, calls=calls: calls.append((a, k)), with_kwargs=True))
+        else:
+            handles.append(block.register_forward_pre_hook(lambda m, a, hessian=hessian: hessian.update(a[0])))
         handles.append(first.register_forward_pre_hook(lambda m, a, act=act: act.update(a[0])))
     try:
         run_layer(layer, inputs)
