@@ -186,6 +186,15 @@ def coverage_line(coverage: dict) -> str:
     return f"{share:.1%} of Linear parameters, {overall:.1%} of all; left in full precision: {kept or 'nothing'}"
 
 
+def experts_line(routed: dict[str, list[int]]) -> str:
+    """The calibration tokens the router sent to each MoE expert, in one line (every expert was calibrated on all)."""
+    counts = [(count, f"{name}.{index}") for name, per_expert in routed.items() for index, count in enumerate(per_expert)]
+    (low, quietest), (high, busiest) = min(counts), max(counts)
+    never = sum(1 for count, _ in counts if count == 0)
+    return (f"min {low} ({quietest}), max {high} ({busiest}) over {len(counts)} experts; {never} never routed "
+            "(every expert is calibrated on every token)")
+
+
 def print_summary(result) -> None:
     from rich.table import Table
 
@@ -199,6 +208,8 @@ def print_summary(result) -> None:
             table.add_row(label, f"{note}: {names[0]}" + (f" and {len(names) - 1} more" if len(names) > 1 else ""))
     if result.coverage:
         table.add_row("parameters quantized", coverage_line(result.coverage))
+        for note in result.coverage.get("notes") or []:
+            table.add_row("  note", note)
     ratio = result.source_bytes / max(1, result.output_bytes)
     table.add_row("weights on disk", f"{human_bytes(result.source_bytes)} -> {human_bytes(result.output_bytes)} ({ratio:.2f}x smaller)")
     if result.calibration:
@@ -211,6 +222,8 @@ def print_summary(result) -> None:
         table.add_row("  time per phase", phases)
         for what, why in (calib.get("skipped") or {}).items():
             table.add_row("  not applied", f"{what} ({why})")
+        if calib.get("routed_tokens"):
+            table.add_row("  tokens per expert", experts_line(calib["routed_tokens"]))
         if calib.get("owners"):
             table.add_row("  GPTQ modules per rank", " / ".join(map(str, calib["owners"]["modules_per_rank"])))
     table.add_row("time", f"{result.seconds:.1f} s on {result.threads} threads")

@@ -15,9 +15,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from quantkit import hardware, models, runtime, sources
+from quantkit import hardware, models, moe, runtime, sources
 from quantkit.algorithms import Algorithm, get_algorithm
-from quantkit.errors import ExportError, InterruptedRunError, QuantkitError, UsageError
+from quantkit.errors import ExportError, FormatError, InterruptedRunError, QuantkitError, UsageError
 from quantkit.export import atomic, check_supported, exporter, metadata
 from quantkit.plan import ModulePlan, coverage, plan_model
 from quantkit.progress import QUIET, Progress
@@ -95,14 +95,22 @@ def prepare(
     models.check_full_precision(src)
     check_qat_recipe(src, recipe, force_recipe)
     config = models.load_config(src, trust_remote_code)
-    skeleton = models.meta_model(config, trust_remote_code)
+    skeleton = moe.linearize(models.meta_model(config, trust_remote_code))
+    if fmt is Format.TORCHAO and moe.experts_modules(skeleton):
+        raise FormatError(f"{src} is a mixture-of-experts model; quantkit writes MoE experts as compressed-tensors only: "
+                          "use --format compressed-tensors")
     plan = plan_model(skeleton, recipe)
     if plan and not any(entry.quantized for entry in plan):
         raise UsageError(
             f"recipe '{recipe.name}' quantizes none of the {len(plan)} Linear modules of {src} ({plan[0].name}: {plan[0].note}); "
             "use a recipe with a smaller group size or per-channel weights"
         )
-    prepared = Prepared(src=src, format=fmt, plan=plan, coverage=coverage(skeleton, plan))
+    report = coverage(skeleton, plan)
+    if fmt is Format.COMPRESSED_TENSORS:
+        from quantkit.export.compressed_tensors import experts_caveat
+
+        report["notes"] = [note for note in [experts_caveat(skeleton, recipe)] if note]
+    prepared = Prepared(src=src, format=fmt, plan=plan, coverage=report)
     prepared.loading = _whole_model_reason(src, fmt, skeleton)
     return prepared
 
@@ -113,6 +121,8 @@ def _whole_model_reason(src: Path, fmt: Format, skeleton: nn.Module) -> str | No
 
     if fmt is Format.TORCHAO:
         return "whole model in memory: transformers converts to torchao while it loads"
+    if moe.experts_modules(skeleton):
+        return "whole model in memory: MoE experts are split into per-expert Linear modules after loading (not streamed yet)"
     reason = layout_mismatch(skeleton, sources.tensor_files(src))
     return f"whole model in memory: {reason}" if reason else None
 
@@ -153,6 +163,7 @@ def calibration_summary(result, samples, options: CalibrationOptions, recipe: Re
         if recipe.quantizer.name is Algorithm.GPTQ else None,
         "peak_device_bytes": result.peak_device_bytes,
         "skipped": result.skipped,
+        "routed_tokens": result.routed_tokens or None,  # MoE: tokens the router sent to each expert, all ranks
         "relative_error": {"mean": sum(errors.values()) / max(1, len(errors)), "max": max(errors.values(), default=0.0),
                            "per_module": errors},
     }
@@ -184,7 +195,7 @@ def quantize(
             from quantkit.export import torchao
 
             return QuantizedModel(torchao.load_quantized(prepared.src, plan, dtype, trust_remote_code), plan, recipe)
-        model = models.load_model(prepared.src, dtype, trust_remote_code)
+        model = moe.linearize(models.load_model(prepared.src, dtype, trust_remote_code))
         if samples is None:
             return QuantizedModel(model, plan, recipe, round_to_nearest(model, plan, advance))
         result = _calibrate(model, prepared, recipe, samples, options, progress, ctx, dtype)

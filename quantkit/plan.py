@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from quantkit.errors import UnsupportedModelError
+from quantkit import moe
+from quantkit.errors import UnsupportedModelError, UsageError
 from quantkit.registry import IndivisiblePolicy, Recipe
 from quantkit.schemes import Granularity, QuantScheme
 
@@ -52,27 +53,53 @@ def fitting_group_size(in_features: int, group_size: int) -> int | None:
     return None
 
 
-def plan_module(name: str, module: nn.Linear, recipe: Recipe) -> ModulePlan:
+def plan_module(name: str, module: nn.Linear, recipe: Recipe, width: int | None = None) -> ModulePlan:
+    """`width`: the size the group size must divide, when it is not the module's own input size (MoE experts:
+    one group size for all of them, `moe.expert_input_divisor`)."""
     shape = dict(name=name, in_features=module.in_features, out_features=module.out_features)
     if is_ignored(name, recipe.ignore):
         return ModulePlan(**shape, scheme=None, note="ignored by recipe")
     scheme, weights = recipe.scheme, recipe.scheme.weights
-    if weights.granularity is not Granularity.GROUP or module.in_features % weights.group_size == 0:
+    width = width or module.in_features
+    if weights.granularity is not Granularity.GROUP or width % weights.group_size == 0:
         return ModulePlan(**shape, scheme=scheme)
-    smaller = fitting_group_size(module.in_features, weights.group_size)
+    smaller = fitting_group_size(width, weights.group_size)
+    size = f"input size {module.in_features}" + (f"; one group size for all MoE experts, dividing {width}" if width != module.in_features else "")
     if recipe.on_indivisible is IndivisiblePolicy.SMALLER_GROUP and smaller is not None:
-        note = f"group size {weights.group_size} -> {smaller} (input size {module.in_features})"
+        note = f"group size {weights.group_size} -> {smaller} ({size})"
         return ModulePlan(**shape, scheme=scheme.with_group_size(smaller), note=note)
-    note = f"left in full precision: group size {weights.group_size} does not divide input size {module.in_features}"
+    note = f"left in full precision: group size {weights.group_size} does not divide {size}"
     return ModulePlan(**shape, scheme=None, note=note)
 
 
 def plan_model(model: nn.Module, recipe: Recipe) -> list[ModulePlan]:
     """One entry per nn.Linear, in module order. Works on a meta-device model (no weights needed).
-    A model with weights outside nn.Linear that a recipe should cover (fused MoE experts) is refused: the
-    artifact would keep them in full precision and claim to be quantized."""
+    A model with weights outside nn.Linear that a recipe should cover (fused MoE experts not yet split by
+    `moe.linearize`) is refused: the artifact would keep them in full precision and claim to be quantized.
+    MoE experts share one scheme, and a recipe leaving any of them in full precision is refused; MoE routers
+    and gates stay in full precision."""
     check_coverage(model)
-    return [plan_module(name, m, recipe) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    experts, gates = set(moe.expert_linears(model)), set(moe.gates(model))
+    width = moe.expert_input_divisor(model)
+    plan = []
+    for name, m in model.named_modules():
+        if isinstance(m, nn.Linear) and name in gates:
+            plan.append(ModulePlan(name, m.in_features, m.out_features, scheme=None, note=moe.GATE_NOTE))
+        elif isinstance(m, nn.Linear):
+            plan.append(plan_module(name, m, recipe, width if name in experts else None))
+    check_experts(plan, experts, recipe)
+    return plan
+
+
+def check_experts(plan: list[ModulePlan], experts: set[str], recipe: Recipe) -> None:
+    """Every MoE expert projection is quantized: a recipe that skips some covers less than it claims."""
+    left = [entry for entry in plan if entry.name in experts and not entry.quantized]
+    if left:
+        raise UsageError(
+            f"recipe '{recipe.name}' would leave {len(left)} of {len(experts)} MoE expert projections in full precision "
+            f"({left[0].name}: {left[0].note}); experts are quantized all alike: take them out of the recipe's `ignore`, "
+            "or use per-channel weights or a group size that divides every expert's input size"
+        )
 
 
 def coverage(model: nn.Module, plan: list[ModulePlan]) -> dict:
@@ -81,6 +108,7 @@ def coverage(model: nn.Module, plan: list[ModulePlan]) -> dict:
     quantized = {entry.name for entry in plan if entry.quantized}
     notes = {entry.name: entry.note for entry in plan}
     kept, quantized_count = [], 0
+    notes.update({name: moe.GATE_NOTE for name in moe.gates(model)})
     for name, param in model.named_parameters():
         owner, _, kind = name.rpartition(".")
         if owner in quantized and kind == "weight":
@@ -113,6 +141,7 @@ def check_coverage(model: nn.Module) -> None:
     if fused:
         raise UnsupportedModelError(
             f"{type(model).__name__} keeps {len(fused)} weight tensors as fused 3-D parameters ({fused[0]}, ...: MoE "
-            "experts), and quantkit quantizes nn.Linear modules only so far; quantizing this model would leave them "
-            "in full precision"
+            "experts), and quantkit quantizes nn.Linear modules; `quantkit.moe.linearize(model)` splits the experts of "
+            "transformers' MoE models into per-expert Linear modules first (finalize does), else this model would keep "
+            "them in full precision"
         )

@@ -54,7 +54,7 @@ def estimate(prepared, recipe: Recipe, options, world_size: int, dst: str | Path
     headers = sources.tensor_headers(prepared.src)
     size = lambda name: _LOAD_DTYPE_BYTES.get(dtype) or sources.DTYPE_BYTES[headers[name][0]]  # noqa: E731
     numel = {name: _numel(shape) for name, (_, shape) in headers.items()}
-    quantized = {f"{e.name}.weight": e for e in prepared.plan if e.quantized and f"{e.name}.weight" in headers}
+    quantized = _quantized_in_checkpoint(prepared, headers, trust_remote_code)
     write = exporter(prepared.format)
     model_bytes = sum(numel[n] * size(n) for n in headers)
     output_bytes = sum(write.weight_bytes(quantized[n], size(n)) if n in quantized else numel[n] * size(n) for n in headers)
@@ -111,6 +111,18 @@ def estimate(prepared, recipe: Recipe, options, world_size: int, dst: str | Path
     return report
 
 
+def _quantized_in_checkpoint(prepared, headers: dict, trust_remote_code: bool) -> dict[str, ModulePlan]:
+    """Each quantized Linear's weight by its name in the checkpoint: the model's name, unless transformers renames
+    it while loading (Mixtral's experts are under `block_sparse_moe` on disk; a meta skeleton says how)."""
+    from quantkit import models, moe
+
+    by_name = {f"{e.name}.weight": e for e in prepared.plan if e.quantized}
+    if any(name not in headers for name in by_name):
+        skeleton = moe.linearize(models.meta_model(models.load_config(prepared.src, trust_remote_code), trust_remote_code))
+        by_name = {checkpoint: by_name[name] for name, checkpoint in moe.checkpoint_names(skeleton, list(by_name)).items()}
+    return {name: entry for name, entry in by_name.items() if name in headers}
+
+
 def calibration_bytes(plan: list[ModulePlan], quantized: dict[str, ModulePlan], numel: dict[str, int], samples: int,
                       seq_len: int, hidden: int, element: int, batch_size: int) -> dict[str, int]:
     """What calibration adds to the model in RAM (see the module docstring)."""
@@ -164,7 +176,7 @@ def time_estimate(prepared, recipe: Recipe, options, samples: int, layers: int, 
     import torch
     from transformers import AutoModelForCausalLM
 
-    from quantkit import models
+    from quantkit import models, moe
     from quantkit.algorithms import Algorithm, get_algorithm
     from quantkit.plan import plan_model
 
@@ -175,7 +187,7 @@ def time_estimate(prepared, recipe: Recipe, options, samples: int, layers: int, 
         config.layer_types = config.layer_types[:1]
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code).eval()
-    plan = plan_model(model, recipe)
+    plan = plan_model(moe.linearize(model), recipe)
     if not recipe.needs_calibration:
         rtn = get_algorithm(Algorithm.RTN)
         started = time.perf_counter()

@@ -12,6 +12,7 @@ from torch import nn
 
 from quantkit.architectures import LayerWiring, traced_wiring, wiring_of
 from quantkit.distributed import Context
+from quantkit.moe import MoEWiring, is_moe_layer, traced_moe_wiring
 from quantkit.plan import ModulePlan
 from quantkit.qparams import QuantizedWeight
 from quantkit.registry import Recipe
@@ -29,6 +30,7 @@ class CalibrationResult:
     owners: dict[str, int] = field(default_factory=dict)  # GPTQ module -> the rank that quantized it
     skipped: dict[str, str] = field(default_factory=dict)  # transforms not applied: "smoothquant: q_proj, ..." -> why
     true_sequential: bool = False  # GPTQ ran stage by stage in one pass per layer (`true_sequential`)
+    routed_tokens: dict[str, list[int]] = field(default_factory=dict)  # MoE experts module -> tokens routed to each expert
 
 
 @dataclass
@@ -56,8 +58,11 @@ class Layer:
         return wiring_of(self.module)
 
     @cached_property
-    def traced_wiring(self) -> LayerWiring:
-        """The wiring with the norms the Linears really read, from one run on the first batch: what folding needs."""
+    def traced_wiring(self) -> LayerWiring | MoEWiring:
+        """The wiring with the norms the Linears really read, from one run on the first batch: what folding needs
+        (an MoE layer's says which modules read its MoE block's input, `moe.MoEWiring`)."""
+        if is_moe_layer(self.module):
+            return traced_moe_wiring(self.module, self.inputs[0])
         return traced_wiring(self.module, self.inputs[0])
 
     @property

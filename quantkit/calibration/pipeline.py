@@ -22,6 +22,7 @@ from torch import nn
 from quantkit import data, models
 from quantkit.algorithms import Algorithm
 from quantkit.algorithms.rtn import rtn_quantize
+from quantkit.calibration.experts import calibrating
 from quantkit.calibration.hooks import capture_inputs, run_layer, with_hidden
 from quantkit.calibration.layer import CalibrationResult, Layer, relative_error
 from quantkit.calibration.resume import Resumable
@@ -121,14 +122,16 @@ def _calibrate_one(i: int, module: nn.Module, prefix: str, inputs: list[tuple], 
 
 
 def calibrate_layer(layer: Layer, steps: list[Step]) -> list[torch.Tensor]:
-    """Run the steps on one layer; return its outputs (the next layer's hidden states)."""
+    """Run the steps on one layer; return its outputs (the next layer's hidden states). MoE experts see every
+    token meanwhile (`experts.calibrating`)."""
     outputs = None
-    for step in steps:
-        outputs = step(layer)
-    if outputs is None:
-        started = time.perf_counter()
-        outputs = run_layer(layer.module, layer.inputs)
-        layer.result.seconds["propagate"] += time.perf_counter() - started
+    with calibrating(layer):
+        for step in steps:
+            outputs = step(layer)
+        if outputs is None:
+            started = time.perf_counter()
+            outputs = run_layer(layer.module, layer.inputs)
+            layer.result.seconds["propagate"] += time.perf_counter() - started
     check_layer(layer, outputs)
     return outputs
 

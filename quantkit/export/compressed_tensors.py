@@ -22,6 +22,7 @@ from compressed_tensors.quantization import (
 )
 from torch import nn
 
+from quantkit import moe
 from quantkit.plan import ModulePlan
 from quantkit.qparams import QParams
 from quantkit.quantized_model import QuantizedModel
@@ -40,6 +41,20 @@ def compression_format(scheme: QuantScheme) -> str:
     if scheme.weights.dtype.is_float:
         return "float-quantized"
     return "int-quantized" if scheme.activations else "pack-quantized"
+
+
+def experts_caveat(model: nn.Module, recipe: Recipe) -> str | None:
+    """What plain transformers cannot do with the MoE experts this recipe writes, or None. transformers 5 loads
+    compressed-tensors MoE experts by dequantizing them into its fused parameters, and does that for packed
+    (pack-quantized) and FP8 experts only: int8 experts with quantized activations (int-quantized, vLLM's W8A8
+    layout) do not load."""
+    if not moe.experts_modules(model) or compression_format(recipe.scheme) != "int-quantized":
+        return None
+    import transformers
+
+    return (f"written for vLLM: transformers {transformers.__version__} cannot load int8 W8A8 MoE experts "
+            "(it dequantizes packed and FP8 experts only), so neither can `quantkit eval`; fp8-static and "
+            "float8-dynamic-act-float8-weight quantize MoE activations in a layout both load")
 
 
 def weight_bytes(entry: ModulePlan, element_size: int) -> int:
@@ -69,13 +84,19 @@ def _activation_args(spec: ActivationSpec | None) -> QuantizationArgs | None:
     )
 
 
-def quantization_config(plan: list[ModulePlan], recipe: Recipe) -> QuantizationConfig:
+def quantization_config(plan: list[ModulePlan], recipe: Recipe, experts: tuple[str, str | None] = ((), None)) -> QuantizationConfig:
     """The recipe's scheme targets every Linear; modules with a fallback group size are named exactly
-    (an exact name wins over a class in compressed-tensors and vLLM); modules left out are ignored by name."""
+    (an exact name wins over a class in compressed-tensors and vLLM), MoE experts by one `re:` pattern (`experts`:
+    their names and `moe.expert_pattern`; it names them in the checkpoint too, and is how transformers finds their
+    scheme); modules left out are ignored by name."""
+    names, pattern = set(experts[0]), experts[1]
     groups: dict[QuantScheme, list[str]] = {}
     for entry in plan:
         if entry.quantized and entry.scheme != recipe.scheme:
-            groups.setdefault(entry.scheme, []).append(entry.name)
+            targets = groups.setdefault(entry.scheme, [])
+            target = pattern if entry.name in names else entry.name
+            if target not in targets:
+                targets.append(target)
     if any(entry.scheme == recipe.scheme for entry in plan):
         groups[recipe.scheme] = ["Linear"]
     config_groups = {
@@ -90,7 +111,8 @@ def quantization_config(plan: list[ModulePlan], recipe: Recipe) -> QuantizationC
 
 def install(model: nn.Module, plan: list[ModulePlan], recipe: Recipe) -> None:
     """Attach compressed-tensors' quantization (schemes, qparam slots, quantized forward) to `model`."""
-    apply_quantization_config(model, quantization_config(plan, recipe), show_progress=False)
+    experts = (tuple(moe.expert_linears(model)), moe.expert_pattern(model))
+    apply_quantization_config(model, quantization_config(plan, recipe, experts), show_progress=False)
 
 
 def set_qparams(module: nn.Module, qparams: QParams) -> None:

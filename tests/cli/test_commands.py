@@ -445,3 +445,11 @@ def test_the_summary_says_how_much_was_quantized_and_what_was_not():
         {"tensor": "lm_head.weight", "parameters": 10, "reason": "ignored by recipe"},
         {"tensor": "norm.weight", "parameters": 0, "reason": "ignored by recipe"}]})
     assert line == "90.0% of Linear parameters, 75.0% of all; left in full precision: 1 x an embedding; 2 x ignored by recipe"
+
+
+def test_the_summary_says_how_many_tokens_each_moe_expert_was_routed():
+    from quantkit.cli.finalize import experts_line
+
+    line = experts_line({"model.layers.0.mlp.experts": [5, 0, 9], "model.layers.1.mlp.experts": [3, 11, 0]})
+    assert line == ("min 0 (model.layers.0.mlp.experts.1), max 11 (model.layers.1.mlp.experts.1) over 6 experts; "
+                    "2 never routed (every expert is calibrated on every token)")

@@ -1,5 +1,6 @@
-"""Run in a fresh interpreter: load artifacts with plain transformers (never importing quantkit), save logits
-and the dequantized weight of every Linear to a safetensors file per artifact.
+"""Run in a fresh interpreter: load artifacts with plain transformers (never importing quantkit), save logits,
+the dequantized weight of every Linear and every fused MoE experts parameter to a safetensors file per artifact;
+an artifact that does not load gets a NAME.error.txt with the error instead.
 
 usage: python reload_plain.py INPUT_IDS.safetensors OUT_DIR ARTIFACT [ARTIFACT ...]
 """
@@ -20,12 +21,19 @@ def main() -> None:
     ids = load_file(sys.argv[1])["input_ids"]
     out_dir = Path(sys.argv[2])
     for artifact in sys.argv[3:]:
-        model = AutoModelForCausalLM.from_pretrained(artifact).eval()
+        try:
+            model = AutoModelForCausalLM.from_pretrained(artifact).eval()
+        except Exception as exc:  # noqa: BLE001 - reported to the test, which knows which artifacts must load
+            (out_dir / f"{Path(artifact).name}.error.txt").write_text(f"{type(exc).__name__}: {exc}")
+            continue
         with torch.no_grad():
             tensors = {"logits": model(ids).logits.float().contiguous()}
         for name, module in model.named_modules():
             if isinstance(module, torch.nn.Linear):
                 tensors[name] = dense(module.weight.data).float().contiguous()
+        for name, param in model.named_parameters():
+            if param.dim() == 3:  # MoE experts, fused again by transformers' loader
+                tensors[name] = param.data.float().contiguous()
         save_file(tensors, out_dir / f"{Path(artifact).name}.safetensors")
     assert not any(name.startswith("quantkit") for name in sys.modules), "quantkit was imported"
 

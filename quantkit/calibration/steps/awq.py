@@ -22,6 +22,7 @@ from quantkit.architectures import norm_weight_offset, scales_fold
 from quantkit.calibration.hooks import run_layer
 from quantkit.calibration.layer import Layer
 from quantkit.calibration.steps import register
+from quantkit.moe import real_routing
 from quantkit.observers import ChannelAbsMean, HessianObserver, Observer
 from quantkit.schemes import WeightSpec
 
@@ -30,18 +31,21 @@ from quantkit.schemes import WeightSpec
 def awq_step(layer: Layer, args: AWQArgs) -> None:
     started = time.perf_counter()
     mappings = _mappings(layer)
-    captured = capture_blocks(layer.module, [(block, linears[0]) for _, block, linears, _ in mappings], layer.inputs)
-    for (prev, block, linears, specs), (calls, act) in zip(mappings, captured):
+    captured = capture_blocks(layer.module, [(block, linears[0]) for _, block, linears, _, _ in mappings], layer.inputs)
+    for (prev, block, linears, specs, along), (calls, act, hessian) in zip(mappings, captured):
         distributed.all_reduce_observer(act, layer.ctx)
-        error_of = _error_function(block, linears, specs, calls, layer.ctx)
+        error_of = _error_function(block, linears, specs, calls, hessian, layer.ctx)
         scales, _ = search_scales(act.mean(), error_of, args)
+        weights = [m.weight for m in linears + along]
         offset = 0.0 if isinstance(prev, nn.Linear) else norm_weight_offset(prev)
-        fold_scales(prev.weight, getattr(prev, "bias", None), [m.weight for m in linears], scales, offset)
+        fold_scales(prev.weight, getattr(prev, "bias", None), weights, scales, offset)
     layer.result.seconds["transforms"] += time.perf_counter() - started
 
 
-def _mappings(layer: Layer) -> list[tuple[nn.Module, nn.Module, list[nn.Module], list[WeightSpec]]]:
-    """(feeding op, block, Linears, their weight specs) for each of the wiring's mappings AWQ can use here."""
+def _mappings(layer: Layer) -> list[tuple[nn.Module, nn.Module, list[nn.Module], list[WeightSpec], list[nn.Module]]]:
+    """(feeding op, block, quantized Linears, their weight specs, the modules reading the same input that stay in
+    full precision) for each of the wiring's mappings AWQ can use here. The scales are searched on the quantized
+    Linears and folded into all of them (an MoE router takes them too, so the routing does not change)."""
     part = layer.module.get_submodule
     mappings = []
     for prev_name, linear_names, block_name in layer.traced_wiring.awq_mappings:
@@ -49,16 +53,18 @@ def _mappings(layer: Layer) -> list[tuple[nn.Module, nn.Module, list[nn.Module],
             layer.skip("awq", linear_names, "no norm feeds them: their input is the residual stream")
             continue
         prev, block = part(prev_name), part(block_name)
-        linears = [part(name) for name in linear_names]
-        entries = [layer.plan.get(f"{layer.prefix}.{name}") for name in linear_names]
-        if not all(e is not None and e.quantized for e in entries):
-            continue  # a Linear left in full precision: nothing to protect
+        entries = {name: layer.plan.get(f"{layer.prefix}.{name}") for name in linear_names}
+        quantized = [name for name, e in entries.items() if e is not None and e.quantized]
+        if not quantized:
+            continue  # every Linear left in full precision: nothing to protect
+        linears = [part(name) for name in quantized]
         if isinstance(prev, nn.Linear) and prev.out_features != linears[0].in_features:
             continue  # e.g. v -> o under grouped-query attention
         if isinstance(prev, nn.Linear) and not _scales_fold(layer, prev_name, linear_names):
             layer.skip("awq", linear_names, f"{prev_name} feeds them through a non-linear op (an activation): no scale folds between them")
             continue
-        mappings.append((prev, block, linears, [e.scheme.weights for e in entries]))
+        along = [part(name) for name in linear_names if name not in quantized]
+        mappings.append((prev, block, linears, [entries[n].scheme.weights for n in quantized], along))
     return mappings
 
 
@@ -69,27 +75,35 @@ def _scales_fold(layer: Layer, prev: str, linears: tuple[str, ...]) -> bool:
     return distributed.all_reduce_sum(float(folds), layer.ctx) == world
 
 
-def _error_function(block, linears, specs, calls, ctx):
+def _error_function(block, linears, specs, calls, hessian, ctx):
     """error_of(scales): the block's summed squared output error with the candidate weights, over all ranks."""
-    if len(linears) == 1 and block is linears[0]:
-        hessian = HessianObserver()
-        for args, _ in calls:
-            hessian.update(args[0])
+    if hessian is not None:  # the block is one Linear
         distributed.all_reduce_observer(hessian, ctx)  # every rank then scores every candidate the same
         xtx = hessian.state["xtx"].float()
         weight = linears[0].weight.data
         return lambda scales: hessian_error(weight, scaled_candidate(weight, specs[0], scales), xtx)
-    reference = run_layer(block, calls)
-    return lambda scales: distributed.all_reduce_sum(block_error(block, calls, reference, linears, specs, scales), ctx)
+    with real_routing(block):  # the block's output is all the scores need: MoE experts on their own tokens only
+        reference = run_layer(block, calls)
+
+    def error_of(scales):
+        with real_routing(block):
+            return distributed.all_reduce_sum(block_error(block, calls, reference, linears, specs, scales), ctx)
+    return error_of
 
 
-def capture_blocks(layer: nn.Module, blocks: list[tuple[nn.Module, nn.Module]], inputs: list[tuple]) -> list[tuple[list[tuple], Observer]]:
-    """For each (block, its first Linear): the (args, kwargs) of every call of the block, and mean |x| of the
-    Linear's input, from one run of the layer."""
-    captured = [([], ChannelAbsMean()) for _ in blocks]
+def capture_blocks(layer: nn.Module, blocks: list[tuple[nn.Module, nn.Module]],
+                   inputs: list[tuple]) -> list[tuple[list[tuple], Observer, HessianObserver | None]]:
+    """For each (block, its first Linear), from one run of the layer: the (args, kwargs) of every call of the block
+    (none kept for a block that is that Linear: its input Hessian, accumulated instead, is all its scores need, and
+    an MoE layer's every expert down projection would keep experts x tokens x intermediate values), mean |x| of
+    the Linear's input, and that Hessian (None for other blocks)."""
+    captured = [([], ChannelAbsMean(), HessianObserver() if block is first else None) for block, first in blocks]
     handles = []
-    for (block, first), (calls, act) in zip(blocks, captured):
-        handles.append(block.register_forward_pre_hook(lambda m, a, k, calls=calls: calls.append((a, k)), with_kwargs=True))
+    for (block, first), (calls, act, hessian) in zip(blocks, captured):
+        if hessian is None:
+            handles.append(block.register_forward_pre_hook(lambda m, a, k, calls=calls: calls.append((a, k)), with_kwargs=True))
+        else:
+            handles.append(block.register_forward_pre_hook(lambda m, a, hessian=hessian: hessian.update(a[0])))
         handles.append(first.register_forward_pre_hook(lambda m, a, act=act: act.update(a[0])))
     try:
         run_layer(layer, inputs)

@@ -38,7 +38,7 @@ def gptq_step(layer: Layer, args: GPTQArgs) -> list[torch.Tensor] | None:
     if layer.index == 0:  # every rank must take the same path
         agree = distributed.all_reduce_sum(float(can_stage(layer.module, layer.inputs)), layer.ctx)
         layer.result.true_sequential = agree == (layer.ctx.world_size if layer.ctx else 1)
-    if layer.result.true_sequential:
+    if layer.result.true_sequential and find_wiring(layer.module) is not None:  # an MoE layer after dense ones: not staged
         return _staged(layer, args)
     _layer_wise(layer, args)
     return None

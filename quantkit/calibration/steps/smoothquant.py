@@ -25,12 +25,19 @@ def smoothquant_step(layer: Layer, args: SmoothQuantArgs) -> None:
         if norm is None:
             layer.skip("smoothquant", linears, "no norm feeds them: their input is the residual stream")
         else:
-            groups[norm] = [part(name) for name in linears]
-    observers = observe({norm: linears[0] for norm, linears in groups.items()}, ChannelAbsMax, layer.module, layer.inputs)
+            groups[norm] = linears
+    observers = observe({norm: part(linears[0]) for norm, linears in groups.items()}, ChannelAbsMax, layer.module, layer.inputs)
     for observer in observers.values():
         distributed.all_reduce_observer(observer, layer.ctx)
     for norm, linears in groups.items():
-        scales = smoothing_scales(observers[norm].state["absmax"], [m.weight for m in linears], args)
+        # the scales balance the quantized weights; modules kept in full precision (an MoE router) take them too
+        quantized = [part(n).weight for n in linears if _quantized(layer, n)] or [part(n).weight for n in linears]
+        scales = smoothing_scales(observers[norm].state["absmax"], quantized, args)
         module = part(norm)
-        fold_scales(module.weight, [m.weight for m in linears], scales, norm_weight_offset(module), getattr(module, "bias", None))
+        fold_scales(module.weight, [part(n).weight for n in linears], scales, norm_weight_offset(module), getattr(module, "bias", None))
     layer.result.seconds["transforms"] += time.perf_counter() - started
+
+
+def _quantized(layer: Layer, name: str) -> bool:
+    entry = layer.plan.get(f"{layer.prefix}.{name}")
+    return entry is not None and entry.quantized

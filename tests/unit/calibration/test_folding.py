@@ -1,6 +1,7 @@
 """Scales fold into the norm a layer's Linears really read, whatever its name, weight convention or bias, leaving
 the float function unchanged (Gemma2: the MLP reads pre_feedforward_layernorm, and norms compute x * (1 + w);
-Starcoder2: LayerNorms with a bias), and between two Linears only where the op between them lets them through."""
+Starcoder2: LayerNorms with a bias; an MoE block's router and gates read that norm too and take the scales with
+the experts), and between two Linears only where the op between them lets them through."""
 
 import pytest
 import torch
@@ -19,10 +20,12 @@ from quantkit.plan import plan_model
 
 
 def _model_and_inputs(model_type: str, **extra):
+    from quantkit.moe import linearize
+
     torch.manual_seed(0)
     params = {**dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
                      num_key_value_heads=2, vocab_size=300, pad_token_id=0), **extra}
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **params)).eval()
+    model = linearize(AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **params)).eval())
     for name, param in model.named_parameters():  # norms (and biases) away from their init, so a wrong fold shows
         if param.dim() == 1:
             param.data.uniform_(0.5, 1.5)
@@ -95,4 +98,34 @@ def test_folding_into_the_norm_the_names_suggest_would_change_gemma2():
     reference = run_layer(layer, inputs)
     scales = torch.rand(64, generator=torch.Generator().manual_seed(1)) + 0.5
     fold_scales(layer.post_attention_layernorm.weight, None, [layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight], scales)
+    assert not torch.allclose(run_layer(layer, inputs)[0], reference[0], rtol=1e-3, atol=1e-4)
+
+
+MOE = {"mixtral": dict(num_local_experts=4), "qwen2_moe": dict(num_experts=4, moe_intermediate_size=32)}
+
+
+@pytest.mark.parametrize("model_type", MOE)
+def test_folding_into_an_moe_layer_keeps_its_function_with_the_router_and_gates_scaled_along(model_type):
+    from quantkit.moe import traced_moe_wiring
+
+    layer, inputs = _layer_and_inputs(model_type, **MOE[model_type])
+    wiring = traced_moe_wiring(layer, inputs[0])
+    gates = {"mlp.gate"} | ({"mlp.shared_expert_gate"} if model_type == "qwen2_moe" else set())
+    assert wiring.norm == "post_attention_layernorm" and set(wiring.gates) == gates
+    assert len(wiring.pairs) == 4 + (model_type == "qwen2_moe") and len(wiring.inputs) == 2 * len(wiring.pairs)
+    reference = run_layer(layer, inputs)
+    generator = torch.Generator().manual_seed(1)
+    saved = {name: p.detach().clone() for name, p in layer.named_parameters()}
+    for prev, linears, _ in wiring.awq_mappings[2:]:  # the MoE block's input, then every (up, down)
+        module = layer.get_submodule(prev)
+        scales = torch.rand(module.weight.shape[0], generator=generator) + 0.5
+        fold_scales(module.weight, None, [layer.get_submodule(n).weight for n in linears], scales)
+    for ours, theirs in zip(run_layer(layer, inputs), reference):
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
+
+    for name, p in layer.named_parameters():  # the control: the norm's scales without the router's
+        p.data.copy_(saved[name])
+    norm, linears = wiring.smoothing[1]
+    scales = torch.rand(64, generator=generator) + 0.5
+    fold_scales(layer.get_submodule(norm).weight, None, [layer.get_submodule(n).weight for n in linears if n not in gates], scales)
     assert not torch.allclose(run_layer(layer, inputs)[0], reference[0], rtol=1e-3, atol=1e-4)
