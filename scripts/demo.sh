@@ -14,7 +14,7 @@ OUT=demo
 RECIPE=int2-weight-only
 began=$SECONDS
 rm -rf "$OUT" && mkdir -p "$OUT"
-step() { printf '\n== [%s/6, %d s] %s\n' "$1" $((SECONDS - began)) "$2"; }
+step() { printf '\n== [%s/5, %d s] %s\n' "$1" $((SECONDS - began)) "$2"; }
 
 # Local text: Tiny Shakespeare to train on, its last part to evaluate on; generated text when absent.
 if [ -f "$DATA_DIR/tinyshakespeare/input.txt" ]; then
@@ -31,18 +31,28 @@ python scripts/build_tiny_model.py "$OUT/tiny-llama" --text "$OUT/train.txt" --h
 step 2 "train a tiny Llama (0.23M parameters) from scratch: 300 steps"
 $QK train scripts/configs/tiny-llama.yaml
 
-step 3 "fine-tune it 100 more steps: the float model"
-$QK train scripts/configs/tiny-llama-finetune.yaml
+# Independent commands run side by side, one thread each (a model this small gains nothing from a second one),
+# each printing into its own log, shown in order once all have finished.
+side_by_side() {
+  local logs=() pids=() i=0 status=0
+  for cmd in "$@"; do
+    logs+=("$OUT/.log-$i"); (eval "$cmd") > "$OUT/.log-$i" 2>&1 & pids+=($!); i=$((i + 1))
+  done
+  for i in "${!pids[@]}"; do wait "${pids[$i]}" || status=$?; done
+  for i in "${!logs[@]}"; do printf '$ %s\n' "${@:$((i + 1)):1}"; cat "${logs[$i]}"; rm -f "${logs[$i]}"; done
+  return $status
+}
 
-step 4 "the same 100 steps under $RECIPE fake quantization: QAT"
-$QK train scripts/configs/tiny-llama-finetune.yaml --qat-recipe "$RECIPE" --output-dir "$OUT/runs/qat"
+step 3 "fine-tune it 100 more steps twice, side by side: plainly (the float model), and under $RECIPE fake quantization (QAT)"
+side_by_side "$QK train scripts/configs/tiny-llama-finetune.yaml --threads 1" \
+  "$QK train scripts/configs/tiny-llama-finetune.yaml --qat-recipe $RECIPE --output-dir $OUT/runs/qat --threads 1"
 
-step 5 "finalize: PTQ of the float model (2 and 4 bits), QAT convert"
-$QK finalize "$OUT/runs/float/final" "$OUT/ptq-$RECIPE" --quantize "$RECIPE"
-$QK finalize "$OUT/runs/float/final" "$OUT/ptq-int4-weight-only" --quantize int4-weight-only
-$QK finalize "$OUT/runs/qat/final" "$OUT/qat-$RECIPE" --quantize "$RECIPE"
+step 4 "finalize: PTQ of the float model (2 and 4 bits), QAT convert"
+side_by_side "$QK finalize $OUT/runs/float/final $OUT/ptq-$RECIPE --quantize $RECIPE --threads 1" \
+  "$QK finalize $OUT/runs/float/final $OUT/ptq-int4-weight-only --quantize int4-weight-only --threads 1" \
+  "$QK finalize $OUT/runs/qat/final $OUT/qat-$RECIPE --quantize $RECIPE --threads 1"
 
-step 6 "eval: all against the float model, with an accuracy gate (25%)"
+step 5 "eval: all against the float model, with an accuracy gate (25%)"
 $QK eval "$OUT/runs/float/final" "$OUT/ptq-int4-weight-only" "$OUT/ptq-$RECIPE" "$OUT/qat-$RECIPE" \
   --data "$OUT/eval.txt" --seq-len 128 --max-samples 48 \
   --baseline "$OUT/runs/float/final" --max-ppl-increase 25 --json "$OUT/eval.json"
