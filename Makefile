@@ -19,10 +19,10 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 
 # The demo's install skips compiling every installed module to bytecode (torch and transformers hold thousands, most
 # never imported); the demo then caches the bytecode of what it imports, once, in .venv (PYTHONDONTWRITEBYTECODE is
-# cleared for it). Measured from a fresh clone on 2 cores: 126 s to install with compilation, 47 s without.
+# cleared for it). Measured from a fresh clone on 2 cores: 126 s to install with compilation, 47 s without. torch is
+# pinned in the same pip call as the package, so no other torch is resolved.
 $(VENV)/.installed-base: pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install -q --no-compile "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install -q --no-compile -e .
+	$(BIN)/python -m pip install -q --no-compile --disable-pip-version-check "$(TORCH_SPEC)" -e .
 	touch $@
 
 install: $(VENV)/.installed
