@@ -55,10 +55,12 @@ def gptq_quantize(
     """
     _check_inputs(weight, hessian, spec)
     w = weight.to(torch.float32, copy=True)
-    h = hessian.to(device=weight.device, dtype=torch.float32, copy=True)
+    h = hessian.to(device=weight.device, dtype=torch.float32)  # the caller's, unless it needs a change: read only
     dead = h.diagonal() == 0
-    h[dead, dead] = 1.0
-    w[:, dead] = 0.0
+    if dead.any():
+        h = h.clone()
+        h[dead, dead] = 1.0
+        w[:, dead] = 0.0
     grid = _Grid.up_front(w, weight.dtype, spec, dynamic=spec.granularity is Granularity.GROUP and not args.actorder)
     perm = torch.argsort(h.diagonal(), descending=True, stable=True) if args.actorder else None
     if perm is not None:
