@@ -55,9 +55,10 @@ def main(argv: list[str] | None = None) -> None:
     for recipe in args.recipes:
         options = calib if recipe != "int4-weight-only" else []
         jobs = [("quantkit, tiny model (fixed cost)", harness.finalize_command(tiny, args.workdir / "out-tiny", recipe, args.threads, *options)),
-                ("quantkit streamed", harness.finalize_command(model, args.workdir / "out-streamed", recipe, args.threads, *options)),
-                ("quantkit --in-memory", harness.finalize_command(model, args.workdir / "out-in-memory", recipe, args.threads,
-                                                                  *options, "--in-memory"))]
+                ("quantkit streamed", harness.finalize_command(model, args.workdir / "out-streamed", recipe, args.threads, *options))]
+        if not args.skip_in_memory:
+            jobs.append(("quantkit --in-memory", harness.finalize_command(model, args.workdir / "out-in-memory", recipe,
+                                                                          args.threads, *options, "--in-memory")))
         if runner:
             jobs.append(("llm-compressor oneshot", harness.llmc_command(args.llmc_python, runner, model, args.workdir / "out-llmc",
                                                                         ids, RECIPES[recipe], "default", args.threads)))
@@ -82,7 +83,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def summarize(recipe: str, measured: dict, model_bytes: int) -> dict:
     fixed = measured["quantkit, tiny model (fixed cost)"].peak_rss_kib * 1024
-    streamed, whole = measured["quantkit streamed"], measured["quantkit --in-memory"]
+    streamed, whole = measured["quantkit streamed"], measured.get("quantkit --in-memory")
     llmc = measured.get("llm-compressor oneshot")
     above = streamed.peak_rss_kib * 1024 - fixed
     return {
@@ -90,9 +91,9 @@ def summarize(recipe: str, measured: dict, model_bytes: int) -> dict:
         "runs": {label: {"seconds": round(run.seconds, 1), "peak_rss_mib": round(run.peak_rss_mib)} for label, run in measured.items()},
         "fixed_mib": round(fixed / MIB),
         "streamed_above_fixed_vs_model": round(above / model_bytes, 3),
-        "in_memory_above_fixed_vs_model": round((whole.peak_rss_kib * 1024 - fixed) / model_bytes, 3),
+        "in_memory_above_fixed_vs_model": round((whole.peak_rss_kib * 1024 - fixed) / model_bytes, 3) if whole else None,
         "streamed_vs_llmc_peak": round(streamed.peak_rss_kib / llmc.peak_rss_kib, 3) if llmc else None,
-        "streamed_vs_in_memory_wall": round(streamed.seconds / whole.seconds, 3),
+        "streamed_vs_in_memory_wall": round(streamed.seconds / whole.seconds, 3) if whole else None,
         "streamed_vs_llmc_wall": round(streamed.seconds / llmc.seconds, 3) if llmc else None,
     }
 
@@ -106,9 +107,9 @@ def print_report(report: dict) -> None:
     print(harness.markdown_table(header, lines, "llrr"))
     for row in report["rows"]:
         print(f"- {row['recipe']}: streamed peak above the fixed cost ({row['fixed_mib']} MiB) = "
-              f"{row['streamed_above_fixed_vs_model']:.3f} x the model (in-memory: {row['in_memory_above_fixed_vs_model']:.3f} x); "
+              f"{row['streamed_above_fixed_vs_model']:.3f} x the model (in-memory: {harness.fmt(row['in_memory_above_fixed_vs_model'], '.3f')} x); "
               f"streamed / llm-compressor peak = {harness.fmt(row['streamed_vs_llmc_peak'], '.3f')}; wall streamed / in-memory = "
-              f"{row['streamed_vs_in_memory_wall']:.3f}, streamed / llm-compressor = {harness.fmt(row['streamed_vs_llmc_wall'], '.3f')}")
+              f"{harness.fmt(row['streamed_vs_in_memory_wall'], '.3f')}, streamed / llm-compressor = {harness.fmt(row['streamed_vs_llmc_wall'], '.3f')}")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -120,6 +121,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--num-samples", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--skip-in-memory", action="store_true", help="leave out the --in-memory runs (the longest)")
     p.add_argument("--json", type=Path)
     return p.parse_args(argv)
 
