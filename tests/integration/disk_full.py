@@ -1,4 +1,4 @@
-"""Run `quantkit` on a disk that is full (QUANTKIT_TEST_DISK=full: every safetensors write fails with ENOSPC)
+"""Run `quantkit` on a disk that is full (QUANTKIT_TEST_DISK=full: every safetensors write fails with ENOSPC, streamed or not)
 or nearly so (QUANTKIT_TEST_DISK=small: the file system reports 1 kB free), for the bad-input catalogue."""
 
 import errno
@@ -15,12 +15,14 @@ if os.environ["QUANTKIT_TEST_DISK"] == "small":
     Usage = namedtuple("Usage", "total used free")
     shutil.disk_usage = lambda path: Usage(10**3, 0, 10**3)
 else:
+    import safetensors.torch
     import transformers.modeling_utils
 
     def no_space(*args, **kwargs):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    transformers.modeling_utils.safe_save_file = no_space
+    transformers.modeling_utils.safe_save_file = no_space  # the in-memory path's writes (save_pretrained)
+    safetensors.torch.save_file = no_space  # the streamed path's (each layer's piece)
 
 from quantkit.cli.main import main  # noqa: E402
 
