@@ -4,11 +4,18 @@ from __future__ import annotations
 
 import os
 import random
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+# A suite started in the background by a non-interactive shell inherits SIGINT ignored, and so would every process
+# it starts (an ignored signal survives exec): the Ctrl-C tests need it delivered. A handler does not survive exec,
+# so the processes the tests start get the default again.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 _WORDS = (
     "the a quantized model weight scale group token layer small fast bit integer float value error round grid "
