@@ -85,9 +85,10 @@ def check_qat_recipe(src: Path, recipe: Recipe, force: bool = False) -> str | No
 
 def prepare(
     src: str | Path, recipe: Recipe, fmt: Format | None = None, trust_remote_code: bool = False, force_recipe: bool = False,
-    revision: str | None = None,
+    revision: str | None = None, in_memory: bool = False,
 ) -> Prepared:
-    """Every check that needs no weights: format, hardware, source (a directory or a hub id), QAT recipe, plan."""
+    """Every check that needs no weights: format, hardware, source (a directory or a hub id), QAT recipe, plan;
+    and whether finalize can stream the model layer by layer (`Prepared.loading`: None) or loads it whole."""
     fmt = fmt or recipe.format
     check_supported(recipe, fmt)
     hardware.check(recipe, fmt)
@@ -111,14 +112,16 @@ def prepare(
 
         report["notes"] = [note for note in [experts_caveat(skeleton, recipe)] if note]
     prepared = Prepared(src=src, format=fmt, plan=plan, coverage=report)
-    prepared.loading = _whole_model_reason(src, fmt, skeleton)
+    prepared.loading = _whole_model_reason(src, fmt, skeleton, in_memory)
     return prepared
 
 
-def _whole_model_reason(src: Path, fmt: Format, skeleton: nn.Module) -> str | None:
+def _whole_model_reason(src: Path, fmt: Format, skeleton: nn.Module, in_memory: bool) -> str | None:
     """Why finalize must load this model whole instead of streaming it layer by layer, or None."""
     from quantkit.streaming import layout_mismatch
 
+    if in_memory:
+        return "whole model in memory (--in-memory)"
     if fmt is Format.TORCHAO:
         return "whole model in memory: transformers converts to torchao while it loads"
     if moe.experts_modules(skeleton):
@@ -296,21 +299,20 @@ def finalize(
     shard_bytes = sources.parse_size(max_shard_size) if max_shard_size else None
     if recipe.needs_calibration:
         hardware.check_device((calibration or CalibrationOptions()).device)
-    prepared = prepare(src, recipe, fmt, trust_remote_code, force_recipe, revision)
+    prepared = prepare(src, recipe, fmt, trust_remote_code, force_recipe, revision, in_memory)
     if recipe.needs_calibration:
         check_calibration_data(recipe, calibration)
     if recipe.needs_calibration and prepared.format is not Format.TORCHAO:
         prepared.work_dir, prepared.resume = atomic.work_dir(dst), resume
     atomic.check_work_dir(dst, resume)
     world = distributed.world_from_env()[1]
-    estimate = preflight.estimate(prepared, recipe, calibration or CalibrationOptions(), world, dst, dtype,
-                                  streamed=not in_memory and prepared.loading is None)
+    estimate = preflight.estimate(prepared, recipe, calibration or CalibrationOptions(), world, dst, dtype)
     preflight.check_disk(estimate, dst)
     if announce is not None:
         announce(estimate)
     used_threads = runtime.set_threads(threads)
     with distributed.process_group() as ctx:
-        streamed = open_streamed(prepared, dtype, trust_remote_code, in_memory)
+        streamed = open_streamed(prepared, dtype, trust_remote_code)
         with _resumable_errors(prepared):
             if streamed is not None:
                 _write_errors(dst, lambda: _stream(streamed, prepared, recipe, dst, overwrite, trust_remote_code,
@@ -355,14 +357,11 @@ def _resumable_errors(prepared: Prepared):
 # ---------------------------------------------------------------- streaming: one decoder layer in memory at a time
 
 
-def open_streamed(prepared: Prepared, dtype: str, trust_remote_code: bool, in_memory: bool = False):
+def open_streamed(prepared: Prepared, dtype: str, trust_remote_code: bool):
     """The source as a `streaming.StreamedModel` (its decoder layers still on disk), or None where finalize loads
-    it whole: asked to (`in_memory`), the torchao format (transformers converts while it loads), or a checkpoint
-    stored in another layout than the model's own. `prepared.loading` says which, and why."""
+    it whole (`prepare` said why in `prepared.loading`, or the checkpoint's shapes turn out not to be the model's)."""
     from quantkit.streaming import NotStreamable, StreamedModel
 
-    if in_memory:
-        prepared.loading = "whole model in memory (--in-memory)"
     if prepared.loading is not None:
         return None
     try:
@@ -453,7 +452,7 @@ def dry_run(src: str | Path, recipe: Recipe, fmt: Format | None, calibration: Ca
     device memory, output and work directory size, free disk at DST, and the time one layer takes here."""
     from quantkit import preflight
 
-    prepared = prepare(src, recipe, fmt, trust_remote_code, revision=revision)
+    prepared = prepare(src, recipe, fmt, trust_remote_code, revision=revision, in_memory=in_memory)
     options = calibration or CalibrationOptions()
     quantized = [e for e in prepared.plan if e.quantized]
     owners = {}
@@ -465,7 +464,7 @@ def dry_run(src: str | Path, recipe: Recipe, fmt: Format | None, calibration: Ca
             shapes = {e.name: (e.in_features, e.out_features) for e in quantized if e.name.rsplit(".", 2)[0] == layer}
             owners.update(gptq_owners(shapes, shared_input_leaders(list(shapes)), world_size))
     report = preflight.estimate(prepared, recipe, options, world_size, dst, dtype, measure_time=True,
-                                trust_remote_code=trust_remote_code, streamed=not in_memory and prepared.loading is None)
+                                trust_remote_code=trust_remote_code)
     return {
         "ranks": world_size,
         "samples_per_rank": report["samples_per_rank"],

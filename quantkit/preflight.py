@@ -45,9 +45,9 @@ _LOAD_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def estimate(prepared, recipe: Recipe, options, world_size: int, dst: str | Path | None, dtype: str = "auto",
-             measure_time: bool = False, trust_remote_code: bool = False, streamed: bool | None = None) -> dict:
-    """The preflight report (`finalize --dry-run`, and the check a real run makes before loading). `streamed`:
-    whether finalize streams the model layer by layer (default: where it can, `prepared.loading` is None)."""
+             measure_time: bool = False, trust_remote_code: bool = False) -> dict:
+    """The preflight report (`finalize --dry-run`, and the check a real run makes before loading). A model that
+    `prepare` found streamable (`prepared.loading` is None) is estimated as streamed."""
     from quantkit import data
     from quantkit.export import exporter
 
@@ -65,7 +65,7 @@ def estimate(prepared, recipe: Recipe, options, world_size: int, dst: str | Path
 
     _import_run_modules(recipe)
     fixed = peak_resident_bytes()
-    streamed = prepared.loading is None if streamed is None else streamed
+    streamed = prepared.loading is None
     ram = {"fixed (this process: python, torch, transformers)": fixed}
     if streamed:
         per_layer = _layer_bytes(headers, numel, size)
