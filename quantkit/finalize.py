@@ -386,6 +386,12 @@ class _LayerIO:
     def load(self, module: nn.Module) -> None:
         self.streamed.load(module)
 
+    def load_rest(self) -> None:
+        self.streamed.load_rest()
+
+    def release_rest(self) -> None:
+        self.streamed.release_rest()
+
     def done(self, module: nn.Module, prefix: str, result) -> None:
         """Layer `prefix` is finished: its qparams and input scales leave the result with it."""
         qparams = {n: result.qweights.pop(n).qparams for n in _under(prefix, result.qweights)}
@@ -441,6 +447,7 @@ def _round_streamed(streamed, plan: list[ModulePlan], recipe: Recipe, prepared: 
             layer_io.load(module)
             inside = [e for e in plan if e.name.startswith(f"{layer_prefix}{i}.")]
             layer_io.write([module], round_to_nearest(streamed.model, inside, advance), {})
+        streamed.load_rest()
         return round_to_nearest(streamed.model, [e for e in plan if not e.name.startswith(layer_prefix)], advance)
 
 

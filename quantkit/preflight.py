@@ -6,9 +6,11 @@ the exporter's `weight_bytes`, every other tensor keeps its bytes. Peak RAM is t
 (torch, transformers and the recipe's code imported: the fixed cost of any run) plus the model-dependent terms
 of the run's phases:
 
-- streamed (the default, `quantkit.streaming`): the modules outside the decoder layers, held all along and
-  copied once when written at the end, and the largest decoder layer STREAMED_LAYER_COPIES times (read, its
-  dequantized weights, its packed tensors being written);
+- streamed (the default, `quantkit.streaming`): the larger of two phases that never overlap. The modules
+  outside the decoder layers (embeddings, final norm, lm_head) are read for the first layer's calibration inputs
+  and again at the end, when they are copied once as they are written; the decoder layers are read one at a
+  time, the largest STREAMED_LAYER_COPIES times (read, its dequantized weights, its packed tensors being
+  written) with the calibration work of a layer;
 - loaded whole (`--in-memory`, torchao, a checkpoint transformers converts): the model held once, plus a
   transient copy of it while transformers loads it and the exporter packs it (LOAD_AND_WRITE_COPIES; torchao
   converts while loading, so its transient is smaller);
@@ -67,10 +69,11 @@ def estimate(prepared, recipe: Recipe, options, world_size: int, dst: str | Path
     fixed = peak_resident_bytes()
     streamed = prepared.loading is None
     ram = {"fixed (this process: python, torch, transformers)": fixed}
+    outside_layers = {}  # streamed: the phase that holds the modules outside the decoder layers instead of a layer
     if streamed:
         per_layer = _layer_bytes(headers, numel, size)
         rest = model_bytes - sum(per_layer.values())
-        ram["embeddings, final norm and lm_head (held; copied once when written)"] = 2 * rest
+        outside_layers["embeddings, final norm and lm_head (read twice; copied once when written)"] = 2 * rest
         ram["one decoder layer (read, quantized, packed)"] = STREAMED_LAYER_COPIES * max(per_layer.values(), default=0)
     else:
         ram["model and its transient copy while loading and writing"] = int(LOAD_AND_WRITE_COPIES[prepared.format] * model_bytes)
@@ -84,11 +87,14 @@ def estimate(prepared, recipe: Recipe, options, world_size: int, dst: str | Path
         calib = calibration_bytes(prepared.plan, quantized, numel, max(shares), seq_len, hidden, element, options.batch_size)
         if streamed:  # each layer's grid integers are written with it
             calib.pop("grid integers of finished layers")
+            outside_layers[_HIDDEN_STATES] = calib[_HIDDEN_STATES]
         ram.update(calib)
         work_dir = _work_dir_bytes(headers, numel, size, quantized, shares, seq_len, hidden, element)
         if options.device != "cpu":
             layer = model_bytes // (layers + 2)
             device = layer + sum(calib.values()) - calib.get("grid integers of finished layers", 0)  # grids stay in RAM
+    if sum(outside_layers.values()) > sum(ram.values()) - fixed:
+        ram = {next(iter(ram)): fixed, **outside_layers}
     free = _free_disk(dst) if dst is not None else None
     needed = output_bytes + (work_dir or 0)
     report = {
@@ -135,10 +141,13 @@ def calibration_bytes(plan: list[ModulePlan], quantized: dict[str, ModulePlan], 
     outer = max((max(e.out_features, e.in_features) for e in layer), default=hidden)
     return {
         "grid integers of finished layers": sum(numel[n] for n in quantized),
-        "calibration hidden states (this rank)": 2 * samples * seq_len * hidden * element,
+        _HIDDEN_STATES: 2 * samples * seq_len * hidden * element,
         "one batch's activations in a layer": 3 * min(samples, batch_size) * seq_len * outer * 4,
         "Hessians of one layer": sum(w * w * 8 for w in inputs.values()) + 3 * widest * widest * 4,
     }
+
+
+_HIDDEN_STATES = "calibration hidden states (this rank)"
 
 
 def _layer_bytes(headers, numel, size) -> dict[int, int]:

@@ -60,6 +60,11 @@ class LayerStream(Protocol):
 
     def done(self, module: nn.Module, prefix: str, result: CalibrationResult) -> None: ...
 
+    def load_rest(self) -> None:
+        """Read the modules outside the decoder layers (embeddings, final norm, lm_head)."""
+
+    def release_rest(self) -> None: ...
+
 
 def calibrate(model: nn.Module, plan: list[ModulePlan], recipe: Recipe, samples: torch.Tensor,
               device: torch.device, batch_size: int = 8, progress: Progress = QUIET,
@@ -70,7 +75,8 @@ def calibrate(model: nn.Module, plan: list[ModulePlan], recipe: Recipe, samples:
     sample set on every rank, `data.rank_batches`) and statistics are merged at every layer, so every rank
     ends with the same qparams. With `resumable`, every finished layer is saved to its work directory, and a
     resumed run starts at the first unfinished layer. With `stream`, the decoder layers are read before and
-    handed over after their turn (the model's other modules are in memory)."""
+    handed over after their turn, and the modules outside them are read for the first layer's inputs and again
+    at the end (in memory when this returns)."""
     steps = layer_steps(recipe)
     result = CalibrationResult()
     by_name = {entry.name: entry for entry in plan}
@@ -79,7 +85,11 @@ def calibrate(model: nn.Module, plan: list[ModulePlan], recipe: Recipe, samples:
     rank, world = (ctx.rank, ctx.world_size) if ctx is not None and ctx.distributed else (0, 1)
     batches = [samples[i.start : i.stop] for i in data.rank_batches(samples.shape[0], batch_size, rank, world)]
     started = time.perf_counter()
+    if stream is not None:
+        stream.load_rest()
     inputs = capture_inputs(model, layers, batches, device)
+    if stream is not None:  # not needed again until the end: one layer is held at a time, not the layer and these
+        stream.release_rest()
     result.seconds["capture"] = time.perf_counter() - started
     state = resumable.open() if resumable is not None else None
     if state is not None:
@@ -101,6 +111,8 @@ def calibrate(model: nn.Module, plan: list[ModulePlan], recipe: Recipe, samples:
                 advance(description=f"Calibrating layer {i + 1}/{len(layers)} (worst relative error {worst:.4f})")
             if stream is not None:
                 stream.done(module, f"{prefix}.{i}", result)
+    if stream is not None:
+        stream.load_rest()
     _round_the_rest(model, plan, result, prefix)
     return result
 

@@ -22,7 +22,8 @@ def model_dir(request, tmp_path_factory):
 
 def test_a_streamed_model_computes_as_the_loaded_one(model_dir):
     streamed = StreamedModel.open(model_dir)
-    assert all(p.device.type == "meta" for p in streamed.layers.parameters())
+    assert all(p.device.type == "meta" for p in streamed.model.parameters())  # nothing is read until asked for
+    streamed.load_rest()
     assert all(p.device.type == "cpu" for m in streamed.rest() for p in m.parameters())
     for layer in streamed.layers:
         streamed.load(layer)
@@ -41,8 +42,22 @@ def test_a_released_layer_holds_no_memory(model_dir):
     assert all(p.device.type == "cpu" for p in layer.parameters())
     streamed.release(layer)
     assert all(p.device.type == "meta" for p in layer.parameters())
+    streamed.load_rest()
     if streamed.model.config.tie_word_embeddings:
         assert streamed.model.lm_head.weight is streamed.model.get_input_embeddings().weight
+
+
+def test_the_modules_outside_the_layers_are_read_and_released_together(model_dir):
+    streamed = StreamedModel.open(model_dir)
+    embeddings = streamed.model.get_input_embeddings()
+    for _ in range(2):  # read again after a release: tied weights stay tied, nothing stays behind
+        streamed.load_rest()
+        assert all(p.device.type == "cpu" for m in streamed.rest() for p in m.parameters())
+        assert torch.equal(embeddings.weight, models.load_model(model_dir).get_input_embeddings().weight)
+        if streamed.model.config.tie_word_embeddings:
+            assert streamed.model.lm_head.weight is embeddings.weight
+        streamed.release_rest()
+        assert all(p.device.type == "meta" for p in streamed.model.parameters())
 
 
 def test_a_checkpoint_in_another_layout_is_not_streamable(model_dir, tmp_path):
