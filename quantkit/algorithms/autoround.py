@@ -17,6 +17,8 @@ sums over ranks); every rank takes the sign of the same sum, so every rank takes
 from __future__ import annotations
 
 import math
+import statistics
+import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -116,6 +118,7 @@ class Tuned:
     first_loss: float  # the first step's loss (round-to-nearest on its samples)
     best_loss: float
     best_iter: int
+    step_seconds: float  # the median wall time of a step (the first, warming up, left out when there are others)
 
 
 SampleLoss = Callable[[dict[str, torch.Tensor], int], torch.Tensor]  # (fake-quantized weights, sample) -> loss
@@ -148,8 +151,9 @@ def tune(weights: dict[str, torch.Tensor], specs: dict[str, WeightSpec], sample_
         tuned += [(t, args.clipping_lr, (0.0, 1.0)) for r in roundings.values() for t in (r.min_scale, r.max_scale)]
     params = [t.requires_grad_() for t, _, _ in tuned]
     mine = set(mine)
-    first, best = None, (math.inf, 0, None)
+    first, best, seconds = None, (math.inf, 0, None), []
     for step, chosen in enumerate(draws(num_samples, args.batch_size, args.iters, generator)):
+        started = time.perf_counter()
         flat, losses = _gradients(weights, specs, roundings, params, sample_loss, chosen, mine)
         reduce_sum(flat)
         loss = sum(losses.tolist()) / len(chosen)  # one value per sample, summed in one order on every rank
@@ -157,7 +161,8 @@ def tune(weights: dict[str, torch.Tensor], specs: dict[str, WeightSpec], sample_
         if loss < best[0]:
             best = (loss, step, {name: r.clone() for name, r in roundings.items()})
         _sign_step(tuned, 1.0 - step / args.iters, flat)
-    return Tuned(best[2], first, best[0], best[1])
+        seconds.append(time.perf_counter() - started)
+    return Tuned(best[2], first, best[0], best[1], statistics.median(seconds[1:] or seconds))
 
 
 def _gradients(weights, specs, roundings, params, sample_loss, chosen, mine) -> tuple[torch.Tensor, torch.Tensor]:

@@ -62,7 +62,9 @@ def test_same_seed_and_one_or_two_ranks_write_the_same_artifact(tiny_model_dir, 
         assert first.keys() == other.keys()
         assert all(torch.equal(first[key], other[key]) for key in first), run
     one, two = (json.loads((tmp_path / run / "quantkit.json").read_text())["calibration"] for run in ("a", "two"))
-    assert two["ranks"] == 2 and one["autoround"] == two["autoround"]
+    assert two["ranks"] == 2
+    for layer in one["autoround"]:  # the losses, summed in one order on every rank (seconds_per_step is a timing)
+        assert one["autoround"][layer]["loss_tuned"] == two["autoround"][layer]["loss_tuned"]
     assert set(one["autoround"]) == {"model.layers.0", "model.layers.1"}
     for layer in one["autoround"].values():
         assert layer["steps"] == STEPS and layer["loss_tuned"] < layer["loss_rtn"]

@@ -61,7 +61,8 @@ def autoround_step(layer: Layer, args: AutoRoundArgs) -> list[torch.Tensor]:
     layer.result.seconds["quantize"] += propagating - tuning
     outputs = run_layer(layer.module, layer.inputs)
     layer.result.tuning[layer.prefix] = {"loss_rtn": before, "loss_tuned": _mean_loss(layer, outputs, targets, first, total),
-                                         "best_step": tuned.best_iter, "steps": args.iters}
+                                         "best_step": tuned.best_iter, "steps": args.iters,
+                                         "seconds_per_step": round(tuned.step_seconds, 4)}
     layer.result.seconds["propagate"] += time.perf_counter() - propagating
     return outputs
 
