@@ -140,7 +140,7 @@ def draws(num_samples: int, batch_size: int, iters: int, generator: torch.Genera
 
 @register(Algorithm.AUTOROUND)
 def tune(weights: dict[str, torch.Tensor], specs: dict[str, WeightSpec], sample_loss: SampleLoss, mine: Sequence[int],
-         num_samples: int, args: AutoRoundArgs, generator: torch.Generator,
+         num_samples: int, generator: torch.Generator, args: AutoRoundArgs = AutoRoundArgs(),
          reduce_sum: ReduceSum = lambda tensor: None) -> Tuned:
     """Tune a Rounding for each weight on the summed loss of `args.batch_size` samples a step (of `num_samples`,
     of which this rank holds `mine` and computes `sample_loss` for). `args.iters` SignSGD steps; the iterate with

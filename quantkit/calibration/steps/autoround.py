@@ -52,7 +52,7 @@ def autoround_step(layer: Layer, args: AutoRoundArgs) -> list[torch.Tensor]:
 
     generator = torch.Generator().manual_seed(args.seed + layer.index)
     with _tuning(layer.module):
-        tuned = tune(weights, specs, sample_loss, range(first, first + len(rows)), total, args, generator,
+        tuned = tune(weights, specs, sample_loss, range(first, first + len(rows)), total, generator, args,
                      lambda flat: distributed.all_reduce_(flat, layer.ctx))
     for name, weight in weights.items():
         qweight = quantize(weight, tuned.roundings[name], specs[name])

@@ -115,7 +115,7 @@ def _tune_linear(weight, xs, spec, args, seed=0):
         return torch.nn.functional.mse_loss(xs[sample] @ fake["w"].T, xs[sample] @ weight.T)
 
     generator = torch.Generator().manual_seed(seed)
-    return tune({"w": weight}, {"w": spec}, sample_loss, range(len(xs)), len(xs), args, generator)
+    return tune({"w": weight}, {"w": spec}, sample_loss, range(len(xs)), len(xs), generator, args)
 
 
 @pytest.mark.parametrize("spec", [INT4_G32, INT2_G32], ids=["int4-g32", "int2-g32"])
