@@ -36,23 +36,17 @@ def autoround_step(layer: Layer, args: AutoRoundArgs) -> list[torch.Tensor]:
     weights = {name: m.weight.data for name, m in layer.linears.items()}
     specs = {name: layer.plan[name].scheme.weights for name in weights}
     targets = run_layer(layer.module, layer.inputs)
-    rows = [(b, r) for b, (args_, kwargs) in enumerate(layer.inputs) for r in range(_hidden(args_, kwargs).shape[0])]
+    rows = [(b, r) for b, call in enumerate(layer.inputs) for r in range(_hidden(*call).shape[0])]
     first, total = _global_slice(len(rows), layer)
     nearest = {name: quantize(w, Rounding.nearest(w, specs[name]), specs[name]) for name, w in weights.items()}
     before = _mean_loss(layer, _outputs_with(layer, nearest), targets, first, total)
     tuning = time.perf_counter()
     layer.result.seconds["forward"] += tuning - started
 
-    def sample_loss(fake: dict[str, torch.Tensor], sample: int) -> torch.Tensor:
-        batch, row = rows[sample - first]
-        call_args, call_kwargs = _row_call(layer.inputs[batch], row)
-        out = functional_call(layer.module, _local(layer, fake), call_args, call_kwargs)
-        out = out[0] if isinstance(out, tuple) else out
-        return torch.nn.functional.mse_loss(out.float(), targets[batch][row : row + 1].float())
-
     generator = torch.Generator().manual_seed(args.seed + layer.index)
     with _tuning(layer.module):
-        tuned = tune(weights, specs, sample_loss, range(first, first + len(rows)), total, generator, args,
+        tuned = tune(weights, specs, _sample_loss(layer, rows, first, targets),
+                     range(first, first + len(rows)), total, generator, args,
                      lambda flat: distributed.all_reduce_(flat, layer.ctx))
     for name, weight in weights.items():
         qweight = quantize(weight, tuned.roundings[name], specs[name])
@@ -65,6 +59,19 @@ def autoround_step(layer: Layer, args: AutoRoundArgs) -> list[torch.Tensor]:
                                          "seconds_per_step": round(tuned.step_seconds, 4)}
     layer.result.seconds["propagate"] += time.perf_counter() - propagating
     return outputs
+
+
+def _sample_loss(layer: Layer, rows: list[tuple[int, int]], first: int, targets: list[torch.Tensor]):
+    """The loss of global sample `sample` (this rank's `rows[sample - first]`: batch, row) with the fake-quantized
+    weights in place of the float ones: its own forward pass, a batch of one."""
+    def sample_loss(fake: dict[str, torch.Tensor], sample: int) -> torch.Tensor:
+        batch, row = rows[sample - first]
+        call_args, call_kwargs = _row_call(layer.inputs[batch], row)
+        out = functional_call(layer.module, _local(layer, fake), call_args, call_kwargs)
+        out = out[0] if isinstance(out, tuple) else out
+        return torch.nn.functional.mse_loss(out.float(), targets[batch][row : row + 1].float())
+
+    return sample_loss
 
 
 def _hidden(args: tuple, kwargs: dict) -> torch.Tensor:
