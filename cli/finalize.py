@@ -195,6 +195,17 @@ def experts_line(routed: dict[str, list[int]]) -> str:
             "(every expert is calibrated on every token)")
 
 
+def autoround_line(tuning: dict[str, dict]) -> str:
+    """AutoRound's layer output loss with round-to-nearest and after tuning, in one line (per layer in quantkit.json)."""
+    ratios = {layer: t["loss_tuned"] / t["loss_rtn"] for layer, t in tuning.items() if t["loss_rtn"] > 0}
+    if not ratios:
+        return f"{len(tuning)} layers tuned (no output error with round-to-nearest)"
+    worst = max(ratios, key=ratios.get)
+    mean = sum(ratios.values()) / len(ratios)
+    return (f"output loss {mean:.0%} of round-to-nearest's on average over {len(tuning)} layers, at most "
+            f"{ratios[worst]:.0%} ({worst}); per layer in quantkit.json")
+
+
 def print_summary(result) -> None:
     from rich.table import Table
 
@@ -224,6 +235,8 @@ def print_summary(result) -> None:
             table.add_row("  not applied", f"{what} ({why})")
         if calib.get("routed_tokens"):
             table.add_row("  tokens per expert", experts_line(calib["routed_tokens"]))
+        if calib.get("autoround"):
+            table.add_row("  AutoRound", autoround_line(calib["autoround"]))
         if calib.get("owners"):
             table.add_row("  GPTQ modules per rank", " / ".join(map(str, calib["owners"]["modules_per_rank"])))
     table.add_row("time", f"{result.seconds:.1f} s on {result.threads} threads")

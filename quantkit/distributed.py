@@ -107,6 +107,12 @@ def all_reduce_sum(value: float, ctx: Context | None) -> float:
     return tensor.item()
 
 
+def all_reduce_(tensor: torch.Tensor, ctx: Context | None) -> None:
+    """`tensor` summed over all ranks, in place, on every rank."""
+    if ctx is not None and ctx.distributed:
+        dist.all_reduce(tensor)
+
+
 def broadcast_(tensors: list[torch.Tensor], owner: int, ctx: Context | None) -> None:
     if ctx is None or not ctx.distributed:
         return

@@ -167,6 +167,7 @@ def calibration_summary(result, samples, options: CalibrationOptions, recipe: Re
         "peak_device_bytes": result.peak_device_bytes,
         "skipped": result.skipped,
         "routed_tokens": result.routed_tokens or None,  # MoE: tokens the router sent to each expert, all ranks
+        "autoround": result.tuning or None,  # per decoder layer: output loss with round-to-nearest and after tuning
         "relative_error": {"mean": sum(errors.values()) / max(1, len(errors)), "max": max(errors.values(), default=0.0),
                            "per_module": errors},
     }

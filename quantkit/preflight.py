@@ -38,8 +38,9 @@ import time
 from pathlib import Path
 
 from quantkit import sources
+from quantkit.algorithms import Algorithm
 from quantkit.plan import ModulePlan
-from quantkit.registry import Format, Recipe
+from quantkit.registry import AlgorithmStep, Format, Recipe
 
 LOAD_AND_WRITE_COPIES = {Format.COMPRESSED_TENSORS: 2.3, Format.TORCHAO: 1.75}
 STREAMED_LAYER_COPIES = 3
@@ -85,6 +86,8 @@ def estimate(prepared, recipe: Recipe, options, world_size: int, dst: str | Path
         seq_len = options.seq_len or recipe.calibration.seq_len
         shares = [sum(map(len, data.rank_batches(num_samples, options.batch_size, r, world_size))) for r in range(world_size)]
         calib = calibration_bytes(prepared.plan, quantized, numel, max(shares), seq_len, hidden, element, options.batch_size)
+        if recipe.quantizer.name is Algorithm.AUTOROUND:
+            calib.update(autoround_bytes(prepared.plan, max(shares), seq_len, hidden, element))
         if streamed:  # each layer's grid integers are written with it
             calib.pop("grid integers of finished layers")
             outside_layers[_HIDDEN_STATES] = calib[_HIDDEN_STATES]
@@ -148,6 +151,15 @@ def calibration_bytes(plan: list[ModulePlan], quantized: dict[str, ModulePlan], 
 
 
 _HIDDEN_STATES = "calibration hidden states (this rank)"
+AUTOROUND_BYTES_PER_WEIGHT = 24  # V, its gradient, the float64 step sum, the best V, the fake-quantized weight
+
+
+def autoround_bytes(plan: list[ModulePlan], samples: int, seq_len: int, hidden: int, element: int) -> dict[str, int]:
+    """What AutoRound adds: the float layer's outputs (its targets) for this rank's samples, and the tuning state of
+    one layer's weights."""
+    weights = sum(e.in_features * e.out_features for e in _first_layer(plan))
+    return {"AutoRound targets (float layer outputs, this rank)": samples * seq_len * hidden * element,
+            "AutoRound tuning state of one layer": AUTOROUND_BYTES_PER_WEIGHT * weights}
 
 
 def _layer_bytes(headers, numel, size) -> dict[int, int]:
@@ -186,7 +198,7 @@ def time_estimate(prepared, recipe: Recipe, options, samples: int, layers: int, 
     from transformers import AutoModelForCausalLM
 
     from quantkit import models, moe
-    from quantkit.algorithms import Algorithm, get_algorithm
+    from quantkit.algorithms import get_algorithm
     from quantkit.plan import plan_model
 
     config = copy.deepcopy(models.load_config(prepared.src, trust_remote_code))
@@ -209,14 +221,36 @@ def time_estimate(prepared, recipe: Recipe, options, samples: int, layers: int, 
 
     count = min(samples, options.batch_size)  # one batch, timed by phase
     ids = torch.randint(0, 256, (count, options.seq_len or recipe.calibration.seq_len))
+    timed, scale = _timed(recipe, samples, count)
     started = time.perf_counter()
-    result = calibrate(model, plan, recipe, ids, torch.device(options.device), options.batch_size)
+    result = calibrate(model, plan, timed, ids, torch.device(options.device), options.batch_size)
     total = time.perf_counter() - started
-    fixed = result.seconds.get("quantize", 0.0)  # GPTQ's solve and rounding: the same for any number of samples
-    per_layer = fixed + (total - fixed) * samples / count
+    # GPTQ's solve and rounding, AutoRound's steps: the same for any number of samples
+    measured = result.seconds.get("quantize", 0.0)
+    steps = [t["seconds_per_step"] for t in result.tuning.values()]  # AutoRound: a step without the warm-up
+    fixed = sum(steps) * scale if steps else measured
+    per_layer = fixed + (total - measured) * samples / count
     return {"seconds": round(per_layer * layers, 1), "one_layer_seconds": round(per_layer, 3), "layers": layers,
             "measured": {"samples": count, "seconds": round(total, 3), "quantize_seconds": round(fixed, 3)},
             "note": "calibration only; loading and writing the weights are not included"}
+
+
+TIMED_AUTOROUND_STEPS = 5
+
+
+def _timed(recipe: Recipe, samples: int, count: int) -> tuple[Recipe, float]:
+    """The recipe to time one layer with, and the factor from one of its AutoRound steps to the real run's steps:
+    TIMED_AUTOROUND_STEPS steps are timed; a real step takes min(batch_size, samples) samples, of which one rank
+    computes its share (the estimate is one rank's, as if it held every sample of the step)."""
+    import dataclasses
+
+    step = recipe.quantizer
+    if step.name is not Algorithm.AUTOROUND:
+        return recipe, 1.0
+    args = step.arguments
+    steps = min(args.iters, TIMED_AUTOROUND_STEPS)
+    timed = dataclasses.replace(recipe, steps=(*recipe.transforms, AlgorithmStep(step.name, {**step.args, "iters": steps})))
+    return timed, args.iters * min(args.batch_size, samples) / min(args.batch_size, count)
 
 
 def check_disk(report: dict, dst: str | Path) -> None:

@@ -86,7 +86,7 @@ class Recipe:
 
     @property
     def quantizer(self) -> AlgorithmStep:
-        """The last step: the algorithm that rounds the weights (rtn or gptq)."""
+        """The last step: the algorithm that rounds the weights (rtn, gptq or autoround)."""
         return self.steps[-1]
 
     @property
@@ -186,12 +186,14 @@ def parse_recipe(name: str, data: dict[str, Any], source: str = "") -> Recipe:
     if unknown:
         raise SchemeError(sorted(unknown)[0], f"unknown key; allowed keys are {sorted(_TOP_KEYS)}")
     scheme = _parse_scheme(_mapping(data, "scheme", required=True))
+    steps = _parse_steps(data.get("algorithm", {"name": "rtn"}))
+    _check_autoround(scheme, steps[-1])
     return Recipe(
         name=name,
         description=str(data.get("description", "")),
         scheme=scheme,
         format=_enum(data.get("format"), Format, "format", required=True),
-        steps=_parse_steps(data.get("algorithm", {"name": "rtn"})),
+        steps=steps,
         calibration=_parse_calibration(_mapping(data, "calibration") or {}),
         ignore=tuple(_str_list(data.get("ignore", ["lm_head"]), "ignore")),
         on_indivisible=_enum(data.get("on_indivisible", "smaller-group"), IndivisiblePolicy, "on_indivisible"),
@@ -233,14 +235,26 @@ def _build_scheme(data: dict[str, Any]) -> QuantScheme:
 
 
 def _parse_steps(value: Any) -> tuple[AlgorithmStep, ...]:
-    """`{name: gptq, block_size: 128}` or a list of such: transforms first, then one quantizer (rtn or gptq)."""
+    """`{name: gptq, block_size: 128}` or a list of such: transforms first, then one quantizer (rtn, gptq or
+    autoround)."""
     items = value if isinstance(value, list) else [value]
     steps = tuple(_parse_step(item, f"algorithm[{i}]" if isinstance(value, list) else "algorithm") for i, item in enumerate(items))
     if not steps or not steps[-1].name.is_quantizer:
-        raise SchemeError("algorithm", "the last step must be a quantizer: rtn or gptq (e.g. [{name: smoothquant}, {name: gptq}])")
+        raise SchemeError("algorithm", "the last step must be a quantizer: rtn, gptq or autoround (e.g. [{name: smoothquant}, {name: gptq}])")
     if any(step.name.is_quantizer for step in steps[:-1]):
-        raise SchemeError("algorithm", "only the last step may be a quantizer (rtn or gptq); transforms such as smoothquant come first")
+        raise SchemeError("algorithm", "only the last step may be a quantizer (rtn, gptq or autoround); transforms such as smoothquant come first")
     return steps
+
+
+def _check_autoround(scheme: QuantScheme, quantizer: AlgorithmStep) -> None:
+    """AutoRound learns integer rounding of weights on the float layer's output: no float8 grid, no static
+    activation scales."""
+    if quantizer.name is not Algorithm.AUTOROUND:
+        return
+    if scheme.weights.dtype.is_float:
+        raise SchemeError("algorithm", "autoround learns the rounding of integer weights; float8 weights use rtn")
+    if scheme.activations is not None and not scheme.activations.dynamic:
+        raise SchemeError("algorithm", "autoround with static activation scales is not supported; use rtn for static recipes")
 
 
 def _parse_step(item: Any, where: str) -> AlgorithmStep:

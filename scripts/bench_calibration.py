@@ -46,7 +46,9 @@ GPTQModifier W8A8), and AWQ W4A16 (awq-w4a16, run when this checkout has that re
 AWQModifier + QuantizationModifier W4A16 only with `--awq`: its grid search takes ~15 min on 2 CPU cores,
 and 0.14 needs the runner's no-op for pin_memory on a machine without an accelerator). llm-compressor's
 GPTQModifier orders columns by activation (actorder "static") unless told otherwise; quantkit's recipes do
-not; `--llmc-actorder none` makes the two run the same algorithm.
+not; `--llmc-actorder none` makes the two run the same algorithm. AutoRound W4A16 (autoround-w4a16;
+AutoRoundModifier W4A16, batch 8, lr 1 / iters, torch.compile off) runs `--autoround-iters` steps per layer on
+both sides (quantkit: a user recipe file made from the shipped one).
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ ALGORITHMS = [
     ("RTN W4A16", "int4-weight-only", "rtn-w4a16"),
     ("GPTQ W4A16", "gptq-w4a16", "gptq-w4a16"),
     ("SmoothQuant+GPTQ W8A8", "smoothquant-w8a8", "smoothquant-gptq-w8a8"),
+    ("AutoRound W4A16", "autoround-w4a16", "autoround-w4a16"),
 ]
 AWQ = ("AWQ W4A16", "awq-w4a16", "awq-w4a16")
 
@@ -147,14 +150,28 @@ def quantkit_job(algorithm: str, recipe: str, src: Path, out: Path, args: argpar
     dst = out / f"quantkit-{recipe}"
     calibrated = resolve(recipe).needs_calibration
     calibration = harness.calibration_options(args.calib_data, args.num_samples, args.seq_len) if calibrated else []
-    cmd = harness.finalize_command(src, dst, recipe, args.threads, *calibration)
+    chosen = autoround_recipe(recipe, args.autoround_iters, out) if recipe.startswith("autoround") else recipe
+    cmd = harness.finalize_command(src, dst, chosen, args.threads, *calibration)
     return Job("quantkit", algorithm, recipe, dst, cmd)
+
+
+def autoround_recipe(name: str, iters: int, folder: Path) -> str:
+    """The shipped AutoRound recipe `name`, or a user recipe file made from it with `iters` steps a layer."""
+    from quantkit.registry import resolve
+
+    shipped = resolve(name)
+    if iters == shipped.quantizer.arguments.iters:
+        return name
+    path = folder / f"{name}-{iters}-steps.yaml"
+    path.write_text(Path(shipped.source).read_text().replace(f"iters: {shipped.quantizer.arguments.iters}", f"iters: {iters}"))
+    return str(path)
 
 
 def llmc_job(algorithm: str, recipe: str, src: Path, out: Path, calib: Path, runner: Path,
              args: argparse.Namespace) -> Job:
     dst = out / f"llmc-{recipe}"
-    cmd = harness.llmc_command(args.llmc_python, runner, src, dst, calib, recipe, args.llmc_actorder, args.threads)
+    cmd = harness.llmc_command(args.llmc_python, runner, src, dst, calib, recipe, args.llmc_actorder, args.threads,
+                               iters=args.autoround_iters)
     return Job("llm-compressor", algorithm, recipe, dst, cmd)
 
 
@@ -354,9 +371,10 @@ def print_report(facts: dict, jobs: list[Job], float_ppl: float | None, eval_err
         print(f"- {row['algorithm']}: quantkit / llm-compressor wall {row['wall_ratio']:.2f}x, peak RSS "
               f"{row['rss_ratio']:.2f}x, perplexity {fmt(row['ppl_quantkit'], '.3f')} vs {fmt(row['ppl_llmc'], '.3f')}")
     for row in ratios(jobs):
-        if row["algorithm"] == "GPTQ W4A16" and row["ppl_ratio"] is not None:
+        if row["algorithm"] in ("GPTQ W4A16", "AutoRound W4A16") and row["ppl_ratio"] is not None:
             met = row["wall_ratio"] <= 0.5 and row["ppl_ratio"] <= 1.0
-            print(f"- target (GPTQ wall <= 0.5x llm-compressor's, perplexity equal or better): {'met' if met else 'NOT met'}")
+            print(f"- target ({row['algorithm'].split()[0]} wall <= 0.5x llm-compressor's, perplexity equal or better): "
+                  f"{'met' if met else 'NOT met'}")
     for tool, share in gptq_vs_rtn(jobs, float_ppl).items():
         ppl_share = "n/a (RTN does not raise perplexity)" if share["ppl_rise_share"] is None else f"{100 * share['ppl_rise_share']:.0f}%"
         print(f"- {tool}: GPTQ W4A16 perplexity rise = {ppl_share} of RTN W4A16's (target <= 60%); "
@@ -405,7 +423,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", type=Path, help="benchmark this model directory instead of building and training one "
                    "(e.g. scripts/bench_finalize.py's 68M bf16 Llama)")
     p.add_argument("--only", nargs="+", metavar="RECIPE", help="only these quantkit recipes (and their llm-compressor "
-                   "counterparts): int4-weight-only gptq-w4a16 smoothquant-w8a8 awq-w4a16")
+                   "counterparts): int4-weight-only gptq-w4a16 smoothquant-w8a8 awq-w4a16 autoround-w4a16")
     p.add_argument("--hidden", type=int, default=512, help="hidden size (1024: the ~68M-parameter shape)")
     p.add_argument("--train-steps", type=int, default=150)
     p.add_argument("--train-text", type=Path, default=WIKITEXT / "valid.txt", help="tokenizer and training text")
@@ -419,6 +437,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--awq", action="store_true", help="also run llm-compressor's AWQ W4A16 (slow on CPU)")
     p.add_argument("--llmc-actorder", choices=["default", "none"], default="default",
                    help="llm-compressor GPTQ column order: its default (static) or none (as quantkit's recipes)")
+    p.add_argument("--autoround-iters", type=int, default=200, help="AutoRound's steps per layer, both tools (200: "
+                   "auto-round's default; on 2 CPU cores each step is a forward and backward pass of 8 samples)")
     p.add_argument("--no-kl", action="store_true", help="skip the KL-to-float measure (one more pass over every model)")
     p.add_argument("--prepare-only", action="store_true", help="build, train and write the calibration tokens, then stop")
     p.add_argument("--json", type=Path, help="also write every measurement here")

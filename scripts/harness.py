@@ -184,6 +184,7 @@ p = argparse.ArgumentParser()
 for name in ("src", "dst", "calib", "recipe", "actorder"):
     p.add_argument(name)
 p.add_argument("threads", type=int)
+p.add_argument("iters", type=int, nargs="?", default=200)  # AutoRound's steps per layer
 args = p.parse_args()
 
 import torch
@@ -197,6 +198,7 @@ from datasets import Dataset
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from llmcompressor import oneshot
+from llmcompressor.modifiers.autoround import AutoRoundModifier
 from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
 from llmcompressor.modifiers.transform import AWQModifier, SmoothQuantModifier
 
@@ -212,6 +214,9 @@ recipe = {
     "gptq-w4a16": lambda: [GPTQModifier(scheme="W4A16", **gptq)],
     "smoothquant-gptq-w8a8": lambda: [SmoothQuantModifier(smoothing_strength=0.8), GPTQModifier(scheme="W8A8", **gptq)],
     "awq-w4a16": lambda: [AWQModifier(), QuantizationModifier(scheme="W4A16", **common)],  # AWQ only rescales
+    # auto-round's defaults (batch 8, lr 1 / iters); torch.compile off: on CPU it compiles for minutes, or not at all
+    "autoround-w4a16": lambda: [AutoRoundModifier(scheme="W4A16", iters=args.iters, batch_size=8,
+                                                  enable_torch_compile=False, **common)],
 }[args.recipe]()
 imported = time.perf_counter()
 
@@ -246,11 +251,12 @@ def write_llmc_runner(folder: Path) -> Path:
 
 
 def llmc_command(python: Path, runner: Path, src: Path, dst: Path, ids: Path, recipe: str, actorder: str,
-                 threads: int, ranks: int = 1) -> list[str]:
+                 threads: int, ranks: int = 1, iters: int = 200) -> list[str]:
     """The runner under `python`; with `ranks` > 1 under `torch.distributed.run` (llm-compressor's distributed
-    oneshot). `recipe` is one of the runner's (rtn-w4a16, gptq-w4a16, smoothquant-gptq-w8a8, awq-w4a16)."""
+    oneshot). `recipe` is one of the runner's (rtn-w4a16, gptq-w4a16, smoothquant-gptq-w8a8, awq-w4a16,
+    autoround-w4a16: `iters` steps a layer)."""
     launch = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)] if ranks > 1 else []
-    return [str(python), *launch, str(runner), str(src), str(dst), str(ids), recipe, actorder, str(threads)]
+    return [str(python), *launch, str(runner), str(src), str(dst), str(ids), recipe, actorder, str(threads), str(iters)]
 
 
 def last_json_line(text: str) -> dict | None:

@@ -9,6 +9,7 @@ The implementations register themselves with `@register(Algorithm.X)` in their o
 - `gptq.gptq_quantize(weight, hessian, spec, args)`: Hessian-aware rounding.
 - `awq.search_scales(act_mean, error_of, args)`: activation-aware weight scales (a transform before a quantizer).
 - `smoothquant.smoothing_scales(act_absmax, weights, args)`: activation outliers into weights (a transform).
+- `autoround.tune(weights, specs, sample_loss, ...)`: learned rounding and clipping (SignSGD) for one decoder layer.
 
 How a decoder layer feeds them data is `quantkit.calibration.steps`' business, not theirs.
 """
@@ -27,17 +28,18 @@ class Algorithm(str, Enum):
     GPTQ = "gptq"  # Hessian-aware rounding: calibration data
     SMOOTHQUANT = "smoothquant"  # a transform before the quantizer: migrates activation outliers into weights
     AWQ = "awq"  # a transform before the quantizer: activation-aware weight scales, searched per block
+    AUTOROUND = "autoround"  # learned rounding and clipping per decoder layer (SignSGD): calibration data
 
     @property
     def is_quantizer(self) -> bool:
         """A quantizer rounds the weights (the last step of a recipe); the others transform before it."""
-        return self in (Algorithm.RTN, Algorithm.GPTQ)
+        return self in (Algorithm.RTN, Algorithm.GPTQ, Algorithm.AUTOROUND)
 
 
 ALGORITHMS: Registry[Callable] = Registry("algorithm")
 register = ALGORITHMS.register
 
-_IMPLEMENTATIONS = ("rtn", "gptq", "awq", "smoothquant")
+_IMPLEMENTATIONS = ("rtn", "gptq", "awq", "smoothquant", "autoround")
 
 
 def get_algorithm(name: Algorithm) -> Callable:

@@ -8,6 +8,7 @@ signature and field types, then builds it so that `__post_init__` checks the ran
 from __future__ import annotations
 
 import inspect
+import types
 import typing
 from dataclasses import dataclass
 from typing import Any
@@ -52,11 +53,42 @@ class SmoothQuantArgs:
             raise SchemeError("alpha", f"{self.alpha} is not allowed; use a value in [0, 1]")
 
 
+@dataclass(frozen=True)
+class AutoRoundArgs:
+    """Intel auto-round's defaults (`SignRoundConfig`, llm-compressor's `AutoRoundModifier`)."""
+
+    iters: int = 200  # SignSGD steps per decoder layer
+    lr: float | None = None  # the rounding offsets' step size, decayed linearly to 0; None: 1 / iters
+    minmax_lr: float | None = None  # the clipping factors' step size; None: lr
+    batch_size: int = 8  # calibration samples per step
+    minmax_tuning: bool = True  # tune each group's min/max clipping factors (else only the rounding)
+    seed: int = 42  # the order samples are drawn in (with the layer's index)
+
+    def __post_init__(self) -> None:
+        if self.iters < 1:
+            raise SchemeError("iters", f"{self.iters} is not allowed; use at least 1 (e.g. 200), or algorithm rtn for none")
+        if self.batch_size < 1:
+            raise SchemeError("batch_size", f"{self.batch_size} is not allowed; use a positive number of samples")
+        for name in ("lr", "minmax_lr"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise SchemeError(name, f"{value} is not allowed; use a positive step size, or leave it out for 1 / iters")
+
+    @property
+    def rounding_lr(self) -> float:
+        return self.lr if self.lr is not None else 1.0 / self.iters
+
+    @property
+    def clipping_lr(self) -> float:
+        return self.minmax_lr if self.minmax_lr is not None else self.rounding_lr
+
+
 ARGUMENTS: dict[Algorithm, type] = {
     Algorithm.RTN: RTNArgs,
     Algorithm.GPTQ: GPTQArgs,
     Algorithm.AWQ: AWQArgs,
     Algorithm.SMOOTHQUANT: SmoothQuantArgs,
+    Algorithm.AUTOROUND: AutoRoundArgs,
 }
 
 
@@ -76,7 +108,11 @@ def parse_arguments(name: Algorithm, values: dict[str, Any]) -> dict[str, Any]:
     return checked
 
 
-def _typed(key: str, value: Any, kind: type) -> Any:
+def _typed(key: str, value: Any, kind: Any) -> Any:
+    if typing.get_origin(kind) in (typing.Union, types.UnionType):  # `float | None`: null, or the type
+        if value is None:
+            return None
+        kind = next(k for k in typing.get_args(kind) if k is not type(None))
     if isinstance(value, bool) and kind is not bool:
         raise SchemeError(key, f"{value!r} is not allowed; expected {kind.__name__}")
     if kind is float and isinstance(value, int):

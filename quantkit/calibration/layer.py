@@ -31,6 +31,7 @@ class CalibrationResult:
     skipped: dict[str, str] = field(default_factory=dict)  # transforms not applied: "smoothquant: q_proj, ..." -> why
     true_sequential: bool = False  # GPTQ ran stage by stage in one pass per layer (`true_sequential`)
     routed_tokens: dict[str, list[int]] = field(default_factory=dict)  # MoE experts module -> tokens routed to each expert
+    tuning: dict[str, dict] = field(default_factory=dict)  # AutoRound: decoder layer -> its output loss before/after tuning
 
 
 @dataclass

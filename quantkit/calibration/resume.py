@@ -188,7 +188,7 @@ def restore_layer(module: nn.Module, prefix: str, plan: dict[str, ModulePlan], r
 def _result_dict(result: CalibrationResult) -> dict:
     return {"errors": result.errors, "seconds": dict(result.seconds), "peak_device_bytes": result.peak_device_bytes,
             "owners": result.owners, "skipped": result.skipped, "true_sequential": result.true_sequential,
-            "routed_tokens": result.routed_tokens}
+            "routed_tokens": result.routed_tokens, "tuning": result.tuning}
 
 
 def _restore_result(saved: dict, result: CalibrationResult) -> None:
@@ -199,6 +199,7 @@ def _restore_result(saved: dict, result: CalibrationResult) -> None:
     result.skipped.update(saved["skipped"])
     result.true_sequential = saved["true_sequential"]
     result.routed_tokens.update(saved.get("routed_tokens", {}))
+    result.tuning.update(saved.get("tuning", {}))
 
 
 def _save(path: Path, tensors: dict[str, torch.Tensor]) -> None:

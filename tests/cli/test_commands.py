@@ -453,3 +453,12 @@ def test_the_summary_says_how_many_tokens_each_moe_expert_was_routed():
     line = experts_line({"model.layers.0.mlp.experts": [5, 0, 9], "model.layers.1.mlp.experts": [3, 11, 0]})
     assert line == ("min 0 (model.layers.0.mlp.experts.1), max 11 (model.layers.1.mlp.experts.1) over 6 experts; "
                     "2 never routed (every expert is calibrated on every token)")
+
+
+def test_the_summary_says_how_much_autoround_lowered_each_layers_loss():
+    from quantkit.cli.finalize import autoround_line
+
+    line = autoround_line({"model.layers.0": {"loss_rtn": 4e-6, "loss_tuned": 1e-6, "best_step": 9, "steps": 10},
+                           "model.layers.1": {"loss_rtn": 2e-6, "loss_tuned": 1e-6, "best_step": 7, "steps": 10}})
+    assert line == ("output loss 38% of round-to-nearest's on average over 2 layers, at most 50% (model.layers.1); "
+                    "per layer in quantkit.json")

@@ -1,0 +1,199 @@
+"""AutoRound (SignRound): learned rounding offsets and clipping factors, tuned by signed gradient descent.
+
+Intel's auto-round (`auto_round/wrapper.py`, `data_type/int.py`, `sign_sgd.py`, the tuning loop in its
+`sign_round/quantizer.py`), on quantkit's grids. For each weight element an offset V in [-0.5, 0.5] is added
+before rounding, and each group's min and max are scaled by factors in [0, 1] before its scale is chosen:
+
+    q = clamp(round(w / s + V) + z, qmin, qmax),   s from (min * a, max * b) as the scheme's grid chooses it
+
+V, a and b are tuned on a decoder layer's output error: each step takes the sign of the gradient (rounding passed
+straight through), moves V by lr and a, b by minmax_lr (both decayed linearly to 0 over the steps), and the
+iterate with the least loss is kept. V = 0, a = b = 1 is round-to-nearest, bit for bit.
+
+Data-parallel: every sample's gradient is its own backward pass, summed in float64 (`tune`'s `reduce_sum`
+sums over ranks); every rank takes the sign of the same sum, so every rank takes the same step.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+from torchao.quantization.quant_primitives import MappingType, choose_qparams_affine_with_min_max
+
+from quantkit.algorithms import Algorithm, register
+from quantkit.algorithms.arguments import AutoRoundArgs
+from quantkit.qparams import QuantizedWeight, block_size, scale_dtype
+from quantkit.schemes import WeightSpec
+
+EPS = torch.finfo(torch.float32).eps  # the smallest scale, as `qparams.choose_qparams` clamps it
+
+
+@dataclass
+class Rounding:
+    """One Linear's tuned parameters (float32): `value` V [out, in], `min_scale` and `max_scale` [out, groups]."""
+
+    value: torch.Tensor
+    min_scale: torch.Tensor
+    max_scale: torch.Tensor
+
+    @classmethod
+    def nearest(cls, weight: torch.Tensor, spec: WeightSpec) -> Rounding:
+        """V = 0 and unit clipping: round-to-nearest."""
+        groups = weight.shape[1] // block_size(weight, spec)[1]
+        ones = torch.ones(weight.shape[0], groups, dtype=torch.float32, device=weight.device)
+        return cls(torch.zeros(weight.shape, dtype=torch.float32, device=weight.device), ones, ones.clone())
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.value, self.min_scale, self.max_scale]
+
+    def clone(self) -> Rounding:
+        return Rounding(*(t.detach().clone() for t in self.tensors()))
+
+
+def _grouped(weight: torch.Tensor, spec: WeightSpec) -> torch.Tensor:
+    return weight.reshape(weight.shape[0], -1, block_size(weight, spec)[1])
+
+
+def _qparams(low: torch.Tensor, high: torch.Tensor, spec: WeightSpec, round_fn) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale and zero point of each group from its (clipped) range, as torchao's `choose_qparams_affine` computes
+    them (differentiable when `round_fn` passes gradients through)."""
+    qmin, qmax = spec.dtype.qrange
+    low, high = low.clamp(max=0), high.clamp(min=0)
+    if spec.symmetric:
+        scale = torch.maximum(-low, high) / ((qmax - qmin) / 2)
+        return scale.clamp(min=EPS), torch.zeros_like(scale)
+    scale = ((high - low) / (qmax - qmin)).clamp(min=EPS)
+    return scale, (qmin - round_fn(low / scale)).clamp(qmin, qmax)
+
+
+def round_ste(x: torch.Tensor) -> torch.Tensor:
+    """Round to nearest (ties to even) forward; the identity backward (straight-through estimator)."""
+    return x + (torch.round(x) - x).detach()
+
+
+def fake_quantize(weight: torch.Tensor, rounding: Rounding, spec: WeightSpec) -> torch.Tensor:
+    """The weight on the grid `rounding` chooses, float32, differentiable in V, a and b (rounding straight through)."""
+    groups = _grouped(weight.float(), spec)
+    low = groups.amin(-1) * rounding.min_scale
+    high = groups.amax(-1) * rounding.max_scale
+    scale, zero = _qparams(low, high, spec, round_ste)
+    scale, zero = scale.unsqueeze(-1), zero.unsqueeze(-1)
+    qmin, qmax = spec.dtype.qrange
+    q = torch.clamp(round_ste(groups * (1.0 / scale) + _grouped(rounding.value, spec)) + zero, qmin, qmax)
+    return ((q - zero) * scale).reshape(weight.shape)
+
+
+def quantize(weight: torch.Tensor, rounding: Rounding, spec: WeightSpec) -> QuantizedWeight:
+    """The weight on its grid with the learned rounding: the scales are chosen as round-to-nearest chooses them,
+    from the clipped group ranges (in the weight's dtype), so V = 0 with unit clipping gives `quantize_weight`'s."""
+    if spec.dtype.is_float:
+        raise ValueError("AutoRound rounds to integer grids; float8 weights have no rounding offset to learn")
+    with torch.no_grad():
+        groups = _grouped(weight, spec)
+        low = (groups.amin(-1).float() * rounding.min_scale).to(weight.dtype)
+        high = (groups.amax(-1).float() * rounding.max_scale).to(weight.dtype)
+        qmin, qmax = spec.dtype.qrange
+        mapping = MappingType.SYMMETRIC if spec.symmetric else MappingType.ASYMMETRIC
+        scale, zero = choose_qparams_affine_with_min_max(
+            low, high, mapping, list(block_size(weight, spec)), torch.int8, qmin, qmax, eps=EPS,
+            scale_dtype=scale_dtype(weight, spec), zero_point_dtype=torch.int8,
+        )
+        shifted = (groups * (1.0 / scale.unsqueeze(-1))).float() + _grouped(rounding.value, spec)
+        offset = zero.unsqueeze(-1) if not spec.symmetric else 0
+        qdata = torch.clamp(torch.round(shifted) + offset, qmin, qmax).to(torch.int8).reshape(weight.shape)
+    return QuantizedWeight(qdata, scale, None if spec.symmetric else zero, spec)
+
+
+# ---------------------------------------------------------------- tuning
+
+
+@dataclass
+class Tuned:
+    roundings: dict[str, Rounding]  # the best iterate
+    first_loss: float  # the first step's loss (round-to-nearest on its samples)
+    best_loss: float
+    best_iter: int
+    step_seconds: float  # the median wall time of a step (the first, warming up, left out when there are others)
+
+
+SampleLoss = Callable[[dict[str, torch.Tensor], int], torch.Tensor]  # (fake-quantized weights, sample) -> loss
+ReduceSum = Callable[[torch.Tensor], None]  # sums a float64 tensor over ranks, in place
+
+
+def draws(num_samples: int, batch_size: int, iters: int, generator: torch.Generator) -> list[list[int]]:
+    """The samples of each step, as auto-round's `IndexSampler` draws them: consecutive slices of a shuffled order,
+    shuffled again when fewer than a batch are left. Depends on the seed and sizes only, not on the ranks."""
+    batch = min(batch_size, num_samples)
+    order, at, out = torch.randperm(num_samples, generator=generator).tolist(), 0, []
+    for _ in range(iters):
+        if at + batch > num_samples:
+            order, at = torch.randperm(num_samples, generator=generator).tolist(), 0
+        out.append(sorted(order[at : at + batch]))
+        at += batch
+    return out
+
+
+@register(Algorithm.AUTOROUND)
+def tune(weights: dict[str, torch.Tensor], specs: dict[str, WeightSpec], sample_loss: SampleLoss, mine: Sequence[int],
+         num_samples: int, generator: torch.Generator, args: AutoRoundArgs = AutoRoundArgs(),
+         reduce_sum: ReduceSum = lambda tensor: None) -> Tuned:
+    """Tune a Rounding for each weight on the summed loss of `args.batch_size` samples a step (of `num_samples`,
+    of which this rank holds `mine` and computes `sample_loss` for). `args.iters` SignSGD steps; the iterate with
+    the least loss is returned."""
+    roundings = {name: Rounding.nearest(w, specs[name]) for name, w in weights.items()}
+    tuned = [(r.value, args.rounding_lr, (-0.5, 0.5)) for r in roundings.values()]
+    if args.minmax_tuning:
+        tuned += [(t, args.clipping_lr, (0.0, 1.0)) for r in roundings.values() for t in (r.min_scale, r.max_scale)]
+    params = [t.requires_grad_() for t, _, _ in tuned]
+    mine = set(mine)
+    first, best, seconds = None, (math.inf, 0, None), []
+    for step, chosen in enumerate(draws(num_samples, args.batch_size, args.iters, generator)):
+        started = time.perf_counter()
+        flat, losses = _gradients(weights, specs, roundings, params, sample_loss, chosen, mine)
+        reduce_sum(flat)
+        loss = sum(losses.tolist()) / len(chosen)  # one value per sample, summed in one order on every rank
+        first = loss if first is None else first
+        if loss < best[0]:
+            best = (loss, step, {name: r.clone() for name, r in roundings.items()})
+        _sign_step(tuned, 1.0 - step / args.iters, flat)
+        seconds.append(time.perf_counter() - started)
+    return Tuned(best[2], first, best[0], best[1], statistics.median(seconds[1:] or seconds))
+
+
+def _gradients(weights, specs, roundings, params, sample_loss, chosen, mine) -> tuple[torch.Tensor, torch.Tensor]:
+    """One flat float64 buffer: the gradients of `params` summed over this rank's chosen samples, then the chosen
+    samples' losses (zero for the other ranks' samples). One backward pass per sample, so that a sample's
+    gradient does not depend on which samples share its rank."""
+    sizes = [p.numel() for p in params]
+    flat = torch.zeros(sum(sizes) + len(chosen), dtype=torch.float64, device=params[0].device)
+    grads = flat[: sum(sizes)].split(sizes)
+    for position, sample in enumerate(chosen):
+        if sample not in mine:
+            continue
+        with torch.enable_grad():
+            fake = {name: fake_quantize(w, roundings[name], specs[name]).to(w.dtype) for name, w in weights.items()}
+            loss = sample_loss(fake, sample)
+            found = torch.autograd.grad(loss, params, allow_unused=True)
+        for buffer, grad in zip(grads, found):
+            if grad is not None:
+                buffer += grad.reshape(-1)
+        flat[sum(sizes) + position] = loss.detach().double()
+    return flat, flat[sum(sizes):]
+
+
+def _sign_step(tuned: list[tuple[torch.Tensor, float, tuple[float, float]]], decay: float, flat: torch.Tensor) -> None:
+    """Each (parameter, lr, bounds): p -= lr * decay * sign(its gradient in `flat`), then clamped to its bounds
+    (V to [-0.5, 0.5], the clipping factors to [0, 1]). `decay` falls linearly to 0: torch's LinearLR, as
+    auto-round schedules its steps."""
+    offset = 0
+    with torch.no_grad():
+        for param, lr, (low, high) in tuned:
+            grad = flat[offset : offset + param.numel()].view(param.shape)
+            offset += param.numel()
+            param.add_(torch.sign(grad).to(param.dtype), alpha=-lr * decay)
+            param.clamp_(low, high)

@@ -1,0 +1,168 @@
+"""AutoRound against references: V = 0 with unit clipping is RTN bit for bit; the learned grid is the fake-quantized
+weight the tuning saw; the gradients are autograd's through a plain straight-through reference; tuning lowers a
+small layer's output error below RTN's; the same seed gives the same rounding."""
+
+import pytest
+import torch
+
+from quantkit.algorithms import Algorithm, get_algorithm
+from quantkit.algorithms.arguments import AutoRoundArgs, parse_arguments
+from quantkit.algorithms.autoround import Rounding, draws, fake_quantize, quantize, tune
+from quantkit.qparams import quantize_weight
+from quantkit.registry import parse_recipe
+from quantkit.schemes import Granularity, QDtype, ScaleDtype, SchemeError, WeightSpec
+
+INT4_G32 = WeightSpec(QDtype.INT4, Granularity.GROUP, group_size=32)
+INT4_G128 = WeightSpec(QDtype.INT4, Granularity.GROUP, group_size=128)
+INT4_G32_ASYM = WeightSpec(QDtype.INT4, Granularity.GROUP, group_size=32, symmetric=False)
+INT2_G32 = WeightSpec(QDtype.INT2, Granularity.GROUP, group_size=32)
+INT3_G32_F32 = WeightSpec(QDtype.INT3, Granularity.GROUP, group_size=32, scale_dtype=ScaleDtype.FLOAT32)
+INT8_CHANNEL = WeightSpec(QDtype.INT8, Granularity.CHANNEL)
+SPECS = [INT4_G32, INT4_G128, INT4_G32_ASYM, INT2_G32, INT3_G32_F32, INT8_CHANNEL]
+IDS = ["int4-g32", "int4-g128", "int4-g32-asym", "int2-g32", "int3-g32-f32scale", "int8-channel"]
+
+
+def _weight(dtype=torch.float32, out=48, inp=256, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return (torch.randn(out, inp, generator=generator) * 0.05).to(dtype)
+
+
+def _random_rounding(weight, spec, seed=3):
+    generator = torch.Generator().manual_seed(seed)
+    rounding = Rounding.nearest(weight, spec)
+    rounding.value.uniform_(-0.5, 0.5, generator=generator)
+    rounding.min_scale.uniform_(0.7, 1.0, generator=generator)
+    rounding.max_scale.uniform_(0.7, 1.0, generator=generator)
+    return rounding
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("spec", SPECS, ids=IDS)
+def test_nearest_rounding_is_rtn_bit_for_bit(spec, dtype):
+    weight = _weight(dtype)
+    ours = quantize(weight, Rounding.nearest(weight, spec), spec)
+    rtn = quantize_weight(weight, spec)
+    assert torch.equal(ours.qdata, rtn.qdata)
+    assert ours.scale.dtype == rtn.scale.dtype and torch.equal(ours.scale, rtn.scale)
+    assert (ours.zero_point is None and rtn.zero_point is None) or torch.equal(ours.zero_point, rtn.zero_point)
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=IDS)
+def test_learned_grid_is_the_fake_quantized_weight_tuning_saw(spec):
+    weight = _weight()
+    rounding = _random_rounding(weight, spec)
+    qweight = quantize(weight, rounding, spec)
+    torch.testing.assert_close(qweight.dequantize(torch.float32), fake_quantize(weight, rounding, spec), atol=0, rtol=0)
+    qmin, qmax = spec.dtype.qrange
+    assert qmin <= int(qweight.qdata.min()) and int(qweight.qdata.max()) <= qmax
+
+
+def _reference_fake_quantize(weight, value, min_scale, max_scale, spec):
+    """auto-round's `quant_tensor_sym` / `quant_tensor_asym`, written out plainly on quantkit's grid (scale from
+    the clipped range over (qmax - qmin) / 2 symmetric, (qmax - qmin) asymmetric)."""
+    qmin, qmax = spec.dtype.qrange
+    groups = weight.float().reshape(weight.shape[0], -1, weight.shape[1] // min_scale.shape[1])
+    ste = lambda x: (x.round() - x).detach() + x  # noqa: E731
+    low = torch.clamp(groups.min(-1)[0] * min_scale, max=0)
+    high = torch.clamp(groups.max(-1)[0] * max_scale, min=0)
+    if spec.symmetric:
+        scale, zero = (torch.max(-low, high) / ((qmax - qmin) / 2)).unsqueeze(-1), 0.0
+    else:
+        scale = ((high - low) / (qmax - qmin)).unsqueeze(-1)
+        zero = torch.clamp(qmin - ste(low.unsqueeze(-1) / scale), qmin, qmax)
+    q = torch.clamp(ste(groups / scale + value.reshape(groups.shape)) + zero, qmin, qmax)
+    return ((q - zero) * scale).reshape(weight.shape)
+
+
+@pytest.mark.parametrize("spec", [INT4_G32, INT4_G32_ASYM, INT2_G32], ids=["int4-g32", "int4-g32-asym", "int2-g32"])
+def test_gradients_match_autograd_through_a_straight_through_reference(spec):
+    torch.manual_seed(0)
+    weight, x = _weight(out=16, inp=64), torch.randn(2, 10, 64)
+    target = x @ weight.T
+    rounding = _random_rounding(weight, spec)
+
+    def grads(fake_quantize_fn):
+        params = [t.detach().clone().requires_grad_() for t in rounding.tensors()]
+        loss = torch.nn.functional.mse_loss(x @ fake_quantize_fn(weight, *params).T, target)
+        return torch.autograd.grad(loss, params)
+
+    ours = grads(lambda w, v, a, b: fake_quantize(w, Rounding(v, a, b), spec))
+    reference = grads(lambda w, v, a, b: _reference_fake_quantize(w, v, a, b, spec))
+    for mine, theirs in zip(ours, reference):
+        torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-9)
+    # and V's gradient is dL/dW times the group's scale where the grid does not clamp (the STE's derivative)
+    fake = fake_quantize(weight, rounding, spec).requires_grad_()
+    dw, = torch.autograd.grad(torch.nn.functional.mse_loss(x @ fake.T, target), fake)
+    assert torch.count_nonzero(ours[0]) > 0.8 * ours[0].numel()
+    assert torch.equal(torch.sign(ours[0])[ours[0] != 0], torch.sign(dw)[ours[0] != 0])
+
+
+def _structured_layer(seed=0, inp=128, out=64, tokens=64, samples=16):
+    """A Linear on correlated inputs with a few large features, as trained models see (RTN's error is uneven)."""
+    generator = torch.Generator().manual_seed(seed)
+    mixing = torch.randn(inp, inp, generator=generator) / inp**0.5
+    gains = 1 + 6 * torch.rand(inp, generator=generator) ** 4
+    xs = [(torch.randn(tokens, inp, generator=generator) * gains) @ mixing for _ in range(samples)]
+    return _weight(out=out, inp=inp, seed=seed + 1), xs
+
+
+def _output_error(weight, qweight, xs):
+    return sum(((x @ weight.T - x @ qweight.T) ** 2).mean().item() for x in xs) / len(xs)
+
+
+def _tune_linear(weight, xs, spec, args, seed=0):
+    def sample_loss(fake, sample):
+        return torch.nn.functional.mse_loss(xs[sample] @ fake["w"].T, xs[sample] @ weight.T)
+
+    generator = torch.Generator().manual_seed(seed)
+    return tune({"w": weight}, {"w": spec}, sample_loss, range(len(xs)), len(xs), generator, args)
+
+
+@pytest.mark.parametrize("spec", [INT4_G32, INT2_G32], ids=["int4-g32", "int2-g32"])
+def test_tuning_lowers_the_layer_output_error_below_rtn(spec):
+    weight, xs = _structured_layer()
+    tuned = _tune_linear(weight, xs[:12], spec, AutoRoundArgs(iters=60, batch_size=4))
+    learned = quantize(weight, tuned.roundings["w"], spec).dequantize(torch.float32)
+    rtn = quantize_weight(weight, spec).dequantize(torch.float32)
+    assert _output_error(weight, learned, xs[:12]) < 0.8 * _output_error(weight, rtn, xs[:12])
+    assert _output_error(weight, learned, xs[12:]) < _output_error(weight, rtn, xs[12:])  # held-out samples too
+    assert tuned.best_loss < tuned.first_loss
+
+
+def test_same_seed_same_rounding_and_bounds_hold():
+    weight, xs = _structured_layer(samples=8)
+    args = AutoRoundArgs(iters=300, batch_size=2, lr=0.01, minmax_lr=0.01)  # steps that add up past the bounds
+    first, again = (_tune_linear(weight, xs, INT4_G32, args, seed=5) for _ in range(2))
+    for a, b in zip(first.roundings["w"].tensors(), again.roundings["w"].tensors()):
+        assert torch.equal(a, b)
+    value, low, high = first.roundings["w"].tensors()
+    assert value.abs().max() <= 0.5 and low.min() >= 0 and high.max() <= 1
+
+
+def test_draws_are_auto_rounds_cyclic_shuffled_batches():
+    steps = draws(10, 4, 6, torch.Generator().manual_seed(0))
+    assert all(len(s) == 4 and len(set(s)) == 4 for s in steps)
+    assert len(set(steps[0]) | set(steps[1])) == 8  # one pass through a shuffled order, then a reshuffle
+    assert steps == draws(10, 4, 6, torch.Generator().manual_seed(0))
+    assert draws(3, 8, 2, torch.Generator().manual_seed(0)) == [[0, 1, 2], [0, 1, 2]]  # batch capped at the samples
+
+
+def test_registered_and_arguments_checked():
+    assert get_algorithm(Algorithm.AUTOROUND) is tune and Algorithm.AUTOROUND.is_quantizer
+    args = AutoRoundArgs(iters=50)
+    assert args.rounding_lr == args.clipping_lr == 1 / 50
+    assert AutoRoundArgs(iters=50, lr=0.1).clipping_lr == 0.1
+    assert parse_arguments(Algorithm.AUTOROUND, {"lr": None, "minmax_lr": 1}) == {"lr": None, "minmax_lr": 1.0}
+    for bad in ({"iters": 0}, {"batch_size": 0}, {"lr": -1.0}, {"lr": "fast"}, {"steps": 3}):
+        with pytest.raises(SchemeError):
+            parse_arguments(Algorithm.AUTOROUND, bad)
+
+
+@pytest.mark.parametrize("scheme,message", [
+    ({"weights": {"dtype": "float8_e4m3fn", "granularity": "channel"}}, "integer weights"),
+    ({"weights": {"dtype": "int8", "granularity": "channel"},
+      "activations": {"dtype": "int8", "dynamic": False}}, "static activation"),
+])
+def test_recipe_refuses_grids_autoround_cannot_tune(scheme, message):
+    with pytest.raises(SchemeError, match=message):
+        parse_recipe("bad", {"scheme": scheme, "algorithm": {"name": "autoround"}, "format": "compressed-tensors"})
