@@ -83,10 +83,10 @@ def all_reduce_observer(observer, ctx: Context | None) -> None:
     if ctx is None or not ctx.distributed:
         return
     for key, op in observer.REDUCE.items():
-        tensor = observer.state[key]
-        dist.all_reduce(tensor, _TORCH_OPS[op])
-        if op is ReduceOp.AVG:
-            tensor /= ctx.world_size
+        for tensor in _tensors(observer.state[key]):
+            dist.all_reduce(tensor, _TORCH_OPS[op])
+            if op is ReduceOp.AVG:
+                tensor /= ctx.world_size
 
 
 def reduce_observer_to(observer, owner: int, ctx: Context | None) -> None:
@@ -94,9 +94,15 @@ def reduce_observer_to(observer, owner: int, ctx: Context | None) -> None:
     if ctx is None or not ctx.distributed:
         return
     for key, op in observer.REDUCE.items():
-        dist.reduce(observer.state[key], dst=owner, op=_TORCH_OPS[op])
-        if op is ReduceOp.AVG and ctx.rank == owner:
-            observer.state[key] /= ctx.world_size
+        for tensor in _tensors(observer.state[key]):
+            dist.reduce(tensor, dst=owner, op=_TORCH_OPS[op])
+            if op is ReduceOp.AVG and ctx.rank == owner:
+                tensor /= ctx.world_size
+
+
+def _tensors(statistic) -> list[torch.Tensor]:
+    """A statistic's tensors (observers keep a large one as a list of blocks)."""
+    return statistic if isinstance(statistic, list) else [statistic]
 
 
 def all_reduce_sum(value: float, ctx: Context | None) -> float:

@@ -416,9 +416,12 @@ def _stream(streamed, prepared: Prepared, recipe: Recipe, dst: Path, overwrite: 
     """Quantize and write layer by layer: every rank reads each decoder layer when its turn comes; rank 0 packs
     it into the output shards (in a temporary directory renamed at the end) and every rank frees it."""
     from quantkit import distributed
+    from quantkit.streaming import map_large_allocations
 
     options = calibration or CalibrationOptions()
     samples = calibration_samples(prepared.src, recipe, options, trust_remote_code) if recipe.needs_calibration else None
+    if samples is not None:
+        map_large_allocations()
     plan = prepared.plan
     with contextlib.ExitStack() as stack:
         tmp = stack.enter_context(atomic.atomic_directory(dst, overwrite)) if ctx.is_main else None

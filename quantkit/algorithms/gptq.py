@@ -108,7 +108,7 @@ def _inverse_hessian_cholesky(hessian: torch.Tensor, dampening_frac: float, retr
         if _cholesky_(work):
             _invert_lower_(work)
             _reverse_(work)
-            if torch.isfinite(work).all():
+            if all(torch.isfinite(rows).all() for rows in work.split(_CHECK_ROWS)):  # no [in, in] mask
                 return work
         del work
         frac *= 10
@@ -146,6 +146,7 @@ def _invert_lower_(lower: torch.Tensor, leaf: int = 128) -> None:
 
 
 _REVERSE_CHUNK = 1 << 20
+_CHECK_ROWS = 256
 
 
 def _reverse_(matrix: torch.Tensor) -> None:

@@ -59,13 +59,21 @@ def test_hessian_is_bit_identical_for_any_split_of_the_batches(shares):
     assert torch.equal(parts[0].hessian(), whole.hessian())
 
 
-def test_gram_is_the_symmetric_product():
-    from quantkit.observers import gram
+@pytest.mark.parametrize("width", [16, 300, 600])  # one block; blocks with a ragged last one
+def test_the_hessian_is_kept_as_upper_blocks_and_comes_out_whole_and_symmetric(width):
+    from quantkit import observers
 
-    rows = _data().reshape(-1, 16)
-    product = gram(rows)
-    torch.testing.assert_close(product, rows.T @ rows)
-    assert torch.equal(product, product.T)
+    rows = torch.randn(40, width, generator=torch.Generator().manual_seed(0))
+    blocks = observers.gram_blocks(rows)
+    assert [b.shape for b in blocks] == [(min(256, width - s), width - s) for s in range(0, width, 256)]
+    observer = HessianObserver()
+    observer.update(rows[:25])
+    observer.update(rows[25:])
+    whole = observer.hessian()
+    assert torch.equal(whole, whole.T)
+    torch.testing.assert_close(whole, 2 * (rows.T.double() @ rows.double()).float() / 40, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(observer.xtx(), (rows.T.double() @ rows.double()).float(), rtol=1e-5, atol=1e-4)
+    assert torch.equal(observer.pop_hessian(), whole) and observer.state == {}
 
 
 def test_static_minmax_absmax_and_reduce_parts():
@@ -102,7 +110,7 @@ def test_hessian_takes_16_bit_inputs_and_sums_in_float64():
     observer = HessianObserver()
     observer.update(x)
     observer.update(x)
-    assert observer.state["xtx"].dtype == torch.float64 and observer.state["count"].item() == 128
+    assert {b.dtype for b in observer.state["xtx"]} == {torch.float64} and observer.state["count"].item() == 128
     torch.testing.assert_close(observer.hessian(), 2 * (x.float().T @ x.float()) * 2 / 128, rtol=1e-5, atol=1e-4)
 
 

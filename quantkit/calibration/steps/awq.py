@@ -79,7 +79,7 @@ def _error_function(block, linears, specs, calls, hessian, ctx):
     """error_of(scales): the block's summed squared output error with the candidate weights, over all ranks."""
     if hessian is not None:  # the block is one Linear
         distributed.all_reduce_observer(hessian, ctx)  # every rank then scores every candidate the same
-        xtx = hessian.state["xtx"].float()
+        xtx = hessian.xtx()
         weight = linears[0].weight.data
         return lambda scales: hessian_error(weight, scaled_candidate(weight, specs[0], scales), xtx)
     with real_routing(block):  # the block's output is all the scores need: MoE experts on their own tokens only

@@ -141,7 +141,7 @@ def _quantize_group(layer: Layer, names: list[str], hessian: torch.Tensor, args:
     if len(specs) > 1 or len({w.dtype for w in weights}) > 1:  # not one grid: one run each
         return [r for n in names for r in _quantize_group(layer, [n], hessian, args)]
     try:
-        stacked = gptq_quantize(torch.cat(weights), hessian, specs.pop(), args)
+        stacked = gptq_quantize(torch.cat(weights) if len(weights) > 1 else weights[0], hessian, specs.pop(), args)
     except ValueError as exc:
         raise UsageError(f"GPTQ failed on {', '.join(names)}: {exc}") from exc
     qweights = split_rows(stacked, [w.shape[0] for w in weights])

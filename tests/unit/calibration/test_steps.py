@@ -101,7 +101,7 @@ def test_awq_error_through_the_hessian_equals_running_the_linear():
     observer = HessianObserver()
     for args, _ in calls:
         observer.update(args[0])
-    xtx = observer.state["xtx"].float()
+    xtx = observer.xtx()
     spec = resolve("awq-w4a16").scheme.weights
     for ratio in (0.0, 0.5):
         scales = awq_scales(x.abs().mean((0, 1)), ratio)
