@@ -145,7 +145,7 @@ def _invert_lower_(lower: torch.Tensor, leaf: int = 128) -> None:
     corner.copy_(product.neg_())
 
 
-_REVERSE_CHUNK = 1 << 20
+_REVERSE_CHUNK = 1 << 18
 _CHECK_ROWS = 256
 
 
