@@ -118,15 +118,14 @@ def prepare(
 
 def _whole_model_reason(src: Path, fmt: Format, skeleton: nn.Module, in_memory: bool) -> str | None:
     """Why finalize must load this model whole instead of streaming it layer by layer, or None."""
-    from quantkit.streaming import layout_mismatch
+    from quantkit.streaming import checkpoint_keys, layout_mismatch
 
     if in_memory:
         return "whole model in memory (--in-memory)"
     if fmt is Format.TORCHAO:
         return "whole model in memory: transformers converts to torchao while it loads"
-    if moe.experts_modules(skeleton):
-        return "whole model in memory: MoE experts are split into per-expert Linear modules after loading (not streamed yet)"
-    reason = layout_mismatch(skeleton, sources.tensor_files(src))
+    files = sources.tensor_files(src)
+    reason = layout_mismatch(skeleton, files, checkpoint_keys(skeleton, files))
     return f"whole model in memory: {reason}" if reason else None
 
 

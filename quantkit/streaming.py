@@ -9,8 +9,12 @@ calibration activations, or the rest, whatever the number of layers.
 
 Reads go through safetensors' own lazy reader (`safe_open`), one file handle per load and closed right after:
 the handle's memory map would otherwise keep every page read so far counted in the process's resident size.
-A checkpoint whose names are not the model's own (an older layout that transformers converts while loading,
-e.g. per-expert MoE weights fused into 3-D tensors) cannot be read this way: `open` raises `NotStreamable`
+
+MoE models stream too: the skeleton's fused experts are split into per-expert Linears (`moe.linearize`, on the
+meta device), which is how checkpoints store them, and a tensor the checkpoint names otherwise (Mixtral's
+`block_sparse_moe` is the model's `mlp`) is read under the name transformers' conversion mapping gives it
+(`moe.checkpoint_names`). A checkpoint whose tensors still do not match (a layout transformers converts in
+other ways while loading, e.g. experts stored fused) cannot be read this way: `open` raises `NotStreamable`
 with the reason, and finalize loads the model whole instead.
 """
 
@@ -22,7 +26,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from quantkit import models, sources
+from quantkit import models, moe, sources
 
 
 class NotStreamable(Exception):
@@ -67,8 +71,10 @@ def model_dtype(src: Path, config, dtype: str) -> torch.dtype:
 class StreamedModel:
     """The model tree (`model`), its decoder layers (`layers`, at `prefix`), and where each tensor is stored."""
 
-    def __init__(self, model: nn.Module, files: dict[str, Path], layers: nn.ModuleList, prefix: str):
+    def __init__(self, model: nn.Module, files: dict[str, Path], layers: nn.ModuleList, prefix: str,
+                 stored: dict[str, str] | None = None):
         self.model, self.files, self.layers, self.prefix = model, files, layers, prefix
+        self.stored = stored or {}  # model tensor name -> the checkpoint's, where they differ
         self.names = {module: name for name, module in model.named_modules()}
 
     @classmethod
@@ -82,12 +88,14 @@ class StreamedModel:
             model = AutoModelForCausalLM.from_config(config, dtype=model_dtype(src, config, dtype),
                                                      trust_remote_code=trust_remote_code)
         model.eval()
+        moe.linearize(model)
         files = sources.tensor_files(src)
-        reason = layout_mismatch(model, files)
+        stored = checkpoint_keys(model, files)
+        reason = layout_mismatch(model, files, stored)
         if reason:
             raise NotStreamable(reason)
         layers = models.decoder_layers(model)
-        return cls(model, files, layers, models.module_name(model, layers))
+        return cls(model, files, layers, models.module_name(model, layers), stored)
 
     def rest(self) -> list[nn.Module]:
         """The modules outside the decoder layers (on disk but between `load_rest` and `release_rest`)."""
@@ -126,11 +134,11 @@ class StreamedModel:
         targets = [(key, value) for key, value in _state(self.model) if wanted(key, value)]
         by_file: dict[Path, list[tuple[str, torch.Tensor]]] = {}
         for key, value in targets:
-            by_file.setdefault(self.files[key], []).append((key, value))
+            by_file.setdefault(self.files[self.stored.get(key, key)], []).append((key, value))
         for file, entries in by_file.items():
             with safe_open(str(file), framework="pt") as handle:
                 for key, value in entries:
-                    tensor = handle.get_tensor(key)
+                    tensor = handle.get_tensor(self.stored.get(key, key))
                     if tensor.is_floating_point() and value.is_floating_point():
                         tensor = tensor.to(value.dtype)
                     if tuple(tensor.shape) != tuple(value.shape):
@@ -195,9 +203,20 @@ def stored_keys(model: nn.Module) -> list[str]:
     return [name for name, _ in _state(model)]
 
 
-def layout_mismatch(model: nn.Module, stored: dict[str, Path]) -> str | None:
-    """Why a checkpoint holding the tensors `stored` cannot be read into `model` name by name, or None."""
-    missing = next((key for key in stored_keys(model) if key not in stored), None)
+def checkpoint_keys(model: nn.Module, files: dict[str, Path]) -> dict[str, str]:
+    """The model's tensor names that the checkpoint (holding the tensors in `files`) stores under another name,
+    as transformers' conversion mapping renames them (e.g. Mixtral's `mlp` is `block_sparse_moe` on disk)."""
+    missing = [key for key in stored_keys(model) if key not in files]
+    if not missing:
+        return {}
+    return {key: name for key, name in moe.checkpoint_names(model, missing).items() if name != key}
+
+
+def layout_mismatch(model: nn.Module, files: dict[str, Path], stored: dict[str, str] | None = None) -> str | None:
+    """Why a checkpoint holding the tensors in `files` cannot be read into `model` name by name (or under the
+    checkpoint names in `stored`), or None."""
+    stored = stored or {}
+    missing = next((key for key in stored_keys(model) if stored.get(key, key) not in files), None)
     if missing is None:
         return None
     return (f"the checkpoint does not name its tensors as {type(model).__name__} does ({missing} is not in it: "

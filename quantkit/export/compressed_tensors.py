@@ -111,8 +111,12 @@ def quantization_config(plan: list[ModulePlan], recipe: Recipe, experts: tuple[s
 
 def install(model: nn.Module, plan: list[ModulePlan], recipe: Recipe) -> None:
     """Attach compressed-tensors' quantization (schemes, qparam slots, quantized forward) to `model`."""
-    experts = (tuple(moe.expert_linears(model)), moe.expert_pattern(model))
-    apply_quantization_config(model, quantization_config(plan, recipe, experts), show_progress=False)
+    apply_quantization_config(model, quantization_config(plan, recipe, experts_targets(model)), show_progress=False)
+
+
+def experts_targets(model: nn.Module) -> tuple[tuple[str, ...], str | None]:
+    """`quantization_config`'s `experts`: every MoE expert projection's name, and the pattern naming them all."""
+    return tuple(moe.expert_linears(model)), moe.expert_pattern(model)
 
 
 def set_qparams(module: nn.Module, qparams: QParams) -> None:
@@ -170,7 +174,7 @@ class StreamWriter:
         from quantkit.export.shards import ShardWriter
 
         self.model, self.recipe, self.out_dir = model, recipe, Path(out_dir)
-        self.config = quantization_config(plan, recipe)
+        self.config = quantization_config(plan, recipe, experts_targets(model))
         self.planned = {entry.name for entry in plan if entry.quantized}
         self.names = {module: name for name, module in model.named_modules()}
         self.shards = ShardWriter(out_dir, max_shard_size)
@@ -201,7 +205,8 @@ class StreamWriter:
                 if id(value) not in seen:
                     seen.add(id(value))
                     tensors[key] = value.detach()
-        self.shards.add(tensors)
+        stored = moe.checkpoint_names(self.model, list(tensors))  # as save_pretrained renames (Mixtral's mlp: block_sparse_moe)
+        self.shards.add({stored[key]: value for key, value in tensors.items()})
 
     def finish(self) -> None:
         """The shards (and their index), config.json with the quantization config, generation_config.json."""
@@ -212,3 +217,17 @@ class StreamWriter:
         if getattr(self.model, "generation_config", None) is not None and self.model.can_generate():
             self.model.generation_config.save_pretrained(self.out_dir)
         compressor.update_config(str(self.out_dir))
+        _ignore_as_stored(self.out_dir / "config.json", self.model)
+
+
+def _ignore_as_stored(config_file: Path, model: nn.Module) -> None:
+    """The quantization config's `ignore` under the checkpoint's module names (as `model.save_pretrained` writes
+    them: Mixtral's `mlp.gate` is `block_sparse_moe.gate`)."""
+    import json
+
+    config = json.loads(config_file.read_text())
+    ignore = config.get("quantization_config", {}).get("ignore") or []
+    stored = moe.checkpoint_names(model, ignore)
+    if any(stored[name] != name for name in ignore):
+        config["quantization_config"]["ignore"] = [stored[name] for name in ignore]
+        config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

@@ -45,6 +45,32 @@ def test_a_streamed_artifact_equals_the_in_memory_one(tiny_model_dir, text_file,
     assert set(index["weight_map"]) == set(a)
 
 
+@pytest.fixture(scope="module", params=["mixtral", "qwen2_moe"])
+def moe_model_dir(request, tmp_path_factory):
+    """A tiny MoE model: Mixtral's checkpoint names its block `block_sparse_moe` (the model's `mlp`); Qwen2-MoE
+    has a shared expert and its gate."""
+    from quantkit.tiny import build_tiny_model
+
+    extra = {"mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+             "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                               shared_expert_intermediate_size=64)}[request.param]
+    return build_tiny_model(tmp_path_factory.mktemp("moe") / request.param, make_text(1500), request.param,
+                            num_hidden_layers=2, max_shard_size="200KB", **extra)
+
+
+@pytest.mark.parametrize("recipe", ["int4-weight-only", "gptq-w4a16"])
+def test_a_streamed_moe_artifact_equals_the_in_memory_one(moe_model_dir, text_file, tmp_path, recipe):
+    options = CalibrationOptions(data=str(text_file), num_samples=4, seq_len=32)
+    runs = {in_memory: finalize(moe_model_dir, tmp_path / str(in_memory), resolve(recipe), calibration=options,
+                                in_memory=in_memory) for in_memory in (False, True)}
+    assert runs[False].loading == STREAMED
+    a, b = tensors(tmp_path / "False"), tensors(tmp_path / "True")
+    assert a.keys() == b.keys() and any(".experts.3." in key for key in a)
+    for key in a:
+        assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), key
+    assert json.loads((tmp_path / "False" / "config.json").read_text()) == json.loads((tmp_path / "True" / "config.json").read_text())
+
+
 @pytest.fixture(scope="module")
 def layered(tmp_path_factory):
     """The same Llama shape (hidden 384, float32: 7 MB a layer) with 4 and with 16 layers."""
