@@ -16,7 +16,7 @@ What it does (everything cached under `--workdir`, default /tmp/quantkit-bench-c
 1. builds a Llama from a config (4 layers, hidden `--hidden` (512 by default; 1024 is the ~68M-parameter shape),
    intermediate 2.75x hidden, head_dim 64, vocab 8192, a byte-level BPE tokenizer trained on `--train-text`),
    then trains it with `quantkit train` for `--train-steps` steps (seq_len 256, global batch 16, micro batch 8,
-   lr 1e-3, precision auto: fp32 on a CPU without bf16 support, where bf16 autocast runs ~100x slower) so
+   lr 1e-3, precision auto: fp32 on a CPU without bf16 support, where bf16 autocast ran 3-4x slower) so
    that the model has real structure; OUTPUT/final is the benchmark
    model (float32). Hidden 512, not 1024: on a shared 2-core machine 1024 trains at ~90 tokens/s. Even so,
    150 steps leave a weak model (test perplexity ~290) whose perplexity 4-bit RTN barely moves: see step 4;
