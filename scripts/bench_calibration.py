@@ -16,7 +16,8 @@ What it does (everything cached under `--workdir`, default /tmp/quantkit-bench-c
 1. builds a Llama from a config (4 layers, hidden `--hidden` (512 by default; 1024 is the ~68M-parameter shape),
    intermediate 2.75x hidden, head_dim 64, vocab 8192, a byte-level BPE tokenizer trained on `--train-text`),
    then trains it with `quantkit train` for `--train-steps` steps (seq_len 256, global batch 16, micro batch 8,
-   lr 1e-3, bf16 autocast, fp32 weights) so that the model has real structure; OUTPUT/final is the benchmark
+   lr 1e-3, precision auto: fp32 on a CPU without bf16 support, where bf16 autocast ran 3-4x slower) so
+   that the model has real structure; OUTPUT/final is the benchmark
    model (float32). Hidden 512, not 1024: on a shared 2-core machine 1024 trains at ~90 tokens/s. Even so,
    150 steps leave a weak model (test perplexity ~290) whose perplexity 4-bit RTN barely moves: see step 4;
 2. takes the calibration blocks once, with `quantkit.finalize.calibration_samples` (`--num-samples` x
@@ -47,8 +48,9 @@ AWQModifier + QuantizationModifier W4A16 only with `--awq`: its grid search take
 and 0.14 needs the runner's no-op for pin_memory on a machine without an accelerator). llm-compressor's
 GPTQModifier orders columns by activation (actorder "static") unless told otherwise; quantkit's recipes do
 not; `--llmc-actorder none` makes the two run the same algorithm. AutoRound W4A16 (autoround-w4a16;
-AutoRoundModifier W4A16, batch 8, lr 1 / iters, torch.compile off) runs `--autoround-iters` steps per layer on
-both sides (quantkit: a user recipe file made from the shipped one).
+AutoRoundModifier W4A16, batch 8, lr 1 / iters, torch.compile off) and AutoRound W2A16 (autoround-w2a16; the
+same modifier on symmetric int2 in groups of 32, quantkit's int2 grid, beside RTN W2A16 on that grid) run
+`--autoround-iters` steps per layer on both sides (quantkit: a user recipe file made from the shipped one).
 """
 
 from __future__ import annotations
@@ -71,6 +73,8 @@ ALGORITHMS = [
     ("GPTQ W4A16", "gptq-w4a16", "gptq-w4a16"),
     ("SmoothQuant+GPTQ W8A8", "smoothquant-w8a8", "smoothquant-gptq-w8a8"),
     ("AutoRound W4A16", "autoround-w4a16", "autoround-w4a16"),
+    ("RTN W2A16", "int2-weight-only", "rtn-w2a16"),
+    ("AutoRound W2A16", "autoround-w2a16", "autoround-w2a16"),
 ]
 AWQ = ("AWQ W4A16", "awq-w4a16", "awq-w4a16")
 
@@ -102,25 +106,25 @@ def build_init(workdir: Path, text: Path, hidden: int) -> Path:
     return harness.build_llama(workdir / f"llama-h{hidden}-init", text, "float32", **harness.llama_shape(hidden))
 
 
-def train_config(init: Path, text: Path, steps: int, output: Path) -> dict:
+def train_config(init: Path, text: Path, steps: int, output: Path, batch: int = 16) -> dict:
     return {
         "model": {"path": str(init)},
         "data": {"train": str(text), "seq_len": 256},
-        "train": {"micro_batch_size": 8, "global_batch_size": 16, "max_steps": steps, "lr": 1.0e-3,
-                  "warmup_steps": max(1, steps // 10), "schedule": "cosine", "precision": "bf16", "seed": 0,
+        "train": {"micro_batch_size": min(8, batch), "global_batch_size": batch, "max_steps": steps, "lr": 1.0e-3,
+                  "warmup_steps": max(1, steps // 10), "schedule": "cosine", "precision": "auto", "seed": 0,
                   "log_interval": 10},
         "output_dir": str(output),
     }
 
 
-def train_model(workdir: Path, init: Path, text: Path, steps: int, threads: int) -> Path:
+def train_model(workdir: Path, init: Path, text: Path, steps: int, threads: int, batch: int = 16) -> Path:
     """`quantkit train` on the built model, once; returns OUTPUT/final."""
-    output = workdir / f"{init.name.removesuffix('-init')}-trained{steps}"
+    output = workdir / (f"{init.name.removesuffix('-init')}-trained{steps}" + (f"-b{batch}" if batch != 16 else ""))
     final = output / "final"
     if (final / "config.json").is_file():
         return final
     config = workdir / f"{output.name}.yaml"
-    config.write_text(json.dumps(train_config(init, text, steps, output), indent=2))  # JSON is YAML
+    config.write_text(json.dumps(train_config(init, text, steps, output, batch), indent=2))  # JSON is YAML
     print(f"training {init} for {steps} steps -> {final} ...", file=sys.stderr)
     began = time.perf_counter()
     cmd = harness.quantkit_command("train", config, "--threads", threads, "--quiet", "--overwrite")
@@ -371,7 +375,7 @@ def print_report(facts: dict, jobs: list[Job], float_ppl: float | None, eval_err
         print(f"- {row['algorithm']}: quantkit / llm-compressor wall {row['wall_ratio']:.2f}x, peak RSS "
               f"{row['rss_ratio']:.2f}x, perplexity {fmt(row['ppl_quantkit'], '.3f')} vs {fmt(row['ppl_llmc'], '.3f')}")
     for row in ratios(jobs):
-        if row["algorithm"] in ("GPTQ W4A16", "AutoRound W4A16") and row["ppl_ratio"] is not None:
+        if row["algorithm"] in ("GPTQ W4A16", "AutoRound W4A16", "AutoRound W2A16") and row["ppl_ratio"] is not None:
             met = row["wall_ratio"] <= 0.5 and row["ppl_ratio"] <= 1.0
             print(f"- target ({row['algorithm'].split()[0]} wall <= 0.5x llm-compressor's, perplexity equal or better): "
                   f"{'met' if met else 'NOT met'}")
@@ -423,9 +427,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", type=Path, help="benchmark this model directory instead of building and training one "
                    "(e.g. scripts/bench_finalize.py's 68M bf16 Llama)")
     p.add_argument("--only", nargs="+", metavar="RECIPE", help="only these quantkit recipes (and their llm-compressor "
-                   "counterparts): int4-weight-only gptq-w4a16 smoothquant-w8a8 awq-w4a16 autoround-w4a16")
+                   "counterparts): int4-weight-only gptq-w4a16 smoothquant-w8a8 awq-w4a16 autoround-w4a16 int2-weight-only "
+                   "autoround-w2a16")
     p.add_argument("--hidden", type=int, default=512, help="hidden size (1024: the ~68M-parameter shape)")
     p.add_argument("--train-steps", type=int, default=150)
+    p.add_argument("--train-batch", type=int, default=16, help="sequences of 256 tokens a training step")
     p.add_argument("--train-text", type=Path, default=WIKITEXT / "valid.txt", help="tokenizer and training text")
     p.add_argument("--calib-data", type=Path, default=WIKITEXT / "valid.txt")
     p.add_argument("--num-samples", type=int, default=64)
@@ -455,7 +461,7 @@ def main(argv: list[str] | None = None) -> None:
         args.hidden = json.loads((src / "config.json").read_text())["hidden_size"]
     else:
         init = build_init(args.workdir, args.train_text, args.hidden)
-        src = train_model(args.workdir, init, args.train_text, args.train_steps, args.threads)
+        src = train_model(args.workdir, init, args.train_text, args.train_steps, args.threads, args.train_batch)
     calib = harness.write_calibration(src, args.calib_data, args.num_samples, args.seq_len, args.workdir)
     if args.prepare_only:
         return print(f"model {src}, calibration tokens {calib}")

@@ -209,14 +209,19 @@ if not torch.accelerator.is_available():
 
 common = dict(targets="Linear", ignore=["lm_head"])
 gptq = dict(common, **({} if args.actorder == "default" else {"actorder": None}))
+# quantkit's int2 grid (int2-weight-only, autoround-w2a16): symmetric int2 in groups of 32 (W2A16's groups are 128)
+w2g32 = dict(ignore=["lm_head"], config_groups={"group_0": {"targets": ["Linear"], "weights": {
+    "num_bits": 2, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32}}})
 recipe = {
     "rtn-w4a16": lambda: [QuantizationModifier(scheme="W4A16", **common)],
+    "rtn-w2a16": lambda: [QuantizationModifier(**w2g32)],
     "gptq-w4a16": lambda: [GPTQModifier(scheme="W4A16", **gptq)],
     "smoothquant-gptq-w8a8": lambda: [SmoothQuantModifier(smoothing_strength=0.8), GPTQModifier(scheme="W8A8", **gptq)],
     "awq-w4a16": lambda: [AWQModifier(), QuantizationModifier(scheme="W4A16", **common)],  # AWQ only rescales
     # auto-round's defaults (batch 8, lr 1 / iters); torch.compile off: on CPU it compiles for minutes, or not at all
     "autoround-w4a16": lambda: [AutoRoundModifier(scheme="W4A16", iters=args.iters, batch_size=8,
                                                   enable_torch_compile=False, **common)],
+    "autoround-w2a16": lambda: [AutoRoundModifier(iters=args.iters, batch_size=8, enable_torch_compile=False, **w2g32)],
 }[args.recipe]()
 imported = time.perf_counter()
 
@@ -253,8 +258,8 @@ def write_llmc_runner(folder: Path) -> Path:
 def llmc_command(python: Path, runner: Path, src: Path, dst: Path, ids: Path, recipe: str, actorder: str,
                  threads: int, ranks: int = 1, iters: int = 200) -> list[str]:
     """The runner under `python`; with `ranks` > 1 under `torch.distributed.run` (llm-compressor's distributed
-    oneshot). `recipe` is one of the runner's (rtn-w4a16, gptq-w4a16, smoothquant-gptq-w8a8, awq-w4a16,
-    autoround-w4a16: `iters` steps a layer)."""
+    oneshot). `recipe` is one of the runner's (rtn-w4a16, rtn-w2a16, gptq-w4a16, smoothquant-gptq-w8a8, awq-w4a16,
+    autoround-w4a16, autoround-w2a16: `iters` steps a layer)."""
     launch = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)] if ranks > 1 else []
     return [str(python), *launch, str(runner), str(src), str(dst), str(ids), recipe, actorder, str(threads), str(iters)]
 

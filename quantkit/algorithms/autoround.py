@@ -10,8 +10,10 @@ V, a and b are tuned on a decoder layer's output error: each step takes the sign
 straight through), moves V by lr and a, b by minmax_lr (both decayed linearly to 0 over the steps), and the
 iterate with the least loss is kept. V = 0, a = b = 1 is round-to-nearest, bit for bit.
 
-Data-parallel: every sample's gradient is its own backward pass, summed in float64 (`tune`'s `reduce_sum`
-sums over ranks); every rank takes the sign of the same sum, so every rank takes the same step.
+A step fake-quantizes the weights once; every sample's gradient with respect to the fake-quantized weights is its
+own backward pass, summed in float64 in sample order (`tune`'s `reduce_sum` sums over ranks); the sum is carried
+back through the fake-quantization once. Every rank takes the sign of the same gradients, so every rank takes the
+same step.
 """
 
 from __future__ import annotations
@@ -121,7 +123,8 @@ class Tuned:
     step_seconds: float  # the median wall time of a step (the first, warming up, left out when there are others)
 
 
-SampleLoss = Callable[[dict[str, torch.Tensor], int], torch.Tensor]  # (fake-quantized weights, sample) -> loss
+SampleLoss = Callable[[dict[str, torch.Tensor], int], torch.Tensor]  # (fake-quantized weights, sample) -> loss;
+# its gradient is taken with respect to those weights (leaf tensors), so it must not detach them
 ReduceSum = Callable[[torch.Tensor], None]  # sums a float64 tensor over ranks, in place
 
 
@@ -160,25 +163,30 @@ def tune(weights: dict[str, torch.Tensor], specs: dict[str, WeightSpec], sample_
         first = loss if first is None else first
         if loss < best[0]:
             best = (loss, step, {name: r.clone() for name, r in roundings.items()})
-        _sign_step(tuned, 1.0 - step / args.iters, flat)
+        _sign_step(tuned, 1.0 - step / args.iters, _through_fake_quantization(weights, specs, roundings, params, flat))
         seconds.append(time.perf_counter() - started)
     return Tuned(best[2], first, best[0], best[1], statistics.median(seconds[1:] or seconds))
 
 
 def _gradients(weights, specs, roundings, params, sample_loss, chosen, mine) -> tuple[torch.Tensor, torch.Tensor]:
-    """One flat float64 buffer: the gradients of `params` summed over this rank's chosen samples, then the chosen
-    samples' losses (zero for the other ranks' samples). One backward pass per sample, so that a sample's
-    gradient does not depend on which samples share its rank."""
-    sizes = [p.numel() for p in params]
+    """One flat float64 buffer: the gradients of the loss with respect to the fake-quantized weights, summed over
+    this rank's chosen samples, then the chosen samples' losses (zero for the other ranks' samples).
+
+    The weights are fake-quantized once; each sample is its own forward and backward pass with respect to those
+    (a sample's gradient does not depend on which samples share its rank), added in float64 in sample order.
+    `_through_fake_quantization` carries the reduced sum back to V and the clipping factors, once a step."""
+    with torch.no_grad():
+        fake = {name: fake_quantize(w, roundings[name], specs[name]).to(w.dtype) for name, w in weights.items()}
+    leaves = {name: tensor.requires_grad_() for name, tensor in fake.items()}
+    sizes = [w.numel() for w in weights.values()]
     flat = torch.zeros(sum(sizes) + len(chosen), dtype=torch.float64, device=params[0].device)
     grads = flat[: sum(sizes)].split(sizes)
     for position, sample in enumerate(chosen):
         if sample not in mine:
             continue
         with torch.enable_grad():
-            fake = {name: fake_quantize(w, roundings[name], specs[name]).to(w.dtype) for name, w in weights.items()}
-            loss = sample_loss(fake, sample)
-            found = torch.autograd.grad(loss, params, allow_unused=True)
+            loss = sample_loss(leaves, sample)
+            found = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
         for buffer, grad in zip(grads, found):
             if grad is not None:
                 buffer += grad.reshape(-1)
@@ -186,14 +194,24 @@ def _gradients(weights, specs, roundings, params, sample_loss, chosen, mine) -> 
     return flat, flat[sum(sizes):]
 
 
-def _sign_step(tuned: list[tuple[torch.Tensor, float, tuple[float, float]]], decay: float, flat: torch.Tensor) -> None:
-    """Each (parameter, lr, bounds): p -= lr * decay * sign(its gradient in `flat`), then clamped to its bounds
+def _through_fake_quantization(weights, specs, roundings, params, flat) -> list[torch.Tensor | None]:
+    """The gradients of `params` from the summed gradient with respect to the fake-quantized weights at the front of
+    `flat`: one backward pass through the fake-quantization (rounding straight through). Every rank holds the same
+    sum, so every rank gets the same gradients (None: a parameter the loss does not reach)."""
+    sizes = [w.numel() for w in weights.values()]
+    with torch.enable_grad():
+        fake = [fake_quantize(w, roundings[name], specs[name]) for name, w in weights.items()]
+    upstream = [g.view(w.shape).float() for g, w in zip(flat[: sum(sizes)].split(sizes), weights.values())]
+    return list(torch.autograd.grad(fake, params, upstream, allow_unused=True))
+
+
+def _sign_step(tuned: list[tuple[torch.Tensor, float, tuple[float, float]]], decay: float,
+               grads: list[torch.Tensor | None]) -> None:
+    """Each (parameter, lr, bounds) with its gradient: p -= lr * decay * sign(gradient), then clamped to its bounds
     (V to [-0.5, 0.5], the clipping factors to [0, 1]). `decay` falls linearly to 0: torch's LinearLR, as
     auto-round schedules its steps."""
-    offset = 0
     with torch.no_grad():
-        for param, lr, (low, high) in tuned:
-            grad = flat[offset : offset + param.numel()].view(param.shape)
-            offset += param.numel()
-            param.add_(torch.sign(grad).to(param.dtype), alpha=-lr * decay)
+        for (param, lr, (low, high)), grad in zip(tuned, grads):
+            if grad is not None:
+                param.add_(torch.sign(grad), alpha=-lr * decay)
             param.clamp_(low, high)

@@ -3,11 +3,13 @@ Linear's rounding and clipping on them, and the layer is quantized with the lear
 
 As in llm-compressor's AutoRoundModifier, the layer's inputs are the previous quantized layers' outputs (one
 stream of hidden states), and the target is the float layer on those inputs. Each sample is its own forward and
-backward pass (batch of one): a sample's gradient is then the same whichever rank holds it. The summary keeps
+backward pass (batch of one) with respect to the step's fake-quantized weights: a sample's gradient is then the
+same whichever rank holds it. The summary keeps
 the layer's loss (mean squared output error per sample, over all samples) with round-to-nearest and after tuning.
 
-Distributed: this rank's samples are the contiguous slice `data.rank_batches` gave it; every step's gradients
-(float64) and per-sample losses are all-reduced, so every rank takes the same step and ends with the same rounding.
+Distributed: this rank's samples are the contiguous slice `data.rank_batches` gave it; every step's gradients with
+respect to the fake-quantized weights (float64) and per-sample losses are all-reduced before they are carried back
+to the rounding, so every rank takes the same step and ends with the same rounding.
 """
 
 from __future__ import annotations

@@ -7,6 +7,9 @@ import torch
 
 from quantkit.algorithms import Algorithm, get_algorithm
 from quantkit.algorithms.arguments import AutoRoundArgs, parse_arguments
+import threading
+
+from quantkit.algorithms import autoround
 from quantkit.algorithms.autoround import Rounding, draws, fake_quantize, quantize, tune
 from quantkit.qparams import quantize_weight
 from quantkit.registry import parse_recipe
@@ -127,6 +130,64 @@ def test_tuning_lowers_the_layer_output_error_below_rtn(spec):
     assert _output_error(weight, learned, xs[:12]) < 0.8 * _output_error(weight, rtn, xs[:12])
     assert _output_error(weight, learned, xs[12:]) < _output_error(weight, rtn, xs[12:])  # held-out samples too
     assert tuned.best_loss < tuned.first_loss
+
+
+def test_step_gradient_is_autograd_of_the_summed_loss_through_the_fake_quantization():
+    """One fake-quantization a step: the per-sample gradients with respect to the fake-quantized weight, summed and
+    carried back through the fake-quantization once, are autograd's gradients of the summed loss."""
+    weight, xs = _structured_layer(samples=6)
+    rounding = _random_rounding(weight, INT4_G32_ASYM)
+    params = [t.requires_grad_() for t in rounding.tensors()]
+
+    def sample_loss(fake, sample):
+        return torch.nn.functional.mse_loss(xs[sample] @ fake["w"].T, xs[sample] @ weight.T)
+
+    weights, specs, roundings, chosen = {"w": weight}, {"w": INT4_G32_ASYM}, {"w": rounding}, [0, 2, 3, 5]
+    flat, losses = autoround._gradients(weights, specs, roundings, params, sample_loss, chosen, set(chosen))
+    ours = autoround._through_fake_quantization(weights, specs, roundings, params, flat)
+    fake = {"w": fake_quantize(weight, rounding, INT4_G32_ASYM)}
+    total = sum(sample_loss(fake, s) for s in chosen)
+    reference = torch.autograd.grad(total, params)
+    for mine, theirs in zip(ours, reference):
+        torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-9)
+    assert torch.allclose(losses, torch.stack([sample_loss(fake, s) for s in chosen]).double().detach())
+
+
+def _tune_on_ranks(weight, xs, spec, args, ranks):
+    """`tune` on `ranks` threads, each holding a contiguous slice of the samples, its float64 buffer summed over the
+    threads in rank order (what gloo's all-reduce does for two ranks); the rank-0 result."""
+    share, buffers, results = len(xs) // ranks, [None] * ranks, [None] * ranks
+    barrier = threading.Barrier(ranks)
+
+    def run(rank):
+        def reduce_sum(flat):
+            buffers[rank] = flat.clone()
+            barrier.wait()
+            flat.copy_(sum(buffers[1:], buffers[0]))
+            barrier.wait()
+
+        def sample_loss(fake, sample):
+            return torch.nn.functional.mse_loss(xs[sample] @ fake["w"].T, xs[sample] @ weight.T)
+
+        mine = range(rank * share, (rank + 1) * share)
+        results[rank] = tune({"w": weight}, {"w": spec}, sample_loss, mine, len(xs),
+                             torch.Generator().manual_seed(0), args, reduce_sum)
+
+    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(ranks)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return results
+
+
+def test_one_and_two_ranks_tune_the_same_rounding_bit_for_bit():
+    weight, xs = _structured_layer(samples=8)
+    args = AutoRoundArgs(iters=20, batch_size=8)
+    one, = _tune_on_ranks(weight, xs, INT4_G32, args, 1)
+    for two in _tune_on_ranks(weight, xs, INT4_G32, args, 2):
+        assert all(torch.equal(a, b) for a, b in zip(one.roundings["w"].tensors(), two.roundings["w"].tensors()))
+        assert (two.first_loss, two.best_loss, two.best_iter) == (one.first_loss, one.best_loss, one.best_iter)
 
 
 def test_same_seed_same_rounding_and_bounds_hold():
