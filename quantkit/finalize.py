@@ -415,7 +415,7 @@ def _stream(streamed, prepared: Prepared, recipe: Recipe, dst: Path, overwrite: 
     """Quantize and write layer by layer: every rank reads each decoder layer when its turn comes; rank 0 packs
     it into the output shards (in a temporary directory renamed at the end) and every rank frees it."""
     from quantkit import distributed
-    from quantkit.streaming import map_large_allocations
+    from quantkit.memory import map_large_allocations
 
     options = calibration or CalibrationOptions()
     samples = calibration_samples(prepared.src, recipe, options, trust_remote_code) if recipe.needs_calibration else None

@@ -29,6 +29,7 @@ from quantkit.calibration.hooks import observe, observer_groups
 from quantkit.calibration.layer import Layer, relative_error
 from quantkit.calibration.steps import register
 from quantkit.errors import UsageError
+from quantkit.memory import return_freed_memory
 from quantkit.observers import HessianObserver
 from quantkit.qparams import QuantizedWeight, empty_quantized
 
@@ -136,6 +137,7 @@ def _quantize_group(layer: Layer, names: list[str], hessian: torch.Tensor, args:
     """GPTQ once on the weights of modules sharing one Hessian, stacked row-wise (rows are independent given the
     Hessian, so this equals one run per module, for a third of the per-column work on q/k/v), or one run per
     module when their grids differ. Returns (name, qweight, relative error) per module."""
+    return_freed_memory()  # the solve's copies are the layer's largest allocations: not on top of freed heap memory
     weights = [layer.linears[n].weight.data for n in names]
     specs = {layer.plan[n].scheme.weights for n in names}
     if len(specs) > 1 or len({w.dtype for w in weights}) > 1:  # not one grid: one run each

@@ -215,7 +215,7 @@ def test_inverse_hessian_cholesky_is_the_upper_factor_of_the_damped_inverse(size
 INVERSE_MEMORY = """
 import torch
 from quantkit.algorithms.gptq import _inverse_hessian_cholesky
-from quantkit.streaming import map_large_allocations
+from quantkit.memory import map_large_allocations
 map_large_allocations()  # as calibrated finalize runs set it
 def status(key):
     return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith(key))
