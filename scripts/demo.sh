@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The offline demo: what quantization-aware training (QAT) is for, in about two minutes on 2 CPU cores.
 #
-# A tiny Llama is trained from scratch (300 steps), then fine-tuned 100 more steps twice, from the same weights,
+# A tiny Llama is trained from scratch (200 steps), then fine-tuned 100 more steps twice, from the same weights,
 # on the same batches with the same schedule: once plain (the float model), once under int2-weight-only's fake
 # quantization (QAT). The float model is quantized by round-to-nearest (PTQ, at 2 and at 4 bits); the QAT model
 # is converted with the same recipe. One eval compares them: PTQ at 2 bits loses clearly, QAT wins most of it back.
@@ -28,7 +28,7 @@ fi
 step 1 "a tokenizer trained on $OUT/train.txt"
 python scripts/build_tiny_model.py "$OUT/tiny-llama" --text "$OUT/train.txt" --hidden 64 --intermediate 192
 
-step 2 "train a tiny Llama (0.23M parameters) from scratch: 300 steps"
+step 2 "train a tiny Llama (0.23M parameters) from scratch: 200 steps"
 $QK train scripts/configs/tiny-llama.yaml
 
 # Independent commands run side by side, one thread each (a model this small gains nothing from a second one),
@@ -68,7 +68,7 @@ rise = lambda p: f"{100 * (p / base - 1):+.1f}%"  # noqa: E731
 won = f"won back {(ptq - qat) / (ptq - base):.0%} of what PTQ lost" if ptq > base else "(PTQ lost nothing here)"
 print(f"""
 What the table shows (perplexity on {out}/eval.txt, lower is better; every model
-has had the same 400 training steps, the last 100 from the same 300-step model):
+has had the same 300 training steps, the last 100 from the same 200-step model):
   PTQ int4, round-to-nearest     {rise(int4):>6}  4 bits hardly hurt a model this small
   PTQ int2, round-to-nearest     {rise(ptq):>6}  2 bits do
   QAT int2, 100 steps + convert  {rise(qat):>6}  QAT {won}""")
@@ -77,7 +77,7 @@ EOF
 cat <<EOF
 
 == done in $((SECONDS - began)) s
-  trained:   $OUT/runs/plain/final (300 steps from scratch), then 100 more:
+  trained:   $OUT/runs/plain/final (200 steps from scratch), then 100 more:
              $OUT/runs/float/final (plain), $OUT/runs/qat/final (QAT)
   quantized: $OUT/ptq-$RECIPE, $OUT/ptq-int4-weight-only (PTQ),
              $OUT/qat-$RECIPE (the QAT convert step)
