@@ -166,12 +166,19 @@ def _check_equivalent(fused: nn.Module, experts: LinearExperts, name: str) -> No
 def checkpoint_names(model: nn.Module, names: list[str]) -> dict[str, str]:
     """Each of `model`'s tensor names (per-expert ones included) as its checkpoint names it: transformers renames
     some while loading (Mixtral's `block_sparse_moe` is `mlp` in the model) and back while saving."""
+    rename = checkpoint_renamer(model)
+    return {name: rename(name) for name in names}
+
+
+def checkpoint_renamer(model: nn.Module):
+    """`checkpoint_names` for one name at a time, the conversion mapping looked up once (for a writer that names
+    every tensor it writes)."""
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import PrefixChange, WeightRenaming, apply_renamings
 
     conversions = [c for c in get_model_conversion_mapping(model, add_legacy=False) if not isinstance(c, PrefixChange)]
     renamings = [r for r in (c.reverse_transform() for c in conversions[::-1]) if isinstance(r, WeightRenaming)]
-    return {name: apply_renamings(name, renamings) for name in names}
+    return lambda name: apply_renamings(name, renamings)
 
 
 @contextlib.contextmanager

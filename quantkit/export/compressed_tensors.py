@@ -177,6 +177,7 @@ class StreamWriter:
         self.config = quantization_config(plan, recipe, experts_targets(model))
         self.planned = {entry.name for entry in plan if entry.quantized}
         self.names = {module: name for name, module in model.named_modules()}
+        self.stored_name = moe.checkpoint_renamer(model)  # as save_pretrained renames (Mixtral's mlp: block_sparse_moe)
         self.shards = ShardWriter(out_dir, max_shard_size)
 
     def add(self, modules: list[nn.Module], qparams: dict[str, QParams], input_scales: dict[str, torch.Tensor]) -> None:
@@ -205,8 +206,7 @@ class StreamWriter:
                 if id(value) not in seen:
                     seen.add(id(value))
                     tensors[key] = value.detach()
-        stored = moe.checkpoint_names(self.model, list(tensors))  # as save_pretrained renames (Mixtral's mlp: block_sparse_moe)
-        self.shards.add({stored[key]: value for key, value in tensors.items()})
+        self.shards.add({self.stored_name(key): value for key, value in tensors.items()})
 
     def finish(self) -> None:
         """The shards (and their index), config.json with the quantization config, generation_config.json."""
@@ -217,17 +217,17 @@ class StreamWriter:
         if getattr(self.model, "generation_config", None) is not None and self.model.can_generate():
             self.model.generation_config.save_pretrained(self.out_dir)
         compressor.update_config(str(self.out_dir))
-        _ignore_as_stored(self.out_dir / "config.json", self.model)
+        _ignore_as_stored(self.out_dir / "config.json", self.stored_name)
 
 
-def _ignore_as_stored(config_file: Path, model: nn.Module) -> None:
+def _ignore_as_stored(config_file: Path, stored_name) -> None:
     """The quantization config's `ignore` under the checkpoint's module names (as `model.save_pretrained` writes
     them: Mixtral's `mlp.gate` is `block_sparse_moe.gate`)."""
     import json
 
     config = json.loads(config_file.read_text())
     ignore = config.get("quantization_config", {}).get("ignore") or []
-    stored = moe.checkpoint_names(model, ignore)
-    if any(stored[name] != name for name in ignore):
-        config["quantization_config"]["ignore"] = [stored[name] for name in ignore]
+    stored = [stored_name(name) for name in ignore]
+    if stored != ignore:
+        config["quantization_config"]["ignore"] = stored
         config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
