@@ -45,7 +45,7 @@ def finalize(
     trust_remote_code: TrustRemoteCodeOpt = False,
     nproc_per_node: NprocOpt = 1,
     dry_run: Annotated[
-        bool, typer.Option("--dry-run", help="Print the plan (samples per rank, module owners, memory per rank) and exit.")
+        bool, typer.Option("--dry-run", help="Print the plan (samples and GPTQ rows per rank, memory per rank) and exit.")
     ] = False,
     revision: RevisionOpt = None,
     max_shard_size: Annotated[
@@ -151,8 +151,8 @@ def print_plan(plan: dict, recipe: str, dst) -> None:
         table.add_row("time", f"about {timing['seconds']:.0f} s: one layer {timing['one_layer_seconds']:.2f} s here x {timing['layers']} layers ({timing['note']})")
     if plan["samples_per_rank"]:
         table.add_row("ranks", f"{plan['ranks']}: samples per rank {' / '.join(map(str, plan['samples_per_rank']))} of {plan['seq_len']} tokens")
-    if plan["owners"]:
-        table.add_row("GPTQ modules per rank", " / ".join(map(str, plan["modules_per_rank"])))
+    if plan["gptq_rows_per_rank"] and plan["ranks"] > 1:
+        table.add_row("GPTQ rows per rank", " / ".join(map(str, plan["gptq_rows_per_rank"])))
     out.print(table)
 
 
@@ -237,8 +237,8 @@ def print_summary(result) -> None:
             table.add_row("  tokens per expert", experts_line(calib["routed_tokens"]))
         if calib.get("autoround"):
             table.add_row("  AutoRound", autoround_line(calib["autoround"]))
-        if calib.get("owners"):
-            table.add_row("  GPTQ modules per rank", " / ".join(map(str, calib["owners"]["modules_per_rank"])))
+        if calib.get("gptq_rows_per_rank"):
+            table.add_row("  GPTQ rows per rank", " / ".join(map(str, calib["gptq_rows_per_rank"])))
     table.add_row("time", f"{result.seconds:.1f} s on {result.threads} threads")
     if result.loading:
         table.add_row("model held", result.loading)

@@ -89,17 +89,6 @@ def all_reduce_observer(observer, ctx: Context | None) -> None:
                 tensor /= ctx.world_size
 
 
-def reduce_observer_to(observer, owner: int, ctx: Context | None) -> None:
-    """Only `owner` needs the merged statistics (GPTQ's Hessian); the others' copies are left partial."""
-    if ctx is None or not ctx.distributed:
-        return
-    for key, op in observer.REDUCE.items():
-        for tensor in _tensors(observer.state[key]):
-            dist.reduce(tensor, dst=owner, op=_TORCH_OPS[op])
-            if op is ReduceOp.AVG and ctx.rank == owner:
-                tensor /= ctx.world_size
-
-
 def _tensors(statistic) -> list[torch.Tensor]:
     """A statistic's tensors (observers keep a large one as a list of blocks)."""
     return statistic if isinstance(statistic, list) else [statistic]
@@ -126,12 +115,12 @@ def broadcast_(tensors: list[torch.Tensor], owner: int, ctx: Context | None) -> 
         dist.broadcast(tensor, src=owner)
 
 
-def assign_owners(sizes: dict[str, int], world_size: int) -> dict[str, int]:
-    """Greedy bin-packing: largest first, each to the least-loaded rank (ties: lowest rank). Deterministic."""
-    loads = [0] * world_size
-    owners = {}
-    for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
-        rank = min(range(world_size), key=lambda r: (loads[r], r))
-        owners[name] = rank
-        loads[rank] += sizes[name]
-    return owners
+def all_gather_rows(tensors: list[torch.Tensor], shares: list[slice], ctx: Context | None) -> None:
+    """Each rank has filled its rows (`shares[rank]`, along dim 0) of every tensor; every rank ends with all the
+    rows. One broadcast per rank and tensor (gloo's all_gather needs equal sizes; shares may differ by a block)."""
+    if ctx is None or not ctx.distributed:
+        return
+    for rank, rows in enumerate(shares):
+        if rows.stop > rows.start:
+            for tensor in tensors:
+                dist.broadcast(tensor[rows], src=rank)

@@ -154,7 +154,7 @@ def calibration_summary(result, samples, options: CalibrationOptions, recipe: Re
     world = ctx.world_size if ctx is not None else 1
     return {
         "ranks": world,
-        "owners": _owner_balance(result.owners, world),
+        "gptq_rows_per_rank": result.gptq_rows,  # distributed GPTQ: weight rows each rank solved
         "data": options.data or recipe.calibration.dataset,
         "num_samples": samples.shape[0],
         "seq_len": samples.shape[1],
@@ -170,13 +170,6 @@ def calibration_summary(result, samples, options: CalibrationOptions, recipe: Re
         "relative_error": {"mean": sum(errors.values()) / max(1, len(errors)), "max": max(errors.values(), default=0.0),
                            "per_module": errors},
     }
-
-
-def _owner_balance(owners: dict[str, int], world: int) -> dict | None:
-    if not owners:
-        return None
-    counts = [sum(1 for r in owners.values() if r == rank) for rank in range(world)]
-    return {"modules_per_rank": counts, "assignment": owners}
 
 
 def check_calibration_data(recipe: Recipe, options: CalibrationOptions | None) -> None:
@@ -457,30 +450,34 @@ def _round_streamed(streamed, plan: list[ModulePlan], recipe: Recipe, prepared: 
 def dry_run(src: str | Path, recipe: Recipe, fmt: Format | None, calibration: CalibrationOptions | None,
             world_size: int, trust_remote_code: bool = False, revision: str | None = None, dst: str | Path | None = None,
             dtype: str = "auto", in_memory: bool = False) -> dict:
-    """The plan without loading weights: each rank's share of the samples, the owner of every GPTQ module
-    (bin-packed per layer on GPTQ work, modules sharing a Hessian together), and the preflight: peak RAM and
+    """The plan without loading weights: each rank's share of the samples and of the GPTQ weight rows (blocks
+    of each stacked weight sharing a Hessian), and the preflight: peak RAM and
     device memory, output and work directory size, free disk at DST, and the time one layer takes here."""
     from quantkit import preflight
 
     prepared = prepare(src, recipe, fmt, trust_remote_code, revision=revision, in_memory=in_memory)
     options = calibration or CalibrationOptions()
     quantized = [e for e in prepared.plan if e.quantized]
-    owners = {}
+    rows = None
     if recipe.quantizer.name is Algorithm.GPTQ:
+        from quantkit.algorithms.gptq import row_share
         from quantkit.architectures import shared_input_leaders
-        from quantkit.calibration.steps.gptq import gptq_owners
 
+        stacked: dict[str, int] = {}  # GPTQ runs on the weights sharing a Hessian, stacked
         for layer in sorted({e.name.rsplit(".", 2)[0] for e in quantized}):
-            shapes = {e.name: (e.in_features, e.out_features) for e in quantized if e.name.rsplit(".", 2)[0] == layer}
-            owners.update(gptq_owners(shapes, shared_input_leaders(list(shapes)), world_size))
+            entries = [e for e in quantized if e.name.rsplit(".", 2)[0] == layer]
+            leaders = shared_input_leaders([e.name for e in entries])
+            for entry in entries:
+                stacked[leaders[entry.name]] = stacked.get(leaders[entry.name], 0) + entry.out_features
+        shares = [[row_share(total, world_size, rank) for total in stacked.values()] for rank in range(world_size)]
+        rows = [sum(share.stop - share.start for share in mine) for mine in shares]
     report = preflight.estimate(prepared, recipe, options, world_size, dst, dtype, measure_time=True,
                                 trust_remote_code=trust_remote_code)
     return {
         "ranks": world_size,
         "samples_per_rank": report["samples_per_rank"],
         "seq_len": (options.seq_len or recipe.calibration.seq_len) if recipe.needs_calibration else None,
-        "owners": owners,
-        "modules_per_rank": [sum(1 for r in owners.values() if r == rank) for rank in range(world_size)],
+        "gptq_rows_per_rank": rows,
         "preflight": report,
     }
 

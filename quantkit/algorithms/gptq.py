@@ -43,6 +43,22 @@ class GPTQDampingError(QuantkitError, ValueError):
     """The Hessian stayed non-positive-definite however much it was damped."""
 
 
+ROW_BLOCK = 128  # weight rows solved as one unit: every GEMM's shape is fixed, however the rows are shared out
+
+
+@dataclass
+class InverseHessian:
+    """What GPTQ needs from a Hessian, computed once for every weight (and every rank's rows) that shares it."""
+
+    upper: torch.Tensor  # upper Cholesky factor of the damped inverse [in, in], in the solve's column order
+    perm: torch.Tensor | None  # actorder's column order (None: left to right)
+    dead: torch.Tensor  # inputs with H_ii == 0 [in]: their weight columns are zeroed
+
+    @property
+    def order(self) -> list[int]:
+        return self.perm.tolist() if self.perm is not None else list(range(self.upper.shape[0]))
+
+
 @register(Algorithm.GPTQ)
 @torch.no_grad()
 def gptq_quantize(
@@ -54,30 +70,53 @@ def gptq_quantize(
     `weight.dtype`, as `qparams.choose_qparams(weight, spec)` gives.
     """
     _check_inputs(weight, hessian, spec)
-    wt = torch.empty(weight.shape[::-1], dtype=torch.float32, device=weight.device)
-    wt.copy_(weight.T)  # the float32 work copy, transposed: a column of the weight is a contiguous row
-    h = hessian.to(device=weight.device, dtype=torch.float32)  # the caller's, unless it needs a change: read only
+    return gptq_quantize_rows(weight, inverse_hessian(hessian.to(weight.device), args, damping_retries), spec, args)
+
+
+def inverse_hessian(hessian: torch.Tensor, args: GPTQArgs = GPTQArgs(), damping_retries: int = 3) -> InverseHessian:
+    """Dead inputs get H_ii = 1, actorder's permutation, then the damped inverse's upper Cholesky factor."""
+    h = hessian.to(torch.float32)  # the caller's, unless it needs a change: read only
     dead = h.diagonal() == 0
     if dead.any():
         h = h.clone()
         h[dead, dead] = 1.0
-        wt[dead] = 0.0
-    grid = _Grid.up_front(wt.T, weight.dtype, spec, dynamic=spec.granularity is Granularity.GROUP and not args.actorder)
     perm = torch.argsort(h.diagonal(), descending=True, stable=True) if args.actorder else None
     if perm is not None:
-        wt, h = wt[perm], h[perm[:, None], perm]
-    order = perm.tolist() if perm is not None else list(range(wt.shape[0]))
-    hinv = _inverse_hessian_cholesky(h, args.dampening_frac, damping_retries)
-    del h  # one [in, in] float32 matrix less while the columns are quantized
-    qdata = _quantize_columns(wt, hinv, grid, order, _aligned_block_size(args.block_size, spec))
-    if perm is not None:
-        qdata = qdata[:, torch.argsort(perm)]
+        h = h[perm[:, None], perm]
+    return InverseHessian(_inverse_hessian_cholesky(h, args.dampening_frac, damping_retries), perm, dead)
+
+
+@torch.no_grad()
+def gptq_quantize_rows(weight: torch.Tensor, factor: InverseHessian, spec: WeightSpec, args: GPTQArgs = GPTQArgs()) -> QuantizedWeight:
+    """GPTQ on some rows of a weight (rows are independent given the inverse-Hessian factor): the rows of
+    `gptq_quantize(whole, ...)` bit for bit, when `weight` starts on a multiple of ROW_BLOCK rows of the whole.
+    This is how ranks share one weight's work (`row_share`)."""
+    _check_inputs(weight, None, spec)
+    wt = torch.empty(weight.shape[::-1], dtype=torch.float32, device=weight.device)
+    wt.copy_(weight.T)  # the float32 work copy, transposed: a column of the weight is a contiguous row
+    wt[factor.dead.to(wt.device)] = 0.0
+    grid = _Grid.up_front(wt.T, weight.dtype, spec, dynamic=spec.granularity is Granularity.GROUP and not args.actorder)
+    if factor.perm is not None:
+        wt = wt[factor.perm]
+    qdata = _quantize_columns(wt, factor.upper, grid, factor.order, _aligned_block_size(args.block_size, spec))
+    if factor.perm is not None:
+        qdata = qdata[:, torch.argsort(factor.perm)]
     return QuantizedWeight(qdata=qdata, scale=grid.scale, zero_point=grid.zero, spec=spec)
 
 
-def _check_inputs(weight: torch.Tensor, hessian: torch.Tensor, spec: WeightSpec) -> None:
+def row_share(rows: int, world_size: int, rank: int) -> slice:
+    """The rows of a weight this rank solves: a contiguous run of whole ROW_BLOCKs, shared out as evenly as the
+    blocks allow (the last block may be short). Over all ranks the shares cover every row once, in order."""
+    blocks = -(-rows // ROW_BLOCK)
+    first, last = blocks * rank // world_size, blocks * (rank + 1) // world_size
+    return slice(min(rows, first * ROW_BLOCK), min(rows, last * ROW_BLOCK))
+
+
+def _check_inputs(weight: torch.Tensor, hessian: torch.Tensor | None, spec: WeightSpec) -> None:
     if spec.dtype.is_float:
         raise SchemeError("weights.dtype", "GPTQ supports integer weights (int2, int3, int4, int8); use rtn for float8 weights")
+    if hessian is None:
+        return
     if weight.dim() != 2 or hessian.shape != (weight.shape[1], weight.shape[1]):
         raise ValueError(f"GPTQ needs a 2-D weight [out, in] and a Hessian [in, in]; got {tuple(weight.shape)} "
                          f"and {tuple(hessian.shape)}")
@@ -219,10 +258,20 @@ def _quantize_columns(
     once only to the rest of its sub-block of SUB_BLOCK columns; each finished sub-block updates the rest of
     its block with one matmul, each finished block the remaining columns. The same arithmetic as column-by-
     column GPTQ up to float summation order. A dynamic group starts on a sub-block boundary, so its qparams
-    see every earlier update."""
+    see every earlier update.
+
+    Every weight row's arithmetic is the same whatever other rows are solved beside it: the per-column steps
+    are elementwise (no fused multiply-add whose use could depend on a row's place in a vector), and the
+    matmuls run on blocks of ROW_BLOCK rows."""
     qt = torch.empty(wt.shape, dtype=torch.int8, device=wt.device)  # the grid integers
     dynamic_size = grid.spec.group_size if grid.dynamic else None
     sub = math.gcd(SUB_BLOCK, dynamic_size) if dynamic_size else SUB_BLOCK
+    row_blocks = [slice(r, r + ROW_BLOCK) for r in range(0, wt.shape[1], ROW_BLOCK)]
+
+    def push(columns: slice, factors: torch.Tensor, err: torch.Tensor) -> None:  # wt[columns] -= factors @ err
+        for rows in row_blocks:
+            wt[columns, rows].addmm_(factors, err[:, rows], alpha=-1)
+
     for i1 in range(0, wt.shape[0], block_size):
         i2 = min(i1 + block_size, wt.shape[0])
         err = torch.empty_like(wt[i1:i2])
@@ -235,9 +284,9 @@ def _quantize_columns(
                 qt[i], value = grid.round(wt[i], group)
                 e = torch.sub(wt[i], value, out=err[i - i1]).div_(hinv[i, i])
                 if i + 1 < j2:
-                    wt[i + 1 : j2].addr_(hinv[i, i + 1 : j2], e, alpha=-1)
+                    wt[i + 1 : j2].sub_(hinv[i, i + 1 : j2, None] * e)
             if j2 < i2:
-                wt[j2:i2].addmm_(hinv[j1:j2, j2:i2].T, err[j1 - i1 : j2 - i1], alpha=-1)
+                push(slice(j2, i2), hinv[j1:j2, j2:i2].T, err[j1 - i1 : j2 - i1])
         if i2 < wt.shape[0]:
-            wt[i2:].addmm_(hinv[i1:i2, i2:].T, err, alpha=-1)
+            push(slice(i2, None), hinv[i1:i2, i2:].T, err)
     return qt.T.contiguous()

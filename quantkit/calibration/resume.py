@@ -187,7 +187,7 @@ def restore_layer(module: nn.Module, prefix: str, plan: dict[str, ModulePlan], r
 
 def _result_dict(result: CalibrationResult) -> dict:
     return {"errors": result.errors, "seconds": dict(result.seconds), "peak_device_bytes": result.peak_device_bytes,
-            "owners": result.owners, "skipped": result.skipped, "true_sequential": result.true_sequential,
+            "gptq_rows": result.gptq_rows, "skipped": result.skipped, "true_sequential": result.true_sequential,
             "routed_tokens": result.routed_tokens, "tuning": result.tuning}
 
 
@@ -195,7 +195,7 @@ def _restore_result(saved: dict, result: CalibrationResult) -> None:
     result.errors.update(saved["errors"])
     result.seconds.update(saved["seconds"])
     result.peak_device_bytes = saved["peak_device_bytes"]
-    result.owners.update(saved["owners"])
+    result.gptq_rows = saved.get("gptq_rows")
     result.skipped.update(saved["skipped"])
     result.true_sequential = saved["true_sequential"]
     result.routed_tokens.update(saved.get("routed_tokens", {}))

@@ -7,23 +7,23 @@ Two ways through a layer, chosen once per run (every rank the same):
 - layer-wise: observe every Linear's Hessian on the float layer, reduce, quantize; the pipeline then runs the
   quantized layer to make the next layer's inputs.
 
-Distributed: modules sharing a Hessian go to one owner rank (bin-packed on GPTQ work); the owner quantizes them
-and broadcasts qdata, scale and zero point, so every rank installs the same weights.
+Distributed: every rank needs each Hessian (all-reduced), computes its inverse factor, and solves its share of
+the weight rows (`algorithms.gptq.row_share`: whole blocks of ROW_BLOCK rows, so each row's arithmetic is the
+same on any number of ranks); the shares' qdata, scale and zero point are then gathered, so every rank installs
+the same weights, those of a one-rank run bit for bit.
 """
 
 from __future__ import annotations
 
 import time
-from collections import defaultdict
-
 import torch
 from torch import nn
 
 from quantkit import distributed
 from quantkit.algorithms import Algorithm
 from quantkit.algorithms.arguments import GPTQArgs
-from quantkit.algorithms.gptq import gptq_quantize
-from quantkit.architectures import find_wiring, shared_input_leaders
+from quantkit.algorithms.gptq import gptq_quantize_rows, inverse_hessian, row_share
+from quantkit.architectures import find_wiring
 from quantkit.calibration import true_sequential
 from quantkit.calibration.hooks import observe, observer_groups
 from quantkit.calibration.layer import Layer, relative_error
@@ -56,9 +56,6 @@ def can_stage(module: nn.Module, inputs: list[tuple]) -> bool:
 
 
 def _staged(layer: Layer, args: GPTQArgs) -> list[torch.Tensor]:
-    shapes = {name: (m.in_features, m.out_features) for name, m in layer.linears.items()}
-    owners = gptq_owners(shapes, shared_input_leaders(list(shapes)), layer.ctx.world_size) if layer.distributed else {}
-    layer.result.owners.update(owners)
     started = time.perf_counter()
     spent = {"observe": 0.0, "quantize": 0.0}
 
@@ -70,11 +67,9 @@ def _staged(layer: Layer, args: GPTQArgs) -> list[torch.Tensor]:
         observer = HessianObserver()
         for x in stage_inputs:
             observer.update(x)
-        owner = owners.get(names[0])
-        if layer.distributed:
-            distributed.reduce_observer_to(observer, owner, layer.ctx)
+        distributed.all_reduce_observer(observer, layer.ctx)
         mid = time.perf_counter()
-        _quantize_on_owner(layer, names, observer, owner, args)
+        _solve(layer, names, observer.pop_hessian(), args)
         del observer
         spent["observe"] += mid - began
         spent["quantize"] += time.perf_counter() - mid
@@ -92,62 +87,62 @@ def _layer_wise(layer: Layer, args: GPTQArgs) -> None:
     started = time.perf_counter()
     observers = observe(layer.linears, HessianObserver, layer.module, layer.inputs)
     groups = observer_groups(observers)
-    owners = {}
-    if layer.distributed:
-        shapes = {name: (m.in_features, m.out_features) for name, m in layer.linears.items()}
-        owners = gptq_owners(shapes, {name: names[0] for names in groups for name in names}, layer.ctx.world_size)
     for names in groups:
-        distributed.reduce_observer_to(observers[names[0]], owners.get(names[0]), layer.ctx)
-    layer.result.owners.update(owners)
+        distributed.all_reduce_observer(observers[names[0]], layer.ctx)
     layer.result.seconds["observe"] += time.perf_counter() - started
     started = time.perf_counter()
     for names in groups:
-        _quantize_on_owner(layer, names, observers[names[0]], owners.get(names[0]), args)
+        _solve(layer, names, observers.pop(names[0]).pop_hessian(), args)
     layer.result.seconds["quantize"] += time.perf_counter() - started
 
 
-def gptq_owners(shapes: dict[str, tuple[int, int]], leaders: dict[str, str], world_size: int) -> dict[str, int]:
-    """The rank that runs GPTQ for each module (`shapes`: name -> (in, out); `leaders`: name -> the first module
-    sharing its Hessian). Modules sharing a Hessian go to one owner, bin-packed on GPTQ work: the inverse
-    (in^3) plus each module's column updates (out * in^2)."""
-    work: dict[str, int] = defaultdict(int)
-    for name, (size, out) in shapes.items():
-        work[leaders[name]] += out * size ** 2 + (size ** 3 if leaders[name] == name else 0)
-    by_leader = distributed.assign_owners(dict(work), world_size)
-    return {name: by_leader[leaders[name]] for name in shapes}
-
-
-def _quantize_on_owner(layer: Layer, names: list[str], observer: HessianObserver, owner: int | None, args: GPTQArgs) -> None:
-    """The owner quantizes and broadcasts qdata, scale and zero point; every rank installs the same result."""
-    if owner is None or not layer.distributed:
-        for name, qweight, error in _quantize_group(layer, names, observer.pop_hessian(), args):
-            layer.record(name, qweight, error)
-        return
-    if layer.ctx.rank == owner:
-        results = _quantize_group(layer, names, observer.pop_hessian(), args)
-    else:
-        results = [(n, empty_quantized(layer.linears[n].weight.data, layer.plan[n].scheme.weights), 0.0) for n in names]
-    for name, qweight, error in results:
-        buffers = [qweight.qdata, qweight.scale] + ([qweight.zero_point] if qweight.zero_point is not None else [])
-        distributed.broadcast_(buffers, owner, layer.ctx)
-        layer.record(name, qweight, distributed.all_reduce_sum(error, layer.ctx))
-
-
-def _quantize_group(layer: Layer, names: list[str], hessian: torch.Tensor, args: GPTQArgs) -> list[tuple[str, QuantizedWeight, float]]:
-    """GPTQ once on the weights of modules sharing one Hessian, stacked row-wise (rows are independent given the
-    Hessian, so this equals one run per module, for a third of the per-column work on q/k/v), or one run per
-    module when their grids differ. Returns (name, qweight, relative error) per module."""
+def _solve(layer: Layer, names: list[str], hessian: torch.Tensor, args: GPTQArgs) -> None:
+    """GPTQ on the weights of modules sharing one Hessian: its inverse factor once, then the weights stacked
+    row-wise (rows are independent given the factor, so this equals one run per module, for a third of the
+    per-column work on q/k/v; one run per module when their grids differ), each rank solving its share of the
+    rows. Every rank records the same qweights and relative errors."""
     return_freed_memory()  # the solve's copies are the layer's largest allocations: not on top of freed heap memory
-    weights = [layer.linears[n].weight.data for n in names]
-    specs = {layer.plan[n].scheme.weights for n in names}
-    if len(specs) > 1 or len({w.dtype for w in weights}) > 1:  # not one grid: one run each
-        return [r for n in names for r in _quantize_group(layer, [n], hessian, args)]
     try:
-        stacked = gptq_quantize(torch.cat(weights) if len(weights) > 1 else weights[0], hessian, specs.pop(), args)
+        factor = inverse_hessian(hessian.to(layer.linears[names[0]].weight.device), args)
     except ValueError as exc:
         raise UsageError(f"GPTQ failed on {', '.join(names)}: {exc}") from exc
-    qweights = split_rows(stacked, [w.shape[0] for w in weights])
-    return [(n, q, relative_error(w, q, hessian)) for n, w, q in zip(names, weights, qweights)]
+    for same_grid in _by_grid(layer, names):
+        weights = [layer.linears[n].weight.data for n in same_grid]
+        stacked = torch.cat(weights) if len(weights) > 1 else weights[0]
+        spec = layer.plan[same_grid[0]].scheme.weights
+        if layer.distributed:
+            whole = _solve_shared(layer, stacked, factor, spec, args)
+        else:
+            whole = gptq_quantize_rows(stacked, factor, spec, args)
+        for name, weight, qweight in zip(same_grid, weights, split_rows(whole, [w.shape[0] for w in weights])):
+            layer.record(name, qweight, relative_error(weight, qweight, hessian))
+        del stacked
+
+
+def _solve_shared(layer: Layer, stacked: torch.Tensor, factor, spec, args: GPTQArgs) -> QuantizedWeight:
+    """This rank's share of the rows, then every rank's shares gathered."""
+    world, rank = layer.ctx.world_size, layer.ctx.rank
+    shares = [row_share(stacked.shape[0], world, r) for r in range(world)]
+    whole = empty_quantized(stacked, spec)
+    if shares[rank].stop > shares[rank].start:
+        mine = gptq_quantize_rows(stacked[shares[rank]], factor, spec, args)
+        for full, part in zip(_tensors(whole), _tensors(mine)):
+            full[shares[rank]] = part
+    distributed.all_gather_rows(_tensors(whole), shares, layer.ctx)
+    rows = layer.result.gptq_rows or [0] * world
+    layer.result.gptq_rows = [done + share.stop - share.start for done, share in zip(rows, shares)]
+    return whole
+
+
+def _by_grid(layer: Layer, names: list[str]) -> list[list[str]]:
+    """The modules stacked into one GPTQ run: all of them when they share a grid and a dtype, else one each."""
+    if len({layer.plan[n].scheme.weights for n in names}) > 1 or len({layer.linears[n].weight.dtype for n in names}) > 1:
+        return [[n] for n in names]
+    return [names]
+
+
+def _tensors(qweight: QuantizedWeight) -> list[torch.Tensor]:
+    return [t for t in (qweight.qdata, qweight.scale, qweight.zero_point) if t is not None]
 
 
 def split_rows(qweight: QuantizedWeight, rows: list[int]) -> list[QuantizedWeight]:

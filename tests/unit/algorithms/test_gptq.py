@@ -236,3 +236,25 @@ def test_the_inverse_hessian_factor_needs_less_than_two_hessians_of_memory():
     assert done.returncode == 0, done.stderr
     extra = float(done.stdout.split()[-1])  # in Hessians: the copy (1), the triangular inverse's temporaries (~0.8)
     assert extra < 2.0, extra  # before it computed in place: 3.24
+
+
+@pytest.mark.parametrize("spec,actorder", [(INT4_G32, False), (INT4_G128_ASYM, True), (INT8_CHANNEL, False)])
+@pytest.mark.parametrize("world_size", [2, 3, 5])
+def test_rows_shared_over_ranks_are_the_whole_weights_rows_bit_for_bit(spec, actorder, world_size):
+    """How ranks share one weight: each solves `row_share` of the rows against the same factor. 700 rows: not a
+    multiple of ROW_BLOCK nor of any world size; with 5 ranks one share is empty."""
+    from quantkit.algorithms.gptq import ROW_BLOCK, gptq_quantize_rows, inverse_hessian, row_share
+
+    weight = _weight(torch.bfloat16, out=700, inp=256)
+    args = GPTQArgs(actorder=actorder)
+    hessian = _hessian(_inputs())
+    whole = gptq_quantize(weight, hessian, spec, args)
+    factor = inverse_hessian(hessian, args)
+    shares = [row_share(700, world_size, rank) for rank in range(world_size)]
+    assert [r for s in shares for r in range(700)[s]] == list(range(700))
+    assert all(s.start % ROW_BLOCK == 0 for s in shares)
+    parts = [gptq_quantize_rows(weight[s], factor, spec, args) for s in shares if s.stop > s.start]
+    assert torch.equal(torch.cat([p.qdata for p in parts]), whole.qdata)
+    assert torch.equal(torch.cat([p.scale for p in parts]), whole.scale)
+    if whole.zero_point is not None:
+        assert torch.equal(torch.cat([p.zero_point for p in parts]), whole.zero_point)
