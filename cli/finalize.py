@@ -11,6 +11,7 @@ from quantkit import registry, runtime, sources
 from quantkit.cli.console import human_bytes, json_to_stdout, out, quiet_libraries, write_json
 from quantkit.export import atomic
 
+from quantkit.cli.launch import Launch, relaunch
 from quantkit.cli.options import (
     CalibDataOpt,
     DeviceOpt,
@@ -20,9 +21,14 @@ from quantkit.cli.options import (
     DtypeOpt,
     FormatOpt,
     ModelDirArg,
+    NnodesOpt,
+    NodeRankOpt,
     NumSamplesOpt,
     QuantizeOpt,
     QuietOpt,
+    RdzvBackend,
+    RdzvBackendOpt,
+    RdzvEndpointOpt,
     RevisionOpt,
     SeqLenOpt,
     ThreadsOpt,
@@ -44,6 +50,10 @@ def finalize(
     threads: ThreadsOpt = None,
     trust_remote_code: TrustRemoteCodeOpt = False,
     nproc_per_node: NprocOpt = 1,
+    nnodes: NnodesOpt = 1,
+    node_rank: NodeRankOpt = 0,
+    rdzv_endpoint: RdzvEndpointOpt = None,
+    rdzv_backend: RdzvBackendOpt = RdzvBackend.static,
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="Print the plan (samples and GPTQ rows per rank, memory per rank) and exit.")
     ] = False,
@@ -81,13 +91,17 @@ def finalize(
       quantkit finalize ./my-model ./my-model-gptq -q gptq-w4a16 --calib-data train.txt --num-samples 128 --seq-len 512
 
       quantkit finalize ./my-model ./my-model-gptq -q gptq-w4a16 --calib-data train.txt --resume   (after Ctrl-C or a crash)
+
+      quantkit finalize ./my-model ./out -q gptq-w4a16 --calib-data train.txt --nproc-per-node 8 --nnodes 2 --node-rank 0 --rdzv-endpoint node0:29500
+      (and --node-rank 1 on the second machine)
     """
+    launch = Launch(nproc_per_node, nnodes, node_rank, rdzv_endpoint, rdzv_backend)
     recipe = registry.resolve(quantize)
     fmt = registry.Format(format.value) if format else None
     src = sources.resolve_source(src, revision)  # before torch loads: a wrong SRC or DST is reported at once
     if not dry_run:
         atomic.check_destination(dst, overwrite)
-        atomic.check_work_dir(dst, resume, None if runtime.under_torchrun() else nproc_per_node)
+        atomic.check_work_dir(dst, resume, None if runtime.under_torchrun() else launch.world_size)
     quiet_libraries()
     from quantkit import finalize as library
     from quantkit.finalize import CalibrationOptions
@@ -95,16 +109,14 @@ def finalize(
 
     options = CalibrationOptions(data=calib_data, num_samples=num_samples, seq_len=seq_len, device=device)
     if dry_run:
-        plan = library.dry_run(src, recipe, fmt, options, nproc_per_node, trust_remote_code, revision, dst, dtype.value,
+        plan = library.dry_run(src, recipe, fmt, options, launch.world_size, trust_remote_code, revision, dst, dtype.value,
                                in_memory)
         if json_path:
             write_json(json_path, "finalize --dry-run", plan)
         else:
             print_plan(plan, recipe.name, dst)
         return
-    from quantkit.cli.launch import relaunch
-
-    code = relaunch(nproc_per_node, threads)
+    code = relaunch(launch, threads)
     if code is not None:
         raise typer.Exit(code)
     main = runtime.is_main_process()

@@ -1,26 +1,69 @@
-"""Self-launch under torchrun: `--nproc-per-node N` re-runs the same command with N processes."""
+"""Self-launch under torchrun: `--nproc-per-node N` re-runs the same command with N processes; with `--nnodes M`,
+as this machine's share of M machines that meet at `--rdzv-endpoint`."""
 
 from __future__ import annotations
 
 import os
 import sys
+from dataclasses import dataclass
 
+from quantkit.cli.options import RdzvBackend
+from quantkit.errors import UsageError
 from quantkit.runtime import THREADS_VARIABLE, available_cores, under_torchrun
 
-
-def torchrun_args(nproc: int, argv: list[str]) -> list[str]:
-    """`torch.distributed.run`'s arguments for this command on `nproc` local processes."""
-    return ["--standalone", f"--nproc-per-node={nproc}", "-m", "quantkit.cli.main", *argv]
+RDZV_ID = "quantkit"  # the same on every node; one run at a time per endpoint (its port is taken while it runs)
 
 
-def relaunch(nproc: int, threads: int | None = None) -> int | None:
-    """When N > 1 and not already under torchrun, run this command under torchrun and return its exit code;
-    otherwise None (the caller goes on in this process). Each rank gets its share of the cores as threads."""
-    if nproc <= 1 or under_torchrun():
+@dataclass(frozen=True)
+class Launch:
+    """Where the ranks run: `nproc_per_node` processes on each of `nnodes` machines. Several machines meet at
+    `rdzv_endpoint` (node 0's HOST:PORT); global rank 0 is node 0's first process under the static rendezvous."""
+
+    nproc_per_node: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    rdzv_endpoint: str | None = None
+    rdzv_backend: RdzvBackend = RdzvBackend.static
+
+    def __post_init__(self) -> None:
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise UsageError(f"--nnodes {self.nnodes} needs --rdzv-endpoint HOST:PORT (node 0's address and a free port "
+                             "there), the same on every node")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise UsageError(f"--node-rank {self.node_rank} is not one of --nnodes {self.nnodes}: pass 0 to {self.nnodes - 1}, "
+                             "0 on the machine that writes DST")
+        if self.rdzv_endpoint is not None and not _is_endpoint(self.rdzv_endpoint):
+            raise UsageError(f"--rdzv-endpoint {self.rdzv_endpoint!r} is not HOST:PORT; pass e.g. node0:29500")
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc_per_node
+
+
+def _is_endpoint(endpoint: str) -> bool:
+    host, _, port = endpoint.rpartition(":")
+    return bool(host) and port.isdigit() and 0 < int(port) < 65536
+
+
+def torchrun_args(launch: Launch, argv: list[str]) -> list[str]:
+    """`torch.distributed.run`'s arguments for this command: `--standalone` on one machine, else the rendezvous."""
+    if launch.nnodes > 1:
+        where = [f"--nnodes={launch.nnodes}", f"--node-rank={launch.node_rank}", f"--rdzv-endpoint={launch.rdzv_endpoint}",
+                 f"--rdzv-backend={launch.rdzv_backend.value}", f"--rdzv-id={RDZV_ID}"]
+    else:
+        where = ["--standalone"]
+    return [*where, f"--nproc-per-node={launch.nproc_per_node}", "-m", "quantkit.cli.main", *argv]
+
+
+def relaunch(launch: Launch, threads: int | None = None) -> int | None:
+    """When there is more than one rank in all and this process is not already under torchrun (or another launcher),
+    run this command under torchrun and return its exit code; otherwise None (the caller goes on in this process).
+    Each rank gets its share of this machine's cores as threads."""
+    if launch.world_size <= 1 or under_torchrun():
         return None
-    per_rank = threads or max(1, available_cores() // nproc)
+    per_rank = threads or max(1, available_cores() // launch.nproc_per_node)
     os.environ.update({"OMP_NUM_THREADS": str(per_rank), THREADS_VARIABLE: str(per_rank)})
-    return run_torchrun(torchrun_args(nproc, sys.argv[1:]))
+    return run_torchrun(torchrun_args(launch, sys.argv[1:]))
 
 
 def run_torchrun(args: list[str]) -> int:
@@ -46,5 +89,7 @@ def run_torchrun(args: list[str]) -> int:
     return 0
 
 
-def _world(args: list[str]) -> str:
-    return next(a.split("=", 1)[1] for a in args if a.startswith("--nproc-per-node="))
+def _world(args: list[str]) -> int:
+    """All the ranks: --nnodes x --nproc-per-node, read from torchrun's own arguments (those before `-m`)."""
+    own = dict(a[2:].split("=", 1) for a in args[:args.index("-m")] if a.startswith(("--nnodes=", "--nproc-per-node=")))
+    return int(own.get("nnodes", 1)) * int(own["nproc-per-node"])

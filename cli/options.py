@@ -45,6 +45,29 @@ RevisionOpt = Annotated[
 NprocOpt = Annotated[
     int, typer.Option("--nproc-per-node", min=1, help="Processes on this machine; N > 1 re-runs the command under torchrun.")
 ]
+
+
+class RdzvBackend(str, Enum):
+    static = "static"
+    c10d = "c10d"
+
+
+NnodesOpt = Annotated[
+    int, typer.Option("--nnodes", min=1, help="Machines taking part; M > 1: run the same command on each, with its --node-rank.")
+]
+NodeRankOpt = Annotated[
+    int, typer.Option("--node-rank", min=0, help="This machine's index among --nnodes, 0 to M-1; node 0 holds rank 0, which writes.")
+]
+RdzvEndpointOpt = Annotated[
+    Optional[str],
+    typer.Option("--rdzv-endpoint", metavar="HOST:PORT", show_default=False,
+                 help="With --nnodes > 1: node 0's address and a free port there, the same on every node."),
+]
+RdzvBackendOpt = Annotated[
+    RdzvBackend,
+    typer.Option("--rdzv-backend", help="torchrun's rendezvous: static keeps --node-rank; c10d numbers the nodes itself "
+                                         "(by host name), so rank 0 may land on another node."),
+]
 CalibDataOpt = Annotated[
     Optional[str],
     typer.Option("--calib-data", help="Calibration text for calibrated recipes (gptq, smoothquant, static scales): a file or a datasets spec."),

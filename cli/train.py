@@ -9,7 +9,18 @@ import typer
 
 from quantkit import runtime
 from quantkit.cli.console import json_to_stdout, out, quiet_libraries, write_json
-from quantkit.cli.options import JsonOpt, NprocOpt, QuietOpt, ThreadsOpt
+from quantkit.cli.launch import Launch, relaunch
+from quantkit.cli.options import (
+    JsonOpt,
+    NnodesOpt,
+    NodeRankOpt,
+    NprocOpt,
+    QuietOpt,
+    RdzvBackend,
+    RdzvBackendOpt,
+    RdzvEndpointOpt,
+    ThreadsOpt,
+)
 
 
 def train(
@@ -18,6 +29,10 @@ def train(
         Optional[str], typer.Option("--qat-recipe", help="Quantization-aware training for this recipe (name or .yaml).")
     ] = None,
     nproc_per_node: NprocOpt = 1,
+    nnodes: NnodesOpt = 1,
+    node_rank: NodeRankOpt = 0,
+    rdzv_endpoint: RdzvEndpointOpt = None,
+    rdzv_backend: RdzvBackendOpt = RdzvBackend.static,
     set_: Annotated[
         Optional[list[str]], typer.Option("--set", help="Override a config key: --set train.lr=1e-4 (repeatable).")
     ] = None,
@@ -41,9 +56,13 @@ def train(
 
       quantkit train config.yaml --resume latest --set train.max_steps=2000
 
+      quantkit train config.yaml --nproc-per-node 8 --nnodes 2 --node-rank 0 --rdzv-endpoint node0:29500
+      (and --node-rank 1 on the second machine)
+
     The trained model lands in OUTPUT_DIR/final; convert a QAT model with
     `quantkit finalize OUTPUT_DIR/final DST --quantize RECIPE`.
     """
+    launch = Launch(nproc_per_node, nnodes, node_rank, rdzv_endpoint, rdzv_backend)
     quiet_libraries()
     from quantkit import registry, train_config
 
@@ -57,9 +76,7 @@ def train(
         from quantkit import qat
 
         qat.check_recipe(registry.resolve(cfg.qat_recipe))
-    from quantkit.cli.launch import relaunch
-
-    code = relaunch(nproc_per_node, threads)
+    code = relaunch(launch, threads)
     if code is not None:
         raise typer.Exit(code)
     from quantkit.progress import Progress

@@ -9,16 +9,18 @@
                                           and rank 0's RNG state (one file per rank)
 
 After layer i: rank 0 writes layer i, every rank writes its hidden states for layer i + 1, and after a barrier
-rank 0 replaces state.json (so state.json never names a layer whose files are incomplete) and deletes the
-hidden states for layer i. Every file is written to a temporary name and renamed. `--resume` checks the
-fingerprint field by field, restores the finished layers into the freshly loaded model, recomputes the
-first layer's other inputs (attention mask, rotary embeddings: they are the same for every layer) and goes
-on with the saved hidden states, so the artifact is identical to an uninterrupted run's. The work directory
-is removed when the artifact is written.
+rank 0 replaces state.json (so state.json never names a layer whose files are incomplete) and deletes the hidden
+states for layer i. A rank on another machine whose DST.partial is its own (no shared file system) deletes its
+own copy a layer later, once state.json no longer names it, and the rest when the run ends. Every file is
+written to a temporary name and renamed. `--resume` checks the fingerprint field by field, restores the finished
+layers into the freshly loaded model, recomputes the first layer's other inputs (attention mask, rotary
+embeddings: they are the same for every layer) and goes on with the saved hidden states, so the artifact is
+identical to an uninterrupted run's. The work directory is removed when the artifact is written.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -120,6 +122,8 @@ class Resumable:
             _write_atomic(self.path / STATE, json.dumps(state, indent=1).encode())
             for old in self.path.glob(f"hidden-{index:05d}-rank*.safetensors"):
                 old.unlink()
+        elif index > 0:  # rank 0 replaced the state (completed = index) before this barrier: layer index - 1's inputs are stale
+            self._hidden_file(index - 1, self.rank).unlink(missing_ok=True)  # gone already where the directory is shared
         self.completed = index + 1
 
     def _hidden_file(self, layer: int, rank: int) -> Path:
@@ -143,8 +147,15 @@ class Resumable:
         restore_layer(module, prefix, plan, result, load_file(self.path / f"layer-{index:05d}.safetensors"))
 
     def finish(self) -> None:
+        """The artifact is written: rank 0 removes the directory, every other rank its own files (and the directory
+        when that leaves it empty: its own, on another machine without a shared file system)."""
         if self.is_main:
             shutil.rmtree(self.path, ignore_errors=True)
+            return
+        for leftover in self.path.glob(f"hidden-*-rank{self.rank}.safetensors"):
+            leftover.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # not empty, or already gone: rank 0's to remove
+            self.path.rmdir()
 
 
 def layer_tensors(module: nn.Module, prefix: str, result: CalibrationResult) -> dict[str, torch.Tensor]:

@@ -49,7 +49,8 @@ def check_work_dir(dst: str | Path, resume: bool, ranks: int | None = None) -> N
         if saved is not None and saved != str(ranks):
             raise UsageError(
                 f"--resume: the interrupted run in {path} had ranks {saved}, this one has {ranks}; "
-                f"rerun with --nproc-per-node {saved}, or delete {path} and run without --resume"
+                f"rerun with --nproc-per-node {saved} (on several machines: --nnodes x --nproc-per-node = {saved}), "
+                f"or delete {path} and run without --resume"
             )
     if not resume and found:
         completed = _read_state(path).get("completed")

@@ -346,6 +346,59 @@ def test_finalize_relaunches_itself_under_torchrun(fake_finalize, monkeypatch):
     assert seen["args"][:2] == ["--standalone", "--nproc-per-node=2"] and not fake_finalize
 
 
+def test_finalize_on_two_machines_relaunches_with_the_rendezvous(fake_finalize, monkeypatch):
+    seen = {}
+    monkeypatch.setattr(launch, "run_torchrun", lambda args: seen.update(args=args) or 0)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # restored after the test
+    monkeypatch.setenv("QUANTKIT_THREADS", "1")
+    result = invoke("finalize", "src", "dst", "-q", "gptq-w4a16", "--calib-data", "c.txt", "--nnodes", "2",
+                    "--node-rank", "1", "--rdzv-endpoint", "node0:29500")
+    assert result.exit_code == 0, result.output
+    assert seen["args"][:6] == ["--nnodes=2", "--node-rank=1", "--rdzv-endpoint=node0:29500", "--rdzv-backend=static",
+                                "--rdzv-id=quantkit", "--nproc-per-node=1"] and not fake_finalize
+
+
+@pytest.mark.parametrize("command", ["finalize", "train"])
+@pytest.mark.parametrize("options, says", [
+    (["--nnodes", "2"], "--nnodes 2 needs --rdzv-endpoint HOST:PORT"),
+    (["--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "h:29500"], "--node-rank 2 is not one of --nnodes 2"),
+])
+def test_launch_mistakes_are_one_line_usage_errors(command, options, says, fake_finalize, fake_train, train_yaml, monkeypatch):
+    monkeypatch.setattr(launch, "run_torchrun", lambda *a, **k: pytest.fail("must not launch"))
+    args = ["src", "dst", "-q", "gptq-w4a16", "--calib-data", "c.txt"] if command == "finalize" else [str(train_yaml)]
+    result = invoke(command, *args, *options)
+    assert result.exit_code == 2 and says in result.output and len(result.output.strip().splitlines()) == 1
+    assert not fake_finalize and not fake_train
+
+
+def test_train_under_a_launcher_does_not_relaunch_for_several_machines(fake_train, train_yaml, monkeypatch):
+    monkeypatch.setattr(launch, "run_torchrun", lambda *a, **k: pytest.fail("must not launch"))
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    result = invoke("train", str(train_yaml), "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", "h:29500")
+    assert result.exit_code == 0, result.output
+    assert len(fake_train) == 1
+
+
+def test_finalize_checks_and_plans_for_every_rank_of_every_machine(monkeypatch):
+    from quantkit.export import atomic
+
+    checked, planned = [], []
+    monkeypatch.setattr(atomic, "check_work_dir", lambda dst, resume, ranks: checked.append(ranks))
+    monkeypatch.setattr(quantkit.finalize, "finalize", lambda *a, **k: pytest.fail("the parent only launches"))
+    monkeypatch.setattr(launch, "run_torchrun", lambda args: 0)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("QUANTKIT_THREADS", "1")
+    two = ["--nproc-per-node", "2", "--nnodes", "2", "--rdzv-endpoint", "h:29500"]
+    assert invoke("finalize", "src", "dst", "-q", "gptq-w4a16", "--calib-data", "c.txt", *two).exit_code == 0
+    monkeypatch.setattr(quantkit.finalize, "dry_run", lambda *args: planned.append(args[4]) or {"ranks": args[4]})
+    result = invoke("finalize", "src", "dst", "-q", "gptq-w4a16", *two, "--dry-run", "--json", "-")
+    assert result.exit_code == 0 and checked == [4] and planned == [4]
+
+
 def test_finalize_with_one_process_runs_in_process(fake_finalize, monkeypatch):
     monkeypatch.setattr(launch, "run_torchrun", lambda *a, **k: pytest.fail("must not launch"))
     assert invoke("finalize", "src", "dst", "-q", "gptq-w4a16", "--calib-data", "c.txt", "--nproc-per-node", "1").exit_code == 0

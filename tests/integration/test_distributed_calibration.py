@@ -1,10 +1,13 @@
-"""Data-parallel calibration on CPU with gloo: 1 and 2 ranks write the same artifact; a failing rank stops
-every rank within the collective timeout and leaves no DST; --dry-run shows the plan."""
+"""Data-parallel calibration on CPU with gloo: 1 and 2 ranks write the same artifact, and so do two "machines" of
+one rank each; a failing rank stops every rank within the collective timeout and leaves no DST; --dry-run shows
+the plan."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
 import time
@@ -32,12 +35,22 @@ def _env() -> dict:
     return env
 
 
+def command(src, dst, recipe, calib, *extra, runner=None) -> list[str]:
+    return [sys.executable, *(runner or ["-m", "quantkit.cli.main"]), "finalize", str(src), str(dst), "-q", recipe,
+            "--calib-data", str(calib), "--num-samples", "16", "--seq-len", "32", "--threads", "1", "--quiet", *extra]
+
+
 def finalize(src, dst, recipe, calib, nproc, *extra, runner=None):
-    cmd = [sys.executable, *(runner or ["-m", "quantkit.cli.main"]), "finalize", str(src), str(dst), "-q", recipe,
-           "--calib-data", str(calib), "--num-samples", "16", "--seq-len", "32", "--threads", "1", "--quiet", *extra]
+    cmd = command(src, dst, recipe, calib, *extra, runner=runner)
     if nproc > 1 and runner is None:
         cmd += ["--nproc-per-node", str(nproc)]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=_env())
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 @pytest.mark.parametrize("recipe", ["gptq-w4a16", "fp8-static", "awq-w4a16", "smoothquant-w8a8"])
@@ -60,6 +73,38 @@ def test_one_two_and_three_ranks_write_the_same_artifact(tiny_model_dir, calib_f
     if recipe.startswith("gptq"):  # the rows of the GPTQ weights were shared out (in blocks of 128: unevenly here)
         rows = info["gptq_rows_per_rank"]
         assert len(rows) == 3 and min(rows) > 0, rows
+
+
+def test_two_machines_write_what_one_machine_of_two_ranks_writes(tiny_model_dir, calib_file, tmp_path):
+    """`--nnodes 2` with one process per node, both started at once, each in a directory of its own that stands for
+    its machine's disk (DST is relative): node 0 holds global rank 0 and writes the single-node artifact, tensor
+    for tensor; node 1 calibrates its half and leaves nothing behind."""
+    single = finalize(tiny_model_dir, tmp_path / "single", "gptq-w4a16", calib_file, 2)
+    assert single.returncode == 0, single.stderr[-3000:]
+    endpoint = f"127.0.0.1:{free_port()}"
+    nodes = []
+    try:
+        for rank in (0, 1):
+            (tmp_path / f"node{rank}").mkdir()
+            cmd = command(tiny_model_dir, "out", "gptq-w4a16", calib_file, "--nproc-per-node", "1", "--nnodes", "2",
+                          "--node-rank", str(rank), "--rdzv-endpoint", endpoint)
+            with open(tmp_path / f"node{rank}.log", "w") as log:
+                nodes.append(subprocess.Popen(cmd, cwd=tmp_path / f"node{rank}", stdout=log, stderr=subprocess.STDOUT,
+                                              env=_env(), start_new_session=True))
+        codes = [node.wait(timeout=300) for node in nodes]
+    finally:
+        for node in nodes:
+            if node.poll() is None:  # a node left waiting for the other: it and its ranks
+                os.killpg(node.pid, signal.SIGKILL)
+    logs = [(tmp_path / f"node{rank}.log").read_text()[-3000:] for rank in (0, 1)]
+    assert codes == [0, 0], logs
+    one, two = load_file(tmp_path / "single" / "model.safetensors"), load_file(tmp_path / "node0" / "out" / "model.safetensors")
+    assert one.keys() == two.keys()
+    for key in one:
+        assert torch.equal(one[key], two[key]), key
+    info = json.loads((tmp_path / "node0" / "out" / "quantkit.json").read_text())["calibration"]
+    assert info["ranks"] == 2 and sorted(set(info["owners"]["assignment"].values())) == [0, 1]
+    assert list((tmp_path / "node1").iterdir()) == []
 
 
 def test_a_failing_rank_stops_every_rank_and_writes_nothing(tiny_model_dir, calib_file, tmp_path):
