@@ -103,7 +103,7 @@ def test_two_machines_write_what_one_machine_of_two_ranks_writes(tiny_model_dir,
     for key in one:
         assert torch.equal(one[key], two[key]), key
     info = json.loads((tmp_path / "node0" / "out" / "quantkit.json").read_text())["calibration"]
-    assert info["ranks"] == 2 and sorted(set(info["owners"]["assignment"].values())) == [0, 1]
+    assert info["ranks"] == 2 and len(info["gptq_rows_per_rank"]) == 2 and min(info["gptq_rows_per_rank"]) > 0
     assert list((tmp_path / "node1").iterdir()) == []
 
 
