@@ -25,6 +25,7 @@ from quantkit.algorithms.rtn import rtn_quantize
 from quantkit.calibration.experts import calibrating
 from quantkit.calibration.hooks import capture_inputs, run_layer, with_hidden
 from quantkit.calibration.layer import CalibrationResult, Layer, relative_error
+from quantkit.calibration.precision import float32_products
 from quantkit.calibration.resume import Resumable
 from quantkit.calibration.steps import STEPS
 from quantkit.calibration.steps.static_scales import static_scales_step
@@ -76,7 +77,16 @@ def calibrate(model: nn.Module, plan: list[ModulePlan], recipe: Recipe, samples:
     ends with the same qparams. With `resumable`, every finished layer is saved to its work directory, and a
     resumed run starts at the first unfinished layer. With `stream`, the decoder layers are read before and
     handed over after their turn, and the modules outside them are read for the first layer's inputs and again
-    at the end (in memory when this returns)."""
+    at the end (in memory when this returns). On a CPU without native half-precision products, a bf16 / fp16
+    model's Linear products run in float32 (`precision.float32_products`)."""
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    with float32_products(dtype, device):
+        return _calibrate(model, plan, recipe, samples, device, batch_size, progress, ctx, resumable, stream)
+
+
+def _calibrate(model: nn.Module, plan: list[ModulePlan], recipe: Recipe, samples: torch.Tensor, device: torch.device,
+               batch_size: int, progress: Progress, ctx: Context | None, resumable: Resumable | None,
+               stream: LayerStream | None) -> CalibrationResult:
     steps = layer_steps(recipe)
     result = CalibrationResult()
     by_name = {entry.name: entry for entry in plan}
