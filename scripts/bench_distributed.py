@@ -51,6 +51,7 @@ def run_round(src: Path, work: Path, calib: Path, args, llmc: tuple[Path, Path] 
             env = harness.thread_env(threads, mkl=False)  # OMP_NUM_THREADS only, as this benchmark always set
             dst = work / tool / label.replace(" ", "")
             shutil.rmtree(dst, ignore_errors=True)
+            shutil.rmtree(dst.with_name(dst.name + ".partial"), ignore_errors=True)  # an earlier run's, interrupted
             run = harness.measure(make(dst, ranks, threads), env)
             if run.returncode:
                 sys.exit(f"{tool} {label} failed:\n{run.stderr_tail}")

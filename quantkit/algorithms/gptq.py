@@ -75,6 +75,8 @@ def gptq_quantize(
 
 def inverse_hessian(hessian: torch.Tensor, args: GPTQArgs = GPTQArgs(), damping_retries: int = 3) -> InverseHessian:
     """Dead inputs get H_ii = 1, actorder's permutation, then the damped inverse's upper Cholesky factor."""
+    if not all(torch.isfinite(rows).all() for rows in hessian.split(_CHECK_ROWS)):
+        raise ValueError("the Hessian has NaN or inf entries; check the calibration activations")
     h = hessian.to(torch.float32)  # the caller's, unless it needs a change: read only
     dead = h.diagonal() == 0
     if dead.any():
@@ -120,8 +122,6 @@ def _check_inputs(weight: torch.Tensor, hessian: torch.Tensor | None, spec: Weig
     if weight.dim() != 2 or hessian.shape != (weight.shape[1], weight.shape[1]):
         raise ValueError(f"GPTQ needs a 2-D weight [out, in] and a Hessian [in, in]; got {tuple(weight.shape)} "
                          f"and {tuple(hessian.shape)}")
-    if not torch.isfinite(hessian).all():
-        raise ValueError("the Hessian has NaN or inf entries; check the calibration activations")
 
 
 def _aligned_block_size(block_size: int, spec: WeightSpec) -> int:
