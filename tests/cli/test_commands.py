@@ -334,25 +334,26 @@ def test_train_under_torchrun_does_not_relaunch(fake_train, train_yaml, monkeypa
     assert len(fake_train) == 1
 
 
-def test_finalize_relaunches_itself_under_torchrun(fake_finalize, monkeypatch):
+def _capture_torchrun(monkeypatch, code: int) -> dict:
+    """Not under a launcher; torchrun's arguments land in the returned dict and its ranks exit with `code`."""
     seen = {}
-    monkeypatch.setattr(launch, "run_torchrun", lambda args: seen.update(args=args) or 3)
+    monkeypatch.setattr(launch, "run_torchrun", lambda args: seen.update(args=args) or code)
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # restored after the test
     monkeypatch.setenv("QUANTKIT_THREADS", "1")
+    return seen
+
+
+def test_finalize_relaunches_itself_under_torchrun(fake_finalize, monkeypatch):
+    seen = _capture_torchrun(monkeypatch, 3)
     result = invoke("finalize", "src", "dst", "-q", "gptq-w4a16", "--calib-data", "c.txt", "--nproc-per-node", "2")
     assert result.exit_code == 3  # the ranks' exit code is the command's
     assert seen["args"][:2] == ["--standalone", "--nproc-per-node=2"] and not fake_finalize
 
 
 def test_finalize_on_two_machines_relaunches_with_the_rendezvous(fake_finalize, monkeypatch):
-    seen = {}
-    monkeypatch.setattr(launch, "run_torchrun", lambda args: seen.update(args=args) or 0)
-    monkeypatch.delenv("LOCAL_RANK", raising=False)
-    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # restored after the test
-    monkeypatch.setenv("QUANTKIT_THREADS", "1")
+    seen = _capture_torchrun(monkeypatch, 0)
     result = invoke("finalize", "src", "dst", "-q", "gptq-w4a16", "--calib-data", "c.txt", "--nnodes", "2",
                     "--node-rank", "1", "--rdzv-endpoint", "node0:29500")
     assert result.exit_code == 0, result.output
