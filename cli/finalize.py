@@ -249,6 +249,8 @@ def print_summary(result) -> None:
             table.add_row("  tokens per expert", experts_line(calib["routed_tokens"]))
         if calib.get("autoround"):
             table.add_row("  AutoRound", autoround_line(calib["autoround"]))
+        if calib.get("ranks", 1) > 1 and calib.get("peak_rss_per_rank"):
+            table.add_row("  peak RAM per rank", " / ".join(human_bytes(b) for b in calib["peak_rss_per_rank"]))
         if calib.get("gptq_rows_per_rank"):
             table.add_row("  GPTQ rows per rank", " / ".join(map(str, calib["gptq_rows_per_rank"])))
     table.add_row("time", f"{result.seconds:.1f} s on {result.threads} threads")

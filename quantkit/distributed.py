@@ -102,6 +102,16 @@ def all_reduce_sum(value: float, ctx: Context | None) -> float:
     return tensor.item()
 
 
+def all_gather_int(value: int, ctx: Context | None) -> list[int]:
+    """Every rank's `value`, in rank order, on every rank."""
+    if ctx is None or not ctx.distributed:
+        return [value]
+    tensor = torch.zeros(ctx.world_size, dtype=torch.int64, device=ctx.device)
+    tensor[ctx.rank] = value
+    dist.all_reduce(tensor)
+    return tensor.tolist()
+
+
 def all_reduce_(tensor: torch.Tensor, ctx: Context | None) -> None:
     """`tensor` summed over all ranks, in place, on every rank."""
     if ctx is not None and ctx.distributed:

@@ -150,10 +150,15 @@ def _calibration_device(name: str, ctx):
 
 
 def calibration_summary(result, samples, options: CalibrationOptions, recipe: Recipe, ctx=None) -> dict:
+    """What calibration did, the same on every rank (a collective: every rank calls it)."""
+    from quantkit import distributed
+    from quantkit.preflight import peak_resident_bytes
+
     errors = result.errors
     world = ctx.world_size if ctx is not None else 1
     return {
         "ranks": world,
+        "peak_rss_per_rank": distributed.all_gather_int(peak_resident_bytes(), ctx),  # bytes, up to calibration's end
         "gptq_rows_per_rank": result.gptq_rows,  # distributed GPTQ: weight rows each rank solved
         "data": options.data or recipe.calibration.dataset,
         "num_samples": samples.shape[0],

@@ -70,6 +70,7 @@ def test_one_two_and_three_ranks_write_the_same_artifact(tiny_model_dir, calib_f
             assert torch.equal(one[key], other[key]), (n, key)
     info = json.loads((tmp_path / "n3" / "quantkit.json").read_text())["calibration"]
     assert info["ranks"] == 3 and info["num_samples"] == 24
+    assert len(info["peak_rss_per_rank"]) == 3 and min(info["peak_rss_per_rank"]) > 100 << 20  # each rank's own
     if recipe.startswith("gptq"):  # the rows of the GPTQ weights were shared out (in blocks of 128: unevenly here)
         rows = info["gptq_rows_per_rank"]
         assert len(rows) == 3 and min(rows) > 0, rows
