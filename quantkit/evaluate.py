@@ -17,6 +17,7 @@ from quantkit.data import eval_windows, load_texts, tokenize
 from quantkit.errors import UsageError
 from quantkit.export import metadata
 from quantkit.models import load_model, load_tokenizer, quantization_method, read_config_json, weights_size
+from quantkit.precision import float32_products
 from quantkit.sources import resolve_source
 from quantkit.progress import QUIET, Progress
 from quantkit.tasks import TaskOptions, TaskResult, TaskSuite, load_tasks
@@ -65,16 +66,18 @@ def perplexity(
     max_samples: int | None = None,
     progress: Progress = QUIET,
 ) -> PerplexityResult:
-    """exp(mean NLL) over `ids` (1-D), scored in the windows of `quantkit.data.eval_windows`."""
+    """exp(mean NLL) over `ids` (1-D), scored in the windows of `quantkit.data.eval_windows` (a bf16 / fp16 model's
+    Linear products in float32 on a CPU without native ones, `precision.float32_products`)."""
     if batch_size < 1:
         raise UsageError(f"batch_size must be at least 1 (got {batch_size})")
     if ids.dim() != 1:
         raise UsageError(f"ids must be a 1-D token stream (got shape {tuple(ids.shape)})")
     seq_len, windows = _plan_windows(model, ids.numel(), seq_len, stride, max_samples)
     device = next(model.parameters()).device
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     total_nll, scored, fed = 0.0, 0, 0
     start = time.perf_counter()
-    with torch.inference_mode(), progress.task("Perplexity", total=len(windows)) as advance:
+    with torch.inference_mode(), float32_products(dtype, device), progress.task("Perplexity", total=len(windows)) as advance:
         for batch in _batches(windows, batch_size):
             inputs, labels = _window_tensors(ids, batch)
             nll, count = _sum_nll(model, inputs.to(device), labels.to(device))

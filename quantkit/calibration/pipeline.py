@@ -25,7 +25,7 @@ from quantkit.algorithms.rtn import rtn_quantize
 from quantkit.calibration.experts import calibrating
 from quantkit.calibration.hooks import capture_inputs, run_layer, with_hidden
 from quantkit.calibration.layer import CalibrationResult, Layer, relative_error
-from quantkit.calibration.precision import float32_products
+from quantkit.precision import float32_products
 from quantkit.calibration.resume import Resumable
 from quantkit.calibration.steps import STEPS
 from quantkit.calibration.steps.static_scales import static_scales_step

@@ -1,5 +1,5 @@
-"""Calibration forwards of a bfloat16 / float16 model on a CPU without native instructions for that dtype: the
-Linear products run in float32.
+"""Forwards of a bfloat16 / float16 model on a CPU without native instructions for that dtype (calibration and
+`eval`'s perplexity): the Linear products run in float32.
 
 On such a CPU (x86 without AVX512-BF16 / AMX, AVX512-FP16 / AMX-FP16), torch's half-precision matmul converts
 its way through slow paths: measured on a 2-core AVX2 machine, a 68M bf16 Llama's GPTQ calibration (16 x 256
@@ -7,7 +7,7 @@ tokens, 1 thread) took 83 s, and 37 s with the whole model in float32. Computing
 values of the same inputs and weights, then rounding the output to the model's dtype once, is what a native
 half-precision GEMM does too (products of half-precision numbers are exact in float32, the sums accumulate in
 float32, the output is rounded once): only the order of the float32 sums can differ. The weights stay as they
-are; only the products are computed differently, during calibration.
+are; only the products are computed differently, during calibration and perplexity.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from quantkit.calibration import precision
+from quantkit import precision
 
 
 @pytest.fixture
