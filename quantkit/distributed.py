@@ -118,13 +118,6 @@ def all_reduce_(tensor: torch.Tensor, ctx: Context | None) -> None:
         dist.all_reduce(tensor)
 
 
-def broadcast_(tensors: list[torch.Tensor], owner: int, ctx: Context | None) -> None:
-    if ctx is None or not ctx.distributed:
-        return
-    for tensor in tensors:
-        dist.broadcast(tensor, src=owner)
-
-
 def all_gather_rows(tensors: list[torch.Tensor], shares: list[slice], ctx: Context | None) -> None:
     """Each rank has filled its rows (`shares[rank]`, along dim 0) of every tensor; every rank ends with all the
     rows. One broadcast per rank and tensor (gloo's all_gather needs equal sizes; shares may differ by a block)."""

@@ -17,7 +17,7 @@ from quantkit.data import eval_windows, load_texts, tokenize
 from quantkit.errors import UsageError
 from quantkit.export import metadata
 from quantkit.models import load_model, load_tokenizer, quantization_method, read_config_json, weights_size
-from quantkit.precision import float32_products
+from quantkit.precision import float32_products, model_dtype
 from quantkit.sources import resolve_source
 from quantkit.progress import QUIET, Progress
 from quantkit.tasks import TaskOptions, TaskResult, TaskSuite, load_tasks
@@ -74,10 +74,9 @@ def perplexity(
         raise UsageError(f"ids must be a 1-D token stream (got shape {tuple(ids.shape)})")
     seq_len, windows = _plan_windows(model, ids.numel(), seq_len, stride, max_samples)
     device = next(model.parameters()).device
-    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     total_nll, scored, fed = 0.0, 0, 0
     start = time.perf_counter()
-    with torch.inference_mode(), float32_products(dtype, device), progress.task("Perplexity", total=len(windows)) as advance:
+    with torch.inference_mode(), float32_products(model_dtype(model), device), progress.task("Perplexity", total=len(windows)) as advance:
         for batch in _batches(windows, batch_size):
             inputs, labels = _window_tensors(ids, batch)
             nll, count = _sum_nll(model, inputs.to(device), labels.to(device))

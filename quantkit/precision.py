@@ -34,6 +34,11 @@ def native_half_products(dtype: torch.dtype, cpu_flags: set[str] | None = None) 
     return any(flag in flags for flag in NATIVE_FLAGS[dtype])
 
 
+def model_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype of a model's floating-point parameters (its first one; float32 when it has none)."""
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+
+
 @contextlib.contextmanager
 def float32_products(model_dtype: torch.dtype, device: torch.device) -> Iterator[bool]:
     """Within the block, every `nn.Linear` on the CPU given half-precision inputs computes in float32 and rounds

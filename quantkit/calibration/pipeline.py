@@ -25,7 +25,7 @@ from quantkit.algorithms.rtn import rtn_quantize
 from quantkit.calibration.experts import calibrating
 from quantkit.calibration.hooks import capture_inputs, run_layer, with_hidden
 from quantkit.calibration.layer import CalibrationResult, Layer, relative_error
-from quantkit.precision import float32_products
+from quantkit.precision import float32_products, model_dtype
 from quantkit.calibration.resume import Resumable
 from quantkit.calibration.steps import STEPS
 from quantkit.calibration.steps.static_scales import static_scales_step
@@ -79,8 +79,7 @@ def calibrate(model: nn.Module, plan: list[ModulePlan], recipe: Recipe, samples:
     handed over after their turn, and the modules outside them are read for the first layer's inputs and again
     at the end (in memory when this returns). On a CPU without native half-precision products, a bf16 / fp16
     model's Linear products run in float32 (`precision.float32_products`)."""
-    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-    with float32_products(dtype, device):
+    with float32_products(model_dtype(model), device):
         return _calibrate(model, plan, recipe, samples, device, batch_size, progress, ctx, resumable, stream)
 
 

@@ -16,13 +16,14 @@ the same weights, those of a one-rank run bit for bit.
 from __future__ import annotations
 
 import time
+
 import torch
 from torch import nn
 
 from quantkit import distributed
 from quantkit.algorithms import Algorithm
 from quantkit.algorithms.arguments import GPTQArgs
-from quantkit.algorithms.gptq import gptq_quantize_rows, inverse_hessian, row_share
+from quantkit.algorithms.gptq import InverseHessian, gptq_quantize_rows, inverse_hessian, row_share
 from quantkit.architectures import find_wiring
 from quantkit.calibration import true_sequential
 from quantkit.calibration.hooks import observe, observer_groups
@@ -32,6 +33,7 @@ from quantkit.errors import UsageError
 from quantkit.memory import return_freed_memory
 from quantkit.observers import HessianObserver
 from quantkit.qparams import QuantizedWeight, empty_quantized
+from quantkit.schemes import WeightSpec
 
 
 @register(Algorithm.GPTQ)
@@ -119,7 +121,7 @@ def _solve(layer: Layer, names: list[str], hessian: torch.Tensor, args: GPTQArgs
         del stacked
 
 
-def _solve_shared(layer: Layer, stacked: torch.Tensor, factor, spec, args: GPTQArgs) -> QuantizedWeight:
+def _solve_shared(layer: Layer, stacked: torch.Tensor, factor: InverseHessian, spec: WeightSpec, args: GPTQArgs) -> QuantizedWeight:
     """This rank's share of the rows, then every rank's shares gathered."""
     world, rank = layer.ctx.world_size, layer.ctx.rank
     shares = [row_share(stacked.shape[0], world, r) for r in range(world)]
