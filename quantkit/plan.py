@@ -61,9 +61,13 @@ def plan_module(name: str, module: nn.Linear, recipe: Recipe, width: int | None 
         return ModulePlan(**shape, scheme=None, note="ignored by recipe")
     scheme, weights = recipe.scheme, recipe.scheme.weights
     width = width or module.in_features
+    if weights.granularity is Granularity.BLOCK:
+        if width % weights.block_shape[1] == 0:
+            return ModulePlan(**shape, scheme=scheme)
+        return ModulePlan(**shape, scheme=None, note=f"left in full precision: block width {weights.block_shape[1]} does not divide input size {width}")
     if weights.granularity is not Granularity.GROUP or width % weights.group_size == 0:
         return ModulePlan(**shape, scheme=scheme)
-    smaller = fitting_group_size(width, weights.group_size)
+    smaller = fitting_group_size(width, weights.group_size) if weights.group_size_adjustable else None
     size = f"input size {module.in_features}" + (f"; one group size for all MoE experts, dividing {width}" if width != module.in_features else "")
     if recipe.on_indivisible is IndivisiblePolicy.SMALLER_GROUP and smaller is not None:
         note = f"group size {weights.group_size} -> {smaller} ({size})"

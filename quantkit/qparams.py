@@ -20,7 +20,8 @@ from torchao.quantization.quant_primitives import (
     quantize_affine,
 )
 
-from quantkit.schemes import Granularity, ScaleDtype, WeightObserver, WeightSpec
+from quantkit import float_grids
+from quantkit.schemes import Granularity, QDtype, ScaleDtype, WeightObserver, WeightSpec
 
 _EPS = torch.finfo(torch.float32).eps
 
@@ -33,20 +34,24 @@ class QParams:
     scale: torch.Tensor
     zero_point: torch.Tensor | None
     spec: WeightSpec
+    global_scale: torch.Tensor | None = None  # float32 [1], NVFP4
 
 
 @dataclass
 class QuantizedWeight:
-    """qdata: int8 holding the grid's integers, or float8_e4m3fn. scale/zero_point: [out, in // group]."""
+    """qdata: int8 holding the grid's integers, or float8_e4m3fn holding FP8 or FP4 values (FP4's are exact in
+    FP8). scale/zero_point: [out, in // group], or [tile rows, tile columns] for block scales. global_scale:
+    NVFP4's float32 [1], by which the group scales are divided."""
 
     qdata: torch.Tensor
     scale: torch.Tensor
     zero_point: torch.Tensor | None
     spec: WeightSpec
+    global_scale: torch.Tensor | None = None
 
     @property
     def qparams(self) -> QParams:
-        return QParams(self.scale, self.zero_point, self.spec)
+        return QParams(self.scale, self.zero_point, self.spec, self.global_scale)
 
     @property
     def group_size(self) -> int:
@@ -54,12 +59,33 @@ class QuantizedWeight:
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         dtype = dtype or self.scale.dtype
+        if is_float_grid(self.spec):
+            return (self.qdata.float() * element_scales(self.scale, self.spec, self.qdata.shape, self.global_scale)).to(dtype)
         if self.spec.dtype.is_float:
             return _dequantize_affine_float8(self.qdata, self.scale, output_dtype=dtype)
         qmin, qmax = self.spec.dtype.qrange
         zero = self.zero_point if self.zero_point is not None else torch.zeros_like(self.scale, dtype=torch.int8)
         block = (1, self.group_size)
         return dequantize_affine(self.qdata, block, self.scale, zero, torch.int8, qmin, qmax, output_dtype=dtype)
+
+
+def is_float_grid(spec: WeightSpec) -> bool:
+    """FP4, MX and FP8 block grids (`float_grids`): everything float but FP8 per channel."""
+    return spec.dtype.is_float and spec.granularity is not Granularity.CHANNEL
+
+
+def element_scales(scale: torch.Tensor, spec: WeightSpec, shape: torch.Size, global_scale: torch.Tensor | None) -> torch.Tensor:
+    """A float grid's scale for every element of a weight of `shape`, float32, divided by the global scale."""
+    if spec.granularity is Granularity.BLOCK:
+        full = float_grids.expand_blocks(scale.float(), shape, spec.block_shape)
+    else:
+        full = scale.float().repeat_interleave(shape[1] // scale.shape[1], dim=1)
+    return full / global_scale if global_scale is not None else full
+
+
+def weight_global_scale(weights: list[torch.Tensor]) -> torch.Tensor:
+    """NVFP4's per-tensor scale shared by `weights` (one weight, or the q/k/v or gate/up a kernel fuses)."""
+    return float_grids.global_scale(torch.stack([w.abs().amax() for w in weights]).amax())
 
 
 def block_size(weight: torch.Tensor, spec: WeightSpec) -> tuple[int, int]:
@@ -74,11 +100,27 @@ def scale_dtype(weight: torch.Tensor, spec: WeightSpec) -> torch.dtype:
     return torch.float32 if spec.scale_dtype is ScaleDtype.FLOAT32 else weight.dtype
 
 
-def choose_qparams(weight: torch.Tensor, spec: WeightSpec) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Scales (and integer zero points for asymmetric grids) for a 2-D weight, by the spec's weight observer."""
+def choose_qparams(weight: torch.Tensor, spec: WeightSpec, global_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Scales (and integer zero points for asymmetric grids) for a 2-D weight, by the spec's weight observer.
+    NVFP4's group scales lie under `global_scale` (`weight_global_scale`), which it needs."""
+    if is_float_grid(spec):
+        return choose_float_scales(weight, spec, global_scale), None
     if spec.observer is WeightObserver.MSE:
         return choose_qparams_mse(weight, spec)
     return choose_qparams_minmax(weight, spec)
+
+
+def choose_float_scales(weight: torch.Tensor, spec: WeightSpec, global_scale: torch.Tensor | None) -> torch.Tensor:
+    """Scales of a float grid, in the weight's dtype (their values are exact there): FP8 per block, NVFP4's FP8
+    group scales, MX's powers of two."""
+    if spec.granularity is Granularity.BLOCK:
+        return float_grids.fp8_block_scales(float_grids.block_absmax(weight, spec.block_shape))
+    absmax = weight.reshape(weight.shape[0], -1, spec.group_size).abs().amax(-1)
+    if spec.scale_dtype is ScaleDtype.E8M0:
+        return float_grids.mx_group_scales(absmax, spec.dtype.bits).to(weight.dtype)
+    if global_scale is None:
+        raise ValueError("NVFP4 group scales need the tensor's global scale (qparams.weight_global_scale)")
+    return float_grids.nvfp4_group_scales(absmax, global_scale).to(weight.dtype)
 
 
 def choose_qparams_minmax(weight: torch.Tensor, spec: WeightSpec) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -133,8 +175,11 @@ def _keep_better(best, candidate):
     return torch.minimum(candidate[0], best[0]), pick(candidate[1], best[1]), pick(candidate[2], best[2])
 
 
-def quantize_with(weight: torch.Tensor, spec: WeightSpec, scale: torch.Tensor, zero: torch.Tensor | None) -> QuantizedWeight:
+def quantize_with(weight: torch.Tensor, spec: WeightSpec, scale: torch.Tensor, zero: torch.Tensor | None,
+                  global_scale: torch.Tensor | None = None) -> QuantizedWeight:
     """Round `weight` to the grid given by precomputed qparams (GPTQ and friends reuse this)."""
+    if is_float_grid(spec):
+        return QuantizedWeight(round_float_grid(weight, spec, scale, global_scale), scale, None, spec, global_scale)
     block = block_size(weight, spec)
     if spec.dtype.is_float:
         qdata = _quantize_affine_float8(weight, scale, torch.float8_e4m3fn)
@@ -145,22 +190,43 @@ def quantize_with(weight: torch.Tensor, spec: WeightSpec, scale: torch.Tensor, z
     return QuantizedWeight(qdata=qdata, scale=scale, zero_point=zero, spec=spec)
 
 
+def round_float_grid(weight: torch.Tensor, spec: WeightSpec, scale: torch.Tensor, global_scale: torch.Tensor | None) -> torch.Tensor:
+    """The grid values (float8_e4m3fn) of `weight` divided by its scales, as compressed-tensors divides: in float32
+    under a global scale, else in the scales' dtype."""
+    if global_scale is not None:
+        scaled = weight / element_scales(scale, spec, weight.shape, global_scale)
+    elif spec.granularity is Granularity.BLOCK:
+        scaled = weight / float_grids.expand_blocks(scale, weight.shape, spec.block_shape)
+    else:
+        scaled = weight / scale.repeat_interleave(spec.group_size, dim=1)
+    if spec.dtype is QDtype.FLOAT4:
+        return float_grids.round_to_fp4(scaled).to(torch.float8_e4m3fn)
+    return float_grids.round_to_fp8(scaled)
+
+
 def empty_quantized(weight: torch.Tensor, spec: WeightSpec) -> QuantizedWeight:
     """Buffers shaped and typed like `quantize_weight(weight, spec)`'s result (to receive a broadcast)."""
-    shape = (weight.shape[0], weight.shape[1] // block_size(weight, spec)[1])
+    if spec.granularity is Granularity.BLOCK:
+        shape = tuple(-(-n // b) for n, b in zip(weight.shape, spec.block_shape))
+    else:
+        shape = (weight.shape[0], weight.shape[1] // block_size(weight, spec)[1])
     qdtype = torch.float8_e4m3fn if spec.dtype.is_float else torch.int8
     zero = None if spec.symmetric else torch.empty(shape, dtype=torch.int8, device=weight.device)
     scale = torch.empty(shape, dtype=scale_dtype(weight, spec), device=weight.device)
-    return QuantizedWeight(torch.empty_like(weight, dtype=qdtype), scale, zero, spec)
+    global_scale = torch.empty(1, dtype=torch.float32, device=weight.device) if spec.global_scale else None
+    return QuantizedWeight(torch.empty_like(weight, dtype=qdtype), scale, zero, spec, global_scale)
 
 
-def quantize_weight(weight: torch.Tensor, spec: WeightSpec) -> QuantizedWeight:
-    """Round-to-nearest quantization of a 2-D weight [out, in] on the spec's grid."""
+def quantize_weight(weight: torch.Tensor, spec: WeightSpec, global_scale: torch.Tensor | None = None) -> QuantizedWeight:
+    """Round-to-nearest quantization of a 2-D weight [out, in] on the spec's grid. NVFP4: the global scale
+    shared with the weights a kernel fuses with this one, or this weight's own when None."""
     with torch.no_grad():
-        scale, zero = choose_qparams(weight, spec)
-        return quantize_with(weight, spec, scale, zero)
+        if spec.global_scale and global_scale is None:
+            global_scale = weight_global_scale([weight])
+        scale, zero = choose_qparams(weight, spec, global_scale)
+        return quantize_with(weight, spec, scale, zero, global_scale if spec.global_scale else None)
 
 
-def fake_quantize_weight(weight: torch.Tensor, spec: WeightSpec) -> torch.Tensor:
+def fake_quantize_weight(weight: torch.Tensor, spec: WeightSpec, global_scale: torch.Tensor | None = None) -> torch.Tensor:
     """The weight as the quantized model sees it: quantize, then dequantize to the weight's dtype."""
-    return quantize_weight(weight, spec).dequantize(weight.dtype)
+    return quantize_weight(weight, spec, global_scale).dequantize(weight.dtype)

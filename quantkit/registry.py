@@ -95,8 +95,8 @@ class Recipe:
 
     @property
     def needs_calibration(self) -> bool:
-        static_acts = self.scheme.activations is not None and not self.scheme.activations.dynamic
-        return static_acts or any(step.name is not Algorithm.RTN for step in self.steps)
+        calibrated_acts = self.scheme.activations is not None and self.scheme.activations.calibrated
+        return calibrated_acts or any(step.name is not Algorithm.RTN for step in self.steps)
 
     def describe_algorithm(self) -> str:
         return " + ".join(step.name.value for step in self.steps)
@@ -219,6 +219,8 @@ def _build_scheme(data: dict[str, Any]) -> QuantScheme:
         symmetric=_bool(w.get("symmetric", True), "scheme.weights.symmetric"),
         scale_dtype=_enum(w.get("scale_dtype", "model"), ScaleDtype, "scheme.weights.scale_dtype"),
         observer=_enum(w.get("observer", "minmax"), WeightObserver, "scheme.weights.observer"),
+        block_shape=_block_shape(w.get("block_shape")),
+        global_scale=_bool(w.get("global_scale", False), "scheme.weights.global_scale"),
     )
     a = _mapping(data, "activations", where="scheme.")
     activations = None
@@ -230,8 +232,19 @@ def _build_scheme(data: dict[str, Any]) -> QuantScheme:
             symmetric=_bool(a.get("symmetric", True), "scheme.activations.symmetric"),
             dynamic=dynamic,
             observer=str(a.get("observer", "static_minmax")),
+            group_size=a.get("group_size"),
+            scale_dtype=_enum(a["scale_dtype"], ScaleDtype, "scheme.activations.scale_dtype") if a.get("scale_dtype") is not None else None,
+            global_scale=_bool(a.get("global_scale", False), "scheme.activations.global_scale"),
         )
     return QuantScheme(weights=weights, activations=activations)
+
+
+def _block_shape(value: Any) -> tuple[int, int] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list) or len(value) != 2 or not all(isinstance(n, int) and not isinstance(n, bool) for n in value):
+        raise SchemeError("scheme.weights.block_shape", f"{value!r} is not allowed; give [rows, columns], e.g. [128, 128]")
+    return tuple(value)
 
 
 def _parse_steps(value: Any) -> tuple[AlgorithmStep, ...]:

@@ -14,35 +14,45 @@ class QDtype(str, Enum):
     INT2 = "int2"
     INT3 = "int3"
     INT4 = "int4"
+    INT5 = "int5"
+    INT6 = "int6"
+    INT7 = "int7"
     INT8 = "int8"
     FLOAT8 = "float8_e4m3fn"
+    FLOAT4 = "float4_e2m1fn"  # FP4 e2m1: 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives (NVFP4, MXFP4)
 
     @property
     def is_float(self) -> bool:
-        return self is QDtype.FLOAT8
+        return self in (QDtype.FLOAT8, QDtype.FLOAT4)
 
     @property
     def bits(self) -> int:
-        return {QDtype.INT2: 2, QDtype.INT3: 3, QDtype.INT4: 4}.get(self, 8)
+        return 4 if self is QDtype.FLOAT4 else 8 if self is QDtype.FLOAT8 else int(self.value[3:])
 
     @property
     def qrange(self) -> tuple[float, float]:
-        """The representable range: the full two's-complement range for ints, +-448 for float8 e4m3."""
+        """The representable range: the full two's-complement range for ints, +-448 for float8 e4m3, +-6 for fp4."""
         if self.is_float:
-            return (-448.0, 448.0)
+            return (-6.0, 6.0) if self is QDtype.FLOAT4 else (-448.0, 448.0)
         return (-(2 ** (self.bits - 1)), 2 ** (self.bits - 1) - 1)
 
 
 class Granularity(str, Enum):
-    GROUP = "group"  # weights: one scale per `group_size` input columns of each output row
+    GROUP = "group"  # weights: one scale per `group_size` input columns of each output row; dynamic activations: per group of a token
     CHANNEL = "channel"  # weights: one scale per output row
+    BLOCK = "block"  # weights: one scale per `block_shape` tile [rows, columns] (FP8 block-wise, DeepSeek-V3's layout)
     TOKEN = "token"  # dynamic activations: one scale per token, computed at run time
     TENSOR = "tensor"  # static activations: one scale per tensor, from calibration
 
 
 class ScaleDtype(str, Enum):
+    """The grid a scale lies on. Scales are held in the model's dtype for every grid but float32 (the values of
+    float8_e4m3fn and float8_e8m0fnu grids are exact in bf16); the exporter stores them in their own dtype."""
+
     FLOAT32 = "float32"
     MODEL = "model"  # the dtype of the model's weights (bf16 for a bf16 model)
+    FLOAT8 = "float8_e4m3fn"  # NVFP4's group scales, under a per-tensor float32 global scale
+    E8M0 = "float8_e8m0fnu"  # OCP microscaling (MX): a power of two, stored as its biased exponent (uint8)
 
 
 class WeightObserver(str, Enum):
@@ -61,7 +71,11 @@ class SchemeError(ValueError):
 
 @dataclass(frozen=True)
 class WeightSpec:
-    """How weights are stored. Asymmetric grids use an integer zero point in the quantized dtype's range."""
+    """How weights are stored. Asymmetric grids use an integer zero point in the quantized dtype's range.
+
+    Float grids: float8_e4m3fn per channel, per `block_shape` tile (FP8 block) or per group of 32 with E8M0 scales
+    (MXFP8); float4_e2m1fn per group of 16 with FP8 scales under a per-tensor global scale (NVFP4) or per group of
+    32 with E8M0 scales (MXFP4). These are the layouts compressed-tensors writes and vLLM serves."""
 
     dtype: QDtype
     granularity: Granularity
@@ -69,62 +83,136 @@ class WeightSpec:
     symmetric: bool = True
     scale_dtype: ScaleDtype = ScaleDtype.MODEL
     observer: WeightObserver = WeightObserver.MINMAX  # memoryless: computed from the weight itself
+    block_shape: tuple[int, int] | None = None  # granularity 'block': [rows, columns] of one tile
+    global_scale: bool = False  # a float32 scale per tensor above the group scales (NVFP4)
 
     def __post_init__(self) -> None:
         if self.observer is WeightObserver.MSE and self.dtype.is_float:
-            raise SchemeError("weights.observer", "mse searches integer grids; float8 weights use minmax")
+            raise SchemeError("weights.observer", "mse searches integer grids; float weights use minmax")
         if self.granularity in (Granularity.TOKEN, Granularity.TENSOR):
-            raise SchemeError("weights.granularity", "weights are quantized per 'group' or per 'channel'")
+            raise SchemeError("weights.granularity", "weights are quantized per 'group', 'channel' or 'block'")
         if self.granularity is Granularity.GROUP:
-            if not isinstance(self.group_size, int) or self.group_size < 2:
+            if not isinstance(self.group_size, int) or isinstance(self.group_size, bool) or self.group_size < 2:
                 raise SchemeError("weights.group_size", "granularity 'group' needs an integer group_size >= 2 (e.g. 128)")
         elif self.group_size is not None:
             raise SchemeError("weights.group_size", "only granularity 'group' takes a group_size; remove it or use granularity: group")
-        if self.dtype.is_float and (not self.symmetric or self.granularity is not Granularity.CHANNEL):
-            raise SchemeError("weights", "float8 weights are symmetric and per 'channel'")
+        if self.granularity is Granularity.BLOCK:
+            shape = self.block_shape
+            if not (isinstance(shape, tuple) and len(shape) == 2 and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in shape)):
+                raise SchemeError("weights.block_shape", "granularity 'block' needs block_shape: [rows, columns] (e.g. [128, 128])")
+            if self.dtype is not QDtype.FLOAT8:
+                raise SchemeError("weights.granularity", "block scales are for float8_e4m3fn weights (fp8-block)")
+        elif self.block_shape is not None:
+            raise SchemeError("weights.block_shape", "only granularity 'block' takes a block_shape")
+        if self.dtype.is_float and not self.symmetric:
+            raise SchemeError("weights.symmetric", "float weights are symmetric")
+        self._check_scale_grid()
+
+    def _check_scale_grid(self) -> None:
+        nvfp4 = "float4_e2m1fn weights take group_size 16 with scale_dtype float8_e4m3fn and global_scale: true (NVFP4), or group_size 32 with scale_dtype float8_e8m0fnu (MXFP4)"
+        if self.scale_dtype is ScaleDtype.FLOAT8:
+            if self.dtype is not QDtype.FLOAT4 or self.group_size != 16 or not self.global_scale:
+                raise SchemeError("weights.scale_dtype", f"float8_e4m3fn scales are NVFP4's: {nvfp4}")
+        elif self.scale_dtype is ScaleDtype.E8M0:
+            if not self.dtype.is_float or self.group_size != 32:
+                raise SchemeError("weights.scale_dtype", "float8_e8m0fnu (MX) scales are for float4/float8 weights in groups of 32")
+        elif self.dtype is QDtype.FLOAT4:
+            raise SchemeError("weights.scale_dtype", nvfp4)
+        elif self.dtype is QDtype.FLOAT8 and self.granularity is Granularity.GROUP:
+            raise SchemeError("weights.granularity", "float8_e4m3fn weights are per 'channel', per 'block', or in groups of 32 with float8_e8m0fnu scales (MXFP8)")
+        if self.global_scale and self.scale_dtype is not ScaleDtype.FLOAT8:
+            raise SchemeError("weights.global_scale", "a global scale goes with float8_e4m3fn group scales (NVFP4)")
 
     @property
     def is_asymmetric(self) -> bool:
         return not self.symmetric
 
+    @property
+    def group_size_adjustable(self) -> bool:
+        """Whether a smaller group keeps the format (integer grids); NVFP4 and MX fix theirs at 16 and 32."""
+        return self.scale_dtype not in (ScaleDtype.FLOAT8, ScaleDtype.E8M0)
+
+    def scale_count(self, rows: int, cols: int) -> int:
+        if self.granularity is Granularity.GROUP:
+            return rows * (cols // self.group_size)
+        if self.granularity is Granularity.BLOCK:
+            return -(-rows // self.block_shape[0]) * -(-cols // self.block_shape[1])
+        return rows
+
     def qparam_bytes(self, rows: int, cols: int, element_size: int) -> int:
-        """Bytes of the scales (float32, or the model's `element_size`) and int8 zero points of a [rows, cols] weight."""
-        groups = rows * (cols // self.group_size if self.granularity is Granularity.GROUP else 1)
-        scale = 4 if self.scale_dtype is ScaleDtype.FLOAT32 else element_size
-        return groups * (scale + (0 if self.symmetric else 1))
+        """Bytes of the scales as stored (float32, the model's `element_size`, or one byte for FP8 / E8M0 grids), the
+        int8 zero points and the float32 global scale of a [rows, cols] weight."""
+        scale = {ScaleDtype.FLOAT32: 4, ScaleDtype.MODEL: element_size}.get(self.scale_dtype, 1)
+        return self.scale_count(rows, cols) * (scale + (0 if self.symmetric else 1)) + (4 if self.global_scale else 0)
 
     def describe(self) -> str:
-        grain = f"g{self.group_size}" if self.granularity is Granularity.GROUP else "channel"
+        if self.granularity is Granularity.GROUP:
+            grain = f"g{self.group_size}"
+        elif self.granularity is Granularity.BLOCK:
+            grain = f"block {self.block_shape[0]}x{self.block_shape[1]}"
+        else:
+            grain = "channel"
+        scales = {ScaleDtype.FLOAT8: " fp8 scales + global", ScaleDtype.E8M0: " e8m0 scales"}.get(self.scale_dtype, "")
         mse = " mse" if self.observer is WeightObserver.MSE else ""
-        return f"{_short(self.dtype)} {grain}{'' if self.symmetric else ' asym'}{mse}"
+        return f"{_short(self.dtype)} {grain}{scales}{'' if self.symmetric else ' asym'}{mse}"
 
 
 @dataclass(frozen=True)
 class ActivationSpec:
-    """How activations are quantized: dynamic (a scale per token, computed at run time), or static (one
-    symmetric scale per tensor, measured on calibration data; `granularity: tensor`)."""
+    """How activations are quantized: dynamic (scales computed at run time, per token or per group of a token's
+    features), or static (one symmetric scale per tensor, measured on calibration data; `granularity: tensor`).
+    NVFP4 activations are dynamic per group of 16 with FP8 scales under a static per-tensor global scale
+    (`global_scale: true`, calibrated); MXFP4 activations are dynamic per group of 32 with E8M0 scales."""
 
     dtype: QDtype
     granularity: Granularity = Granularity.TOKEN
     symmetric: bool = True
     dynamic: bool = True
     observer: str = "static_minmax"  # static scales: static_minmax (min/max over all data) or minmax (mean of batch ranges)
+    group_size: int | None = None  # granularity 'group'
+    scale_dtype: ScaleDtype | None = None  # group scales' grid: None (the activation's dtype), float8_e4m3fn, float8_e8m0fnu
+    global_scale: bool = False  # a static per-tensor global scale from calibration (NVFP4)
 
     def __post_init__(self) -> None:
         if self.observer not in ("static_minmax", "minmax"):
             raise SchemeError("activations.observer", f"'{self.observer}' is not allowed; allowed: static_minmax, minmax")
-        if self.dtype.bits < 8:
-            raise SchemeError("activations.dtype", "activations are int8 or float8_e4m3fn")
-        expected = Granularity.TOKEN if self.dynamic else Granularity.TENSOR
-        if self.granularity is not expected:
-            raise SchemeError("activations.granularity", f"{'dynamic' if self.dynamic else 'static'} activations are quantized per '{expected.value}'")
+        if self.dtype not in (QDtype.INT8, QDtype.FLOAT8, QDtype.FLOAT4):
+            raise SchemeError("activations.dtype", "activations are int8, float8_e4m3fn or float4_e2m1fn")
+        allowed = (Granularity.TOKEN, Granularity.GROUP) if self.dynamic else (Granularity.TENSOR,)
+        if self.granularity not in allowed:
+            kinds = " or ".join(f"'{g.value}'" for g in allowed)
+            raise SchemeError("activations.granularity", f"{'dynamic' if self.dynamic else 'static'} activations are quantized per {kinds}")
+        if self.granularity is Granularity.GROUP:
+            if not self.dtype.is_float:
+                raise SchemeError("activations.granularity", "per-group activations are float8_e4m3fn or float4_e2m1fn")
+            if not isinstance(self.group_size, int) or isinstance(self.group_size, bool) or self.group_size < 2:
+                raise SchemeError("activations.group_size", "granularity 'group' needs an integer group_size (e.g. 128)")
+        elif self.group_size is not None:
+            raise SchemeError("activations.group_size", "only granularity 'group' takes a group_size")
+        if self.dtype is QDtype.FLOAT4:
+            nvfp4 = self.group_size == 16 and self.scale_dtype is ScaleDtype.FLOAT8 and self.global_scale
+            mxfp4 = self.group_size == 32 and self.scale_dtype is ScaleDtype.E8M0 and not self.global_scale
+            if self.granularity is not Granularity.GROUP or not (nvfp4 or mxfp4):
+                raise SchemeError("activations", "float4_e2m1fn activations are dynamic per group: group_size 16 with scale_dtype "
+                                  "float8_e4m3fn and global_scale: true (NVFP4), or group_size 32 with scale_dtype float8_e8m0fnu (MXFP4)")
+        elif self.scale_dtype not in (None, ScaleDtype.E8M0) or self.global_scale:
+            raise SchemeError("activations.scale_dtype", "float8_e4m3fn scales and global scales are for float4_e2m1fn activations (NVFP4)")
+        elif self.scale_dtype is ScaleDtype.E8M0 and not (self.dtype is QDtype.FLOAT8 and self.group_size == 32):
+            raise SchemeError("activations.scale_dtype", "float8_e8m0fnu scales are for float activations in groups of 32 (MX)")
         if not self.dynamic and not self.symmetric:
             raise SchemeError("activations.symmetric", "static activation scales are symmetric (per tensor)")
         if self.dtype.is_float and not self.symmetric:
-            raise SchemeError("activations.symmetric", "float8 activations are symmetric")
+            raise SchemeError("activations.symmetric", "float activations are symmetric")
+
+    @property
+    def calibrated(self) -> bool:
+        """Whether calibration data sets a scale: static scales, or NVFP4's global scale."""
+        return not self.dynamic or self.global_scale
 
     def describe(self) -> str:
-        return f"{_short(self.dtype)} {self.granularity.value}{'' if self.symmetric else ' asym'}"
+        grain = f"g{self.group_size}" if self.granularity is Granularity.GROUP else self.granularity.value
+        scales = {ScaleDtype.FLOAT8: " fp8 scales + calibrated global", ScaleDtype.E8M0: " e8m0 scales"}.get(self.scale_dtype, "")
+        return f"{_short(self.dtype)} {grain}{scales}{'' if self.symmetric else ' asym'}"
 
 
 @dataclass(frozen=True)
@@ -142,4 +230,4 @@ class QuantScheme:
 
 
 def _short(dtype: QDtype) -> str:
-    return "fp8" if dtype is QDtype.FLOAT8 else dtype.value
+    return {QDtype.FLOAT8: "fp8", QDtype.FLOAT4: "fp4"}.get(dtype, dtype.value)
