@@ -13,7 +13,7 @@ from quantkit.cli.options import JsonOpt
 
 
 def list_recipes(json_path: JsonOpt = None) -> None:
-    """Every recipe: name, scheme, algorithm, default format.
+    """Every recipe: name, scheme, algorithm, default format, and the GPUs vLLM runs it on.
 
     Example: quantkit recipes list
     """
@@ -29,13 +29,13 @@ def list_recipes(json_path: JsonOpt = None) -> None:
     recipes = registry.list_recipes()
     width = max(len(r.name) for r in recipes)
     table.add_column("name", no_wrap=True, min_width=width, style="bold")  # names are copied into commands: never cut
-    for column in ("weights", "activations", "algorithm", "format"):
+    for column in ("weights", "activations", "algorithm", "format", "runs natively on (vLLM)"):
         table.add_column(column)
     for recipe in recipes:
         scheme = recipe.scheme
         acts = scheme.activations
         acts = f"{acts.describe()} ({'dynamic' if acts.dynamic else 'static'})" if acts else "16-bit"
-        table.add_row(recipe.name, scheme.weights.describe(), acts, recipe.describe_algorithm(), recipe.format.value)
+        table.add_row(recipe.name, scheme.weights.describe(), acts, recipe.describe_algorithm(), recipe.format.value, recipe.hardware)
     out.print(table)
 
 

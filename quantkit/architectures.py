@@ -142,6 +142,25 @@ def wiring_of(layer: nn.Module) -> LayerWiring:
     return wiring
 
 
+KERNEL_FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("w1", "w3"), ("q_a_proj", "kv_a_proj_with_mqa"))
+"""Sibling Linears an inference kernel runs as one (vLLM's QKV and gate/up merges, an MoE expert's w1/w3): NVFP4
+gives them one weight global scale, as vLLM requires and LLM Compressor does (its FUSED_LAYER_NAMES)."""
+
+
+def kernel_fused_groups(names: list[str]) -> list[list[str]]:
+    """Qualified Linear names grouped as `KERNEL_FUSED` siblings under one parent; every other name alone."""
+    groups: dict[tuple[str, int], list[str]] = {}
+    alone = []
+    for name in names:
+        parent, _, leaf = name.rpartition(".")
+        index = next((i for i, fused in enumerate(KERNEL_FUSED) if leaf in fused), None)
+        if index is None:
+            alone.append([name])
+        else:
+            groups.setdefault((parent, index), []).append(name)
+    return list(groups.values()) + alone
+
+
 def shared_input_leaders(names: list[str]) -> dict[str, str]:
     """For planned Linear names (`model.layers.3.self_attn.q_proj`), the first module of its input-sharing group
     (q/k/v; gate/up; itself otherwise), as `observe` finds them at run time on these layers; `--dry-run` plans

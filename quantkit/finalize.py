@@ -21,9 +21,11 @@ from quantkit.errors import ExportError, FormatError, InterruptedRunError, Quant
 from quantkit.export import atomic, check_supported, exporter, metadata
 from quantkit.plan import ModulePlan, coverage, plan_model
 from quantkit.progress import QUIET, Progress
-from quantkit.qparams import QParams
+from quantkit.architectures import kernel_fused_groups
+from quantkit.qparams import QParams, fused_global_scales
 from quantkit.quantized_model import QuantizedModel
 from quantkit.registry import Format, Recipe
+from quantkit.schemes import QDtype, ScaleDtype
 
 
 @dataclass
@@ -108,9 +110,9 @@ def prepare(
         )
     report = coverage(skeleton, plan)
     if fmt is Format.COMPRESSED_TENSORS:
-        from quantkit.export.compressed_tensors import experts_caveat
+        from quantkit.export.compressed_tensors import experts_caveat, loading_caveat
 
-        report["notes"] = [note for note in [experts_caveat(skeleton, recipe)] if note]
+        report["notes"] = [note for note in [experts_caveat(skeleton, recipe), loading_caveat(recipe)] if note]
     prepared = Prepared(src=src, format=fmt, plan=plan, coverage=report)
     prepared.loading = _whole_model_reason(src, fmt, skeleton, in_memory)
     return prepared
@@ -208,12 +210,14 @@ def round_to_nearest(model: nn.Module, plan: list[ModulePlan], advance=lambda: N
     """Each planned Linear rounded on its grid; its weight becomes the dequantized grid values."""
     rtn = get_algorithm(Algorithm.RTN)
     qparams = {}
+    nvfp4 = {e.name: model.get_submodule(e.name).weight.data for e in plan if e.quantized and e.scheme.weights.global_scale}
+    global_scales = fused_global_scales(nvfp4, kernel_fused_groups(list(nvfp4)))
     with torch.no_grad():
         for entry in plan:
             if entry.quantized:
                 module = model.get_submodule(entry.name)
                 models.check_finite(entry.name, module.weight.data)
-                qweight = rtn(module.weight.data, entry.scheme.weights)
+                qweight = rtn(module.weight.data, entry.scheme.weights, global_scales.get(entry.name))
                 module.weight.data = qweight.dequantize(module.weight.dtype)
                 qparams[entry.name] = qweight.qparams
                 advance()
@@ -256,11 +260,32 @@ def _resumable(prepared: Prepared, recipe: Recipe, samples, options: Calibration
     return resume.Resumable(prepared.work_dir, fingerprint, prepared.resume, ctx)
 
 
+def artifact_dtype(prepared: Prepared, recipe: Recipe, dtype: str, trust_remote_code: bool = False) -> str:
+    """The dtype to quantize in. FP4 and MX artifacts are 16-bit: compressed-tensors decompresses their weights to
+    bfloat16 (a float32 model then fails in plain transformers) and vLLM's FP4 / MX kernels take 16-bit activations,
+    so a float32 source becomes a bfloat16 artifact (noted in the summary)."""
+    weights = recipe.scheme.weights
+    if weights.dtype is not QDtype.FLOAT4 and weights.scale_dtype is not ScaleDtype.E8M0:
+        return dtype
+    if dtype == "float32":
+        raise UsageError(f"recipe '{recipe.name}' writes FP4 / MX weights, which load and run in 16 bits; "
+                         "pass --dtype bfloat16 (or float16), or leave --dtype auto")
+    if dtype != "auto":
+        return dtype
+    from quantkit.streaming import model_dtype
+
+    if model_dtype(prepared.src, models.load_config(prepared.src, trust_remote_code), "auto") is not torch.float32:
+        return dtype
+    prepared.coverage.setdefault("notes", []).append("a float32 model: the artifact is bfloat16 (FP4 / MX weights load and run in 16 bits)")
+    return "bfloat16"
+
+
 def quantize_model(
     prepared: Prepared, recipe: Recipe, dtype: str = "auto", trust_remote_code: bool = False, progress: Progress = QUIET,
     calibration: CalibrationOptions | None = None, ctx=None,
 ) -> nn.Module:
     """The quantized model in memory, computing exactly as the written artifact will (what `eval -q` measures)."""
+    dtype = artifact_dtype(prepared, recipe, dtype, trust_remote_code)
     quantized = quantize(prepared, recipe, dtype, trust_remote_code, progress, calibration, ctx)
     return exporter(prepared.format).as_loaded(quantized)
 
@@ -298,6 +323,7 @@ def finalize(
     if recipe.needs_calibration:
         hardware.check_device((calibration or CalibrationOptions()).device)
     prepared = prepare(src, recipe, fmt, trust_remote_code, force_recipe, revision, in_memory)
+    dtype = artifact_dtype(prepared, recipe, dtype, trust_remote_code)
     if recipe.needs_calibration:
         check_calibration_data(recipe, calibration)
     if recipe.needs_calibration and prepared.format is not Format.TORCHAO:

@@ -91,3 +91,18 @@ def fp8_block_scales(absmax: torch.Tensor) -> torch.Tensor:
     """absmax / 448 in the weight's dtype; a zero scale becomes that dtype's eps."""
     scale = absmax / torch.tensor(FP8_MAX, dtype=absmax.dtype)
     return torch.where(scale == 0, torch.tensor(torch.finfo(scale.dtype).eps, dtype=scale.dtype), scale)
+
+
+def fake_quantize_groups(x: torch.Tensor, bits: int, group_size: int, mx: bool) -> torch.Tensor:
+    """Dynamic per-group quantization of activations along the last dimension, dequantized, as compressed-tensors'
+    runtime computes it: FP8 (`bits` 8) with scale absmax / 448 in x's dtype, or MX (FP4 / FP8 elements, E8M0
+    scales)."""
+    groups = x.reshape(*x.shape[:-1], -1, group_size)
+    absmax = groups.abs().amax(-1, keepdim=True)
+    if mx:
+        scale = mx_group_scales(absmax, bits).to(x.dtype)
+    else:
+        scale = fp8_block_scales(absmax)
+    scaled = groups / scale
+    q = round_to_fp4(scaled).to(x.dtype) if bits == 4 else round_to_fp8(scaled).to(x.dtype)
+    return (q * scale).reshape(x.shape)

@@ -64,13 +64,18 @@ def meta_model(config, trust_remote_code: bool = False) -> nn.Module:
 
 
 def load_model(path: Path, dtype: str = "auto", trust_remote_code: bool = False, **kwargs) -> nn.Module:
+    """A model directory through plain transformers; asymmetric compressed-tensors artifacts too, which plain
+    transformers 5.x cannot load (`export.compressed_tensors.packed_zero_points_on_load`)."""
     from transformers import AutoModelForCausalLM
+
+    from quantkit.export.compressed_tensors import packed_zero_points_on_load
 
     if dtype not in DTYPES:
         raise SourceModelError(f"unknown dtype '{dtype}'; use one of {', '.join(DTYPES)}")
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code, **kwargs
-    )
+    with packed_zero_points_on_load():
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code, **kwargs
+        )
     return model.eval()
 
 

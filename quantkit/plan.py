@@ -61,6 +61,9 @@ def plan_module(name: str, module: nn.Linear, recipe: Recipe, width: int | None 
         return ModulePlan(**shape, scheme=None, note="ignored by recipe")
     scheme, weights = recipe.scheme, recipe.scheme.weights
     width = width or module.in_features
+    acts = scheme.activations
+    if acts is not None and acts.granularity is Granularity.GROUP and module.in_features % acts.group_size:
+        return ModulePlan(**shape, scheme=None, note=f"left in full precision: activation group size {acts.group_size} does not divide input size {module.in_features}")
     if weights.granularity is Granularity.BLOCK:
         if width % weights.block_shape[1] == 0:
             return ModulePlan(**shape, scheme=scheme)

@@ -14,6 +14,12 @@ behind the same interface (`fake_quantize_configs` -> `fake_quantizer`):
   float zero point) and float8 weights with model-dtype scales; computed by quantkit.qparams itself.
 - `Int8TokenFakeQuantizeConfig`: int8 symmetric per-token activations (torchao's IntxFakeQuantizer has
   no symmetric per-token path); computed by torchao's runtime `Int8Tensor.from_hp` itself.
+- NVFP4, MXFP4, MXFP8 and FP8-block weights take `GridFakeQuantizeConfig` too: torchao's prototype NVFP4 and MX
+  numerics (`NVFP4Tensor.to_nvfp4`, `MXTensor.to_mx`) round differently from compressed-tensors, whose grid the
+  artifact holds (17% of NVFP4 and 7% of MXFP4 elements of a random bf16 weight differ). NVFP4's global scale
+  is shared by the Linears a kernel fuses (q/k/v, gate/up), as `finalize` shares it.
+- `GroupActivationFakeQuantizeConfig`: dynamic per-group float activations (FP8 per group of 128, MX's FP4 /
+  FP8 with E8M0 scales), as compressed-tensors' runtime quantizes them (`float_grids.fake_quantize_groups`).
 
 Every fake quantizer has a straight-through backward (identity). For torchao's int configs,
 `IntxFakeQuantizer`'s forward is used, bit for bit, behind it: torchao's own backward masks the gradient where
@@ -45,7 +51,8 @@ from torchao.quantization.qat.fake_quantize_config import FakeQuantizeConfigBase
 from torchao.quantization.qat.fake_quantizer import FakeQuantizerBase, Float8FakeQuantizer
 from torchao.quantization.quant_primitives import MappingType
 
-from quantkit import qparams
+from quantkit import float_grids, qparams
+from quantkit.architectures import kernel_fused_groups
 from quantkit.errors import UsageError
 from quantkit.registry import Recipe, recipe_names, resolve
 from quantkit.plan import ModulePlan
@@ -66,11 +73,20 @@ class GridFakeQuantizeConfig(FakeQuantizeConfigBase):
 
 
 @dataclass(frozen=True)
+class GroupActivationFakeQuantizeConfig(FakeQuantizeConfigBase):
+    """Dynamic per-group float activations (FP8 groups of 128; MX FP4/FP8 groups of 32 with E8M0 scales)."""
+
+    activations: ActivationSpec
+
+
+@dataclass(frozen=True)
 class Int8TokenFakeQuantizeConfig(FakeQuantizeConfigBase):
     """int8 symmetric per-token activations, as torchao's Int8Tensor runtime quantizes them (float32 scales)."""
 
 
 def weight_fake_quantize_config(spec: WeightSpec) -> FakeQuantizeConfigBase:
+    if qparams.is_float_grid(spec):  # NVFP4, MX, FP8 blocks: compressed-tensors' grid, which torchao's differs from
+        return GridFakeQuantizeConfig(spec)
     if spec.dtype.is_float:
         if spec.scale_dtype is ScaleDtype.FLOAT32:  # torchao's float8 scales are always float32
             return Float8FakeQuantizeConfig(torch.float8_e4m3fn, PerRow())
@@ -88,8 +104,10 @@ def weight_fake_quantize_config(spec: WeightSpec) -> FakeQuantizeConfigBase:
 def activation_fake_quantize_config(spec: ActivationSpec | None) -> FakeQuantizeConfigBase | None:
     if spec is None:
         return None
-    if not spec.dynamic:
+    if spec.calibrated:
         raise ValueError("QAT fake-quantizes dynamic activations only; static scales come from calibration")
+    if spec.granularity is Granularity.GROUP:
+        return GroupActivationFakeQuantizeConfig(spec)
     if spec.dtype.is_float:  # Float8DynamicActivationFloat8WeightConfig(PerRow()): no activation bounds
         return Float8FakeQuantizeConfig(torch.float8_e4m3fn, PerRow())
     if spec.symmetric:
@@ -142,8 +160,22 @@ class _StraightThroughFakeQuantizer(FakeQuantizerBase, ABC):
 
 
 class GridFakeQuantizer(_StraightThroughFakeQuantizer):
+    def __init__(self, config: GridFakeQuantizeConfig):
+        super().__init__(config)
+        self.fused_with: list[torch.Tensor] = []  # NVFP4: the weights sharing this one's global scale (itself included)
+
     def fake_quantize(self, weight: torch.Tensor) -> torch.Tensor:
-        return qparams.fake_quantize_weight(weight, self.config.weights)
+        global_scale = None
+        if self.config.weights.global_scale and self.fused_with:
+            with torch.no_grad():
+                global_scale = qparams.weight_global_scale([w.detach() for w in self.fused_with])
+        return qparams.fake_quantize_weight(weight, self.config.weights, global_scale)
+
+
+class GroupActivationFakeQuantizer(_StraightThroughFakeQuantizer):
+    def fake_quantize(self, x: torch.Tensor) -> torch.Tensor:
+        spec = self.config.activations
+        return float_grids.fake_quantize_groups(x, spec.dtype.bits, spec.group_size, spec.scale_dtype is ScaleDtype.E8M0)
 
 
 class Int8TokenFakeQuantizer(_StraightThroughFakeQuantizer):
@@ -179,6 +211,8 @@ def fake_quantizer(config: FakeQuantizeConfigBase) -> FakeQuantizerBase:
     """The fake-quantizing module for a config from `fake_quantize_configs`."""
     if isinstance(config, GridFakeQuantizeConfig):
         return GridFakeQuantizer(config)
+    if isinstance(config, GroupActivationFakeQuantizeConfig):
+        return GroupActivationFakeQuantizer(config)
     if isinstance(config, Int8TokenFakeQuantizeConfig):
         return Int8TokenFakeQuantizer(config)
     if isinstance(config, Float8FakeQuantizeConfig):
@@ -234,6 +268,11 @@ def _install(model: nn.Module, schemes: dict[str, QuantScheme]) -> None:
             kind = type(linear).__name__
             raise ValueError(f"{name} is a {kind}, not a plain nn.Linear (already prepared? call strip() first)")
         _replace(model, name, QATLinear(linear, scheme))
+    nvfp4 = [name for name, scheme in schemes.items() if scheme.weights.global_scale]
+    for group in kernel_fused_groups(nvfp4):  # one global scale per group, as finalize computes it
+        weights = [model.get_submodule(name).weight for name in group]
+        for name in group:
+            model.get_submodule(name).weight_fake_quantizer.fused_with = weights
 
 
 def prepare(model: nn.Module, plan: list[ModulePlan]) -> nn.Module:

@@ -88,6 +88,17 @@ def weight_global_scale(weights: list[torch.Tensor]) -> torch.Tensor:
     return float_grids.global_scale(torch.stack([w.abs().amax() for w in weights]).amax())
 
 
+def fused_global_scales(weights: dict[str, torch.Tensor], groups: list[list[str]]) -> dict[str, torch.Tensor]:
+    """Each named weight's NVFP4 global scale, one per group of `groups` (`architectures.kernel_fused_groups`)."""
+    scales = {}
+    for group in groups:
+        members = [name for name in group if name in weights]
+        if members:
+            shared = weight_global_scale([weights[name] for name in members])
+            scales.update({name: shared for name in members})
+    return scales
+
+
 def block_size(weight: torch.Tensor, spec: WeightSpec) -> tuple[int, int]:
     if spec.granularity is Granularity.GROUP:
         if weight.shape[1] % spec.group_size:

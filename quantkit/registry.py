@@ -82,6 +82,7 @@ class Recipe:
     ignore: tuple[str, ...] = ("lm_head",)
     on_indivisible: IndivisiblePolicy = IndivisiblePolicy.SMALLER_GROUP
     requires: dict[Format, Requirement] = field(default_factory=dict)
+    hardware: str = ""  # where vLLM runs the scheme natively (`recipes list` shows it)
     source: str = ""
 
     @property
@@ -132,7 +133,7 @@ def _walk(folder: Traversable) -> Iterator[Traversable]:
 
 def _recipe_files() -> dict[str, Traversable]:
     """Every shipped recipe, found recursively in the installed package (wheel or source checkout)."""
-    entries = sorted(_walk(resources.files("quantkit.recipes")), key=lambda e: e.name)
+    entries = sorted(_walk(resources.files("quantkit.recipes")), key=lambda e: e.name.rsplit(".", 1)[0])
     return {entry.name.rsplit(".", 1)[0]: entry for entry in entries}
 
 
@@ -165,7 +166,7 @@ def resolve(name_or_path: str) -> Recipe:
 
 # ---------------------------------------------------------------- parsing
 
-_TOP_KEYS = {"description", "scheme", "algorithm", "calibration", "format", "ignore", "on_indivisible", "requires"}
+_TOP_KEYS = {"description", "scheme", "algorithm", "calibration", "format", "ignore", "on_indivisible", "requires", "hardware"}
 
 
 def load_recipe_file(path: Path | Traversable) -> Recipe:
@@ -198,6 +199,7 @@ def parse_recipe(name: str, data: dict[str, Any], source: str = "") -> Recipe:
         ignore=tuple(_str_list(data.get("ignore", ["lm_head"]), "ignore")),
         on_indivisible=_enum(data.get("on_indivisible", "smaller-group"), IndivisiblePolicy, "on_indivisible"),
         requires=_parse_requires(_mapping(data, "requires") or {}),
+        hardware=str(data.get("hardware", "")),
         source=source,
     )
 
@@ -266,8 +268,8 @@ def _check_autoround(scheme: QuantScheme, quantizer: AlgorithmStep) -> None:
         return
     if scheme.weights.dtype.is_float:
         raise SchemeError("algorithm", "autoround learns the rounding of integer weights; float8 weights use rtn")
-    if scheme.activations is not None and not scheme.activations.dynamic:
-        raise SchemeError("algorithm", "autoround with static activation scales is not supported; use rtn for static recipes")
+    if scheme.activations is not None and scheme.activations.calibrated:
+        raise SchemeError("algorithm", "autoround with static activation scales (or NVFP4's calibrated global scale) is not supported; use rtn for these recipes")
 
 
 def _parse_step(item: Any, where: str) -> AlgorithmStep:

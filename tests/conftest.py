@@ -45,6 +45,14 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def wide_model_dir(tmp_path_factory) -> Path:
+    """A tiny float32 Llama whose widths (128, 256) take FP8's 128x128 blocks and every group size."""
+    from quantkit.tiny import build_tiny_llama
+
+    return build_tiny_llama(tmp_path_factory.mktemp("models") / "wide-llama", make_text(3000), hidden_size=128, intermediate_size=256)
+
+
+@pytest.fixture(scope="session")
 def text_file(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("data") / "eval.txt"
     path.write_text(make_text(1500, seed=1))

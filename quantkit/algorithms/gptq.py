@@ -35,8 +35,9 @@ import torch
 from quantkit.algorithms import Algorithm, register
 from quantkit.algorithms.arguments import GPTQArgs
 from quantkit.errors import QuantkitError
-from quantkit.qparams import QuantizedWeight, choose_qparams
-from quantkit.schemes import Granularity, SchemeError, WeightSpec
+from quantkit import float_grids
+from quantkit.qparams import QuantizedWeight, choose_qparams, is_float_grid, weight_global_scale
+from quantkit.schemes import Granularity, QDtype, SchemeError, WeightSpec
 
 
 class GPTQDampingError(QuantkitError, ValueError):
@@ -62,15 +63,17 @@ class InverseHessian:
 @register(Algorithm.GPTQ)
 @torch.no_grad()
 def gptq_quantize(
-    weight: torch.Tensor, hessian: torch.Tensor, spec: WeightSpec, args: GPTQArgs = GPTQArgs(), *, damping_retries: int = 3
+    weight: torch.Tensor, hessian: torch.Tensor, spec: WeightSpec, args: GPTQArgs = GPTQArgs(), *, damping_retries: int = 3,
+    global_scale: torch.Tensor | None = None,
 ) -> QuantizedWeight:
     """GPTQ-round `weight` [out, in] given the normalised input Hessian [in, in]; see the module docstring.
 
     Computes in float32 on the weight's device; the scales' dtype follows `spec.scale_dtype` relative to
-    `weight.dtype`, as `qparams.choose_qparams(weight, spec)` gives.
+    `weight.dtype`, as `qparams.choose_qparams(weight, spec)` gives. NVFP4: the group scales lie under
+    `global_scale` (the weight's own when None), chosen before any column moves.
     """
     _check_inputs(weight, hessian, spec)
-    return gptq_quantize_rows(weight, inverse_hessian(hessian.to(weight.device), args, damping_retries), spec, args)
+    return gptq_quantize_rows(weight, inverse_hessian(hessian.to(weight.device), args, damping_retries), spec, args, global_scale)
 
 
 def inverse_hessian(hessian: torch.Tensor, args: GPTQArgs = GPTQArgs(), damping_retries: int = 3) -> InverseHessian:
@@ -89,21 +92,25 @@ def inverse_hessian(hessian: torch.Tensor, args: GPTQArgs = GPTQArgs(), damping_
 
 
 @torch.no_grad()
-def gptq_quantize_rows(weight: torch.Tensor, factor: InverseHessian, spec: WeightSpec, args: GPTQArgs = GPTQArgs()) -> QuantizedWeight:
+def gptq_quantize_rows(weight: torch.Tensor, factor: InverseHessian, spec: WeightSpec, args: GPTQArgs = GPTQArgs(),
+                       global_scale: torch.Tensor | None = None) -> QuantizedWeight:
     """GPTQ on some rows of a weight (rows are independent given the inverse-Hessian factor): the rows of
-    `gptq_quantize(whole, ...)` bit for bit, when `weight` starts on a multiple of ROW_BLOCK rows of the whole.
-    This is how ranks share one weight's work (`row_share`)."""
+    `gptq_quantize(whole, ...)` bit for bit, when `weight` starts on a multiple of ROW_BLOCK rows of the whole
+    and, for NVFP4, `global_scale` is the whole weight's. This is how ranks share one weight's work (`row_share`)."""
     _check_inputs(weight, None, spec)
+    if spec.global_scale and global_scale is None:
+        global_scale = weight_global_scale([weight])
     wt = torch.empty(weight.shape[::-1], dtype=torch.float32, device=weight.device)
     wt.copy_(weight.T)  # the float32 work copy, transposed: a column of the weight is a contiguous row
     wt[factor.dead.to(wt.device)] = 0.0
-    grid = _Grid.up_front(wt.T, weight.dtype, spec, dynamic=spec.granularity is Granularity.GROUP and not args.actorder)
+    grid = _Grid.up_front(wt.T, weight.dtype, spec, dynamic=spec.granularity is Granularity.GROUP and not args.actorder,
+                          global_scale=global_scale if spec.global_scale else None)
     if factor.perm is not None:
         wt = wt[factor.perm]
     qdata = _quantize_columns(wt, factor.upper, grid, factor.order, _aligned_block_size(args.block_size, spec))
     if factor.perm is not None:
         qdata = qdata[:, torch.argsort(factor.perm)]
-    return QuantizedWeight(qdata=qdata, scale=grid.scale, zero_point=grid.zero, spec=spec)
+    return QuantizedWeight(qdata=qdata, scale=grid.scale, zero_point=grid.zero, spec=spec, global_scale=grid.global_scale)
 
 
 def row_share(rows: int, world_size: int, rank: int) -> slice:
@@ -115,8 +122,8 @@ def row_share(rows: int, world_size: int, rank: int) -> slice:
 
 
 def _check_inputs(weight: torch.Tensor, hessian: torch.Tensor | None, spec: WeightSpec) -> None:
-    if spec.dtype.is_float:
-        raise SchemeError("weights.dtype", "GPTQ supports integer weights (int2, int3, int4, int8); use rtn for float8 weights")
+    if spec.dtype is QDtype.FLOAT8:
+        raise SchemeError("weights.dtype", "GPTQ supports integer and FP4 weights; use rtn for float8 weights")
     if hessian is None:
         return
     if weight.dim() != 2 or hessian.shape != (weight.shape[1], weight.shape[1]):
@@ -209,18 +216,24 @@ class _Grid:
     scale: torch.Tensor  # [out, in // group]
     zero: torch.Tensor | None
     dynamic: bool  # group qparams chosen when each group's first column is reached
+    global_scale: torch.Tensor | None = None  # NVFP4: fixed before any column moves
     _columns: dict = field(default_factory=dict)  # group -> its qparams as contiguous columns (what round uses)
 
     @classmethod
-    def up_front(cls, weight: torch.Tensor, dtype: torch.dtype, spec: WeightSpec, dynamic: bool) -> _Grid:
-        scale, zero = choose_qparams(weight.to(dtype), spec)  # dynamic groups overwrite theirs later
-        return cls(spec, dtype, scale, zero, dynamic)
+    def up_front(cls, weight: torch.Tensor, dtype: torch.dtype, spec: WeightSpec, dynamic: bool,
+                 global_scale: torch.Tensor | None = None) -> _Grid:
+        scale, zero = choose_qparams(weight.to(dtype), spec, global_scale)  # dynamic groups overwrite theirs later
+        return cls(spec, dtype, scale, zero, dynamic, global_scale)
+
+    @property
+    def float_grid(self) -> bool:
+        return is_float_grid(self.spec)
 
     def group_of(self, column: int) -> int:
         return column // self.spec.group_size if self.spec.granularity is Granularity.GROUP else 0
 
     def choose(self, group: int, columns: torch.Tensor) -> None:
-        scale, zero = choose_qparams(columns.to(self.dtype), self.spec)
+        scale, zero = choose_qparams(columns.to(self.dtype), self.spec, self.global_scale)
         self.scale[:, group : group + 1] = scale
         if zero is not None:
             self.zero[:, group : group + 1] = zero
@@ -232,6 +245,8 @@ class _Grid:
         torchao's `quantize_affine` / `dequantize_affine` arithmetic, inlined for one column (a call per column
         costs more than the rounding): clamp(round(x * (1 / scale)) + zero), then (q - zero) * scale.
         tests/unit/algorithms/test_gptq.py holds it equal to RTN through `quantize_with`, bit for bit."""
+        if self.float_grid:
+            return self._round_float(column, group)
         if group not in self._columns:
             scale = self.scale[:, group].contiguous()
             zero = self.zero[:, group].contiguous() if self.zero is not None else None
@@ -243,6 +258,17 @@ class _Grid:
             return q, (q * scale).float()
         q = (q + zero).clamp_(*self.spec.dtype.qrange).float()
         return q, ((q - zero_float) * scale).float()
+
+    def _round_float(self, column: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """FP4 grids (NVFP4, MXFP4) as `qparams.round_float_grid` rounds: divided by the float32 scale under a
+        global scale, else by the scale in the weight's dtype."""
+        if group not in self._columns:
+            scale = self.scale[:, group].contiguous()
+            divisor = scale.float() / self.global_scale if self.global_scale is not None else scale
+            self._columns[group] = (divisor, divisor.float())
+        divisor, divisor_float = self._columns[group]
+        q = float_grids.round_to_fp4(column.to(self.dtype) / divisor)
+        return q, q * divisor_float
 
 
 SUB_BLOCK = 16  # columns whose updates are applied one by one; the rest of a block gets them as one matmul
@@ -263,7 +289,7 @@ def _quantize_columns(
     Every weight row's arithmetic is the same whatever other rows are solved beside it: the per-column steps
     are elementwise (no fused multiply-add whose use could depend on a row's place in a vector), and the
     matmuls run on blocks of ROW_BLOCK rows."""
-    qt = torch.empty(wt.shape, dtype=torch.int8, device=wt.device)  # the grid integers
+    qt = torch.empty(wt.shape, dtype=torch.float8_e4m3fn if grid.float_grid else torch.int8, device=wt.device)  # the grid values
     dynamic_size = grid.spec.group_size if grid.dynamic else None
     sub = math.gcd(SUB_BLOCK, dynamic_size) if dynamic_size else SUB_BLOCK
     row_blocks = [slice(r, r + ROW_BLOCK) for r in range(0, wt.shape[1], ROW_BLOCK)]

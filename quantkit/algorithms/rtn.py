@@ -8,5 +8,6 @@ from quantkit.schemes import WeightSpec
 
 
 @register(Algorithm.RTN)
-def rtn_quantize(weight: torch.Tensor, spec: WeightSpec) -> QuantizedWeight:
-    return quantize_weight(weight, spec)
+def rtn_quantize(weight: torch.Tensor, spec: WeightSpec, global_scale: torch.Tensor | None = None) -> QuantizedWeight:
+    """NVFP4: `global_scale` is the one shared with the weights a kernel fuses with this one (its own when None)."""
+    return quantize_weight(weight, spec, global_scale)

@@ -10,11 +10,11 @@ from functools import cached_property
 import torch
 from torch import nn
 
-from quantkit.architectures import LayerWiring, traced_wiring, wiring_of
+from quantkit.architectures import LayerWiring, kernel_fused_groups, traced_wiring, wiring_of
 from quantkit.distributed import Context
 from quantkit.moe import MoEWiring, is_moe_layer, traced_moe_wiring
 from quantkit.plan import ModulePlan
-from quantkit.qparams import QuantizedWeight
+from quantkit.qparams import QuantizedWeight, fused_global_scales
 from quantkit.registry import Recipe
 
 ERROR_ROWS = 256  # output rows the Hessian-weighted error is measured on (evenly spaced): an estimate, cheap
@@ -65,6 +65,12 @@ class Layer:
         if is_moe_layer(self.module):
             return traced_moe_wiring(self.module, self.inputs[0])
         return traced_wiring(self.module, self.inputs[0])
+
+    def global_scales(self) -> dict[str, torch.Tensor]:
+        """NVFP4: each quantized Linear's weight global scale, shared by the Linears a kernel fuses (q/k/v, gate/up:
+        `architectures.kernel_fused_groups`), from their weights as they are now. Empty for other grids."""
+        weights = {n: m.weight.data for n, m in self.linears.items() if self.plan[n].scheme.weights.global_scale}
+        return fused_global_scales(weights, kernel_fused_groups(list(weights)))
 
     @property
     def distributed(self) -> bool:

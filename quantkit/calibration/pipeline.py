@@ -40,9 +40,10 @@ Step = Callable[[Layer], "list[torch.Tensor] | None"]
 
 def layer_steps(recipe: Recipe) -> list[Step]:
     """The steps every layer runs, in order: transforms, static scales (if the scheme has them), the quantizer."""
-    static = recipe.scheme.activations is not None and not recipe.scheme.activations.dynamic
+    static = recipe.scheme.activations is not None and recipe.scheme.activations.calibrated
     if static and recipe.quantizer.name is Algorithm.GPTQ:
-        raise UsageError("GPTQ with static activation scales is not supported yet; use rtn for static recipes")
+        raise UsageError("GPTQ with calibrated activation scales (static, or NVFP4's global scale) is not supported yet; "
+                         "use rtn for these recipes, or a weight-only GPTQ recipe")
     steps = [_bound(step) for step in recipe.transforms] + ([static_scales_step] if static else [])
     return steps + [_bound(recipe.quantizer)]
 

@@ -1,13 +1,17 @@
 """compressed-tensors output (vLLM's native format), produced on any device, CPU included.
 
 The weights arrive quantized on the recipe's grid (`QuantizedModel`); compressed-tensors receives their qparams
-and packs them: int2/int3/int4/int8 weight-only as pack-quantized (int3 densely, across int32 words), int8 W8A8 as int-quantized, float8 as float-quantized.
+and packs them: int2-int8 weight-only as pack-quantized (int3 densely, across int32 words), int8 W8A8 as
+int-quantized, float8 (per channel or per block) as float-quantized, NVFP4 as nvfp4-pack-quantized, MXFP4 as
+mxfp4-pack-quantized, MXFP8 as mxfp8-quantized. The library picks the format from the quantization args, as it
+does for LLM Compressor.
 `as_loaded` gives the model compressed-tensors' own forward (dequantized weights, activations quantized per
 token at run time), so it computes exactly what the reloaded artifact computes.
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -27,20 +31,58 @@ from quantkit.plan import ModulePlan
 from quantkit.qparams import QParams
 from quantkit.quantized_model import QuantizedModel
 from quantkit.registry import Recipe
-from quantkit.schemes import ActivationSpec, Granularity, QuantScheme, WeightSpec
+from quantkit.schemes import ActivationSpec, Granularity, QDtype, QuantScheme, ScaleDtype, WeightSpec
 
 
 def unsupported(recipe: Recipe) -> str | None:
-    scheme = recipe.scheme
-    if scheme.weights.is_asymmetric and compression_format(scheme) == "pack-quantized":
-        return "asymmetric pack-quantized weights do not load in transformers (packed zero-point shape mismatch)"
     return None
 
 
+@contextmanager
+def packed_zero_points_on_load():
+    """Inside: transformers loads asymmetric pack-quantized artifacts. compressed-tensors 0.20 gives a module it
+    prepares for loading (on the meta device) an unpacked zero point [out, groups] while the checkpoint holds the
+    packed one [ceil(out * bits / 32), groups] (llm-compressor issue #1618); this gives the prepared module the
+    packed shape, which its decompression then unpacks. Nothing else changes."""
+    from compressed_tensors.compressors.pack_quantized.base import PACK_ZP_STRATS, PackedQuantizationCompressor
+
+    original = PackedQuantizationCompressor.__dict__["compress"]
+
+    def compress(cls, state_dict, scheme):
+        zero = state_dict.get("weight_zero_point")
+        weights = scheme.weights
+        compressed = original.__func__(cls, state_dict, scheme)
+        if zero is not None and zero.device.type == "meta" and not weights.symmetric and weights.strategy in PACK_ZP_STRATS:
+            rows = -(-zero.shape[0] * weights.num_bits // 32)
+            compressed["weight_zero_point"] = torch.empty((rows, *zero.shape[1:]), dtype=torch.int32, device="meta")
+        return compressed
+
+    PackedQuantizationCompressor.compress = classmethod(compress)
+    try:
+        yield
+    finally:
+        PackedQuantizationCompressor.compress = original
+
+
 def compression_format(scheme: QuantScheme) -> str:
-    if scheme.weights.dtype.is_float:
+    spec = scheme.weights
+    if spec.dtype is QDtype.FLOAT4:
+        return "nvfp4-pack-quantized" if spec.global_scale else "mxfp4-pack-quantized"
+    if spec.scale_dtype is ScaleDtype.E8M0:
+        return "mxfp8-quantized"
+    if spec.dtype.is_float:
         return "float-quantized"
     return "int-quantized" if scheme.activations else "pack-quantized"
+
+
+def loading_caveat(recipe: Recipe) -> str | None:
+    """What plain transformers cannot load of what this recipe writes (vLLM serves it), or None."""
+    if recipe.scheme.weights.is_asymmetric and compression_format(recipe.scheme) == "pack-quantized":
+        import transformers
+
+        return (f"written for vLLM: transformers {transformers.__version__} cannot load asymmetric pack-quantized weights "
+                "(it sizes the packed zero points unpacked; llm-compressor issue #1618); `quantkit eval` loads them itself")
+    return None
 
 
 def experts_caveat(model: nn.Module, recipe: Recipe) -> str | None:
@@ -60,27 +102,44 @@ def experts_caveat(model: nn.Module, recipe: Recipe) -> str | None:
 def weight_bytes(entry: ModulePlan, element_size: int) -> int:
     """Packed grid (int32 words for pack-quantized, else one byte per element), scales, zero points, shape."""
     spec, rows, cols = entry.scheme.weights, entry.out_features, entry.in_features
-    if compression_format(entry.scheme) == "pack-quantized":
+    fmt = compression_format(entry.scheme)
+    if fmt == "pack-quantized":
         grid = rows * -(-cols * spec.dtype.bits // 32) * 4 + 16  # weight_packed + weight_shape
+    elif fmt.endswith("fp4-pack-quantized"):
+        grid = rows * cols // 2  # two FP4 values per byte
     else:
         grid = rows * cols
-    return grid + spec.qparam_bytes(rows, cols, element_size) + (4 if entry.scheme.activations and not entry.scheme.activations.dynamic else 0)
+    acts = entry.scheme.activations
+    return grid + spec.qparam_bytes(rows, cols, element_size) + (4 if acts and acts.calibrated else 0)
+
+
+_SCALE_DTYPES = {ScaleDtype.FLOAT8: torch.float8_e4m3fn, ScaleDtype.E8M0: torch.uint8}  # as compressed-tensors names them
 
 
 def _weight_args(spec: WeightSpec) -> QuantizationArgs:
-    group = spec.granularity is Granularity.GROUP
+    strategy = {Granularity.GROUP: "tensor_group" if spec.global_scale else "group", Granularity.BLOCK: "block"}
+    scale_dtype = _SCALE_DTYPES.get(spec.scale_dtype)
     return QuantizationArgs(
         num_bits=spec.dtype.bits, type="float" if spec.dtype.is_float else "int", symmetric=spec.symmetric,
-        strategy="group" if group else "channel", group_size=spec.group_size if group else None,
+        strategy=strategy.get(spec.granularity, "channel"), group_size=spec.group_size,
+        block_structure=list(spec.block_shape) if spec.block_shape else None,
+        scale_dtype=scale_dtype, zp_dtype=scale_dtype,
     )
 
 
 def _activation_args(spec: ActivationSpec | None) -> QuantizationArgs | None:
     if spec is None:
         return None
+    if spec.granularity is Granularity.GROUP:
+        strategy = "tensor_group" if spec.global_scale else "group"
+    else:
+        strategy = "token" if spec.dynamic else "tensor"
+    scale_dtype = _SCALE_DTYPES.get(spec.scale_dtype)
     return QuantizationArgs(
-        num_bits=8, type="float" if spec.dtype.is_float else "int", symmetric=spec.symmetric,
-        strategy="token" if spec.dynamic else "tensor", dynamic=spec.dynamic,
+        num_bits=spec.dtype.bits, type="float" if spec.dtype.is_float else "int", symmetric=spec.symmetric,
+        strategy=strategy, group_size=spec.group_size, dynamic="local" if spec.global_scale else spec.dynamic,
+        scale_dtype=scale_dtype, zp_dtype=scale_dtype,
+        **({"observer": "static_minmax"} if spec.global_scale else {}),
     )
 
 
@@ -123,6 +182,8 @@ def set_qparams(module: nn.Module, qparams: QParams) -> None:
     """Give an installed module its qparams (from any algorithm). Its weight holds the dequantized grid values,
     which compressed-tensors re-quantizes to exactly the grid integers when it packs."""
     module.weight_scale = nn.Parameter(qparams.scale.reshape(module.weight_scale.shape), requires_grad=False)
+    if qparams.global_scale is not None:
+        module.weight_global_scale.data.copy_(qparams.global_scale.reshape(module.weight_global_scale.shape))  # fused modules share it: copied
     if qparams.zero_point is not None:
         zero = qparams.zero_point.reshape(module.weight_zero_point.shape)
         module.weight_zero_point.data = zero.to(module.weight_zero_point.dtype)
@@ -135,8 +196,9 @@ def freeze(model: nn.Module) -> None:
 
 
 def set_input_scale(module: nn.Module, scale: torch.Tensor) -> None:
-    """A static activation scale measured on calibration data."""
-    module.input_scale.data = scale.reshape(module.input_scale.shape).to(module.input_scale.dtype)
+    """A static activation scale measured on calibration data (NVFP4: the activations' global scale)."""
+    target = module.input_global_scale if hasattr(module, "input_global_scale") else module.input_scale
+    target.data = scale.reshape(target.shape).to(target.dtype)
 
 
 def as_loaded(quantized: QuantizedModel) -> nn.Module:

@@ -51,6 +51,10 @@ def torchao_config(scheme: QuantScheme):
     granularity = PerAxis(0) if per_channel else PerGroup(w.group_size)
     mapping = MappingType.SYMMETRIC if w.symmetric else MappingType.ASYMMETRIC
     float32_scale = w.scale_dtype is ScaleDtype.FLOAT32
+    if w.dtype is QDtype.FLOAT4 or w.scale_dtype in (ScaleDtype.FLOAT8, ScaleDtype.E8M0) or w.granularity is Granularity.BLOCK:
+        raise ValueError("quantkit writes NVFP4, MX and FP8-block weights as compressed-tensors only")
+    if a is not None and a.granularity is Granularity.GROUP:
+        raise ValueError("quantkit writes per-group activations as compressed-tensors only")
     if w.dtype is QDtype.FLOAT8:
         if a is not None and a.dtype is QDtype.FLOAT8:
             return Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())
@@ -64,7 +68,7 @@ def torchao_config(scheme: QuantScheme):
             return Int8DynamicActivationInt8WeightConfig(granularity=PerRow())
     if float32_scale:
         raise ValueError("torchao's int configs keep scales in the model's dtype here; use scale_dtype: model")
-    dtype = {QDtype.INT2: torch.int2, QDtype.INT3: torch.int3, QDtype.INT4: torch.int4}.get(w.dtype, torch.int8)
+    dtype = getattr(torch, w.dtype.value)  # torch.int2 ... torch.int8
     if a is None:
         return IntxWeightOnlyConfig(weight_dtype=dtype, granularity=granularity, mapping_type=mapping)
     if a.symmetric:

@@ -38,8 +38,6 @@ def test_missing_package_is_named(tmp_path):
         hardware.check(registry.resolve(str(path)), Format.TORCHAO)
 
 
-def test_scheme_a_format_cannot_express_is_refused_with_the_alternative(tmp_path):
-    path = tmp_path / "asym.yaml"
-    path.write_text("scheme: {weights: {dtype: int4, granularity: group, group_size: 32, symmetric: false}}\nformat: torchao")
-    with pytest.raises(FormatError, match="use --format torchao"):
-        check_supported(registry.resolve(str(path)), Format.COMPRESSED_TENSORS)
+def test_scheme_a_format_cannot_express_is_refused_with_the_alternative():
+    with pytest.raises(FormatError, match="NVFP4.*use --format compressed-tensors"):
+        check_supported(registry.resolve("nvfp4-a16"), Format.TORCHAO)

@@ -9,13 +9,16 @@ from torch import nn
 
 from quantkit import qat, registry
 from quantkit.export.torchao import torchao_config
+from quantkit.export.torchao import unsupported as torchao_unsupported
 from quantkit.plan import plan_model
-from quantkit.qparams import fake_quantize_weight
+from quantkit.architectures import kernel_fused_groups
+from quantkit.qparams import fake_quantize_weight, fused_global_scales
 from quantkit.schemes import Granularity, QDtype, QuantScheme, ScaleDtype, WeightSpec
 
 DTYPES = [torch.float32, torch.bfloat16]
 RECIPES = [name for name in registry.recipe_names() if not registry.resolve(name).needs_calibration]
-INT_RECIPES = [name for name in RECIPES if not name.startswith("float8")]
+TORCHAO_RECIPES = [name for name in RECIPES if torchao_unsupported(registry.resolve(name)) is None]  # a torchao PTQ config to compare with
+INT_RECIPES = [name for name in TORCHAO_RECIPES if not name.startswith("float8")]
 EXACT = dict(atol=0, rtol=0)
 
 
@@ -82,6 +85,13 @@ def test_configs_use_torchao_where_it_is_exact_and_quantkit_elsewhere():
 
     assert {name: kinds(name) for name in RECIPES} == {
         "float8-dynamic-act-float8-weight": (Float8FakeQuantizeConfig.__name__,) * 2,
+        "fp8-block": ("GroupActivationFakeQuantizeConfig", "GridFakeQuantizeConfig"),
+        "int4-asym": ("NoneType", "GridFakeQuantizeConfig"),
+        "mxfp4": ("GroupActivationFakeQuantizeConfig", "GridFakeQuantizeConfig"),
+        "mxfp4-a16": ("NoneType", "GridFakeQuantizeConfig"),
+        "mxfp8": ("GroupActivationFakeQuantizeConfig", "GridFakeQuantizeConfig"),
+        "nvfp4-a16": ("NoneType", "GridFakeQuantizeConfig"),
+        "w4a8-fp8": (Float8FakeQuantizeConfig.__name__, IntxFakeQuantizeConfig.__name__),
         "int2-weight-only": ("NoneType", IntxFakeQuantizeConfig.__name__),
         "int4-weight-only": ("NoneType", IntxFakeQuantizeConfig.__name__),
         "int8-dynamic-act-int4-weight": (IntxFakeQuantizeConfig.__name__,) * 2,
@@ -175,7 +185,13 @@ def test_float8_prepared_linear_matches_torchao_ptq_on_cuda():
 # ---------------------------------------------------------------- a whole model
 
 def _recipe_with_a_skipped_module(name):
+    """The recipe with one more module left out; FP8 blocks of 16x16 and activation groups of 16 (128 fits none of
+    the tiny model's Linears)."""
     recipe = registry.resolve(name)
+    if recipe.scheme.weights.granularity is Granularity.BLOCK:
+        recipe = dataclasses.replace(recipe, scheme=QuantScheme(
+            dataclasses.replace(recipe.scheme.weights, block_shape=(16, 16)),
+            dataclasses.replace(recipe.scheme.activations, group_size=16)))
     return dataclasses.replace(recipe, ignore=(*recipe.ignore, "re:layers\\.1\\.mlp\\.up_proj"))
 
 
@@ -193,10 +209,13 @@ def test_prepare_installs_exactly_the_plan_and_trains(name, tiny_model_dir):
     assert type(model.lm_head) is nn.Linear and type(model.get_submodule("model.layers.1.mlp.up_proj")) is nn.Linear
     assert list(model.state_dict()) == keys and {n: id(p) for n, p in model.named_parameters()} == params
 
+    weights = {e.name: model.get_submodule(e.name).weight.detach() for e in plan if e.quantized}
+    nvfp4 = {name: weight for name, weight in weights.items() if qat.prepared_schemes(model)[name].weights.global_scale}
+    global_scales = fused_global_scales(nvfp4, kernel_fused_groups(list(nvfp4)))  # NVFP4: shared by q/k/v, by gate/up
     for module_name, seen in qat.fake_quantized_weights(model).items():
         entry = next(e for e in plan if e.name == module_name)
-        weight = model.get_submodule(module_name).weight
-        torch.testing.assert_close(seen, fake_quantize_weight(weight.detach(), entry.scheme.weights), **EXACT)
+        expected = fake_quantize_weight(weights[module_name], entry.scheme.weights, global_scales.get(module_name))
+        torch.testing.assert_close(seen, expected, **EXACT)
 
     _loss(model).backward()
     prepared = [model.get_submodule(e.name).weight for e in plan if e.quantized]

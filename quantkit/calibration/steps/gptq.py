@@ -108,26 +108,31 @@ def _solve(layer: Layer, names: list[str], hessian: torch.Tensor, args: GPTQArgs
         factor = inverse_hessian(hessian.to(layer.linears[names[0]].weight.device), args)
     except ValueError as exc:
         raise UsageError(f"GPTQ failed on {', '.join(names)}: {exc}") from exc
-    for same_grid in _by_grid(layer, names):
+    global_scales = layer.global_scales()
+    for same_grid in _by_grid(layer, names, global_scales):
         weights = [layer.linears[n].weight.data for n in same_grid]
         stacked = torch.cat(weights) if len(weights) > 1 else weights[0]
         spec = layer.plan[same_grid[0]].scheme.weights
+        global_scale = global_scales.get(same_grid[0])
         if layer.distributed:
-            whole = _solve_shared(layer, stacked, factor, spec, args)
+            whole = _solve_shared(layer, stacked, factor, spec, args, global_scale)
         else:
-            whole = gptq_quantize_rows(stacked, factor, spec, args)
+            whole = gptq_quantize_rows(stacked, factor, spec, args, global_scale)
         for name, weight, qweight in zip(same_grid, weights, split_rows(whole, [w.shape[0] for w in weights])):
             layer.record(name, qweight, relative_error(weight, qweight, hessian))
         del stacked
 
 
-def _solve_shared(layer: Layer, stacked: torch.Tensor, factor: InverseHessian, spec: WeightSpec, args: GPTQArgs) -> QuantizedWeight:
-    """This rank's share of the rows, then every rank's shares gathered."""
+def _solve_shared(layer: Layer, stacked: torch.Tensor, factor: InverseHessian, spec: WeightSpec, args: GPTQArgs,
+                  global_scale: torch.Tensor | None) -> QuantizedWeight:
+    """This rank's share of the rows, then every rank's shares gathered (NVFP4's global scale is the whole
+    weight's, the same on every rank)."""
     world, rank = layer.ctx.world_size, layer.ctx.rank
     shares = [row_share(stacked.shape[0], world, r) for r in range(world)]
     whole = empty_quantized(stacked, spec)
+    whole.global_scale = global_scale
     if shares[rank].stop > shares[rank].start:
-        mine = gptq_quantize_rows(stacked[shares[rank]], factor, spec, args)
+        mine = gptq_quantize_rows(stacked[shares[rank]], factor, spec, args, global_scale)
         for full, part in zip(_tensors(whole), _tensors(mine)):
             full[shares[rank]] = part
     distributed.all_gather_rows(_tensors(whole), shares, layer.ctx)
@@ -136,9 +141,11 @@ def _solve_shared(layer: Layer, stacked: torch.Tensor, factor: InverseHessian, s
     return whole
 
 
-def _by_grid(layer: Layer, names: list[str]) -> list[list[str]]:
-    """The modules stacked into one GPTQ run: all of them when they share a grid and a dtype, else one each."""
-    if len({layer.plan[n].scheme.weights for n in names}) > 1 or len({layer.linears[n].weight.dtype for n in names}) > 1:
+def _by_grid(layer: Layer, names: list[str], global_scales: dict[str, torch.Tensor]) -> list[list[str]]:
+    """The modules stacked into one GPTQ run: all of them when they share a grid, a dtype and (NVFP4) a global
+    scale, else one each."""
+    if (len({layer.plan[n].scheme.weights for n in names}) > 1 or len({layer.linears[n].weight.dtype for n in names}) > 1
+            or len({id(global_scales.get(n)) for n in names}) > 1):
         return [[n] for n in names]
     return [names]
 
@@ -150,5 +157,5 @@ def _tensors(qweight: QuantizedWeight) -> list[torch.Tensor]:
 def split_rows(qweight: QuantizedWeight, rows: list[int]) -> list[QuantizedWeight]:
     """A row-stacked QuantizedWeight cut back into its modules' (qdata, scale and zero point are per row)."""
     parts = [t.split(rows) if t is not None else [None] * len(rows) for t in (qweight.qdata, qweight.scale, qweight.zero_point)]
-    return [QuantizedWeight(q.contiguous(), s.contiguous(), z.contiguous() if z is not None else None, qweight.spec)
-            for q, s, z in zip(*parts)]
+    return [QuantizedWeight(q.contiguous(), s.contiguous(), z.contiguous() if z is not None else None, qweight.spec,
+                            qweight.global_scale) for q, s, z in zip(*parts)]

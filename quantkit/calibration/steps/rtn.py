@@ -15,8 +15,9 @@ from quantkit.calibration.steps import register
 def rtn_step(layer: Layer, args: RTNArgs) -> None:
     """Round each quantized Linear of the layer on its grid; every rank computes the same from the same weights."""
     started = time.perf_counter()
+    global_scales = layer.global_scales()
     for name, module in layer.linears.items():
         weight = module.weight.data
-        qweight = rtn_quantize(weight, layer.plan[name].scheme.weights)
+        qweight = rtn_quantize(weight, layer.plan[name].scheme.weights, global_scales.get(name))
         layer.record(name, qweight, relative_error(weight, qweight, None))
     layer.result.seconds["quantize"] += time.perf_counter() - started

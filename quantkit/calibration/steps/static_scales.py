@@ -1,4 +1,5 @@
-"""Static activation scales: per-tensor input ranges of every quantized Linear, observed on calibration data.
+"""Static activation scales: per-tensor input ranges of every quantized Linear, observed on calibration data
+(NVFP4: the activations' global scale, 448 * 6 / absmax).
 
 Not an algorithm of the recipe's list but a property of its scheme (`activations: {dynamic: false}`): the
 pipeline runs this step before the quantizer whenever the scheme asks for static scales.
@@ -10,10 +11,11 @@ import time
 
 import torch
 
-from quantkit import distributed
+from quantkit import distributed, float_grids
 from quantkit.calibration.hooks import observe, observer_groups
 from quantkit.calibration.layer import Layer
 from quantkit.observers import activation_observer
+from quantkit.precision import model_dtype
 
 
 def static_scales_step(layer: Layer) -> None:
@@ -26,5 +28,9 @@ def static_scales_step(layer: Layer) -> None:
         distributed.all_reduce_observer(observers[names[0]], layer.ctx)
     qmax = spec.dtype.qrange[1]
     for name, observer in observers.items():
-        layer.result.input_scales[name] = (observer.absmax() / qmax).clamp(min=torch.finfo(torch.float32).eps)
+        if spec.global_scale:  # NVFP4: the per-tensor scale above the dynamic FP8 group scales, computed in the
+            # activations' dtype as compressed-tensors does (the float32 absmax of bf16 values is a bf16 value)
+            layer.result.input_scales[name] = float_grids.global_scale(observer.absmax().to(model_dtype(layer.module)))
+        else:
+            layer.result.input_scales[name] = (observer.absmax() / qmax).clamp(min=torch.finfo(torch.float32).eps)
     layer.result.seconds["observe"] += time.perf_counter() - started

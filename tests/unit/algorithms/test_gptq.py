@@ -192,7 +192,7 @@ def test_non_finite_hessian_is_rejected():
 
 def test_float8_is_rejected():
     spec = WeightSpec(QDtype.FLOAT8, Granularity.CHANNEL)
-    with pytest.raises(ValueError, match="GPTQ supports integer weights"):
+    with pytest.raises(ValueError, match="GPTQ supports integer and FP4 weights"):
         gptq_quantize(_weight(), torch.eye(256), spec)
 
 

@@ -28,7 +28,7 @@ def test_dynamic_activations_need_no_static_scales():
 
 def test_gptq_with_static_scales_is_refused_up_front(tmp_path):
     recipe = _recipe(tmp_path, "{name: gptq}", ", activations: {dtype: int8, dynamic: false}")
-    with pytest.raises(UsageError, match="GPTQ with static activation scales"):
+    with pytest.raises(UsageError, match="GPTQ with calibrated activation scales"):
         layer_steps(recipe)
 
 
