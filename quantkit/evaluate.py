@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from quantkit.data import eval_windows, load_texts, tokenize
-from quantkit.errors import UsageError
+from quantkit.errors import UnsupportedModelError, UsageError
 from quantkit.export import metadata
 from quantkit.models import load_model, load_tokenizer, quantization_method, read_config_json, weights_size
 from quantkit.precision import float32_products, model_dtype
@@ -138,9 +138,21 @@ def load_eval_model(
     or torchao `quantization_config` in config.json) load through plain transformers. With `load_weights`
     False only the tokenizer is loaded (model is None)."""
     path = resolve_source(path)
+    _check_experts_load(path)
     tokenizer = load_tokenizer(Path(tokenizer_path) if tokenizer_path else path, trust_remote_code)
     model = load_model(path, dtype=dtype, trust_remote_code=trust_remote_code) if load_weights else None
     return model, tokenizer
+
+
+def _check_experts_load(path: Path) -> None:
+    from quantkit.export.compressed_tensors import experts_load_problem
+
+    problem = experts_load_problem(read_config_json(path)) if (Path(path) / "config.json").is_file() else None
+    if problem:
+        import transformers
+
+        raise UnsupportedModelError(f"{path}: transformers {transformers.__version__} cannot run this artifact's MoE experts "
+                                    f"({problem}); serve it with vLLM, or evaluate an artifact of a recipe whose experts load")
 
 
 def describe(path: str | Path) -> tuple[str | None, str | None]:

@@ -222,6 +222,18 @@ recipe = {
     "autoround-w4a16": lambda: [AutoRoundModifier(scheme="W4A16", iters=args.iters, batch_size=8,
                                                   enable_torch_compile=False, **common)],
     "autoround-w2a16": lambda: [AutoRoundModifier(iters=args.iters, batch_size=8, enable_torch_compile=False, **w2g32)],
+    # today's schemes (scripts/bench_schemes.py): compressed-tensors' presets
+    "rtn-nvfp4a16": lambda: [QuantizationModifier(scheme="NVFP4A16", **common)],
+    "rtn-nvfp4": lambda: [QuantizationModifier(scheme="NVFP4", **common)],
+    "gptq-nvfp4a16": lambda: [GPTQModifier(scheme="NVFP4A16", **gptq)],
+    "rtn-mxfp4a16": lambda: [QuantizationModifier(scheme="MXFP4A16", **common)],
+    "rtn-mxfp4": lambda: [QuantizationModifier(scheme="MXFP4", **common)],
+    "rtn-mxfp8": lambda: [QuantizationModifier(scheme="MXFP8", **common)],
+    "rtn-fp8-block": lambda: [QuantizationModifier(scheme="FP8_BLOCK", **common)],
+    "rtn-w4a16-asym": lambda: [QuantizationModifier(scheme="W4A16_ASYM", **common)],
+    "gptq-w4a16-asym": lambda: [GPTQModifier(scheme="W4A16_ASYM", **gptq)],
+    "awq-w4a16-asym": lambda: [AWQModifier(), QuantizationModifier(scheme="W4A16_ASYM", **common)],
+    "rtn-w4afp8": lambda: [QuantizationModifier(scheme="W4AFP8", **common)],
 }[args.recipe]()
 imported = time.perf_counter()
 

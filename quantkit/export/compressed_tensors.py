@@ -85,18 +85,53 @@ def loading_caveat(recipe: Recipe) -> str | None:
     return None
 
 
+# what transformers 5.23 does with compressed-tensors MoE experts (it dequantizes them into its fused parameters
+# while loading), by format, where that is not to load them right; measured on tiny Qwen3-MoE / Mixtral artifacts
+_EXPERTS_NOT_LOADED = {
+    "int-quantized": "it fails to load int8 W8A8 and W4A8 experts",
+    "nvfp4-pack-quantized": "its dequantized NVFP4 experts come out far from the artifact's weights, silently",
+    "mxfp8-quantized": "it fails to load MXFP8 experts",
+    "pack-quantized asymmetric": "it fails to load experts with zero points",
+}
+
+
+def experts_problem(fmt: str, symmetric: bool) -> str | None:
+    """What transformers does wrong with MoE experts of this compressed-tensors format, or None."""
+    return _EXPERTS_NOT_LOADED.get(fmt if symmetric or fmt != "pack-quantized" else "pack-quantized asymmetric")
+
+
 def experts_caveat(model: nn.Module, recipe: Recipe) -> str | None:
     """What plain transformers cannot do with the MoE experts this recipe writes, or None. transformers 5 loads
-    compressed-tensors MoE experts by dequantizing them into its fused parameters, and does that for packed
-    (pack-quantized) and FP8 experts only: int8 experts with quantized activations (int-quantized, vLLM's W8A8
-    layout) do not load."""
-    if not moe.experts_modules(model) or compression_format(recipe.scheme) != "int-quantized":
+    compressed-tensors MoE experts by dequantizing them into its fused parameters, and does that right for packed
+    symmetric integer, FP8 and MXFP4 experts only."""
+    if not moe.experts_modules(model):
+        return None
+    problem = experts_problem(compression_format(recipe.scheme), recipe.scheme.weights.symmetric)
+    if problem is None:
         return None
     import transformers
 
-    return (f"written for vLLM: transformers {transformers.__version__} cannot load int8 W8A8 MoE experts "
-            "(it dequantizes packed and FP8 experts only), so neither can `quantkit eval`; fp8-static and "
-            "float8-dynamic-act-float8-weight quantize MoE activations in a layout both load")
+    return (f"written for vLLM: transformers {transformers.__version__} cannot run this recipe's MoE experts "
+            f"({problem}), so neither can `quantkit eval`; int4-weight-only, gptq-w4a16, mxfp4-a16, fp8-static and "
+            "float8-dynamic-act-float8-weight write MoE experts both load")
+
+
+def experts_load_problem(config: dict) -> str | None:
+    """Why plain transformers cannot run the MoE experts of the compressed-tensors artifact whose config.json is
+    `config`, or None (not MoE, not compressed-tensors, or a format it loads right)."""
+    quantization = config.get("quantization_config") or {}
+    if quantization.get("quant_method") != "compressed-tensors":
+        return None
+    if not any(key in config for key in ("num_experts", "num_local_experts", "n_routed_experts")):
+        return None
+    for group in (quantization.get("config_groups") or {}).values():
+        if not any("experts" in target for target in group.get("targets", [])) and group.get("targets") != ["Linear"]:
+            continue
+        fmt = group.get("format") or quantization.get("format", "")
+        problem = experts_problem(fmt, (group.get("weights") or {}).get("symmetric", True))
+        if problem:
+            return problem
+    return None
 
 
 def weight_bytes(entry: ModulePlan, element_size: int) -> int:

@@ -258,3 +258,56 @@ def test_rows_shared_over_ranks_are_the_whole_weights_rows_bit_for_bit(spec, act
     assert torch.equal(torch.cat([p.scale for p in parts]), whole.scale)
     if whole.zero_point is not None:
         assert torch.equal(torch.cat([p.zero_point for p in parts]), whole.zero_point)
+
+
+# ---------------------------------------------------------------- FP4 grids (NVFP4, MXFP4)
+
+NVFP4 = WeightSpec(QDtype.FLOAT4, Granularity.GROUP, 16, scale_dtype=ScaleDtype.FLOAT8, global_scale=True)
+MXFP4 = WeightSpec(QDtype.FLOAT4, Granularity.GROUP, 32, scale_dtype=ScaleDtype.E8M0)
+FP4_SPECS = [NVFP4, MXFP4]
+FP4_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("actorder", [False, True])
+@pytest.mark.parametrize("spec", FP4_SPECS, ids=["nvfp4", "mxfp4"])
+def test_fp4_identity_hessian_equals_rtn_exactly(spec, actorder, dtype):
+    weight = _weight(dtype)
+    ours = gptq_quantize(weight, torch.eye(256), spec, GPTQArgs(actorder=actorder))
+    rtn = quantize_weight(weight, spec)
+    assert ours.qdata.dtype == torch.float8_e4m3fn and torch.equal(ours.qdata.float(), rtn.qdata.float())
+    assert ours.scale.dtype == rtn.scale.dtype and torch.equal(ours.scale, rtn.scale)
+    assert (ours.global_scale is None) == (spec is MXFP4)
+    assert spec is MXFP4 or torch.equal(ours.global_scale, rtn.global_scale)
+
+
+@pytest.mark.parametrize("actorder", [False, True])
+@pytest.mark.parametrize("spec", FP4_SPECS, ids=["nvfp4", "mxfp4"])
+def test_fp4_hessian_weighted_error_is_lower_than_rtn_and_on_the_grid(spec, actorder):
+    weight, hessian = _weight(torch.bfloat16), _hessian(_inputs())
+    ours = gptq_quantize(weight, hessian, spec, GPTQArgs(actorder=actorder))
+    assert _weighted_error(weight, ours, hessian) < 0.8 * _weighted_error(weight, quantize_weight(weight, spec), hessian)
+    assert torch.isin(ours.qdata.float().abs(), FP4_VALUES).all()
+    assert torch.equal(quantize_with(ours.dequantize(torch.bfloat16), spec, ours.scale, None, ours.global_scale).qdata.float(),
+                       ours.qdata.float())  # the dequantized weights re-quantize to the same grid values (what export does)
+
+
+def test_nvfp4_rows_shared_over_ranks_use_the_whole_weights_global_scale():
+    from quantkit.algorithms.gptq import gptq_quantize_rows, inverse_hessian, row_share
+    from quantkit.qparams import weight_global_scale
+
+    weight = _weight(torch.bfloat16, out=300, inp=256)
+    weight[290, 7] = 1.0  # the largest value sits in the last share: its global scale is every share's
+    hessian = _hessian(_inputs())
+    whole = gptq_quantize(weight, hessian, NVFP4)
+    global_scale = weight_global_scale([weight])
+    factor = inverse_hessian(hessian)
+    parts = [gptq_quantize_rows(weight[s], factor, NVFP4, GPTQArgs(), global_scale) for s in (row_share(300, 3, r) for r in range(3))]
+    assert torch.equal(whole.global_scale, global_scale) and all(torch.equal(p.global_scale, global_scale) for p in parts)
+    assert torch.equal(torch.cat([p.qdata.float() for p in parts]), whole.qdata.float())
+    assert torch.equal(torch.cat([p.scale for p in parts]), whole.scale)
+
+
+def test_float8_grids_are_refused():
+    with pytest.raises(ValueError, match="use rtn for float8"):
+        gptq_quantize(_weight(), torch.eye(256), WeightSpec(QDtype.FLOAT8, Granularity.BLOCK, block_shape=(128, 128)))
