@@ -130,7 +130,9 @@ def results_table(reports, base, names: list[str]):
     tasks = list(base.tasks)
     metrics = sorted({score.metric for score in base.tasks.values()})
     scores = f"; task scores: {', '.join(metrics)} in %" if tasks else ""
-    table = Table(title="quantkit eval", caption=f"perplexity change is relative to {names[reports.index(base)]}{scores}")
+    dequantized = ("; compressed-tensors artifacts compute with dequantized weights (transformers has no FP4 / FP8 / int4 "
+                   "kernels), their activations quantized as vLLM quantizes them") if any(r.format == "compressed-tensors" for r in reports) else ""
+    table = Table(title="quantkit eval", caption=f"perplexity change is relative to {names[reports.index(base)]}{scores}{dequantized}")
     table.add_column("model", no_wrap=True)
     for column in ("size", "perplexity", "change", "tokens/s"):
         table.add_column(column, justify="right", no_wrap=True)

@@ -1,0 +1,44 @@
+"""Which compressed-tensors formats the new schemes take, and what plain transformers cannot do with them."""
+
+import pytest
+
+from quantkit import registry
+from quantkit.export.compressed_tensors import compression_format, experts_load_problem, loading_caveat, quantization_config
+from quantkit.plan import ModulePlan
+
+
+@pytest.mark.parametrize("name,fmt", [
+    ("nvfp4", "nvfp4-pack-quantized"), ("nvfp4-a16", "nvfp4-pack-quantized"), ("mxfp4-a16", "mxfp4-pack-quantized"),
+    ("mxfp8", "mxfp8-quantized"), ("fp8-block", "float-quantized"), ("int4-asym", "pack-quantized"),
+    ("w4a8-fp8", "int-quantized"), ("int4-weight-only", "pack-quantized"),
+])
+def test_each_recipe_names_the_format_compressed_tensors_infers(name, fmt):
+    from compressed_tensors.compressors.format import infer_module_format
+    from torch import nn
+
+    recipe = registry.resolve(name)
+    plan = [ModulePlan("layer", 256, 256, scheme=recipe.scheme)]
+    scheme = quantization_config(plan, recipe).config_groups["group_0"]
+    assert compression_format(recipe.scheme) == fmt == infer_module_format(nn.Linear, scheme).value
+
+
+def test_only_asymmetric_packed_artifacts_carry_the_loading_caveat():
+    caveats = {name for name in registry.recipe_names() if loading_caveat(registry.resolve(name))}
+    assert caveats == {"int4-asym", "gptq-w4a16-asym", "awq-w4a16-asym"}
+
+
+def _moe_config(fmt: str, symmetric: bool = True) -> dict:
+    group = {"format": fmt, "targets": ["Linear"], "weights": {"symmetric": symmetric}}
+    return {"num_experts": 4, "quantization_config": {"quant_method": "compressed-tensors", "format": fmt,
+                                                      "config_groups": {"group_0": group}}}
+
+
+def test_moe_artifacts_whose_experts_transformers_mishandles_are_named():
+    assert "NVFP4" in experts_load_problem(_moe_config("nvfp4-pack-quantized"))
+    assert "zero points" in experts_load_problem(_moe_config("pack-quantized", symmetric=False))
+    assert experts_load_problem(_moe_config("int-quantized"))
+    for fine in ("pack-quantized", "float-quantized", "mxfp4-pack-quantized"):
+        assert experts_load_problem(_moe_config(fine)) is None
+    dense = _moe_config("nvfp4-pack-quantized")
+    del dense["num_experts"]
+    assert experts_load_problem(dense) is None
