@@ -126,4 +126,5 @@ def all_gather_rows(tensors: list[torch.Tensor], shares: list[slice], ctx: Conte
     for rank, rows in enumerate(shares):
         if rows.stop > rows.start:
             for tensor in tensors:
-                dist.broadcast(tensor[rows], src=rank)
+                part = tensor[rows]
+                dist.broadcast(part.view(torch.uint8) if part.dtype == torch.float8_e4m3fn else part, src=rank)  # gloo has no float8
