@@ -42,6 +42,11 @@ def finalize(
     quantize: QuantizeOpt,
     format: FormatOpt = None,
     calib_data: CalibDataOpt = None,
+    kv_cache: Annotated[
+        Optional[str], typer.Option("--kv-cache", metavar="fp8|fp8-head|none", show_default=False,
+                                    help="Quantize the KV cache too (vLLM's FP8 cache): key and value scales measured on --calib-data, "
+                                         "per tensor (fp8) or per key/value head (fp8-head); none drops a recipe's.")
+    ] = None,
     num_samples: NumSamplesOpt = None,
     seq_len: SeqLenOpt = None,
     device: DeviceOpt = "cpu",
@@ -92,11 +97,13 @@ def finalize(
 
       quantkit finalize ./my-model ./my-model-gptq -q gptq-w4a16 --calib-data train.txt --resume   (after Ctrl-C or a crash)
 
+      quantkit finalize ./my-model ./out -q fp8-block --kv-cache fp8 --calib-data train.txt   (vLLM: --kv-cache-dtype fp8)
+
       quantkit finalize ./my-model ./out -q gptq-w4a16 --calib-data train.txt --nproc-per-node 8 --nnodes 2 --node-rank 0 --rdzv-endpoint node0:29500
       (and --node-rank 1 on the second machine)
     """
     launch = Launch(nproc_per_node, nnodes, node_rank, rdzv_endpoint, rdzv_backend)
-    recipe = registry.resolve(quantize)
+    recipe = registry.with_kv_cache(registry.resolve(quantize), kv_cache)
     fmt = registry.Format(format.value) if format else None
     src = sources.resolve_source(src, revision)  # before torch loads: a wrong SRC or DST is reported at once
     if not dry_run:
@@ -249,6 +256,10 @@ def print_summary(result) -> None:
             table.add_row("  tokens per expert", experts_line(calib["routed_tokens"]))
         if calib.get("autoround"):
             table.add_row("  AutoRound", autoround_line(calib["autoround"]))
+        if calib.get("kv_cache"):
+            kv = calib["kv_cache"]
+            table.add_row("  KV cache", f"{kv['scheme']} in {kv['attention_modules']} attention modules; largest |key| {kv['max_abs_key']:.3g}, "
+                          f"|value| {kv['max_abs_value']:.3g} (scale = that / 448); serve with vLLM's --kv-cache-dtype fp8")
         if calib.get("ranks", 1) > 1 and calib.get("peak_rss_per_rank"):
             table.add_row("  peak RAM per rank", " / ".join(human_bytes(b) for b in calib["peak_rss_per_rank"]))
         if calib.get("gptq_rows_per_rank"):

@@ -142,6 +142,10 @@ def wiring_of(layer: nn.Module) -> LayerWiring:
     return wiring
 
 
+KV_CACHE_PROJECTIONS = ("k_proj", "v_proj", "qkv_proj", "kv_b_proj")
+"""An attention module with one of these computes keys and values for a cache (compressed-tensors' names)."""
+
+
 KERNEL_FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("w1", "w3"), ("q_a_proj", "kv_a_proj_with_mqa"))
 """Sibling Linears an inference kernel runs as one (vLLM's QKV and gate/up merges, an MoE expert's w1/w3): NVFP4
 gives them one weight global scale, as vLLM requires and LLM Compressor does (its FUSED_LAYER_NAMES)."""

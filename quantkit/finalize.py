@@ -102,6 +102,10 @@ def prepare(
     if fmt is Format.TORCHAO and moe.experts_modules(skeleton):
         raise FormatError(f"{src} is a mixture-of-experts model; quantkit writes MoE experts as compressed-tensors only: "
                           "use --format compressed-tensors")
+    if recipe.kv_cache is not None:
+        from quantkit import kv_cache
+
+        kv_cache.check_model(skeleton, models.decoder_layers(skeleton))
     plan = plan_model(skeleton, recipe)
     if plan and not any(entry.quantized for entry in plan):
         raise UsageError(
@@ -174,13 +178,26 @@ def calibration_summary(result, samples, options: CalibrationOptions, recipe: Re
         "skipped": result.skipped,
         "routed_tokens": result.routed_tokens or None,  # MoE: tokens the router sent to each expert, all ranks
         "autoround": result.tuning or None,  # per decoder layer: output loss with round-to-nearest and after tuning
+        "kv_cache": _kv_cache_summary(result.kv_ranges, recipe),
         "relative_error": {"mean": sum(errors.values()) / max(1, len(errors)), "max": max(errors.values(), default=0.0),
                            "per_module": errors},
     }
 
 
+def _kv_cache_summary(ranges: dict[str, float], recipe: Recipe) -> dict | None:
+    """The KV cache's scheme and the largest key and value magnitudes seen (scale = magnitude / 448)."""
+    if recipe.kv_cache is None:
+        return None
+    keys = [v for n, v in ranges.items() if n.endswith(".k_scale")]
+    values = [v for n, v in ranges.items() if n.endswith(".v_scale")]
+    return {"scheme": recipe.kv_cache.describe(), "attention_modules": len(keys),
+            "max_abs_key": max(keys, default=0.0), "max_abs_value": max(values, default=0.0)}
+
+
 def check_calibration_data(recipe: Recipe, options: CalibrationOptions | None) -> None:
     if not ((options and options.data) or recipe.calibration.dataset):
+        if recipe.kv_cache is not None and not recipe.needs_calibration_without_kv:
+            raise UsageError("the KV cache's scales are measured on data: pass --calib-data FILE (a .txt/.jsonl/.parquet file or a datasets spec)")
         raise UsageError(f"recipe '{recipe.name}' calibrates on data: pass --calib-data FILE (a .txt/.jsonl/.parquet file or a datasets spec)")
 
 
@@ -203,7 +220,7 @@ def quantize(
             return QuantizedModel(model, plan, recipe, round_to_nearest(model, plan, advance))
         result = _calibrate(model, prepared, recipe, samples, options, progress, ctx, dtype)
         qparams = {name: qweight.qparams for name, qweight in result.qweights.items()}
-        return QuantizedModel(model, plan, recipe, qparams, result.input_scales)
+        return QuantizedModel(model, plan, recipe, qparams, result.input_scales, result.kv_scales)
 
 
 def round_to_nearest(model: nn.Module, plan: list[ModulePlan], advance=lambda: None) -> dict[str, QParams]:
@@ -417,14 +434,15 @@ class _LayerIO:
         self.streamed.release_rest()
 
     def done(self, module: nn.Module, prefix: str, result) -> None:
-        """Layer `prefix` is finished: its qparams and input scales leave the result with it."""
+        """Layer `prefix` is finished: its qparams, input scales and KV cache scales leave the result with it."""
         qparams = {n: result.qweights.pop(n).qparams for n in _under(prefix, result.qweights)}
         scales = {n: result.input_scales.pop(n) for n in _under(prefix, result.input_scales)}
-        self.write([module], qparams, scales)
+        kv_scales = {n: result.kv_scales.pop(n) for n in _under(prefix, result.kv_scales)}
+        self.write([module], qparams, scales, kv_scales)
 
-    def write(self, modules: list[nn.Module], qparams: dict[str, QParams], scales: dict) -> None:
+    def write(self, modules: list[nn.Module], qparams: dict[str, QParams], scales: dict, kv_scales: dict | None = None) -> None:
         if self.writer is not None:
-            self.writer.add(modules, qparams, scales)
+            self.writer.add(modules, qparams, scales, kv_scales or {})
         for module in modules:
             self.streamed.release(module)
 

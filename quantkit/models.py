@@ -76,7 +76,31 @@ def load_model(path: Path, dtype: str = "auto", trust_remote_code: bool = False,
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code, **kwargs
         )
+    if hasattr(model, "ct_decompress_hook"):
+        _match_dequantized_dtype(model)
+    if (read_config_json(path).get("quantization_config") or {}).get("kv_cache_scheme"):
+        from quantkit import kv_cache
+
+        kv_cache.load_scales(model, Path(path))
     return model.eval()
+
+
+def _match_dequantized_dtype(model: nn.Module) -> None:
+    """compressed-tensors 0.20 decompresses FP4 and MX weights to bfloat16 whatever the model's dtype, so a
+    float32 artifact (LLM Compressor's of a float32 model) fails its first forward with a dtype mismatch. Its
+    decompression runs in a forward pre-hook on the first call; this hook, registered after it, then gives
+    every decompressed weight the model's dtype (bfloat16 values are exact in float32 and float16 holds
+    FP4/FP8 grid values times their scales as compressed-tensors computes them in bfloat16) and removes
+    itself."""
+
+    def cast(module: nn.Module, args) -> None:
+        handle.remove()
+        for sub in module.modules():
+            weight = getattr(sub, "weight", None) if hasattr(sub, "quantization_scheme") else None
+            if isinstance(weight, torch.Tensor) and weight.is_floating_point() and weight.dtype != module.dtype:
+                weight.data = weight.data.to(module.dtype)
+
+    handle = model.register_forward_pre_hook(cast)
 
 
 def load_tokenizer(path: str | Path, trust_remote_code: bool = False, fix: str = "pass --tokenizer DIR"):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import difflib
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from enum import Enum
 from importlib import resources
 from importlib.resources.abc import Traversable
@@ -24,6 +24,7 @@ from quantkit.errors import RecipeError, RecipeNotFoundError
 from quantkit.schemes import (
     ActivationSpec,
     Granularity,
+    KVCacheSpec,
     QDtype,
     QuantScheme,
     ScaleDtype,
@@ -83,6 +84,7 @@ class Recipe:
     on_indivisible: IndivisiblePolicy = IndivisiblePolicy.SMALLER_GROUP
     requires: dict[Format, Requirement] = field(default_factory=dict)
     hardware: str = ""  # where vLLM runs the scheme natively (`recipes list` shows it)
+    kv_cache: KVCacheSpec | None = None  # a quantized KV cache (`finalize --kv-cache fp8` sets it on any recipe)
     source: str = ""
 
     @property
@@ -96,6 +98,11 @@ class Recipe:
 
     @property
     def needs_calibration(self) -> bool:
+        return self.kv_cache is not None or self.needs_calibration_without_kv
+
+    @property
+    def needs_calibration_without_kv(self) -> bool:
+        """Whether the weights or activations calibrate (not only a quantized KV cache's scales)."""
         calibrated_acts = self.scheme.activations is not None and self.scheme.activations.calibrated
         return calibrated_acts or any(step.name is not Algorithm.RTN for step in self.steps)
 
@@ -166,7 +173,7 @@ def resolve(name_or_path: str) -> Recipe:
 
 # ---------------------------------------------------------------- parsing
 
-_TOP_KEYS = {"description", "scheme", "algorithm", "calibration", "format", "ignore", "on_indivisible", "requires", "hardware"}
+_TOP_KEYS = {"description", "scheme", "algorithm", "calibration", "format", "ignore", "on_indivisible", "requires", "hardware", "kv_cache"}
 
 
 def load_recipe_file(path: Path | Traversable) -> Recipe:
@@ -200,6 +207,7 @@ def parse_recipe(name: str, data: dict[str, Any], source: str = "") -> Recipe:
         on_indivisible=_enum(data.get("on_indivisible", "smaller-group"), IndivisiblePolicy, "on_indivisible"),
         requires=_parse_requires(_mapping(data, "requires") or {}),
         hardware=str(data.get("hardware", "")),
+        kv_cache=_parse_kv_cache(data.get("kv_cache")),
         source=source,
     )
 
@@ -239,6 +247,38 @@ def _build_scheme(data: dict[str, Any]) -> QuantScheme:
             global_scale=_bool(a.get("global_scale", False), "scheme.activations.global_scale"),
         )
     return QuantScheme(weights=weights, activations=activations)
+
+
+KV_CACHE_CHOICES = {"fp8": Granularity.TENSOR, "fp8-head": Granularity.HEAD}  # `finalize --kv-cache`; "none" drops it
+
+
+def _parse_kv_cache(value: Any) -> KVCacheSpec | None:
+    """`kv_cache: fp8` (or `fp8-head`), or the mapping `{dtype, granularity, observer}`; absent or `none`: None."""
+    if value is None or value == "none":
+        return None
+    if isinstance(value, str):
+        if value not in KV_CACHE_CHOICES:
+            raise SchemeError("kv_cache", f"'{value}' is not allowed; allowed: {', '.join([*KV_CACHE_CHOICES, 'none'])}, or a mapping")
+        return KVCacheSpec(granularity=KV_CACHE_CHOICES[value])
+    if not isinstance(value, dict):
+        raise SchemeError("kv_cache", "expected fp8, fp8-head, none or a mapping {dtype, granularity, observer}")
+    unknown = set(value) - {"dtype", "granularity", "observer"}
+    if unknown:
+        raise SchemeError(f"kv_cache.{sorted(unknown)[0]}", "unknown key; allowed keys are ['dtype', 'granularity', 'observer']")
+    return KVCacheSpec(
+        dtype=_enum(value.get("dtype", "float8_e4m3fn"), QDtype, "kv_cache.dtype"),
+        granularity=_enum(value.get("granularity", "tensor"), Granularity, "kv_cache.granularity"),
+        observer=str(value.get("observer", "static_minmax")),
+    )
+
+
+def with_kv_cache(recipe: Recipe, choice: str | None) -> Recipe:
+    """The recipe with `finalize --kv-cache CHOICE` applied (fp8, fp8-head, none); None leaves it as it is."""
+    if choice is None:
+        return recipe
+    if choice not in (*KV_CACHE_CHOICES, "none"):
+        raise RecipeError(f"--kv-cache '{choice}' is not allowed; use {', '.join(KV_CACHE_CHOICES)} or none")
+    return replace(recipe, kv_cache=_parse_kv_cache(choice))
 
 
 def _block_shape(value: Any) -> tuple[int, int] | None:

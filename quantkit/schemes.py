@@ -43,6 +43,7 @@ class Granularity(str, Enum):
     BLOCK = "block"  # weights: one scale per `block_shape` tile [rows, columns] (FP8 block-wise, DeepSeek-V3's layout)
     TOKEN = "token"  # dynamic activations: one scale per token, computed at run time
     TENSOR = "tensor"  # static activations: one scale per tensor, from calibration
+    HEAD = "head"  # KV cache: one scale per key/value head, from calibration
 
 
 class ScaleDtype(str, Enum):
@@ -227,6 +228,28 @@ class QuantScheme:
         kind = "dynamic" if self.activations and self.activations.dynamic else "static"
         acts = f"{kind} {self.activations.describe()}" if self.activations else "16-bit"
         return f"weights {self.weights.describe()}, activations {acts}"
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """How the attention's key and value cache is quantized (vLLM's `--kv-cache-dtype fp8`): FP8 e4m3 with
+    static scales measured on calibration data, one for all keys and one for all values of each attention
+    (`tensor`) or one per key/value head (`head`), on the keys after RoPE as the cache holds them."""
+
+    dtype: QDtype = QDtype.FLOAT8
+    granularity: Granularity = Granularity.TENSOR
+    observer: str = "static_minmax"  # static_minmax (min/max over all data) or minmax (mean of batch ranges)
+
+    def __post_init__(self) -> None:
+        if self.dtype is not QDtype.FLOAT8:
+            raise SchemeError("kv_cache.dtype", "the KV cache is float8_e4m3fn (the FP8 cache vLLM serves)")
+        if self.granularity not in (Granularity.TENSOR, Granularity.HEAD):
+            raise SchemeError("kv_cache.granularity", "KV cache scales are per 'tensor' or per 'head'")
+        if self.observer not in ("static_minmax", "minmax"):
+            raise SchemeError("kv_cache.observer", f"'{self.observer}' is not allowed; allowed: static_minmax, minmax")
+
+    def describe(self) -> str:
+        return f"{_short(self.dtype)} per {self.granularity.value}"
 
 
 def _short(dtype: QDtype) -> str:

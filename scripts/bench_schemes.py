@@ -43,6 +43,7 @@ SCHEMES = [
     ("RTN MXFP8", "mxfp8", "rtn-mxfp8"),
     ("RTN FP8 block", "fp8-block", "rtn-fp8-block"),
     ("RTN W4A8-FP8", "w4a8-fp8", "rtn-w4afp8"),
+    ("RTN FP8 block + FP8 KV cache", "fp8-block+kv-fp8", "rtn-fp8-block-kv-fp8"),
 ]
 AWQ_ROWS = {"AWQ W4A16", "AWQ W4A16 asym"}
 
@@ -55,10 +56,21 @@ def make_jobs(src: Path, calib: Path, args: argparse.Namespace) -> list[bench.Jo
     for row, recipe, llmc_recipe in SCHEMES:
         if args.only and recipe not in args.only:
             continue
-        jobs.append(bench.quantkit_job(row, recipe, src, out, args))
+        jobs.append(bench.quantkit_job(row, kv_cache_recipe(recipe, out) if "+kv-" in recipe else recipe, src, out, args))
         if args.llmc_python and (row not in AWQ_ROWS or args.awq):
             jobs.append(bench.llmc_job(row, llmc_recipe, src, out, calib, runner, args))
     return jobs
+
+
+def kv_cache_recipe(name: str, folder: Path) -> str:
+    """"fp8-block+kv-fp8": a user recipe file, the shipped fp8-block with `kv_cache: fp8` (static FP8 KV cache
+    scales, measured on the calibration data; llm-compressor's peer: the preset with a `kv_cache_scheme`)."""
+    from quantkit.registry import resolve
+
+    base, kv = name.split("+kv-")
+    path = folder / f"{base}-kv-{kv}.yaml"
+    path.write_text(Path(resolve(base).source).read_text() + f"kv_cache: {kv}\n")
+    return str(path)
 
 
 def artifact_mib(path: Path) -> float | None:

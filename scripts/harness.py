@@ -234,6 +234,9 @@ recipe = {
     "gptq-w4a16-asym": lambda: [GPTQModifier(scheme="W4A16_ASYM", **gptq)],
     "awq-w4a16-asym": lambda: [AWQModifier(), QuantizationModifier(scheme="W4A16_ASYM", **common)],
     "rtn-w4afp8": lambda: [QuantizationModifier(scheme="W4AFP8", **common)],
+    # static FP8 KV cache scales per tensor (quantkit's `kv_cache: fp8`)
+    "rtn-fp8-block-kv-fp8": lambda: [QuantizationModifier(scheme="FP8_BLOCK", kv_cache_scheme=dict(
+        num_bits=8, type="float", strategy="tensor", dynamic=False, symmetric=True), **common)],
 }[args.recipe]()
 imported = time.perf_counter()
 

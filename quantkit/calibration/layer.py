@@ -24,6 +24,8 @@ ERROR_ROWS = 256  # output rows the Hessian-weighted error is measured on (evenl
 class CalibrationResult:
     qweights: dict[str, QuantizedWeight] = field(default_factory=dict)
     input_scales: dict[str, torch.Tensor] = field(default_factory=dict)  # static activation scales
+    kv_scales: dict[str, torch.Tensor] = field(default_factory=dict)  # "<attention>.k_scale" / ".v_scale" -> KV cache scale
+    kv_ranges: dict[str, float] = field(default_factory=dict)  # the same names -> largest |key| / |value| seen (the summary's)
     errors: dict[str, float] = field(default_factory=dict)  # relative output error per module
     seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))  # per phase
     peak_device_bytes: int = 0

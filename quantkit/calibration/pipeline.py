@@ -3,8 +3,9 @@
 1. Capture the inputs of the first decoder layer once (the embeddings run; the layer call is intercepted).
 2. For each decoder layer: move it to the compute device and run the recipe's layer steps on it
    (`calibration.steps`): the transforms (AWQ, SmoothQuant), static activation scales when the scheme has
-   them, then the quantizer (RTN, GPTQ). Unless the quantizer computed them on the way, run the batches
-   through the quantized layer to make the next layer's inputs; move the layer back. Peak device memory is
+   them, then the quantizer (RTN, GPTQ), then the KV cache scales when the recipe has them. Unless a step
+   computed them on the way, run the batches through the quantized layer to make the next layer's inputs;
+   move the layer back. Peak device memory is
    one layer plus the calibration activations.
 
 Modules the plan quantizes outside the decoder layers (rare: lm_head is ignored by default) are rounded to
@@ -19,7 +20,7 @@ from typing import Any, Callable, Protocol
 import torch
 from torch import nn
 
-from quantkit import data, models
+from quantkit import data, kv_cache, models
 from quantkit.algorithms import Algorithm
 from quantkit.algorithms.rtn import rtn_quantize
 from quantkit.calibration.experts import calibrating
@@ -28,6 +29,7 @@ from quantkit.calibration.layer import CalibrationResult, Layer, relative_error
 from quantkit.precision import float32_products, model_dtype
 from quantkit.calibration.resume import Resumable
 from quantkit.calibration.steps import STEPS
+from quantkit.calibration.steps.kv_cache import kv_cache_step
 from quantkit.calibration.steps.static_scales import static_scales_step
 from quantkit.distributed import Context
 from quantkit.errors import CalibrationError, UsageError
@@ -39,13 +41,14 @@ Step = Callable[[Layer], "list[torch.Tensor] | None"]
 
 
 def layer_steps(recipe: Recipe) -> list[Step]:
-    """The steps every layer runs, in order: transforms, static scales (if the scheme has them), the quantizer."""
+    """The steps every layer runs, in order: transforms, static scales (if the scheme has them), the quantizer,
+    KV cache scales (if the recipe has them)."""
     static = recipe.scheme.activations is not None and recipe.scheme.activations.calibrated
     if static and recipe.quantizer.name is Algorithm.GPTQ:
         raise UsageError("GPTQ with calibrated activation scales (static, or NVFP4's global scale) is not supported yet; "
                          "use rtn for these recipes, or a weight-only GPTQ recipe")
     steps = [_bound(step) for step in recipe.transforms] + ([static_scales_step] if static else [])
-    return steps + [_bound(recipe.quantizer)]
+    return steps + [_bound(recipe.quantizer)] + ([kv_cache_step] if recipe.kv_cache is not None else [])
 
 
 def _bound(step: AlgorithmStep) -> Step:
@@ -92,6 +95,8 @@ def _calibrate(model: nn.Module, plan: list[ModulePlan], recipe: Recipe, samples
     by_name = {entry.name: entry for entry in plan}
     layers = models.decoder_layers(model)
     prefix = models.module_name(model, layers)
+    if recipe.kv_cache is not None:
+        kv_cache.check_model(model, layers)
     rank, world = (ctx.rank, ctx.world_size) if ctx is not None and ctx.distributed else (0, 1)
     batches = [samples[i.start : i.stop] for i in data.rank_batches(samples.shape[0], batch_size, rank, world)]
     started = time.perf_counter()

@@ -160,7 +160,8 @@ class Resumable:
 
 def layer_tensors(module: nn.Module, prefix: str, result: CalibrationResult) -> dict[str, torch.Tensor]:
     """A finished layer as flat tensors: grid integers, scales and zero points of its quantized Linears (their
-    dequantized weights follow from those exactly), static input scales, and every other tensor as it is."""
+    dequantized weights follow from those exactly), static input scales, KV cache scales (and the ranges they
+    came from), and every other tensor as it is."""
     tensors = {}
     quantized = set()
     for name, qweight in result.qweights.items():
@@ -173,6 +174,10 @@ def layer_tensors(module: nn.Module, prefix: str, result: CalibrationResult) -> 
                 tensors[f"zero.{local}"] = qweight.zero_point
             if name in result.input_scales:
                 tensors[f"input_scale.{local}"] = result.input_scales[name]
+    for name in (n for n in result.kv_scales if n.startswith(prefix + ".")):
+        local = name[len(prefix) + 1:]
+        tensors[f"kv_scale.{local}"] = result.kv_scales[name]
+        tensors[f"kv_range.{local}"] = torch.tensor(result.kv_ranges[name])
     for name, tensor in module.state_dict().items():
         if name not in quantized:
             tensors[f"state.{name}"] = tensor
@@ -193,6 +198,10 @@ def restore_layer(module: nn.Module, prefix: str, plan: dict[str, ModulePlan], r
         result.qweights[name] = qweight
         if f"input_scale.{local}" in tensors:
             result.input_scales[name] = tensors[f"input_scale.{local}"]
+    for key in (k for k in tensors if k.startswith("kv_scale.")):
+        local = key[len("kv_scale."):]
+        result.kv_scales[f"{prefix}.{local}"] = tensors[key]
+        result.kv_ranges[f"{prefix}.{local}"] = tensors[f"kv_range.{local}"].item()
     module.load_state_dict(state, strict=True, assign=True)  # assign: a streamed layer may be on the meta device
 
 

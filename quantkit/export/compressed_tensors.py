@@ -31,7 +31,7 @@ from quantkit.plan import ModulePlan
 from quantkit.qparams import QParams
 from quantkit.quantized_model import QuantizedModel
 from quantkit.registry import Recipe
-from quantkit.schemes import ActivationSpec, Granularity, QDtype, QuantScheme, ScaleDtype, WeightSpec
+from quantkit.schemes import ActivationSpec, Granularity, KVCacheSpec, QDtype, QuantScheme, ScaleDtype, WeightSpec
 
 
 def unsupported(recipe: Recipe) -> str | None:
@@ -200,7 +200,15 @@ def quantization_config(plan: list[ModulePlan], recipe: Recipe, experts: tuple[s
         for i, (scheme, targets) in enumerate(groups.items())
     }
     ignore = [entry.name for entry in plan if not entry.quantized]
-    return QuantizationConfig(config_groups=config_groups, ignore=ignore)
+    return QuantizationConfig(config_groups=config_groups, ignore=ignore, kv_cache_scheme=_kv_cache_args(recipe.kv_cache))
+
+
+def _kv_cache_args(spec: KVCacheSpec | None) -> QuantizationArgs | None:
+    """LLM Compressor's `kv_cache_scheme`: static symmetric FP8, per tensor or per attention head."""
+    if spec is None:
+        return None
+    strategy = "attn_head" if spec.granularity is Granularity.HEAD else "tensor"
+    return QuantizationArgs(num_bits=8, type="float", symmetric=True, dynamic=False, strategy=strategy)
 
 
 def install(model: nn.Module, plan: list[ModulePlan], recipe: Recipe) -> None:
@@ -236,6 +244,25 @@ def set_input_scale(module: nn.Module, scale: torch.Tensor) -> None:
     target.data = scale.reshape(target.shape).to(target.dtype)
 
 
+def set_kv_scales(model: nn.Module, scales: dict[str, torch.Tensor], prefix: str = "") -> None:
+    """Give every cached attention module under `model` (named `prefix`) its measured `k_scale` / `v_scale`, in
+    the model's dtype: into the parameters compressed-tensors installed, or new ones where it installed none (it
+    does not see transformers 5.24's attention, whose cache argument is `cache`). A missing one is an error."""
+    from quantkit.kv_cache import cached_attentions
+
+    for name, module in cached_attentions(model, prefix).items():
+        dtype = next(p.dtype for p in module.parameters() if p.is_floating_point())
+        for which in ("k_scale", "v_scale"):
+            key = f"{name}.{which}"
+            if key not in scales:
+                raise RuntimeError(f"{key} was not measured")
+            target = getattr(module, which, None)
+            if target is None:
+                module.register_parameter(which, nn.Parameter(scales[key].to(dtype), requires_grad=False))
+            else:
+                target.data = scales[key].reshape(target.shape).to(target.dtype)
+
+
 def as_loaded(quantized: QuantizedModel) -> nn.Module:
     """Install compressed-tensors' quantization with the model's qparams and input scales (once)."""
     model = quantized.model
@@ -246,6 +273,11 @@ def as_loaded(quantized: QuantizedModel) -> nn.Module:
         set_qparams(model.get_submodule(name), qparams)
     for name, scale in quantized.input_scales.items():
         set_input_scale(model.get_submodule(name), scale)
+    if quantized.recipe.kv_cache is not None:
+        from quantkit import kv_cache
+
+        set_kv_scales(model, quantized.kv_scales)
+        kv_cache.quantize_cache(model)
     freeze(model)
     return model
 
@@ -259,6 +291,7 @@ def write(quantized: QuantizedModel, out_dir: Path, max_shard_size: int | None =
         compressor.compress_model(model)
         model.save_pretrained(out_dir, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
         compressor.update_config(str(out_dir))
+    _declare_kv_cache(out_dir / "config.json", quantized.recipe)
 
 
 class StreamWriter:
@@ -277,9 +310,10 @@ class StreamWriter:
         self.stored_name = moe.checkpoint_renamer(model)  # as save_pretrained renames (Mixtral's mlp: block_sparse_moe)
         self.shards = ShardWriter(out_dir, max_shard_size)
 
-    def add(self, modules: list[nn.Module], qparams: dict[str, QParams], input_scales: dict[str, torch.Tensor]) -> None:
+    def add(self, modules: list[nn.Module], qparams: dict[str, QParams], input_scales: dict[str, torch.Tensor],
+            kv_scales: dict[str, torch.Tensor] | None = None) -> None:
         """Pack `modules` (and everything inside them), whose planned Linears hold their dequantized grid values,
-        with their qparams, and hand their tensors to the shards."""
+        with their qparams (and KV cache scales), and hand their tensors to the shards."""
         from compressed_tensors.compressors.base import compress_module
 
         inside = [sub for module in modules for sub in module.modules()]
@@ -296,6 +330,9 @@ class StreamWriter:
             sub.quantization_status = QuantizationStatus.FROZEN
             with as_single_threaded():
                 compress_module(sub)
+        if self.config.kv_cache_scheme is not None:
+            for module in modules:
+                set_kv_scales(module, kv_scales or {}, self.names[module])
         tensors, seen = {}, set()
         for module in modules:
             prefix = self.names[module]
@@ -315,6 +352,20 @@ class StreamWriter:
             self.model.generation_config.save_pretrained(self.out_dir)
         compressor.update_config(str(self.out_dir))
         _ignore_as_stored(self.out_dir / "config.json", self.stored_name)
+        _declare_kv_cache(self.out_dir / "config.json", self.recipe)
+
+
+def _declare_kv_cache(config_file: Path, recipe: Recipe) -> None:
+    """The quantization config's `kv_cache_scheme`, which compressed-tensors derives from the attention modules it
+    initialised and so leaves out where it saw none (transformers 5.24's attention, whose argument is `cache`)."""
+    import json
+
+    if recipe.kv_cache is None:
+        return
+    config = json.loads(config_file.read_text())
+    if not config["quantization_config"].get("kv_cache_scheme"):
+        config["quantization_config"]["kv_cache_scheme"] = _kv_cache_args(recipe.kv_cache).model_dump(mode="json")
+        config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def _ignore_as_stored(config_file: Path, stored_name) -> None:

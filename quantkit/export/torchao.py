@@ -20,6 +20,8 @@ from quantkit.schemes import Granularity, QDtype, QuantScheme, ScaleDtype, Weigh
 
 
 def unsupported(recipe: Recipe) -> str | None:
+    if recipe.kv_cache is not None:
+        return "torchao artifacts carry no KV cache scales (--kv-cache); they are compressed-tensors' kv_cache_scheme"
     if recipe.needs_calibration:
         return "the torchao format takes round-to-nearest recipes with dynamic activations (it quantizes while loading)"
     if recipe.scheme.weights.observer is not WeightObserver.MINMAX:

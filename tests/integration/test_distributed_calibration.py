@@ -76,10 +76,12 @@ def test_one_two_and_three_ranks_write_the_same_artifact(tiny_model_dir, calib_f
         assert len(rows) == 3 and min(rows) > 0, rows
 
 
-def test_nvfp4_gptq_on_two_ranks_writes_the_one_rank_artifact(tiny_model_dir, calib_file, tmp_path):
-    """NVFP4's global scales come from whole weights (q/k/v together), not from a rank's share of the rows."""
+def test_nvfp4_gptq_and_kv_cache_on_two_ranks_write_the_one_rank_artifact(tiny_model_dir, calib_file, tmp_path):
+    """NVFP4's global scales come from whole weights (q/k/v together), not from a rank's share of the rows; the KV
+    cache's per-head ranges are merged over the ranks' data."""
     for n in (1, 2):
-        done = finalize(tiny_model_dir, tmp_path / f"n{n}", "gptq-nvfp4-a16", calib_file, n, "--num-samples", "16")
+        done = finalize(tiny_model_dir, tmp_path / f"n{n}", "gptq-nvfp4-a16", calib_file, n, "--num-samples", "16",
+                        "--kv-cache", "fp8-head")
         assert done.returncode == 0, done.stderr[-3000:]
     one, two = (load_file(tmp_path / f"n{n}" / "model.safetensors") for n in (1, 2))
     assert one.keys() == two.keys() and any(key.endswith("weight_global_scale") for key in one)
@@ -87,6 +89,7 @@ def test_nvfp4_gptq_on_two_ranks_writes_the_one_rank_artifact(tiny_model_dir, ca
         assert torch.equal(one[key].view(torch.uint8) if one[key].dtype == torch.float8_e4m3fn else one[key],
                            two[key].view(torch.uint8) if two[key].dtype == torch.float8_e4m3fn else two[key]), key
     assert torch.equal(one["model.layers.0.self_attn.q_proj.weight_global_scale"], one["model.layers.0.self_attn.k_proj.weight_global_scale"])
+    assert one["model.layers.1.self_attn.v_scale"].shape == (2, 1, 1)  # the tiny model's 2 key/value heads
 
 
 def test_two_machines_write_what_one_machine_of_two_ranks_writes(tiny_model_dir, calib_file, tmp_path):

@@ -153,3 +153,34 @@ def test_bfloat16_model_round_trips(tiny_model_dir, tmp_path, input_ids):
     weight = model.get_submodule("model.layers.0.self_attn.q_proj").weight.data
     expected = fake_quantize_weight(source["model.layers.0.self_attn.q_proj.weight"].bfloat16(), recipe.scheme.weights)
     torch.testing.assert_close(weight, expected, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["nvfp4-a16", "mxfp8"])
+def test_float32_fp4_and_mx_artifacts_run_with_quantkits_loader(artifacts, tmp_path, input_ids, name):
+    """LLM Compressor keeps a float32 model float32; compressed-tensors 0.20 decompresses FP4 / MX weights to
+    bfloat16 whatever the model's dtype, and plain transformers then fails its first forward. quantkit's loader
+    gives the decompressed weights the model's dtype: the logits equal the bfloat16 artifact's up to the float32
+    activations."""
+    root, in_memory = artifacts
+    src, out = root / f"{name}-compressed-tensors", tmp_path / "float32"
+    out.mkdir()
+    for path in src.iterdir():
+        if path.suffix == ".safetensors":
+            tensors = load_file(path)
+            save_file({k: t.float() if t.dtype == torch.bfloat16 and k.endswith(("weight", "bias")) else t for k, t in tensors.items()}, out / path.name)
+        elif path.name == "config.json":
+            config = json.loads(path.read_text())
+            config["dtype"] = "float32"
+            (out / path.name).write_text(json.dumps(config))
+        elif path.is_file():
+            (out / path.name).write_bytes(path.read_bytes())
+    from transformers import AutoModelForCausalLM
+
+    with pytest.raises(RuntimeError, match="same dtype"), torch.no_grad():
+        AutoModelForCausalLM.from_pretrained(out)(input_ids)  # when this passes, the loader's cast can go
+    model = models.load_model(out)
+    assert model.dtype == torch.float32
+    with torch.no_grad():
+        logits = model(input_ids).logits
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits, in_memory[(name, Format.COMPRESSED_TENSORS)], atol=0.05, rtol=0.05)

@@ -58,24 +58,27 @@ def assert_same_artifact(a: Path, b: Path) -> None:
         assert one[key].dtype == two[key].dtype and torch.equal(one[key], two[key]), key
     info_a, info_b = (json.loads((d / "quantkit.json").read_text()) for d in (a, b))
     assert info_a["calibration"]["relative_error"] == info_b["calibration"]["relative_error"]
+    assert info_a["calibration"]["kv_cache"] == info_b["calibration"]["kv_cache"]
 
 
-@pytest.mark.parametrize("recipe,nproc", [("gptq-w4a16", 1), ("smoothquant-w8a8", 1), ("awq-w4a16", 2)])
-def test_a_run_killed_after_a_random_layer_resumes_to_the_same_artifact(model_dir, calib, tmp_path, recipe, nproc):
-    whole = run(model_dir, tmp_path / "whole", recipe, calib, nproc=nproc)
+@pytest.mark.parametrize("recipe,nproc,extra", [("gptq-w4a16", 1, ()), ("smoothquant-w8a8", 1, ("--kv-cache", "fp8")),
+                                                ("awq-w4a16", 2, ())])
+def test_a_run_killed_after_a_random_layer_resumes_to_the_same_artifact(model_dir, calib, tmp_path, recipe, nproc, extra):
+    """(With a KV cache: the finished layers' KV scales are saved and restored too.)"""
+    whole = run(model_dir, tmp_path / "whole", recipe, calib, *extra, nproc=nproc)
     assert whole.returncode == 0, whole.stderr[-2000:]
     layer = random.randrange(LAYERS - 1)  # killed after this layer; the next ones run in the resumed process
     kill_rank = random.randrange(nproc)
-    killed = run(model_dir, tmp_path / "out", recipe, calib, nproc=nproc, kill_layer=layer, kill_rank=kill_rank)
+    killed = run(model_dir, tmp_path / "out", recipe, calib, *extra, nproc=nproc, kill_layer=layer, kill_rank=kill_rank)
     assert killed.returncode != 0, f"not killed after layer {layer}"
     assert not (tmp_path / "out").exists()
     state = json.loads((tmp_path / "out.partial" / "state.json").read_text())
     assert state["completed"] == layer + 1 and state["layers"] == LAYERS
 
-    again = run(model_dir, tmp_path / "out", recipe, calib)
+    again = run(model_dir, tmp_path / "out", recipe, calib, *extra)
     assert again.returncode == 2 and "pass --resume to continue it" in again.stderr  # never silently discarded
 
-    resumed = run(model_dir, tmp_path / "out", recipe, calib, "--resume", nproc=nproc)
+    resumed = run(model_dir, tmp_path / "out", recipe, calib, *extra, "--resume", nproc=nproc)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert_same_artifact(tmp_path / "whole", tmp_path / "out")
     assert not (tmp_path / "out.partial").exists(), "a finished run removes its work directory"

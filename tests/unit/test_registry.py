@@ -5,7 +5,7 @@ import pytest
 from quantkit import registry
 from quantkit.errors import RecipeError, RecipeNotFoundError
 from quantkit.registry import Format, IndivisiblePolicy
-from quantkit.schemes import Granularity, QDtype
+from quantkit.schemes import Granularity, KVCacheSpec, QDtype
 
 RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
 SHIPPED = sorted(RECIPES_DIR.rglob("*.yaml"))
@@ -85,6 +85,11 @@ def test_missing_recipe_file_is_not_parsed_as_a_name(tmp_path):
         ("scheme: {weights: {dtype: int8, granularity: channel}, activations: {dtype: int8, dynamic: false, observer: ema}}"
          "\nformat: torchao", "scheme.activations.observer"),
         ("scheme: {weights: {dtype: int4, granularity: channel, symmetric: maybe}}\nformat: torchao", "scheme.weights.symmetric"),
+        ("scheme: {weights: {dtype: int4, granularity: channel}}\nformat: torchao\nkv_cache: int8", "kv_cache"),
+        ("scheme: {weights: {dtype: int4, granularity: channel}}\nformat: torchao\nkv_cache: {dtype: int8}", "kv_cache.dtype"),
+        ("scheme: {weights: {dtype: int4, granularity: channel}}\nformat: torchao\nkv_cache: {granularity: token}",
+         "kv_cache.granularity"),
+        ("scheme: {weights: {dtype: int4, granularity: channel}}\nformat: torchao\nkv_cache: {scale: 1}", "kv_cache.scale"),
     ],
 )
 def test_invalid_recipe_names_the_field(tmp_path, body, field):
@@ -163,3 +168,19 @@ def test_recipes_resolve_without_importing_torch():
     code = ("import sys, quantkit.registry as r; [r.resolve(n) for n in r.recipe_names()]; "
             "import quantkit.cli.main; assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_kv_cache_is_a_recipe_field_or_a_finalize_flag(tmp_path):
+    path = tmp_path / "w4-kv.yaml"
+    path.write_text("scheme: {weights: {dtype: int4, granularity: group, group_size: 32}}\nformat: compressed-tensors\n"
+                    "kv_cache: {granularity: head, observer: minmax}")
+    recipe = registry.resolve(str(path))
+    assert recipe.kv_cache == KVCacheSpec(granularity=Granularity.HEAD, observer="minmax") and recipe.needs_calibration
+    plain = registry.resolve("int4-weight-only")
+    assert plain.kv_cache is None and not plain.needs_calibration
+    assert registry.with_kv_cache(plain, "fp8").kv_cache == KVCacheSpec()
+    assert registry.with_kv_cache(plain, "fp8").needs_calibration
+    assert registry.with_kv_cache(recipe, "none").kv_cache is None
+    assert registry.with_kv_cache(recipe, None) is recipe
+    with pytest.raises(RecipeError, match="--kv-cache 'int8' is not allowed; use fp8, fp8-head or none"):
+        registry.with_kv_cache(plain, "int8")

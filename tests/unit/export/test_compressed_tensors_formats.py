@@ -42,3 +42,20 @@ def test_moe_artifacts_whose_experts_transformers_mishandles_are_named():
     dense = _moe_config("nvfp4-pack-quantized")
     del dense["num_experts"]
     assert experts_load_problem(dense) is None
+
+
+# LLM Compressor 0.14's kv_cache_scheme for QuantizationModifier(kv_cache_scheme={num_bits: 8, type: float,
+# strategy: tensor | attn_head, dynamic: false, symmetric: true}), as it wrote it in config.json
+PEER_KV_CACHE_SCHEME = {"actorder": None, "block_structure": None, "dynamic": False, "group_size": None, "num_bits": 8,
+                        "observer": None, "observer_kwargs": {}, "scale_dtype": None, "symmetric": True, "type": "float",
+                        "zp_dtype": None}
+
+
+@pytest.mark.parametrize("choice,strategy", [("fp8", "tensor"), ("fp8-head", "attn_head")])
+def test_the_kv_cache_scheme_is_llm_compressors(choice, strategy):
+    from compressed_tensors.quantization import QuantizationArgs
+
+    recipe = registry.with_kv_cache(registry.resolve("fp8-block"), choice)
+    config = quantization_config([ModulePlan("layer", 256, 256, scheme=recipe.scheme)], recipe)
+    assert config.kv_cache_scheme == QuantizationArgs.model_validate({**PEER_KV_CACHE_SCHEME, "strategy": strategy})
+    assert quantization_config([ModulePlan("layer", 256, 256, scheme=recipe.scheme)], registry.resolve("fp8-block")).kv_cache_scheme is None
