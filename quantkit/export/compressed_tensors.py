@@ -85,7 +85,7 @@ def loading_caveat(recipe: Recipe) -> str | None:
     return None
 
 
-# what transformers 5.23 does with compressed-tensors MoE experts (it dequantizes them into its fused parameters
+# what transformers 5.23 and 5.24 do with compressed-tensors MoE experts (it dequantizes them into its fused parameters
 # while loading), by format, where that is not to load them right; measured on tiny Qwen3-MoE / Mixtral artifacts
 _EXPERTS_NOT_LOADED = {
     "int-quantized": "it fails to load int8 W8A8 and W4A8 experts",
