@@ -7,7 +7,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from quantkit import sources
+from quantkit import runtime, sources
+from quantkit.cli.launch import Launch, relaunch
 from quantkit.cli.console import human_bytes, json_to_stdout, out, quiet_libraries, write_json
 from quantkit.cli.options import CalibDataOpt, JsonOpt, QuietOpt, ThreadsOpt, TrustRemoteCodeOpt
 from quantkit.errors import GateFailedError, UsageError
@@ -43,6 +44,10 @@ def evaluate(
                                                                     "this many points (percentage points) below the baseline's.")
     ] = None,
     calib_data: CalibDataOpt = None,
+    tp: Annotated[
+        int, typer.Option("--tp", min=1, help="Shard each model over N processes (tensor parallel, transformers' tp_plan): "
+                                              "one per GPU on CUDA, else N CPU processes; launches torchrun itself.")
+    ] = 1,
     threads: ThreadsOpt = None,
     trust_remote_code: TrustRemoteCodeOpt = False,
     quiet: QuietOpt = False,
@@ -58,14 +63,23 @@ def evaluate(
       quantkit eval ./base ./base-int4 --data test.txt --baseline ./base --max-ppl-increase 5 --json results.json
 
       quantkit eval ./base ./base-int4 --data test.txt --tasks arc_easy,hellaswag --limit 500 --baseline ./base --max-acc-drop 1
+
+      quantkit eval ./big-model ./big-model-int4 --data test.txt --tp 4
     """
     for model in models:  # before torch loads: a wrong MODEL is reported at once
         sources.resolve_source(model)
-    quiet = quiet or json_to_stdout(json_path)  # stdout holds the JSON alone; the table would follow it
+    main = runtime.is_main_process()
+    quiet = quiet or not main or json_to_stdout(json_path)  # stdout holds the JSON alone; the table would follow it
     quiet_libraries()
     check_gate_options(baseline, max_ppl_increase, max_acc_drop, tasks)
     if tasks is None and (tasks_dir or limit is not None):
         raise UsageError("--tasks-dir and --limit apply to --tasks; pass --tasks NAMES too")
+    if tp > 1:
+        check_tensor_parallel(models + ([baseline] if baseline else []), tp, quantize, tasks, trust_remote_code)
+        code = relaunch(Launch(nproc_per_node=tp), threads, explained=(GateFailedError.exit_code,))
+        if code is not None:
+            raise typer.Exit(code)
+        threads = threads or runtime.launched_threads()
     from quantkit import evaluate as library
     from quantkit.finalize import CalibrationOptions
     from quantkit.progress import Progress
@@ -79,8 +93,10 @@ def evaluate(
         models, data, recipes=quantize or [], seq_len=seq_len, stride=stride, max_samples=max_samples,
         batch_size=batch_size, tokenizer=tokenizer, threads=threads, trust_remote_code=trust_remote_code,
         progress=Progress(enabled=not quiet),
-        calibration=CalibrationOptions(data=calib_data) if calib_data else None, tasks=task_options,
+        calibration=CalibrationOptions(data=calib_data) if calib_data else None, tasks=task_options, tensor_parallel=tp,
     )
+    if not main:  # every rank measured the same numbers; rank 0 reports them
+        return
     failures = library.gate(reports, baseline, max_ppl_increase, max_acc_drop) if baseline else []
     if json_path:
         gate = gate_dict(baseline, max_ppl_increase, max_acc_drop, failures)
@@ -89,6 +105,22 @@ def evaluate(
         print_table(reports, baseline)
     if failures:
         raise GateFailedError("; ".join(failures))
+
+
+def check_tensor_parallel(models: list[str], tp: int, quantize: list[str] | None, tasks: str | None,
+                          trust_remote_code: bool) -> None:
+    """What `--tp` cannot combine with, and models transformers cannot shard over `tp` ranks: refused before
+    anything is launched."""
+    from quantkit import tensor_parallel
+
+    if quantize:
+        raise UsageError("--tp evaluates saved models; -q previews quantize in one process: finalize the model "
+                         "(`quantkit finalize SRC DST -q RECIPE`), then evaluate DST with --tp")
+    if tasks is not None:
+        raise UsageError("--tasks runs lm-evaluation-harness in one process; drop --tp for task scores (perplexity "
+                         "works with --tp)")
+    for model in models:
+        tensor_parallel.check(sources.resolve_source(model), tp, trust_remote_code)
 
 
 def check_gate_options(baseline: str | None, max_ppl_increase: float | None, max_acc_drop: float | None, tasks: str | None) -> None:
@@ -133,8 +165,11 @@ def results_table(reports, base, names: list[str]):
     dequantized = ("; compressed-tensors artifacts compute with dequantized weights (transformers has no FP4 / FP8 / int4 "
                    "kernels), their activations quantized as vLLM quantizes them") if any(r.format == "compressed-tensors" for r in reports) else ""
     table = Table(title="quantkit eval", caption=f"perplexity change is relative to {names[reports.index(base)]}{scores}{dequantized}")
+    sharded = max(r.tensor_parallel for r in reports) > 1
+    if sharded:
+        table.caption += f"; each model sharded over {reports[0].tensor_parallel} processes (tensor parallel)"
     table.add_column("model", no_wrap=True)
-    for column in ("size", "perplexity", "change", "tokens/s"):
+    for column in ("size", "perplexity", "change", "tokens/s") + (("weights / rank", "peak RSS / rank") if sharded else ()):
         table.add_column(column, justify="right", no_wrap=True)
     for task in tasks:  # a long task name folds in the header; the scores themselves stay on one line
         table.add_column(task, justify="right", overflow="fold")
@@ -143,7 +178,9 @@ def results_table(reports, base, names: list[str]):
         size = human_bytes(r.size_bytes) if r.size_bytes is not None else "in memory"
         change = "baseline" if r is base else f"{delta:+.2f}%"
         task_cells = [f"{100 * r.tasks[t].value:.1f}" if t in r.tasks else "-" for t in tasks]
-        table.add_row(Text(name), size, f"{r.perplexity.perplexity:.3f}", change, f"{r.perplexity.tokens_per_second:,.0f}", *task_cells)
+        memory = (human_bytes(max(r.weight_bytes_per_rank)), human_bytes(max(r.peak_rss_per_rank))) if sharded else ()
+        table.add_row(Text(name), size, f"{r.perplexity.perplexity:.3f}", change, f"{r.perplexity.tokens_per_second:,.0f}",
+                      *memory, *task_cells)
     return table
 
 

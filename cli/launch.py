@@ -55,21 +55,22 @@ def torchrun_args(launch: Launch, argv: list[str]) -> list[str]:
     return [*where, f"--nproc-per-node={launch.nproc_per_node}", "-m", "quantkit.cli.main", *argv]
 
 
-def relaunch(launch: Launch, threads: int | None = None) -> int | None:
+def relaunch(launch: Launch, threads: int | None = None, explained: tuple[int, ...] = ()) -> int | None:
     """When there is more than one rank in all and this process is not already under torchrun (or another launcher),
     run this command under torchrun and return its exit code; otherwise None (the caller goes on in this process).
-    Each rank gets its share of this machine's cores as threads."""
+    Each rank gets its share of this machine's cores as threads. A rank exiting with one of the `explained` codes
+    has said what happened itself (e.g. eval's failed gate, after its results were written): no line is added."""
     if launch.world_size <= 1 or under_torchrun():
         return None
     per_rank = threads or max(1, available_cores() // launch.nproc_per_node)
     os.environ.update({"OMP_NUM_THREADS": str(per_rank), THREADS_VARIABLE: str(per_rank)})
-    return run_torchrun(torchrun_args(launch, sys.argv[1:]))
+    return run_torchrun(torchrun_args(launch, sys.argv[1:]), explained)
 
 
-def run_torchrun(args: list[str]) -> int:
+def run_torchrun(args: list[str], explained: tuple[int, ...] = ()) -> int:
     """torch.distributed.run in this process, so that a failed rank is reported in one line (its own error is
-    already printed above it) instead of torchrun's traceback. Returns the first failed rank's exit code (1 for a
-    rank killed by a signal), 0 when all succeed."""
+    already printed above it) instead of torchrun's traceback; not at all when its exit code is one of `explained`.
+    Returns the first failed rank's exit code (1 for a rank killed by a signal), 0 when all succeed."""
     import logging
 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -82,6 +83,8 @@ def run_torchrun(args: list[str]) -> int:
         run(parse_args(args))
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
+        if failure.exitcode in explained:
+            return failure.exitcode
         killed = f" (killed by {failure.signal_name()})" if failure.exitcode < 0 else f" (exit code {failure.exitcode})"
         err.print(f"[red]error:[/red] rank {rank} of {_world(args)} failed{killed}; "
                   "every rank stopped and nothing was written", highlight=False, soft_wrap=True)

@@ -19,8 +19,11 @@ from quantkit.export import metadata
 from quantkit.models import load_model, load_tokenizer, quantization_method, read_config_json, weights_size
 from quantkit.precision import float32_products, model_dtype
 from quantkit.sources import resolve_source
+from quantkit.preflight import peak_resident_bytes, reset_peak_resident
 from quantkit.progress import QUIET, Progress
 from quantkit.tasks import TaskOptions, TaskResult, TaskSuite, load_tasks
+from quantkit.tensor_parallel import gather_ints
+from quantkit.tensor_parallel import load as tensor_parallel_load
 
 IGNORE_INDEX = -100
 
@@ -46,6 +49,9 @@ class ModelReport:
     size_bytes: int | None  # None for an in-memory preview (nothing written)
     perplexity: PerplexityResult
     tasks: dict[str, TaskResult] = field(default_factory=dict)  # by task name; empty without --tasks
+    peak_rss_per_rank: list[int] = field(default_factory=list)  # bytes, while this model was loaded and measured
+    weight_bytes_per_rank: list[int] = field(default_factory=list)  # parameters and buffers each rank held, as computed
+    tensor_parallel: int = 1  # ranks the model was sharded over (`eval --tp`)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -132,15 +138,17 @@ def _sum_nll(model, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[float, 
 
 def load_eval_model(
     path: str | Path, trust_remote_code: bool = False, tokenizer_path: str | Path | None = None, dtype: str = "auto",
-    load_weights: bool = True,
+    load_weights: bool = True, tensor_parallel: bool = False,
 ):
     """(model, tokenizer) for a source or quantized model directory. Quantized directories (compressed-tensors
     or torchao `quantization_config` in config.json) load through plain transformers. With `load_weights`
-    False only the tokenizer is loaded (model is None)."""
+    False only the tokenizer is loaded (model is None); with `tensor_parallel` the model is sharded over the
+    ranks of this torchrun (`quantkit.tensor_parallel`)."""
     path = resolve_source(path)
     _check_experts_load(path)
     tokenizer = load_tokenizer(Path(tokenizer_path) if tokenizer_path else path, trust_remote_code)
-    model = load_model(path, dtype=dtype, trust_remote_code=trust_remote_code) if load_weights else None
+    load = tensor_parallel_load if tensor_parallel else load_model
+    model = load(path, dtype=dtype, trust_remote_code=trust_remote_code) if load_weights else None
     return model, tokenizer
 
 
@@ -167,13 +175,16 @@ def describe(path: str | Path) -> tuple[str | None, str | None]:
 
 def make_report(
     path: str | Path, label: str, result: PerplexityResult, recipe: str | None = None,
-    tasks: dict[str, TaskResult] | None = None,
+    tasks: dict[str, TaskResult] | None = None, peak_rss_per_rank: list[int] | None = None,
+    weight_bytes_per_rank: list[int] | None = None, tensor_parallel: int = 1,
 ) -> ModelReport:
     """A report for the model at `path`; `recipe` (e.g. a previewed recipe) overrides quantkit.json's."""
     found_recipe, fmt = describe(path)
     return ModelReport(
         path=str(path), label=label, recipe=recipe or found_recipe, format=fmt,
         size_bytes=weights_size(Path(path)), perplexity=result, tasks=tasks or {},
+        peak_rss_per_rank=peak_rss_per_rank or [], weight_bytes_per_rank=weight_bytes_per_rank or [],
+        tensor_parallel=tensor_parallel,
     )
 
 
@@ -239,11 +250,16 @@ def compare(
     progress: Progress = QUIET,
     calibration=None,
     tasks: TaskOptions | None = None,
+    tensor_parallel: int = 1,
 ) -> list[ModelReport]:
     """Each model on the same data (and `tasks`), labelled by its path as given; then, for each recipe, the
-    model quantized under it in memory (labelled "PATH+RECIPE"), as `finalize` would quantize it."""
+    model quantized under it in memory (labelled "PATH+RECIPE"), as `finalize` would quantize it. With
+    `tensor_parallel` > 1 (under torchrun, one process per rank) each model is sharded over the ranks; every
+    rank returns the same reports."""
     from quantkit import runtime
 
+    if tensor_parallel > 1 and (recipes or tasks):
+        raise UsageError("tensor-parallel evaluation measures saved models' perplexity only: no recipes, no tasks")
     runtime.set_threads(threads)
     suite = load_tasks(tasks) if tasks else None  # a wrong task name or missing task data: before any model loads
     texts = load_texts(data, text_field)
@@ -252,9 +268,12 @@ def compare(
     for label in models:
         path = resolve_source(label)  # a directory, or a hub id from the cache
         measure = partial(_measure, texts=texts, tokenizer=tokenizer, trust_remote_code=trust_remote_code,
-                          suite=suite, **settings)
-        result, scores = measure(path)
-        reports.append(make_report(path, label, result, tasks=scores))
+                          suite=suite, tensor_parallel=tensor_parallel > 1, **settings)
+        reset_peak_resident()
+        result, scores, held = measure(path)
+        peaks = gather_ints(peak_resident_bytes())
+        reports.append(make_report(path, label, result, tasks=scores, peak_rss_per_rank=peaks,
+                                   weight_bytes_per_rank=gather_ints(held), tensor_parallel=tensor_parallel))
         if quantization_method(path) is None:  # recipes preview full-precision models only
             reports += [_preview(path, label, name, measure, trust_remote_code, progress, calibration) for name in recipes]
     return reports
@@ -262,21 +281,30 @@ def compare(
 
 def _measure(
     path: str | Path, texts: list[str], tokenizer, trust_remote_code: bool, model=None, suite: TaskSuite | None = None,
-    **settings,
-) -> tuple[PerplexityResult, dict[str, TaskResult]]:
-    """Perplexity on `texts`, then the suite's task scores, on the model at `path` (or `model`, loaded already)."""
-    loaded, tok = load_eval_model(path, trust_remote_code, tokenizer, load_weights=model is None)
+    tensor_parallel: bool = False, **settings,
+) -> tuple[PerplexityResult, dict[str, TaskResult], int]:
+    """Perplexity on `texts`, then the suite's task scores, on the model at `path` (or `model`, loaded already);
+    and the bytes of the weights this process held while it computed (`held_bytes`)."""
+    loaded, tok = load_eval_model(path, trust_remote_code, tokenizer, load_weights=model is None, tensor_parallel=tensor_parallel)
     model = model if model is not None else loaded
     result = perplexity(model, tokenize(tok, texts), **settings)
     scores = suite.run(model, tok, batch_size=settings["batch_size"], progress=settings["progress"]) if suite else {}
-    return result, scores
+    return result, scores, held_bytes(model)
+
+
+def held_bytes(model) -> int:
+    """Bytes of the parameters and buffers this process holds: a tensor-parallel rank's shards (DTensors' local
+    parts) and replicated tensors; compressed-tensors artifacts as computed (their dequantized weights)."""
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}.values()  # tied weights once
+    local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
+    return sum(t.numel() * t.element_size() for t in local)
 
 
 def _preview(
     path: Path,
     label: str,
     recipe_name: str,
-    measure: Callable[..., tuple[PerplexityResult, dict[str, TaskResult]]],
+    measure: Callable[..., tuple[PerplexityResult, dict[str, TaskResult], int]],
     trust_remote_code: bool,
     progress: Progress,
     calibration=None,
@@ -291,8 +319,8 @@ def _preview(
     if recipe.needs_calibration:
         check_calibration_data(recipe, calibration)
     model = quantize_model(prepared, recipe, trust_remote_code=trust_remote_code, progress=progress, calibration=calibration)
-    result, scores = measure(path, model=model)
+    result, scores, held = measure(path, model=model)
     return ModelReport(
         path=str(path), label=f"{label}+{recipe.name}", recipe=recipe.name, format=prepared.format.value,
-        size_bytes=None, perplexity=result, tasks=scores,
+        size_bytes=None, perplexity=result, tasks=scores, weight_bytes_per_rank=[held],
     )

@@ -306,6 +306,16 @@ def _import_run_modules(recipe: Recipe) -> None:
         import quantkit.data  # noqa: F401
 
 
+def reset_peak_resident() -> None:
+    """Start `peak_resident_bytes` afresh from the current size (Linux's clear_refs; elsewhere nothing is reset),
+    so that a peak measures one piece of work."""
+    try:
+        with open("/proc/self/clear_refs", "w") as refs:
+            refs.write("5")
+    except OSError:
+        pass
+
+
 def peak_resident_bytes() -> int:
     """This process's peak resident size so far: VmHWM on Linux (ru_maxrss would include the memory of a parent
     that forked it, as it survives execve), else ru_maxrss (bytes on macOS)."""

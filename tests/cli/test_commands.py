@@ -286,7 +286,7 @@ def test_train_refuses_a_missing_model_before_launching(monkeypatch, train_yaml)
     launched = []
     monkeypatch.setattr(sources, "resolve_source", missing)
     monkeypatch.setattr(quantkit.train, "train", lambda *a, **k: pytest.fail("train must not run"))
-    monkeypatch.setattr(launch, "run_torchrun", lambda args: launched.append(args) or 0)
+    monkeypatch.setattr(launch, "run_torchrun", lambda args, explained=(): launched.append(args) or 0)
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     result = invoke("train", str(train_yaml), "--nproc-per-node", "2")
@@ -316,7 +316,7 @@ def test_train_relaunches_itself_under_torchrun(fake_train, train_yaml, monkeypa
     import os
 
     seen = {}
-    monkeypatch.setattr(launch, "run_torchrun", lambda args: seen.update(args=args, env=dict(os.environ)) or 0)
+    monkeypatch.setattr(launch, "run_torchrun", lambda args, explained=(): seen.update(args=args, env=dict(os.environ)) or 0)
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     monkeypatch.setenv("OMP_NUM_THREADS", "99")  # monkeypatch restores what relaunch sets
@@ -337,7 +337,7 @@ def test_train_under_torchrun_does_not_relaunch(fake_train, train_yaml, monkeypa
 def _capture_torchrun(monkeypatch, code: int) -> dict:
     """Not under a launcher; torchrun's arguments land in the returned dict and its ranks exit with `code`."""
     seen = {}
-    monkeypatch.setattr(launch, "run_torchrun", lambda args: seen.update(args=args) or code)
+    monkeypatch.setattr(launch, "run_torchrun", lambda args, explained=(): seen.update(args=args) or code)
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # restored after the test
@@ -388,7 +388,7 @@ def test_finalize_checks_and_plans_for_every_rank_of_every_machine(monkeypatch):
     checked, planned = [], []
     monkeypatch.setattr(atomic, "check_work_dir", lambda dst, resume, ranks: checked.append(ranks))
     monkeypatch.setattr(quantkit.finalize, "finalize", lambda *a, **k: pytest.fail("the parent only launches"))
-    monkeypatch.setattr(launch, "run_torchrun", lambda args: 0)
+    monkeypatch.setattr(launch, "run_torchrun", lambda args, explained=(): 0)
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
@@ -516,3 +516,56 @@ def test_the_summary_says_how_much_autoround_lowered_each_layers_loss():
                            "model.layers.1": {"loss_rtn": 2e-6, "loss_tuned": 1e-6, "best_step": 7, "steps": 10}})
     assert line == ("output loss 38% of round-to-nearest's on average over 2 layers, at most 50% (model.layers.1); "
                     "per layer in quantkit.json")
+
+
+@pytest.fixture
+def tp_checked(monkeypatch):
+    """`eval --tp`'s per-model check (tests/unit/test_tensor_parallel.py proves it), recorded instead of run."""
+    from quantkit import tensor_parallel
+
+    checked = []
+    monkeypatch.setattr(tensor_parallel, "check", lambda path, ranks, trust_remote_code: checked.append((path, ranks)))
+    return checked
+
+
+def test_eval_tp_checks_every_model_then_relaunches_itself_once(fake_compare, tp_checked, monkeypatch):
+    seen = {}
+    monkeypatch.setattr(launch, "run_torchrun", lambda args, explained=(): seen.update(args=args, explained=explained) or 3)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # restored after the test
+    monkeypatch.setenv("QUANTKIT_THREADS", "1")
+    argv = ["eval", "a", "b", "--data", "t.txt", "--tp", "2", "--baseline", "c", "--max-ppl-increase", "1"]
+    monkeypatch.setattr(launch.sys, "argv", ["quantkit", *argv])  # what the ranks are started with
+    result = invoke(*argv)
+    assert result.exit_code == 3  # the ranks' exit code (here a failed gate) is the command's
+    assert tp_checked == [("a", 2), ("b", 2), ("c", 2)] and not fake_compare  # the parent only checks and launches
+    assert seen["args"][:2] == ["--standalone", "--nproc-per-node=2"] and seen["args"][-len(argv):] == argv
+    assert seen["explained"] == (3,)  # a failed gate is its own message: no "rank 0 failed" line after it
+
+
+def test_eval_tp_under_the_launcher_measures_here_and_only_rank_0_reports(fake_compare, tp_checked, monkeypatch, tmp_path):
+    monkeypatch.setattr(launch, "run_torchrun", lambda *a, **k: pytest.fail("must not launch twice"))
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("RANK", "1")
+    report = tmp_path / "r.json"
+    result = invoke("eval", "a", "--data", "t.txt", "--tp", "2", "--json", str(report))
+    assert result.exit_code == 0 and result.output == "" and not report.exists()
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("RANK", "0")
+    result = invoke("eval", "a", "--data", "t.txt", "--tp", "2", "--json", str(report))
+    assert result.exit_code == 0 and report.exists()
+    assert [call.tensor_parallel for call in fake_compare] == [2, 2]
+
+
+@pytest.mark.parametrize("options, says", [
+    (["-q", "int4-weight-only"], "finalize the model (`quantkit finalize SRC DST -q RECIPE`), then evaluate DST with --tp"),
+    (["--tasks", "arc_easy"], "--tasks runs lm-evaluation-harness in one process; drop --tp"),
+])
+def test_eval_tp_refuses_what_runs_in_one_process(options, says, fake_compare, tp_checked, monkeypatch):
+    monkeypatch.setattr(launch, "run_torchrun", lambda *a, **k: pytest.fail("must not launch"))
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    result = invoke("eval", "a", "--data", "t.txt", "--tp", "2", *options)
+    assert result.exit_code == 2 and says in result.output and len(result.output.strip().splitlines()) == 1
+    assert not fake_compare

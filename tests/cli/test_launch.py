@@ -63,7 +63,7 @@ def test_the_world_counts_every_machine():
 
 def test_several_machines_relaunch_even_with_one_process_each(monkeypatch):
     seen = []
-    monkeypatch.setattr(launch, "run_torchrun", lambda args: seen.append(args) or 0)
+    monkeypatch.setattr(launch, "run_torchrun", lambda args, explained=(): seen.append(args) or 0)
     monkeypatch.setattr(launch, "under_torchrun", lambda: False)
     monkeypatch.setattr(launch.sys, "argv", ["quantkit", *ARGV])
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # restored after the test
@@ -74,6 +74,14 @@ def test_several_machines_relaunch_even_with_one_process_each(monkeypatch):
 
 
 def test_no_relaunch_under_a_launcher(monkeypatch):
-    monkeypatch.setattr(launch, "run_torchrun", lambda args: pytest.fail("must not launch"))
+    monkeypatch.setattr(launch, "run_torchrun", lambda args, explained=(): pytest.fail("must not launch"))
     monkeypatch.setattr(launch, "under_torchrun", lambda: True)
     assert launch.relaunch(Launch(4, 2, 1, "h:29500")) is None
+
+
+def test_an_explained_exit_code_passes_through_without_a_line(tmp_path, capfd, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # torchrun sets it when absent
+    script = tmp_path / "gate_failed.py"
+    script.write_text("import sys\nprint('error: the gate failed', file=sys.stderr)\nsys.exit(3)\n")
+    assert launch.run_torchrun(["--standalone", "--nproc-per-node=1", str(script)], explained=(3,)) == 3
+    assert capfd.readouterr().err.strip().splitlines()[-1] == "error: the gate failed"  # the rank's own line, last
