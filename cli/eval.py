@@ -113,12 +113,7 @@ def check_tensor_parallel(models: list[str], tp: int, quantize: list[str] | None
     anything is launched."""
     from quantkit import tensor_parallel
 
-    if quantize:
-        raise UsageError("--tp evaluates saved models; -q previews quantize in one process: finalize the model "
-                         "(`quantkit finalize SRC DST -q RECIPE`), then evaluate DST with --tp")
-    if tasks is not None:
-        raise UsageError("--tasks runs lm-evaluation-harness in one process; drop --tp for task scores (perplexity "
-                         "works with --tp)")
+    tensor_parallel.check_options(quantize, tasks)
     for model in models:
         tensor_parallel.check(sources.resolve_source(model), tp, trust_remote_code)
 

@@ -18,10 +18,11 @@ from quantkit.errors import UnsupportedModelError, UsageError
 from quantkit.export import metadata
 from quantkit.models import load_model, load_tokenizer, quantization_method, read_config_json, weights_size
 from quantkit.precision import float32_products, model_dtype
-from quantkit.sources import resolve_source
 from quantkit.preflight import peak_resident_bytes, reset_peak_resident
 from quantkit.progress import QUIET, Progress
+from quantkit.sources import resolve_source
 from quantkit.tasks import TaskOptions, TaskResult, TaskSuite, load_tasks
+from quantkit.tensor_parallel import check_options as check_tensor_parallel_options
 from quantkit.tensor_parallel import gather_ints
 from quantkit.tensor_parallel import load as tensor_parallel_load
 
@@ -258,8 +259,8 @@ def compare(
     rank returns the same reports."""
     from quantkit import runtime
 
-    if tensor_parallel > 1 and (recipes or tasks):
-        raise UsageError("tensor-parallel evaluation measures saved models' perplexity only: no recipes, no tasks")
+    if tensor_parallel > 1:
+        check_tensor_parallel_options(recipes, tasks)
     runtime.set_threads(threads)
     suite = load_tasks(tasks) if tasks else None  # a wrong task name or missing task data: before any model loads
     texts = load_texts(data, text_field)

@@ -1,9 +1,10 @@
-"""Tensor-parallel evaluation (`quantkit eval --tp N`): each model sharded over N processes by transformers'
-own plan (`from_pretrained(..., distributed_config=DistributedConfig(tp_plan="auto"))` under torchrun; nccl on CUDA, gloo on CPU), every rank running
-the same windows and ending with the same (all-gathered) logits.
+"""Tensor-parallel evaluation (`quantkit eval --tp N`): each model sharded over N processes by transformers' own
+plan (`from_pretrained(..., distributed_config=DistributedConfig(tp_plan="auto"))` under torchrun; nccl on CUDA,
+gloo on CPU), every rank running the same windows and ending with the same (all-gathered) logits.
 
-This module holds the loading, what is checked before any process is launched (the model's family has a plan,
-its heads split evenly over N, its format shards) and the per-rank facts a report carries (peak resident memory)."""
+This module holds the loading, what is refused before any process is launched (options that run in one process,
+a family without a plan, heads or activation groups N does not divide, a format that does not shard) and the
+per-rank numbers a report gathers."""
 
 from __future__ import annotations
 
@@ -90,6 +91,17 @@ HEAD_FIELDS = ("num_attention_heads", "num_key_value_heads")
 # Widths that are the input of a row-split Linear (o_proj, down_proj, experts' down_proj): each rank's share
 # must hold whole activation groups.
 ROW_INPUT_FIELDS = ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size")
+
+
+def check_options(recipes: list[str] | None, tasks: object | None) -> None:
+    """What tensor-parallel evaluation cannot combine with: in-memory recipe previews and lm-eval tasks, which run
+    in one process."""
+    if recipes:
+        raise UsageError("--tp evaluates saved models; -q previews quantize in one process: finalize the model "
+                         "(`quantkit finalize SRC DST -q RECIPE`), then evaluate DST with --tp")
+    if tasks:
+        raise UsageError("--tasks runs lm-evaluation-harness in one process; drop --tp for task scores (perplexity "
+                         "works with --tp)")
 
 
 def check(path: str | Path, ranks: int, trust_remote_code: bool = False) -> None:
