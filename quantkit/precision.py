@@ -34,6 +34,14 @@ def native_half_products(dtype: torch.dtype, cpu_flags: set[str] | None = None) 
     return any(flag in flags for flag in NATIVE_FLAGS[dtype])
 
 
+def native_bf16(device: torch.device) -> bool:
+    """Whether `device` multiplies bfloat16 matrices natively: a CUDA GPU that supports bf16, a CPU with AVX512-BF16
+    or AMX (other CPUs: no; bf16 autocast would be slower than float32 there)."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    return device.type == "cpu" and _cpu_flags() is not None and native_half_products(torch.bfloat16)
+
+
 def model_dtype(model: nn.Module) -> torch.dtype:
     """The dtype of a model's floating-point parameters (its first one; float32 when it has none)."""
     return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)

@@ -155,10 +155,11 @@ AUTOROUND_BYTES_PER_WEIGHT = 24  # V, its gradient, the float64 step sum, the be
 
 
 def autoround_bytes(plan: list[ModulePlan], samples: int, seq_len: int, hidden: int, element: int) -> dict[str, int]:
-    """What AutoRound adds: the float layer's outputs (its targets) for this rank's samples, and the tuning state of
-    one layer's weights."""
+    """What AutoRound adds: the float model's hidden states before and after the layer (its targets) for this rank's
+    samples, and the tuning state of one layer's weights."""
     weights = sum(e.in_features * e.out_features for e in _first_layer(plan))
-    return {"AutoRound targets (float layer outputs, this rank)": samples * seq_len * hidden * element,
+    return {"AutoRound float model's hidden states (before and after the layer, this rank)":
+            2 * samples * seq_len * hidden * element,
             "AutoRound tuning state of one layer": AUTOROUND_BYTES_PER_WEIGHT * weights}
 
 

@@ -49,8 +49,12 @@ and 0.14 needs the runner's no-op for pin_memory on a machine without an acceler
 GPTQModifier orders columns by activation (actorder "static") unless told otherwise; quantkit's recipes do
 not; `--llmc-actorder none` makes the two run the same algorithm. AutoRound W4A16 (autoround-w4a16;
 AutoRoundModifier W4A16, batch 8, lr 1 / iters, torch.compile off) and AutoRound W2A16 (autoround-w2a16; the
-same modifier on symmetric int2 in groups of 32, quantkit's int2 grid, beside RTN W2A16 on that grid) run
+same modifier on symmetric int2 in groups of 32, beside RTN W2A16 on quantkit's int2 grid; both AutoRounds scale
+with auto-round's full range, the larger side of each group on -2) run
 `--autoround-iters` steps per layer on both sides (quantkit: a user recipe file made from the shipped one).
+
+`--quantkit-ranks N` runs quantkit's calibrated recipes data-parallel (`--nproc-per-node N`, each rank with
+`--threads` / N threads) against llm-compressor's one process of `--threads` threads: both tools on the same cores.
 """
 
 from __future__ import annotations
@@ -155,7 +159,10 @@ def quantkit_job(algorithm: str, recipe: str, src: Path, out: Path, args: argpar
     calibrated = resolve(recipe).needs_calibration
     calibration = harness.calibration_options(args.calib_data, args.num_samples, args.seq_len) if calibrated else []
     chosen = autoround_recipe(recipe, args.autoround_iters, out) if recipe.startswith("autoround") else recipe
-    cmd = harness.finalize_command(src, dst, chosen, args.threads, *calibration)
+    ranks = args.quantkit_ranks if calibrated else 1
+    if ranks > 1:
+        calibration += ["--nproc-per-node", str(ranks)]
+    cmd = harness.finalize_command(src, dst, chosen, max(1, args.threads // ranks), *calibration)
     return Job("quantkit", algorithm, recipe, dst, cmd)
 
 
@@ -357,7 +364,9 @@ def gptq_vs_rtn(jobs: list[Job], float_ppl: float | None) -> dict[str, dict[str,
 
 def print_report(facts: dict, jobs: list[Job], float_ppl: float | None, eval_errors: dict[str, str]) -> None:
     m, t = facts["model"], facts["training"]
-    print(f"- python {facts['python']}, {facts['cpus']} CPUs, threads {facts['threads']}, repeats {facts['repeats']}; "
+    ranks = facts.get("quantkit_ranks", 1)
+    split = f" (quantkit's calibrated recipes: {ranks} ranks x {max(1, facts['threads'] // ranks)})" if ranks > 1 else ""
+    print(f"- python {facts['python']}, {facts['cpus']} CPUs, threads {facts['threads']}{split}, repeats {facts['repeats']}; "
           f"quantkit side: torch {facts['torch']}, transformers {facts['transformers']}, "
           f"compressed-tensors {facts['compressed-tensors']}")
     print(f"- llm-compressor side: {facts['llmc'] or 'skipped (pass --llmc-python)'}")
@@ -398,7 +407,7 @@ def config_dtype(src: Path) -> str:
 def machine_facts(src: Path, hidden: int, args: argparse.Namespace) -> dict:
     return {
         **harness.host_facts(), **harness.versions("torch", "transformers", "compressed-tensors"),
-        "threads": args.threads, "repeats": args.repeats,
+        "threads": args.threads, "repeats": args.repeats, "quantkit_ranks": args.quantkit_ranks,
         "llmc": harness.llmc_versions(args.llmc_python), "llmc_actorder": args.llmc_actorder,
         "model": {"path": str(src), "hidden": hidden, "parameters": harness.parameter_count(src),
                   "dtype": config_dtype(src)},
@@ -439,6 +448,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-data", type=Path, default=WIKITEXT / "test.txt")
     p.add_argument("--eval-samples", type=int, default=64, help="perplexity windows of 256 tokens")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--quantkit-ranks", type=int, default=1, help="quantkit's calibrated recipes on this many ranks "
+                   "(--nproc-per-node), each with --threads / ranks threads: the same cores as llm-compressor's one process")
     p.add_argument("--repeats", type=int, default=1, help="timed runs of every job (the table shows medians)")
     p.add_argument("--awq", action="store_true", help="also run llm-compressor's AWQ W4A16 (slow on CPU)")
     p.add_argument("--llmc-actorder", choices=["default", "none"], default="default",

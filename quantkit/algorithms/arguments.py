@@ -63,6 +63,9 @@ class AutoRoundArgs:
     batch_size: int = 8  # calibration samples per step
     minmax_tuning: bool = True  # tune each group's min/max clipping factors (else only the rounding)
     seed: int = 42  # the order samples are drawn in (with the layer's index)
+    amp: bool = True  # tune in bfloat16 autocast where the device multiplies bf16 natively (auto-round's `amp`)
+    full_range: bool = True  # symmetric grids: auto-round's scales (the larger side of a group's range on qmin);
+    # false: the recipe's min-max grid (round-to-nearest's, max|w| / ((qmax - qmin) / 2))
 
     def __post_init__(self) -> None:
         if self.iters < 1:

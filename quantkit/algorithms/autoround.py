@@ -73,26 +73,42 @@ def _qparams(low: torch.Tensor, high: torch.Tensor, spec: WeightSpec, round_fn) 
     return scale, (qmin - round_fn(low / scale)).clamp(qmin, qmax)
 
 
+def _full_range_scale(low: torch.Tensor, high: torch.Tensor, spec: WeightSpec) -> torch.Tensor:
+    """auto-round's symmetric grid ("full range", from llama.cpp; `data_type/int.py: quant_tensor_sym`): the larger side
+    of the group's (clipped) range lands exactly on the grid's most negative value, the scale's sign choosing the
+    side, so every one of the 2^bits levels is used (the min-max grid leaves the larger side of its range outside)."""
+    qmin = spec.dtype.qrange[0]
+    low, high = low.clamp(max=0), high.clamp(min=0)
+    scale = torch.where(-low > high, -low, -high) / -qmin
+    return torch.where(scale < 0, scale.clamp(max=-EPS), scale.clamp(min=EPS))
+
+
 def round_ste(x: torch.Tensor) -> torch.Tensor:
     """Round to nearest (ties to even) forward; the identity backward (straight-through estimator)."""
     return x + (torch.round(x) - x).detach()
 
 
-def fake_quantize(weight: torch.Tensor, rounding: Rounding, spec: WeightSpec) -> torch.Tensor:
-    """The weight on the grid `rounding` chooses, float32, differentiable in V, a and b (rounding straight through)."""
+def fake_quantize(weight: torch.Tensor, rounding: Rounding, spec: WeightSpec, full_range: bool = False) -> torch.Tensor:
+    """The weight on the grid `rounding` chooses, float32, differentiable in V, a and b (rounding straight through).
+    `full_range`: symmetric grids scale as auto-round's (`_full_range_scale`)."""
     groups = _grouped(weight.float(), spec)
     low = groups.amin(-1) * rounding.min_scale
     high = groups.amax(-1) * rounding.max_scale
-    scale, zero = _qparams(low, high, spec, round_ste)
+    if full_range and spec.symmetric:
+        scale, zero = _full_range_scale(low, high, spec), torch.zeros_like(low)
+    else:
+        scale, zero = _qparams(low, high, spec, round_ste)
     scale, zero = scale.unsqueeze(-1), zero.unsqueeze(-1)
     qmin, qmax = spec.dtype.qrange
     q = torch.clamp(round_ste(groups * (1.0 / scale) + _grouped(rounding.value, spec)) + zero, qmin, qmax)
     return ((q - zero) * scale).reshape(weight.shape)
 
 
-def quantize(weight: torch.Tensor, rounding: Rounding, spec: WeightSpec) -> QuantizedWeight:
+def quantize(weight: torch.Tensor, rounding: Rounding, spec: WeightSpec, full_range: bool = False) -> QuantizedWeight:
     """The weight on its grid with the learned rounding: the scales are chosen as round-to-nearest chooses them,
-    from the clipped group ranges (in the weight's dtype), so V = 0 with unit clipping gives `quantize_weight`'s."""
+    from the clipped group ranges (in the weight's dtype), so V = 0 with unit clipping gives `quantize_weight`'s.
+    `full_range` (symmetric grids): auto-round's scales, `_full_range_scale` (negative where the larger side of a
+    group's range is its maximum), in the scale dtype."""
     if spec.dtype.is_float:
         raise ValueError("AutoRound rounds to integer grids; float8 weights have no rounding offset to learn")
     with torch.no_grad():
@@ -100,11 +116,15 @@ def quantize(weight: torch.Tensor, rounding: Rounding, spec: WeightSpec) -> Quan
         low = (groups.amin(-1).float() * rounding.min_scale).to(weight.dtype)
         high = (groups.amax(-1).float() * rounding.max_scale).to(weight.dtype)
         qmin, qmax = spec.dtype.qrange
-        mapping = MappingType.SYMMETRIC if spec.symmetric else MappingType.ASYMMETRIC
-        scale, zero = choose_qparams_affine_with_min_max(
-            low, high, mapping, list(block_size(weight, spec)), torch.int8, qmin, qmax, eps=EPS,
-            scale_dtype=scale_dtype(weight, spec), zero_point_dtype=torch.int8,
-        )
+        if full_range and spec.symmetric:
+            scale = _full_range_scale(low.float(), high.float(), spec).to(scale_dtype(weight, spec))
+            zero = torch.zeros_like(scale, dtype=torch.int8)
+        else:
+            mapping = MappingType.SYMMETRIC if spec.symmetric else MappingType.ASYMMETRIC
+            scale, zero = choose_qparams_affine_with_min_max(
+                low, high, mapping, list(block_size(weight, spec)), torch.int8, qmin, qmax, eps=EPS,
+                scale_dtype=scale_dtype(weight, spec), zero_point_dtype=torch.int8,
+            )
         shifted = (groups * (1.0 / scale.unsqueeze(-1))).float() + _grouped(rounding.value, spec)
         offset = zero.unsqueeze(-1) if not spec.symmetric else 0
         qdata = torch.clamp(torch.round(shifted) + offset, qmin, qmax).to(torch.int8).reshape(weight.shape)
@@ -157,18 +177,20 @@ def tune(weights: dict[str, torch.Tensor], specs: dict[str, WeightSpec], sample_
     first, best, seconds = None, (math.inf, 0, None), []
     for step, chosen in enumerate(draws(num_samples, args.batch_size, args.iters, generator)):
         started = time.perf_counter()
-        flat, losses = _gradients(weights, specs, roundings, params, sample_loss, chosen, mine)
+        flat, losses = _gradients(weights, specs, roundings, params, sample_loss, chosen, mine, args.full_range)
         reduce_sum(flat)
         loss = sum(losses.tolist()) / len(chosen)  # one value per sample, summed in one order on every rank
         first = loss if first is None else first
         if loss < best[0]:
             best = (loss, step, {name: r.clone() for name, r in roundings.items()})
-        _sign_step(tuned, 1.0 - step / args.iters, _through_fake_quantization(weights, specs, roundings, params, flat))
+        _sign_step(tuned, 1.0 - step / args.iters,
+                   _through_fake_quantization(weights, specs, roundings, params, flat, args.full_range))
         seconds.append(time.perf_counter() - started)
     return Tuned(best[2], first, best[0], best[1], statistics.median(seconds[1:] or seconds))
 
 
-def _gradients(weights, specs, roundings, params, sample_loss, chosen, mine) -> tuple[torch.Tensor, torch.Tensor]:
+def _gradients(weights, specs, roundings, params, sample_loss, chosen, mine,
+               full_range: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """One flat float64 buffer: the gradients of the loss with respect to the fake-quantized weights, summed over
     this rank's chosen samples, then the chosen samples' losses (zero for the other ranks' samples).
 
@@ -176,7 +198,7 @@ def _gradients(weights, specs, roundings, params, sample_loss, chosen, mine) -> 
     (a sample's gradient does not depend on which samples share its rank), added in float64 in sample order.
     `_through_fake_quantization` carries the reduced sum back to V and the clipping factors, once a step."""
     with torch.no_grad():
-        fake = {name: fake_quantize(w, roundings[name], specs[name]).to(w.dtype) for name, w in weights.items()}
+        fake = {name: fake_quantize(w, roundings[name], specs[name], full_range).to(w.dtype) for name, w in weights.items()}
     leaves = {name: tensor.requires_grad_() for name, tensor in fake.items()}
     sizes = [w.numel() for w in weights.values()]
     flat = torch.zeros(sum(sizes) + len(chosen), dtype=torch.float64, device=params[0].device)
@@ -194,13 +216,13 @@ def _gradients(weights, specs, roundings, params, sample_loss, chosen, mine) -> 
     return flat, flat[sum(sizes):]
 
 
-def _through_fake_quantization(weights, specs, roundings, params, flat) -> list[torch.Tensor | None]:
+def _through_fake_quantization(weights, specs, roundings, params, flat, full_range: bool = False) -> list[torch.Tensor | None]:
     """The gradients of `params` from the summed gradient with respect to the fake-quantized weights at the front of
     `flat`: one backward pass through the fake-quantization (rounding straight through). Every rank holds the same
     sum, so every rank gets the same gradients (None: a parameter the loss does not reach)."""
     sizes = [w.numel() for w in weights.values()]
     with torch.enable_grad():
-        fake = [fake_quantize(w, roundings[name], specs[name]) for name, w in weights.items()]
+        fake = [fake_quantize(w, roundings[name], specs[name], full_range) for name, w in weights.items()]
     upstream = [g.view(w.shape).float() for g, w in zip(flat[: sum(sizes)].split(sizes), weights.values())]
     return list(torch.autograd.grad(fake, params, upstream, allow_unused=True))
 

@@ -52,6 +52,11 @@ def run_layer(layer: nn.Module, inputs: list[tuple]) -> list[torch.Tensor]:
     return outputs
 
 
+def hidden_states(inputs: list[tuple]) -> list[torch.Tensor]:
+    """The hidden states of each captured call."""
+    return [args[0] if args else kwargs["hidden_states"] for args, kwargs in inputs]
+
+
 def with_hidden(inputs: list[tuple], hidden: list[torch.Tensor]) -> list[tuple]:
     """The captured calls with their hidden states replaced (the next layer's inputs)."""
     return [((h, *args[1:]), kwargs) if args else ((), {**kwargs, "hidden_states": h}) for (args, kwargs), h in zip(inputs, hidden)]

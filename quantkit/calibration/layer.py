@@ -48,6 +48,10 @@ class Layer:
     recipe: Recipe
     result: CalibrationResult
     ctx: Context | None = None
+    # the float model's hidden states entering this layer, batch by batch, for a step that tunes against the float
+    # model (AutoRound); such a step replaces them with the float layer's outputs on them (the next layer's).
+    # None: the pipeline does not carry them for this recipe
+    float_hidden: list[torch.Tensor] | None = None
 
     @cached_property
     def linears(self) -> dict[str, nn.Module]:

@@ -24,7 +24,7 @@ from quantkit import data, kv_cache, models
 from quantkit.algorithms import Algorithm
 from quantkit.algorithms.rtn import rtn_quantize
 from quantkit.calibration.experts import calibrating
-from quantkit.calibration.hooks import capture_inputs, run_layer, with_hidden
+from quantkit.calibration.hooks import capture_inputs, hidden_states, run_layer, with_hidden
 from quantkit.calibration.layer import CalibrationResult, Layer, relative_error
 from quantkit.precision import float32_products, model_dtype
 from quantkit.calibration.resume import Resumable
@@ -49,6 +49,9 @@ def layer_steps(recipe: Recipe) -> list[Step]:
                          "use rtn for these recipes, or a weight-only GPTQ recipe")
     steps = [_bound(step) for step in recipe.transforms] + ([static_scales_step] if static else [])
     return steps + [_bound(recipe.quantizer)] + ([kv_cache_step] if recipe.kv_cache is not None else [])
+
+
+FLOAT_REFERENCE = (Algorithm.AUTOROUND,)  # quantizers tuned against the float model's hidden states (`Layer.float_hidden`)
 
 
 def _bound(step: AlgorithmStep) -> Step:
@@ -106,10 +109,12 @@ def _calibrate(model: nn.Module, plan: list[ModulePlan], recipe: Recipe, samples
     if stream is not None:  # not needed again until the end: one layer is held at a time, not the layer and these
         stream.release_rest()
     result.seconds["capture"] = time.perf_counter() - started
+    float_hidden = hidden_states(inputs) if recipe.quantizer.name in FLOAT_REFERENCE else None
     state = resumable.open() if resumable is not None else None
     if state is not None:
-        hidden = resumable.restore(state, result, len(layers))
+        hidden, saved_float = resumable.restore(state, result, len(layers))
         inputs = with_hidden(inputs, [h.to(device) for h in hidden])
+        float_hidden = [h.to(device) for h in saved_float] if float_hidden is not None else None
     done = resumable.completed if resumable is not None else 0
     with progress.task(f"Calibrating {len(layers)} layers ({recipe.describe_algorithm()})", total=len(layers),
                        completed=done) as advance:
@@ -119,8 +124,8 @@ def _calibrate(model: nn.Module, plan: list[ModulePlan], recipe: Recipe, samples
             if i < done:
                 resumable.restore_layer(i, module, f"{prefix}.{i}", by_name, result)
             else:
-                outputs = _calibrate_one(i, module, f"{prefix}.{i}", inputs, by_name, recipe, result, ctx, steps, device,
-                                         resumable, len(layers))
+                outputs, float_hidden = _calibrate_one(i, module, f"{prefix}.{i}", inputs, float_hidden, by_name, recipe,
+                                                       result, ctx, steps, device, resumable, len(layers))
                 inputs = with_hidden(inputs, outputs)
                 worst = max((e for n, e in result.errors.items() if n.startswith(f"{prefix}.{i}.")), default=0.0)
                 advance(description=f"Calibrating layer {i + 1}/{len(layers)} (worst relative error {worst:.4f})")
@@ -132,20 +137,22 @@ def _calibrate(model: nn.Module, plan: list[ModulePlan], recipe: Recipe, samples
     return result
 
 
-def _calibrate_one(i: int, module: nn.Module, prefix: str, inputs: list[tuple], by_name: dict[str, ModulePlan],
-                   recipe: Recipe, result: CalibrationResult, ctx: Context | None, steps: list[Step],
-                   device: torch.device, resumable: Resumable | None, num_layers: int) -> list[torch.Tensor]:
-    """Run the steps on decoder layer `i`; return its outputs (the next layer's inputs)."""
+def _calibrate_one(i: int, module: nn.Module, prefix: str, inputs: list[tuple], float_hidden: list[torch.Tensor] | None,
+                   by_name: dict[str, ModulePlan], recipe: Recipe, result: CalibrationResult, ctx: Context | None,
+                   steps: list[Step], device: torch.device, resumable: Resumable | None,
+                   num_layers: int) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+    """Run the steps on decoder layer `i`; return its outputs (the next layer's inputs) and, when the recipe tunes
+    against the float model, the float model's hidden states after it."""
     module.to(device)
-    layer = Layer(module, prefix, i, inputs, by_name, recipe, result, ctx)
+    layer = Layer(module, prefix, i, inputs, by_name, recipe, result, ctx, float_hidden)
     for name, linear in layer.linears.items():
         models.check_finite(name, linear.weight.data)
     outputs = calibrate_layer(layer, steps)
     result.peak_device_bytes = max(result.peak_device_bytes, _device_bytes(module, with_hidden(inputs, outputs), device))
     module.to("cpu")
     if resumable is not None:
-        resumable.save_layer(i, module, prefix, result, outputs, num_layers)
-    return outputs
+        resumable.save_layer(i, module, prefix, result, outputs, num_layers, layer.float_hidden)
+    return outputs, layer.float_hidden
 
 
 def calibrate_layer(layer: Layer, steps: list[Step]) -> list[torch.Tensor]:

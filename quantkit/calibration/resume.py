@@ -106,14 +106,15 @@ class Resumable:
     # ---------------------------------------------------------------- saving
 
     def save_layer(self, index: int, module: nn.Module, prefix: str, result: CalibrationResult,
-                   hidden: list[torch.Tensor], num_layers: int) -> None:
-        """Layer `index` is finished: its tensors (rank 0), this rank's hidden states for the next layer, then
-        (after every rank has written) the state file."""
+                   hidden: list[torch.Tensor], num_layers: int, float_hidden: list[torch.Tensor] | None = None) -> None:
+        """Layer `index` is finished: its tensors (rank 0), this rank's hidden states for the next layer (and the
+        float model's, for a recipe tuned against them), then (after every rank has written) the state file."""
         self.path.mkdir(parents=True, exist_ok=True)
         if self.is_main:
             _save(self.path / f"layer-{index:05d}.safetensors", layer_tensors(module, prefix, result))
         if index + 1 < num_layers:  # the next layer's inputs (none after the last)
-            tensors = {"rng": torch.get_rng_state(), **{f"h.{b}": h for b, h in enumerate(hidden)}}
+            tensors = {"rng": torch.get_rng_state(), **{f"h.{b}": h for b, h in enumerate(hidden)},
+                       **{f"f.{b}": h for b, h in enumerate(float_hidden or [])}}
             _save(self._hidden_file(index + 1, self.rank), tensors)
         distributed.barrier(self.ctx)
         if self.is_main:
@@ -131,15 +132,17 @@ class Resumable:
 
     # ---------------------------------------------------------------- restoring
 
-    def restore(self, state: dict, result: CalibrationResult, num_layers: int) -> list[torch.Tensor]:
-        """Put the finished run's summary back; return this rank's hidden states for the first unfinished layer
-        (the finished layers come back one at a time, `restore_layer`)."""
+    def restore(self, state: dict, result: CalibrationResult,
+                num_layers: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Put the finished run's summary back; return this rank's hidden states for the first unfinished layer, and
+        the float model's where they were saved (the finished layers come back one at a time, `restore_layer`)."""
         _restore_result(state["result"], result)
         if self.completed == num_layers:
-            return []
+            return [], []
         saved = load_file(self._hidden_file(self.completed, self.rank))
         torch.set_rng_state(saved.pop("rng"))
-        return [saved[f"h.{b}"] for b in range(len(saved))]
+        stream = lambda kind: [saved[f"{kind}.{b}"] for b in range(sum(key.startswith(f"{kind}.") for key in saved))]
+        return stream("h"), stream("f")
 
     def restore_layer(self, index: int, module: nn.Module, prefix: str, plan: dict[str, ModulePlan],
                       result: CalibrationResult) -> None:
@@ -152,8 +155,9 @@ class Resumable:
         if self.is_main:
             shutil.rmtree(self.path, ignore_errors=True)
             return
-        for leftover in self.path.glob(f"hidden-*-rank{self.rank}.safetensors"):
-            leftover.unlink(missing_ok=True)
+        with contextlib.suppress(FileNotFoundError):  # rank 0 removed the shared directory first: nothing left
+            for leftover in list(self.path.glob(f"hidden-*-rank{self.rank}.safetensors")):
+                leftover.unlink(missing_ok=True)
         with contextlib.suppress(OSError):  # not empty, or already gone: rank 0's to remove
             self.path.rmdir()
 

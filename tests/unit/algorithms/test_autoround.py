@@ -113,6 +113,57 @@ def _output_error(weight, qweight, xs):
     return sum(((x @ weight.T - x @ qweight.T) ** 2).mean().item() for x in xs) / len(xs)
 
 
+def _reference_full_range(weight, value, min_scale, max_scale, spec):
+    """auto-round's `quant_tensor_sym` (`data_type/int.py`), written out plainly: the scale is the larger side of the
+    clipped range over 2^(bits-1), negative where that side is the maximum, so that side lands on -2^(bits-1)."""
+    maxq = -spec.dtype.qrange[0]
+    groups = weight.float().reshape(weight.shape[0], -1, weight.shape[1] // min_scale.shape[1])
+    ste = lambda x: (x.round() - x).detach() + x  # noqa: E731
+    wmin_abs = -(torch.clamp(groups.min(-1)[0], max=0) * min_scale)
+    wmax_abs = torch.clamp(groups.max(-1)[0], min=0) * max_scale
+    max_v = (2 * (wmax_abs < wmin_abs).int() - 1) * torch.max(wmax_abs, wmin_abs)
+    scale = max_v / maxq
+    scale = torch.where(scale < 0, torch.clamp(scale, max=-1e-5), torch.clamp(scale, min=1e-5)).unsqueeze(-1)
+    q = torch.clamp(ste(groups / scale + value.reshape(groups.shape)), -maxq, maxq - 1)
+    return (q * scale).reshape(weight.shape)
+
+
+@pytest.mark.parametrize("spec", [INT4_G32, INT2_G32, INT3_G32_F32], ids=["int4-g32", "int2-g32", "int3-g32-f32scale"])
+def test_full_range_grid_is_auto_rounds_with_its_gradients(spec):
+    torch.manual_seed(0)
+    weight, x = _weight(out=16, inp=64), torch.randn(2, 10, 64)
+    rounding = _random_rounding(weight, spec)
+    ours = fake_quantize(weight, rounding, spec, full_range=True)
+    torch.testing.assert_close(ours, _reference_full_range(weight, *rounding.tensors(), spec), rtol=1e-6, atol=0)
+    qweight = quantize(weight, rounding, spec, full_range=True)  # what tuning saw is what is written
+    torch.testing.assert_close(qweight.dequantize(torch.float32), ours, atol=0, rtol=0)
+    assert (qweight.scale < 0).any() and (qweight.scale > 0).any() and qweight.zero_point is None
+
+    def grads(fake_quantize_fn):
+        params = [t.detach().clone().requires_grad_() for t in rounding.tensors()]
+        loss = torch.nn.functional.mse_loss(x @ fake_quantize_fn(weight, *params).T, x @ weight.T)
+        return torch.autograd.grad(loss, params)
+
+    mine = grads(lambda w, v, a, b: fake_quantize(w, Rounding(v, a, b), spec, full_range=True))
+    theirs = grads(lambda w, v, a, b: _reference_full_range(w, v, a, b, spec))
+    for a, b in zip(mine, theirs):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-9)
+
+
+def test_full_range_puts_each_groups_larger_side_on_the_grid():
+    """Unlike the min-max grid (its scale is max|w| / 1.5 at 2 bits, so +max|w| rounds to 0.67 max|w|), the full
+    range represents the extreme of each group exactly (up to the scale's rounding): all four 2-bit levels used."""
+    weight = _weight(out=8, inp=64)
+    nearest = Rounding.nearest(weight, INT2_G32)
+    deq = quantize(weight, nearest, INT2_G32, full_range=True).dequantize(torch.float32).reshape(8, -1, 32)
+    groups = weight.reshape(8, -1, 32)
+    extreme = torch.where(groups.amax(-1) > -groups.amin(-1), groups.amax(-1), groups.amin(-1))
+    larger = torch.gather(deq, -1, (groups - extreme.unsqueeze(-1)).abs().argmin(-1, keepdim=True)).squeeze(-1)
+    torch.testing.assert_close(larger, extreme, rtol=1e-6, atol=0)
+    minmax = quantize(weight, nearest, INT2_G32).dequantize(torch.float32).reshape(8, -1, 32)
+    assert ((groups - deq) ** 2).sum() != ((groups - minmax) ** 2).sum()
+
+
 def _tune_linear(weight, xs, spec, args, seed=0):
     def sample_loss(fake, sample):
         return torch.nn.functional.mse_loss(xs[sample] @ fake["w"].T, xs[sample] @ weight.T)
@@ -121,11 +172,13 @@ def _tune_linear(weight, xs, spec, args, seed=0):
     return tune({"w": weight}, {"w": spec}, sample_loss, range(len(xs)), len(xs), generator, args)
 
 
+@pytest.mark.parametrize("full_range", [True, False], ids=["full-range", "min-max"])
 @pytest.mark.parametrize("spec", [INT4_G32, INT2_G32], ids=["int4-g32", "int2-g32"])
-def test_tuning_lowers_the_layer_output_error_below_rtn(spec):
+def test_tuning_lowers_the_layer_output_error_below_rtn(spec, full_range):
     weight, xs = _structured_layer()
-    tuned = _tune_linear(weight, xs[:12], spec, AutoRoundArgs(iters=60, batch_size=4))
-    learned = quantize(weight, tuned.roundings["w"], spec).dequantize(torch.float32)
+    args = AutoRoundArgs(iters=60, batch_size=4, full_range=full_range)
+    tuned = _tune_linear(weight, xs[:12], spec, args)
+    learned = quantize(weight, tuned.roundings["w"], spec, args.full_range).dequantize(torch.float32)
     rtn = quantize_weight(weight, spec).dequantize(torch.float32)
     assert _output_error(weight, learned, xs[:12]) < 0.8 * _output_error(weight, rtn, xs[:12])
     assert _output_error(weight, learned, xs[12:]) < _output_error(weight, rtn, xs[12:])  # held-out samples too

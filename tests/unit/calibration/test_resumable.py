@@ -5,6 +5,8 @@ nothing. Ranks are played in turn in one process (barriers are no-ops at world s
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -49,3 +51,35 @@ def test_in_a_shared_directory_the_state_always_has_its_inputs(tmp_path):
     for work in reversed(ranks):
         work.finish()
     assert not (tmp_path / "out.partial").exists()
+
+
+def test_a_rank_finishing_while_rank_0_removes_the_shared_directory_does_not_fail(tmp_path, monkeypatch):
+    """Every rank finishes after the last barrier: rank 0's removal of the shared directory can land while another
+    rank lists its leftovers there (seen under load as `FileNotFoundError: ... out.partial` failing rank 1 of a
+    finished run)."""
+    ranks = [rank(tmp_path / "out.partial", r) for r in (0, 1)]
+    for index in range(LAYERS):
+        for work in ranks:
+            save(work, index)
+
+    def listing_while_removed(self, pattern):  # the directory goes between the listing's check and its scan
+        shutil.rmtree(self, ignore_errors=True)
+        raise FileNotFoundError(2, "No such file or directory", str(self))
+
+    monkeypatch.setattr(Path, "glob", listing_while_removed)
+    ranks[1].finish()
+    assert not (tmp_path / "out.partial").exists()
+
+
+def test_the_float_models_hidden_states_are_saved_and_restored_beside_the_layers_inputs(tmp_path):
+    """AutoRound tunes against the float model's hidden states: a resumed run goes on with both streams."""
+    hidden, floats = [torch.randn(2, 4, 8), torch.randn(1, 4, 8)], [torch.randn(2, 4, 8), torch.randn(1, 4, 8)]
+    work, ctx = rank(tmp_path / "out.partial", 0), Context(0, 1, 0, torch.device("cpu"))
+    work.save_layer(0, nn.Linear(8, 8), "model.layers.0", CalibrationResult(), hidden, LAYERS, floats)
+    resumed = Resumable(work.path, {"ranks": "2"}, resume=True, ctx=ctx)
+    got_hidden, got_floats = resumed.restore(resumed.open(), CalibrationResult(), LAYERS)
+    assert all(torch.equal(a, b) for a, b in zip(got_hidden + got_floats, hidden + floats, strict=True))
+    save(work, 1)  # a recipe without a float stream saves none
+    resumed = Resumable(work.path, {"ranks": "2"}, resume=True, ctx=ctx)
+    got_hidden, got_floats = resumed.restore(resumed.open(), CalibrationResult(), LAYERS)
+    assert len(got_hidden) == 1 and got_floats == []

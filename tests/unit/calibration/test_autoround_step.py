@@ -1,0 +1,102 @@
+"""The AutoRound step tunes toward the float model: its target is the float layer on the float model's hidden states
+(`Layer.float_hidden`, which it hands on as the float layer's outputs), its inputs are the quantized stream, and with
+`amp` its passes run in bfloat16 autocast only where the device multiplies bf16 natively."""
+
+import copy
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from quantkit import precision, registry
+from quantkit.algorithms.arguments import AutoRoundArgs
+from quantkit.algorithms.autoround import Rounding, quantize
+from quantkit.calibration.hooks import capture_inputs, hidden_states, run_layer, with_hidden
+from quantkit.calibration.layer import CalibrationResult, Layer
+from quantkit.calibration.steps.autoround import autoround_step
+from quantkit.models import decoder_layers
+from quantkit.plan import plan_model
+
+RECIPE = "autoround-w2a16"  # 2 bits: round-to-nearest leaves a large error to tune away
+
+
+def _layer(float_hidden: bool):
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("llama", hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                  num_attention_heads=4, num_key_value_heads=2, vocab_size=300)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    module = decoder_layers(model)[0]
+    ids = torch.randint(0, 300, (4, 12), generator=torch.Generator().manual_seed(0))
+    inputs = capture_inputs(model, decoder_layers(model), list(ids.split(2)), torch.device("cpu"))
+    # the float model's stream differs from the quantized one the layer reads (as after quantized layers)
+    floats = [h + 0.5 * torch.randn_like(h) for h in hidden_states(inputs)] if float_hidden else None
+    recipe = registry.resolve(RECIPE)
+    plan = {e.name: e for e in plan_model(model, recipe)}
+    return Layer(module, "model.layers.0", 0, inputs, plan, recipe, CalibrationResult(), None, floats)
+
+
+def _mse(outputs, targets) -> float:
+    per_sample = torch.cat([((o - t) ** 2).flatten(1).mean(1) for o, t in zip(outputs, targets)]).double()
+    return per_sample.mean().item()
+
+
+def test_targets_are_the_float_layer_on_the_float_models_hidden_states():
+    layer = _layer(float_hidden=True)
+    float_module = copy.deepcopy(layer.module)
+    expected = run_layer(float_module, with_hidden(layer.inputs, layer.float_hidden))
+    args = AutoRoundArgs(iters=3, amp=False)
+    nearest = copy.deepcopy(layer.module)
+    for name, linear in layer.linears.items():
+        spec, weight = layer.plan[name].scheme.weights, linear.weight.data
+        rtn = quantize(weight, Rounding.nearest(weight, spec), spec, args.full_range)
+        nearest.get_submodule(name.removeprefix("model.layers.0.")).weight.data = rtn.dequantize()
+    outputs = autoround_step(layer, args)
+    for ours, theirs in zip(layer.float_hidden, expected):  # handed on: the next layer's float stream
+        assert torch.equal(ours, theirs)
+    summary = layer.result.tuning["model.layers.0"]
+    # round-to-nearest's loss is the quantized layer, on the quantized stream, against the float model's output
+    assert summary["loss_rtn"] == pytest.approx(_mse(run_layer(nearest, layer.inputs), expected), rel=1e-6)
+    assert summary["loss_tuned"] == pytest.approx(_mse(outputs, expected), rel=1e-6)
+    assert summary["loss_tuned"] < summary["loss_rtn"] and summary["compute"] == "float32"
+    for ours, theirs in zip(outputs, run_layer(layer.module, layer.inputs)):  # the outputs: the quantized stream
+        assert torch.equal(ours, theirs)
+
+
+def test_without_a_float_stream_the_target_is_the_float_layer_on_the_layers_inputs():
+    layer = _layer(float_hidden=False)
+    expected = run_layer(copy.deepcopy(layer.module), layer.inputs)
+    autoround_step(layer, AutoRoundArgs(iters=2, amp=False))
+    assert all(torch.equal(ours, theirs) for ours, theirs in zip(layer.float_hidden, expected))
+
+
+@pytest.mark.parametrize("flags, compute", [(frozenset({"avx2", "fma"}), "float32"),
+                                            (frozenset({"avx512f", "avx512_bf16"}), "bfloat16")])
+def test_amp_runs_in_bfloat16_only_where_the_cpu_multiplies_it_natively(monkeypatch, flags, compute):
+    monkeypatch.setattr(precision, "_cpu_flags", lambda: flags)
+    layer = _layer(float_hidden=True)
+    autocast = []
+    real = torch.autocast
+
+    def spy(*args, **kwargs):
+        autocast.append(kwargs.get("enabled", True) and kwargs.get("dtype"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "autocast", spy)
+    autoround_step(layer, AutoRoundArgs(iters=2))
+    summary = layer.result.tuning["model.layers.0"]
+    assert summary["compute"] == compute and summary["loss_tuned"] <= summary["loss_rtn"]
+    assert autocast and set(autocast) == {torch.bfloat16 if compute == "bfloat16" else False}
+
+
+def test_amp_off_computes_in_the_model_dtype(monkeypatch):
+    monkeypatch.setattr(precision, "_cpu_flags", lambda: frozenset({"avx512_bf16"}))
+    layer = _layer(float_hidden=True)
+    autoround_step(layer, AutoRoundArgs(iters=2, amp=False))
+    assert layer.result.tuning["model.layers.0"]["compute"] == "float32"
+
+
+def test_native_bf16_needs_known_cpu_flags(monkeypatch):
+    monkeypatch.setattr(precision, "_cpu_flags", lambda: None)  # not x86 Linux: not known to be fast
+    assert not precision.native_bf16(torch.device("cpu"))
+    monkeypatch.setattr(precision, "_cpu_flags", lambda: frozenset({"amx_bf16"}))
+    assert precision.native_bf16(torch.device("cpu"))
