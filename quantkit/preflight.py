@@ -87,7 +87,7 @@ def estimate(prepared, recipe: Recipe, options, world_size: int, dst: str | Path
         shares = [sum(map(len, data.rank_batches(num_samples, options.batch_size, r, world_size))) for r in range(world_size)]
         calib = calibration_bytes(prepared.plan, quantized, numel, max(shares), seq_len, hidden, element, options.batch_size)
         if recipe.quantizer.name is Algorithm.AUTOROUND:
-            calib.update(autoround_bytes(prepared.plan, max(shares), seq_len, hidden, element))
+            calib.update(autoround_bytes(prepared.plan, max(shares), seq_len, hidden, element, num_samples, world_size))
         if streamed:  # each layer's grid integers are written with it
             calib.pop("grid integers of finished layers")
             outside_layers[_HIDDEN_STATES] = calib[_HIDDEN_STATES]
@@ -154,13 +154,18 @@ _HIDDEN_STATES = "calibration hidden states (this rank)"
 AUTOROUND_BYTES_PER_WEIGHT = 24  # V, its gradient, the float64 step sum, the best V, the fake-quantized weight
 
 
-def autoround_bytes(plan: list[ModulePlan], samples: int, seq_len: int, hidden: int, element: int) -> dict[str, int]:
+def autoround_bytes(plan: list[ModulePlan], samples: int, seq_len: int, hidden: int, element: int,
+                    total: int = 0, world_size: int = 1) -> dict[str, int]:
     """What AutoRound adds: the float model's hidden states before and after the layer (its targets) for this rank's
-    samples, and the tuning state of one layer's weights."""
+    samples, the tuning state of one layer's weights and, on several ranks, every rank's samples (the layer's inputs
+    and targets) so that each step's samples are dealt out evenly."""
     weights = sum(e.in_features * e.out_features for e in _first_layer(plan))
-    return {"AutoRound float model's hidden states (before and after the layer, this rank)":
-            2 * samples * seq_len * hidden * element,
-            "AutoRound tuning state of one layer": AUTOROUND_BYTES_PER_WEIGHT * weights}
+    needs = {"AutoRound float model's hidden states (before and after the layer, this rank)":
+             2 * samples * seq_len * hidden * element,
+             "AutoRound tuning state of one layer": AUTOROUND_BYTES_PER_WEIGHT * weights}
+    if world_size > 1:
+        needs["AutoRound every rank's samples of the layer (inputs and targets)"] = 2 * total * seq_len * hidden * element
+    return needs
 
 
 def _layer_bytes(headers, numel, size) -> dict[int, int]:

@@ -146,6 +146,7 @@ class Tuned:
 SampleLoss = Callable[[dict[str, torch.Tensor], int], torch.Tensor]  # (fake-quantized weights, sample) -> loss;
 # its gradient is taken with respect to those weights (leaf tensors), so it must not detach them
 ReduceSum = Callable[[torch.Tensor], None]  # sums a float64 tensor over ranks, in place
+Share = Callable[[int, int], bool]  # (position in the step, sample) -> whether this rank computes that sample
 
 
 def draws(num_samples: int, batch_size: int, iters: int, generator: torch.Generator) -> list[list[int]]:
@@ -162,18 +163,20 @@ def draws(num_samples: int, batch_size: int, iters: int, generator: torch.Genera
 
 
 @register(Algorithm.AUTOROUND)
-def tune(weights: dict[str, torch.Tensor], specs: dict[str, WeightSpec], sample_loss: SampleLoss, mine: Sequence[int],
-         num_samples: int, generator: torch.Generator, args: AutoRoundArgs = AutoRoundArgs(),
+def tune(weights: dict[str, torch.Tensor], specs: dict[str, WeightSpec], sample_loss: SampleLoss,
+         mine: Sequence[int] | Share, num_samples: int, generator: torch.Generator, args: AutoRoundArgs = AutoRoundArgs(),
          reduce_sum: ReduceSum = lambda tensor: None) -> Tuned:
-    """Tune a Rounding for each weight on the summed loss of `args.batch_size` samples a step (of `num_samples`,
-    of which this rank holds `mine` and computes `sample_loss` for). `args.iters` SignSGD steps; the iterate with
-    the least loss is returned."""
+    """Tune a Rounding for each weight on the summed loss of `args.batch_size` samples a step (of `num_samples`).
+    This rank computes `sample_loss` for the samples it holds (`mine`), or for those `mine(position, sample)` gives
+    it. `args.iters` SignSGD steps; the iterate with the least loss is returned."""
+    if not callable(mine):
+        held = set(mine)
+        mine = lambda position, sample: sample in held  # noqa: E731
     roundings = {name: Rounding.nearest(w, specs[name]) for name, w in weights.items()}
     tuned = [(r.value, args.rounding_lr, (-0.5, 0.5)) for r in roundings.values()]
     if args.minmax_tuning:
         tuned += [(t, args.clipping_lr, (0.0, 1.0)) for r in roundings.values() for t in (r.min_scale, r.max_scale)]
     params = [t.requires_grad_() for t, _, _ in tuned]
-    mine = set(mine)
     first, best, seconds = None, (math.inf, 0, None), []
     for step, chosen in enumerate(draws(num_samples, args.batch_size, args.iters, generator)):
         started = time.perf_counter()
@@ -189,10 +192,10 @@ def tune(weights: dict[str, torch.Tensor], specs: dict[str, WeightSpec], sample_
     return Tuned(best[2], first, best[0], best[1], statistics.median(seconds[1:] or seconds))
 
 
-def _gradients(weights, specs, roundings, params, sample_loss, chosen, mine,
+def _gradients(weights, specs, roundings, params, sample_loss, chosen, mine: Share,
                full_range: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """One flat float64 buffer: the gradients of the loss with respect to the fake-quantized weights, summed over
-    this rank's chosen samples, then the chosen samples' losses (zero for the other ranks' samples).
+    the chosen samples this rank computes (`mine`), then the chosen samples' losses (zero for the other ranks').
 
     The weights are fake-quantized once; each sample is its own forward and backward pass with respect to those
     (a sample's gradient does not depend on which samples share its rank), added in float64 in sample order.
@@ -204,7 +207,7 @@ def _gradients(weights, specs, roundings, params, sample_loss, chosen, mine,
     flat = torch.zeros(sum(sizes) + len(chosen), dtype=torch.float64, device=params[0].device)
     grads = flat[: sum(sizes)].split(sizes)
     for position, sample in enumerate(chosen):
-        if sample not in mine:
+        if not mine(position, sample):
             continue
         with torch.enable_grad():
             loss = sample_loss(leaves, sample)

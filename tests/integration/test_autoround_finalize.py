@@ -50,8 +50,9 @@ def _finalize_cli(src, dst, recipe: Path, calib: Path, nproc: int) -> subprocess
 
 
 def test_same_seed_and_one_or_two_ranks_write_the_same_artifact(tiny_model_dir, calib_file, tmp_path):
-    """16 samples: 2 batches of 8, one per rank with 2 ranks. Each sample's gradient is its own backward pass and the
-    sums are float64, so every step's sign, and so the artifact, is bit-identical."""
+    """16 samples: 2 batches of 8, one per rank with 2 ranks, each step's 8 dealt out 4 and 4. Each sample's
+    gradient is its own backward pass and the sums are float64, so every step's sign, and so the artifact, is
+    bit-identical."""
     recipe = fast_recipe(tmp_path, "autoround-w4a16")
     for run, nproc in (("a", 1), ("b", 1), ("two", 2)):
         done = _finalize_cli(tiny_model_dir, tmp_path / run, recipe, calib_file, nproc)
@@ -65,6 +66,8 @@ def test_same_seed_and_one_or_two_ranks_write_the_same_artifact(tiny_model_dir, 
     assert two["ranks"] == 2
     for layer in one["autoround"]:  # the losses, summed in one order on every rank (seconds_per_step is a timing)
         assert one["autoround"][layer]["loss_tuned"] == two["autoround"][layer]["loss_tuned"]
+        # each step's samples were dealt out over the 2 ranks, whichever rank held them
+        assert (one["autoround"][layer]["split"], two["autoround"][layer]["split"]) == ("one process", "dealt evenly")
     assert set(one["autoround"]) == {"model.layers.0", "model.layers.1"}
     for layer in one["autoround"].values():
         assert layer["steps"] == STEPS and layer["loss_tuned"] < layer["loss_rtn"]

@@ -54,13 +54,17 @@ def autoround_step(layer: Layer, args: AutoRoundArgs) -> list[torch.Tensor]:
     nearest = {name: quantize(w, Rounding.nearest(w, specs[name]), specs[name], args.full_range)
                for name, w in weights.items()}
     before = _mean_loss(layer, _outputs_with(layer, nearest), targets, first, total)
+    every = _every_sample(layer, rows, targets, first, total)
+    if every is None:  # one process (or samples whose other arguments differ): each rank computes the samples it holds
+        sample_loss, mine = _sample_loss(layer, rows, first, targets, amp), range(first, first + len(rows))
+    else:  # each step's samples dealt out evenly over the ranks
+        sample_loss, mine = _every_sample_loss(layer, *every, amp), _dealt(layer.ctx.rank, layer.ctx.world_size)
     tuning = time.perf_counter()
     layer.result.seconds["forward"] += tuning - started
 
     generator = torch.Generator().manual_seed(args.seed + layer.index)
     with _tuning(layer.module):
-        tuned = tune(weights, specs, _sample_loss(layer, rows, first, targets, amp),
-                     range(first, first + len(rows)), total, generator, args,
+        tuned = tune(weights, specs, sample_loss, mine, total, generator, args,
                      lambda flat: distributed.all_reduce_(flat, layer.ctx))
     for name, weight in weights.items():
         qweight = quantize(weight, tuned.roundings[name], specs[name], args.full_range)
@@ -71,7 +75,9 @@ def autoround_step(layer: Layer, args: AutoRoundArgs) -> list[torch.Tensor]:
     layer.result.tuning[layer.prefix] = {"loss_rtn": before, "loss_tuned": _mean_loss(layer, outputs, targets, first, total),
                                          "best_step": tuned.best_iter, "steps": args.iters,
                                          "seconds_per_step": round(tuned.step_seconds, 4),
-                                         "compute": "bfloat16" if amp else str(dtype).removeprefix("torch.")}
+                                         "compute": "bfloat16" if amp else str(dtype).removeprefix("torch."),
+                                         "split": ("one process" if not layer.distributed
+                                                   else "as held" if every is None else "dealt evenly")}
     layer.result.seconds["propagate"] += time.perf_counter() - propagating
     return outputs
 
@@ -88,6 +94,65 @@ def _sample_loss(layer: Layer, rows: list[tuple[int, int]], first: int, targets:
             out = functional_call(layer.module, _local(layer, fake), call_args, call_kwargs)
         out = out[0] if isinstance(out, tuple) else out
         return torch.nn.functional.mse_loss(out.float(), targets[batch][row : row + 1].float())
+
+    return sample_loss
+
+
+def _every_sample(layer: Layer, rows: list[tuple[int, int]], targets: list[torch.Tensor], first: int,
+                  total: int) -> tuple[torch.Tensor, torch.Tensor, tuple] | None:
+    """On several ranks: every rank's samples on every rank (the layer's input hidden states and the float model's
+    outputs, rows in global order) and the other arguments of a one-sample call, so that each step's samples can be
+    dealt out evenly (a rank holding its own samples only would compute as many of a step's as it happens to hold,
+    and the others would wait for it). None with one process, or where the samples' other arguments differ
+    (calibration samples of equal length share them) or a rank holds none: then each rank computes its own."""
+    if not layer.distributed:
+        return None
+    template = _row_call(layer.inputs[0], 0) if rows else None
+    uniform = bool(rows) and all(_same_call(_row_call(layer.inputs[b], r), template) for b, r in rows)
+    seq_len, width = _hidden(*template).shape[1:] if uniform else (0, 0)
+    counts = distributed.all_gather_int(len(rows) if uniform else 0, layer.ctx)
+    shapes = [distributed.all_gather_int(size, layer.ctx) for size in (seq_len, width)]
+    if min(counts) == 0 or any(len(set(sizes)) > 1 for sizes in shapes):
+        return None
+    hidden = torch.cat([_hidden(*call) for call in layer.inputs])
+    outputs = torch.cat(targets)
+    every = [torch.empty((total, *t.shape[1:]), dtype=t.dtype, device=t.device) for t in (hidden, outputs)]
+    for full, mine in zip(every, (hidden, outputs)):
+        full[first : first + len(rows)] = mine
+    starts = [sum(counts[:rank]) for rank in range(len(counts))]
+    distributed.all_gather_rows(every, [slice(a, a + n) for a, n in zip(starts, counts)], layer.ctx)
+    return every[0], every[1], template
+
+
+def _same_call(call: tuple, template: tuple) -> bool:
+    """Whether a one-sample call's arguments other than the hidden states are the template's."""
+    def same(a, b) -> bool:
+        if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+            return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
+        if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+            return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+        return a is b or a == b
+
+    (args, kwargs), (t_args, t_kwargs) = call, template
+    return (same(args[1:], t_args[1:]) and kwargs.keys() == t_kwargs.keys()
+            and all(k == "hidden_states" or same(v, t_kwargs[k]) for k, v in kwargs.items()))
+
+
+def _dealt(rank: int, world_size: int):
+    """This rank's share of a step: the samples at positions rank, rank + world_size, ... of the step's draw."""
+    return lambda position, sample: position % world_size == rank
+
+
+def _every_sample_loss(layer: Layer, hidden: torch.Tensor, targets: torch.Tensor, template: tuple, amp: bool):
+    """`_sample_loss` for any global sample, from the rows every rank holds (`_every_sample`)."""
+    device_type = hidden.device.type
+
+    def sample_loss(fake: dict[str, torch.Tensor], sample: int) -> torch.Tensor:
+        (call_args, call_kwargs), = with_hidden([template], [hidden[sample : sample + 1]])
+        with torch.autocast(device_type, dtype=torch.bfloat16, enabled=amp):
+            out = functional_call(layer.module, _local(layer, fake), call_args, call_kwargs)
+        out = out[0] if isinstance(out, tuple) else out
+        return torch.nn.functional.mse_loss(out.float(), targets[sample : sample + 1].float())
 
     return sample_loss
 

@@ -100,3 +100,21 @@ def test_native_bf16_needs_known_cpu_flags(monkeypatch):
     assert not precision.native_bf16(torch.device("cpu"))
     monkeypatch.setattr(precision, "_cpu_flags", lambda: frozenset({"amx_bf16"}))
     assert precision.native_bf16(torch.device("cpu"))
+
+
+def test_samples_are_dealt_out_only_when_their_other_arguments_are_the_same():
+    """On several ranks each step's samples are dealt out over the ranks, every rank computing any sample from the
+    first sample's other arguments: only right where every sample's are the same (equal-length samples, no padding)."""
+    from quantkit.calibration.steps.autoround import _dealt, _row_call, _same_call
+
+    layer = _layer(float_hidden=False)
+    template = _row_call(layer.inputs[0], 0)
+    assert all(_same_call(_row_call(call, r), template) for call in layer.inputs for r in range(2))
+    args, kwargs = layer.inputs[1]
+    padded = {**kwargs, "attention_mask": torch.zeros(2, 1, 12, 12)}
+    padded["attention_mask"][1, :, :, :3] = float("-inf")  # the second sample padded: its mask differs
+    assert _same_call(_row_call((args, padded), 0), _row_call((args, padded), 0))
+    assert not _same_call(_row_call((args, padded), 1), _row_call((args, padded), 0))
+    assert not _same_call(_row_call((args, padded), 0), template)  # a mask where the template has none
+    three = [_dealt(rank, 3) for rank in range(3)]
+    assert [[p for p in range(8) if share(p, 100 + p)] for share in three] == [[0, 3, 6], [1, 4, 7], [2, 5]]
