@@ -109,6 +109,10 @@ def finalize(
     if not dry_run:
         atomic.check_destination(dst, overwrite)
         atomic.check_work_dir(dst, resume, None if runtime.under_torchrun() else launch.world_size)
+    if not dry_run:
+        code = relaunch(launch, threads)  # before torch is imported here: the ranks import it, this process only waits
+        if code is not None:
+            raise typer.Exit(code)
     quiet_libraries()
     from quantkit import finalize as library
     from quantkit.finalize import CalibrationOptions
@@ -123,9 +127,6 @@ def finalize(
         else:
             print_plan(plan, recipe.name, dst)
         return
-    code = relaunch(launch, threads)
-    if code is not None:
-        raise typer.Exit(code)
     main = runtime.is_main_process()
     quiet = quiet or not main or json_to_stdout(json_path)
     threads = threads or runtime.launched_threads()
