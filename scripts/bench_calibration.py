@@ -14,7 +14,8 @@ Then, from the repository root with the project venv active:
 What it does (everything cached under `--workdir`, default /tmp/quantkit-bench-calib):
 
 1. builds a Llama from a config (4 layers, hidden `--hidden` (512 by default; 1024 is the ~68M-parameter shape),
-   intermediate 2.75x hidden, head_dim 64, vocab 8192, a byte-level BPE tokenizer trained on `--train-text`),
+   intermediate 2.75x hidden (`--intermediate`), head_dim 64, vocab 8192, a byte-level BPE tokenizer trained on
+   `--train-text`),
    then trains it with `quantkit train` for `--train-steps` steps (seq_len 256, global batch 16, micro batch 8,
    lr 1e-3, precision auto: fp32 on a CPU without bf16 support, where bf16 autocast ran 3-4x slower) so
    that the model has real structure; OUTPUT/final is the benchmark
@@ -105,9 +106,12 @@ class Job:
 # ---------------------------------------------------------------- the benchmark model
 
 
-def build_init(workdir: Path, text: Path, hidden: int) -> Path:
-    """The randomly initialised float32 Llama with its tokenizer, built once."""
-    return harness.build_llama(workdir / f"llama-h{hidden}-init", text, "float32", **harness.llama_shape(hidden))
+def build_init(workdir: Path, text: Path, hidden: int, intermediate: int | None = None) -> Path:
+    """The randomly initialised float32 Llama with its tokenizer, built once (MLP width `intermediate`, default
+    2.75x hidden)."""
+    shape = {**harness.llama_shape(hidden), **({"intermediate_size": intermediate} if intermediate else {})}
+    name = f"llama-h{hidden}" + (f"-i{intermediate}" if intermediate else "")
+    return harness.build_llama(workdir / f"{name}-init", text, "float32", **shape)
 
 
 def train_config(init: Path, text: Path, steps: int, output: Path, batch: int = 16) -> dict:
@@ -439,6 +443,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "counterparts): int4-weight-only gptq-w4a16 smoothquant-w8a8 awq-w4a16 autoround-w4a16 int2-weight-only "
                    "autoround-w2a16")
     p.add_argument("--hidden", type=int, default=512, help="hidden size (1024: the ~68M-parameter shape)")
+    p.add_argument("--intermediate", type=int, help="MLP width (default 2.75x hidden; a multiple of 128 lets "
+                   "llm-compressor quantize down_proj in groups of 128, e.g. 768 with --hidden 256)")
     p.add_argument("--train-steps", type=int, default=150)
     p.add_argument("--train-batch", type=int, default=16, help="sequences of 256 tokens a training step")
     p.add_argument("--train-text", type=Path, default=WIKITEXT / "valid.txt", help="tokenizer and training text")
@@ -471,7 +477,7 @@ def main(argv: list[str] | None = None) -> None:
         src = args.model.resolve()
         args.hidden = json.loads((src / "config.json").read_text())["hidden_size"]
     else:
-        init = build_init(args.workdir, args.train_text, args.hidden)
+        init = build_init(args.workdir, args.train_text, args.hidden, args.intermediate)
         src = train_model(args.workdir, init, args.train_text, args.train_steps, args.threads, args.train_batch)
     calib = harness.write_calibration(src, args.calib_data, args.num_samples, args.seq_len, args.workdir)
     if args.prepare_only:
