@@ -92,7 +92,8 @@ def estimate(prepared, recipe: Recipe, options, world_size: int, dst: str | Path
             calib.pop("grid integers of finished layers")
             outside_layers[_HIDDEN_STATES] = calib[_HIDDEN_STATES]
         ram.update(calib)
-        work_dir = _work_dir_bytes(headers, numel, size, quantized, shares, seq_len, hidden, element)
+        streams = 2 if recipe.quantizer.name is Algorithm.AUTOROUND else 1
+        work_dir = _work_dir_bytes(headers, numel, size, quantized, shares, seq_len, hidden, element, streams)
         if options.device != "cpu":
             layer = model_bytes // (layers + 2)
             device = layer + sum(calib.values()) - calib.get("grid integers of finished layers", 0)  # grids stay in RAM
@@ -189,13 +190,14 @@ def _first_layer(plan: list[ModulePlan]) -> list[ModulePlan]:
     return [e for e in quantized if e.name.startswith(prefix)]
 
 
-def _work_dir_bytes(headers, numel, size, quantized, shares, seq_len, hidden, element) -> int:
+def _work_dir_bytes(headers, numel, size, quantized, shares, seq_len, hidden, element, streams: int = 1) -> int:
     """`--resume`'s work directory at its largest: every layer's grid integers (one byte each) and qparams, the
-    layers' other tensors, and one layer's hidden states per rank (two while the next replaces them)."""
+    layers' other tensors, and one layer's hidden states per rank (two while the next replaces them; `streams` 2
+    where the float model's are saved beside them: AutoRound)."""
     layer_tensors = [n for n in headers if ".layers." in n]
     grids = sum(numel[n] + quantized[n].scheme.weights.qparam_bytes(quantized[n].out_features, quantized[n].in_features, size(n))
                 if n in quantized else numel[n] * size(n) for n in layer_tensors)
-    return grids + 2 * sum(shares) * seq_len * hidden * element
+    return grids + 2 * streams * sum(shares) * seq_len * hidden * element
 
 
 def time_estimate(prepared, recipe: Recipe, options, samples: int, layers: int, dtype: str, trust_remote_code: bool) -> dict:

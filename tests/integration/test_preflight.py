@@ -68,3 +68,22 @@ def test_dry_run_reports_memory_disk_and_a_measured_time_without_loading(model_d
     assert not (tmp_path / "out").exists()
     table = finalize(str(model_dir), str(tmp_path / "out"), "-q", "int4-weight-only", "--dry-run")
     assert table.returncode == 0 and "peak RAM" in table.stdout and "disk at DST" in table.stdout
+
+
+def test_autoround_dry_run_counts_the_float_models_hidden_states_and_every_ranks_samples(model_dir, calib, tmp_path):
+    """AutoRound holds the float model's hidden states beside the quantized ones (and saves both for --resume), and
+    on several ranks every rank's samples of the layer being tuned."""
+    reports = {}
+    for recipe in ("gptq-w4a16", "autoround-w4a16"):
+        done = finalize(str(model_dir), str(tmp_path / "out"), "-q", recipe, "--calib-data", str(calib),
+                        "--num-samples", "16", "--seq-len", "64", "--nproc-per-node", "2", "--dry-run", "--json", "-")
+        assert done.returncode == 0, done.stderr[-2000:]
+        reports[recipe] = json.loads(done.stdout)["preflight"]
+    config = json.loads((model_dir / "config.json").read_text())
+    element = 4 if (config.get("dtype") or config.get("torch_dtype")) == "float32" else 2
+    one_stream = 16 * 64 * config["hidden_size"] * element  # every rank's samples' hidden states
+    autoround = reports["autoround-w4a16"]
+    assert autoround["work_dir_bytes"] - reports["gptq-w4a16"]["work_dir_bytes"] == 2 * one_stream
+    breakdown = autoround["peak_ram_breakdown"]
+    assert breakdown["AutoRound every rank's samples of the layer (inputs and targets)"] == 2 * one_stream
+    assert breakdown["AutoRound float model's hidden states (before and after the layer, this rank)"] == one_stream
