@@ -109,7 +109,6 @@ def finalize(
     if not dry_run:
         atomic.check_destination(dst, overwrite)
         atomic.check_work_dir(dst, resume, None if runtime.under_torchrun() else launch.world_size)
-    if not dry_run:
         code = relaunch(launch, threads)  # before torch is imported here: the ranks import it, this process only waits
         if code is not None:
             raise typer.Exit(code)

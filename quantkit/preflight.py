@@ -86,13 +86,14 @@ def estimate(prepared, recipe: Recipe, options, world_size: int, dst: str | Path
         seq_len = options.seq_len or recipe.calibration.seq_len
         shares = [sum(map(len, data.rank_batches(num_samples, options.batch_size, r, world_size))) for r in range(world_size)]
         calib = calibration_bytes(prepared.plan, quantized, numel, max(shares), seq_len, hidden, element, options.batch_size)
+        streams = 1  # of hidden states in the resume state
         if recipe.quantizer.name is Algorithm.AUTOROUND:
             calib.update(autoround_bytes(prepared.plan, max(shares), seq_len, hidden, element, num_samples, world_size))
+            streams = 2  # the float model's beside the quantized ones
         if streamed:  # each layer's grid integers are written with it
             calib.pop("grid integers of finished layers")
             outside_layers[_HIDDEN_STATES] = calib[_HIDDEN_STATES]
         ram.update(calib)
-        streams = 2 if recipe.quantizer.name is Algorithm.AUTOROUND else 1
         work_dir = _work_dir_bytes(headers, numel, size, quantized, shares, seq_len, hidden, element, streams)
         if options.device != "cpu":
             layer = model_bytes // (layers + 2)

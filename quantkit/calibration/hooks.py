@@ -52,9 +52,14 @@ def run_layer(layer: nn.Module, inputs: list[tuple]) -> list[torch.Tensor]:
     return outputs
 
 
+def hidden_state(args: tuple, kwargs: dict) -> torch.Tensor:
+    """The hidden states of one captured call."""
+    return args[0] if args else kwargs["hidden_states"]
+
+
 def hidden_states(inputs: list[tuple]) -> list[torch.Tensor]:
     """The hidden states of each captured call."""
-    return [args[0] if args else kwargs["hidden_states"] for args, kwargs in inputs]
+    return [hidden_state(args, kwargs) for args, kwargs in inputs]
 
 
 def with_hidden(inputs: list[tuple], hidden: list[torch.Tensor]) -> list[tuple]:

@@ -31,7 +31,7 @@ from quantkit import distributed, precision
 from quantkit.algorithms import Algorithm
 from quantkit.algorithms.arguments import AutoRoundArgs
 from quantkit.algorithms.autoround import Rounding, quantize, tune
-from quantkit.calibration.hooks import run_layer, with_hidden
+from quantkit.calibration.hooks import hidden_state, hidden_states, run_layer, with_hidden
 from quantkit.calibration.layer import Layer, relative_error
 from quantkit.calibration.steps import register
 from quantkit.moe import experts_modules
@@ -42,14 +42,14 @@ def autoround_step(layer: Layer, args: AutoRoundArgs) -> list[torch.Tensor]:
     started = time.perf_counter()
     weights = {name: m.weight.data for name, m in layer.linears.items()}
     specs = {name: layer.plan[name].scheme.weights for name in weights}
-    reference = layer.float_hidden if layer.float_hidden is not None else [_hidden(*call) for call in layer.inputs]
+    reference = layer.float_hidden if layer.float_hidden is not None else hidden_states(layer.inputs)
     targets = run_layer(layer.module, with_hidden(layer.inputs, reference))  # the float model's next hidden states
     layer.float_hidden = targets
     if not weights:  # the recipe leaves every Linear of this layer out: nothing to tune
         return run_layer(layer.module, layer.inputs)
     dtype, device = next((w.dtype, w.device) for w in weights.values())
     amp = args.amp and precision.native_bf16(device)
-    rows = [(b, r) for b, call in enumerate(layer.inputs) for r in range(_hidden(*call).shape[0])]
+    rows = [(b, r) for b, call in enumerate(layer.inputs) for r in range(hidden_state(*call).shape[0])]
     first, total = _global_slice(len(rows), layer)
     nearest = {name: quantize(w, Rounding.nearest(w, specs[name]), specs[name], args.full_range)
                for name, w in weights.items()}
@@ -85,17 +85,21 @@ def autoround_step(layer: Layer, args: AutoRoundArgs) -> list[torch.Tensor]:
 def _sample_loss(layer: Layer, rows: list[tuple[int, int]], first: int, targets: list[torch.Tensor], amp: bool):
     """The loss of global sample `sample` (this rank's `rows[sample - first]`: batch, row) with the fake-quantized
     weights in place of the float ones: its own forward pass, a batch of one (in bfloat16 autocast with `amp`)."""
-    device_type = next(iter(layer.linears.values())).weight.device.type
-
     def sample_loss(fake: dict[str, torch.Tensor], sample: int) -> torch.Tensor:
         batch, row = rows[sample - first]
-        call_args, call_kwargs = _row_call(layer.inputs[batch], row)
-        with torch.autocast(device_type, dtype=torch.bfloat16, enabled=amp):
-            out = functional_call(layer.module, _local(layer, fake), call_args, call_kwargs)
-        out = out[0] if isinstance(out, tuple) else out
-        return torch.nn.functional.mse_loss(out.float(), targets[batch][row : row + 1].float())
+        return _call_loss(layer, fake, _row_call(layer.inputs[batch], row), targets[batch][row : row + 1], amp)
 
     return sample_loss
+
+
+def _call_loss(layer: Layer, fake: dict[str, torch.Tensor], call: tuple, target: torch.Tensor, amp: bool) -> torch.Tensor:
+    """The mean squared error to `target` of the layer's output on a one-sample `call`, with the fake-quantized
+    weights in place of the float ones (in bfloat16 autocast with `amp`)."""
+    call_args, call_kwargs = call
+    with torch.autocast(target.device.type, dtype=torch.bfloat16, enabled=amp):
+        out = functional_call(layer.module, _local(layer, fake), call_args, call_kwargs)
+    out = out[0] if isinstance(out, tuple) else out
+    return torch.nn.functional.mse_loss(out.float(), target.float())
 
 
 def _every_sample(layer: Layer, rows: list[tuple[int, int]], targets: list[torch.Tensor], first: int,
@@ -109,12 +113,12 @@ def _every_sample(layer: Layer, rows: list[tuple[int, int]], targets: list[torch
         return None
     template = _row_call(layer.inputs[0], 0) if rows else None
     uniform = bool(rows) and all(_same_call(_row_call(layer.inputs[b], r), template) for b, r in rows)
-    seq_len, width = _hidden(*template).shape[1:] if uniform else (0, 0)
+    seq_len, width = hidden_state(*template).shape[1:] if uniform else (0, 0)
     counts = distributed.all_gather_int(len(rows) if uniform else 0, layer.ctx)
     shapes = [distributed.all_gather_int(size, layer.ctx) for size in (seq_len, width)]
     if min(counts) == 0 or any(len(set(sizes)) > 1 for sizes in shapes):
         return None
-    hidden = torch.cat([_hidden(*call) for call in layer.inputs])
+    hidden = torch.cat(hidden_states(layer.inputs))
     outputs = torch.cat(targets)
     every = [torch.empty((total, *t.shape[1:]), dtype=t.dtype, device=t.device) for t in (hidden, outputs)]
     for full, mine in zip(every, (hidden, outputs)):
@@ -145,27 +149,18 @@ def _dealt(rank: int, world_size: int):
 
 def _every_sample_loss(layer: Layer, hidden: torch.Tensor, targets: torch.Tensor, template: tuple, amp: bool):
     """`_sample_loss` for any global sample, from the rows every rank holds (`_every_sample`)."""
-    device_type = hidden.device.type
-
     def sample_loss(fake: dict[str, torch.Tensor], sample: int) -> torch.Tensor:
-        (call_args, call_kwargs), = with_hidden([template], [hidden[sample : sample + 1]])
-        with torch.autocast(device_type, dtype=torch.bfloat16, enabled=amp):
-            out = functional_call(layer.module, _local(layer, fake), call_args, call_kwargs)
-        out = out[0] if isinstance(out, tuple) else out
-        return torch.nn.functional.mse_loss(out.float(), targets[sample : sample + 1].float())
+        call, = with_hidden([template], [hidden[sample : sample + 1]])
+        return _call_loss(layer, fake, call, targets[sample : sample + 1], amp)
 
     return sample_loss
-
-
-def _hidden(args: tuple, kwargs: dict) -> torch.Tensor:
-    return args[0] if args else kwargs["hidden_states"]
 
 
 def _row_call(call: tuple, row: int) -> tuple[tuple, dict]:
     """One sample of a batched layer call: every tensor with the batch's leading size (and 2 dims or more) cut to
     that sample's row; the rest (1-D cache positions, broadcast rotary tables, None masks) as it is."""
     args, kwargs = call
-    size = _hidden(args, kwargs).shape[0]
+    size = hidden_state(args, kwargs).shape[0]
 
     def cut(value):
         if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[0] == size:
