@@ -96,7 +96,12 @@ def prepare(
     hardware.check(recipe, fmt)
     src = sources.resolve_source(src, revision)
     models.check_full_precision(src)
-    check_qat_recipe(src, recipe, force_recipe)
+    if check_qat_recipe(src, recipe, force_recipe) and fmt is Format.TORCHAO:
+        from quantkit.export.torchao import qat_mismatch
+
+        if mismatch := qat_mismatch(recipe.scheme):
+            raise FormatError(f"{src} was trained with QAT on the scheme's grid, which {mismatch}: "
+                              "use --format compressed-tensors, which keeps the trained weights exactly")
     config = models.load_config(src, trust_remote_code)
     skeleton = moe.linearize(models.meta_model(config, trust_remote_code))
     if fmt is Format.TORCHAO and moe.experts_modules(skeleton):
@@ -280,10 +285,14 @@ def _resumable(prepared: Prepared, recipe: Recipe, samples, options: Calibration
 def artifact_dtype(prepared: Prepared, recipe: Recipe, dtype: str, trust_remote_code: bool = False) -> str:
     """The dtype to quantize in. FP4 and MX artifacts are 16-bit: compressed-tensors decompresses their weights to
     bfloat16 (a float32 model then fails in plain transformers) and vLLM's FP4 / MX kernels take 16-bit activations,
-    so a float32 source becomes a bfloat16 artifact (noted in the summary)."""
+    so a float32 source becomes a bfloat16 artifact (noted in the summary); torchao's FP4 / MX tensors take bfloat16
+    only, so in that format a float16 source does too."""
     weights = recipe.scheme.weights
     if weights.dtype is not QDtype.FLOAT4 and weights.scale_dtype is not ScaleDtype.E8M0:
         return dtype
+    if prepared.format is Format.TORCHAO and dtype == "float16":
+        raise UsageError(f"recipe '{recipe.name}' in format torchao: torchao's FP4 / MX tensors take bfloat16 weights; "
+                         "pass --dtype bfloat16, or leave --dtype auto")
     if dtype == "float32":
         raise UsageError(f"recipe '{recipe.name}' writes FP4 / MX weights, which load and run in 16 bits; "
                          "pass --dtype bfloat16 (or float16), or leave --dtype auto")
@@ -291,9 +300,12 @@ def artifact_dtype(prepared: Prepared, recipe: Recipe, dtype: str, trust_remote_
         return dtype
     from quantkit.streaming import model_dtype
 
-    if model_dtype(prepared.src, models.load_config(prepared.src, trust_remote_code), "auto") is not torch.float32:
+    source = model_dtype(prepared.src, models.load_config(prepared.src, trust_remote_code), "auto")
+    if source is torch.bfloat16 or (source is torch.float16 and prepared.format is not Format.TORCHAO):
         return dtype
-    prepared.coverage.setdefault("notes", []).append("a float32 model: the artifact is bfloat16 (FP4 / MX weights load and run in 16 bits)")
+    note = ("a float32 model: the artifact is bfloat16 (FP4 / MX weights load and run in 16 bits)" if source is torch.float32
+            else "a float16 model: the torchao artifact is bfloat16 (torchao's FP4 / MX tensors take bfloat16 weights)")
+    prepared.coverage.setdefault("notes", []).append(note)
     return "bfloat16"
 
 

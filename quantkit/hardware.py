@@ -16,16 +16,32 @@ def cuda_capability() -> tuple[int, int] | None:
     return torch.cuda.get_device_capability()
 
 
+def needed_capability(recipe: Recipe, fmt: Format) -> str | None:
+    """The CUDA compute capability `recipe` needs in `fmt`: the recipe's `requires`, or what torchao's kernels need
+    for the scheme's config (so a user recipe without `requires` is checked too), whichever is higher."""
+    needs = [recipe.requirement(fmt).cuda_capability]
+    if fmt is Format.TORCHAO:
+        from quantkit.export import torchao
+
+        needs.append(torchao.cuda_capability(recipe.scheme))
+    needs = [need for need in needs if need]
+    return max(needs, key=_version) if needs else None
+
+
+def _version(capability: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in capability.split("."))
+
+
 def missing_requirement(recipe: Recipe, fmt: Format) -> str | None:
     """What this machine lacks for `recipe` in `fmt`, or None."""
     req = recipe.requirement(fmt)
-    if req.cuda_capability:
-        need = tuple(int(x) for x in req.cuda_capability.split("."))
+    need = needed_capability(recipe, fmt)
+    if need:
         have = cuda_capability()
         if have is None:
-            return f"a CUDA GPU with compute capability {req.cuda_capability}+ (this machine has no CUDA GPU)"
-        if have < need:
-            return f"a CUDA GPU with compute capability {req.cuda_capability}+ (this one is {have[0]}.{have[1]})"
+            return f"a CUDA GPU with compute capability {need}+ (this machine has no CUDA GPU)"
+        if have < _version(need):
+            return f"a CUDA GPU with compute capability {need}+ (this one is {have[0]}.{have[1]})"
     for package in req.packages:
         if importlib.util.find_spec(package) is None:
             return f"the '{package}' package (pip install {package})"

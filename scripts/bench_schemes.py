@@ -132,6 +132,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--llmc-actorder", choices=["default", "none"], default="none",
                    help="llm-compressor GPTQ column order (none: as quantkit's recipes, the same algorithm)")
     p.add_argument("--autoround-iters", type=int, default=200)
+    p.add_argument("--quantkit-ranks", type=int, default=1, help="quantkit's calibrated recipes on this many ranks")
     p.add_argument("--json", type=Path)
     return p.parse_args(argv)
 

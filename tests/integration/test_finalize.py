@@ -17,6 +17,7 @@ from quantkit import hardware, models, registry
 from quantkit.architectures import kernel_fused_groups
 from quantkit.export import exporter
 from quantkit.export.compressed_tensors import loading_caveat
+from quantkit.export.torchao import torchao_config
 from quantkit.finalize import finalize, prepare, quantize_model
 from quantkit.qparams import fake_quantize_weight, fused_global_scales
 from quantkit.registry import Format
@@ -94,9 +95,21 @@ def test_reloaded_logits_equal_in_memory(artifacts, case):
     torch.testing.assert_close(reloaded["logits"], in_memory[case], atol=0, rtol=0)
 
 
+def _torchao_float_grid(weight: torch.Tensor, scheme) -> torch.Tensor:
+    """What torchao's config for the scheme makes of `weight`, dequantized: its float grids divide in float32 where
+    the scheme (compressed-tensors) divides in the weight's dtype (tests/unit/test_qparams.py bounds the difference)."""
+    from torchao.quantization import quantize_
+
+    linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, dtype=weight.dtype)
+    linear.weight.data = weight.clone()
+    quantize_(linear, torchao_config(scheme))
+    return linear.weight.dequantize(weight.dtype)
+
+
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_reloaded_weights_equal_scheme_fake_quant(artifacts, tiny_model_dir, wide_model_dir, case):
-    """NVFP4: with one global scale per kernel-fused group (q/k/v, gate/up), as vLLM needs."""
+    """NVFP4: with one global scale per kernel-fused group (q/k/v, gate/up), as vLLM needs; in the torchao format,
+    each Linear's own, on torchao's float32 arithmetic."""
     root, _ = artifacts
     name, fmt = case
     recipe, src = registry.resolve(name), _source(name, tiny_model_dir, wide_model_dir)
@@ -110,7 +123,12 @@ def test_reloaded_weights_equal_scheme_fake_quant(artifacts, tiny_model_dir, wid
     global_scales = fused_global_scales(nvfp4, kernel_fused_groups(list(nvfp4)))
     for entry in plan:
         original = source[f"{entry.name}.weight"]
-        expected = fake_quantize_weight(original, entry.scheme.weights, global_scales.get(entry.name)) if entry.quantized else original
+        if not entry.quantized:
+            expected = original
+        elif fmt is Format.TORCHAO and entry.scheme.weights.dtype.is_float:
+            expected = _torchao_float_grid(original, entry.scheme)
+        else:
+            expected = fake_quantize_weight(original, entry.scheme.weights, global_scales.get(entry.name))
         torch.testing.assert_close(reloaded[entry.name], expected.float(), atol=0, rtol=0, msg=entry.name)
 
 

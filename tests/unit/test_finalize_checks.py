@@ -45,3 +45,37 @@ def test_a_missing_source_is_reported_before_torch_is_imported(tmp_path):
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     assert "does not exist" in run.stderr
+
+
+def _qat_trained(tiny_model_dir, tmp_path, recipe):
+    import json
+    import shutil
+
+    src = tmp_path / f"qat-{recipe.name}"
+    shutil.copytree(tiny_model_dir, src)
+    (src / "quantkit.json").write_text(json.dumps({"qat": {"recipe": recipe.to_dict()}}))  # as `quantkit train` records it
+    return src
+
+
+def test_a_model_qat_trained_for_another_recipe_needs_force_recipe(tiny_model_dir, tmp_path):
+    src = _qat_trained(tiny_model_dir, tmp_path, registry.resolve("int4-weight-only"))
+    with pytest.raises(UsageError, match="trained with --qat-recipe int4-weight-only; finalize it with --quantize int4-weight-only"):
+        prepare(src, registry.resolve("int8-weight-only"))
+    prepare(src, registry.resolve("int8-weight-only"), force_recipe=True)
+
+
+@pytest.mark.parametrize("name, exact", [("nvfp4-a16", False), ("int4-weight-only", True)])
+def test_qat_nvfp4_in_torchao_format_is_refused_for_its_other_grid(tiny_model_dir, tmp_path, name, exact):
+    """QAT trains on the scheme's grid (NVFP4's global scale shared by q/k/v); torchao's NVFP4 has one per Linear,
+    so the torchao artifact would not hold the trained weights: refused, naming the format that does."""
+    from quantkit.errors import FormatError
+    from quantkit.registry import Format
+
+    recipe = registry.resolve(name)
+    src = _qat_trained(tiny_model_dir, tmp_path, recipe)
+    if exact:
+        prepare(src, recipe, Format.TORCHAO)
+    else:
+        with pytest.raises(FormatError, match="own global scale.*use --format compressed-tensors"):
+            prepare(src, recipe, Format.TORCHAO)
+    prepare(src, recipe, Format.COMPRESSED_TENSORS)

@@ -18,7 +18,7 @@ from quantkit.schemes import Granularity, QDtype, QuantScheme, ScaleDtype, Weigh
 DTYPES = [torch.float32, torch.bfloat16]
 RECIPES = [name for name in registry.recipe_names() if not registry.resolve(name).needs_calibration]
 TORCHAO_RECIPES = [name for name in RECIPES if torchao_unsupported(registry.resolve(name)) is None]  # a torchao PTQ config to compare with
-INT_RECIPES = [name for name in TORCHAO_RECIPES if not name.startswith("float8")]
+INT_RECIPES = [name for name in TORCHAO_RECIPES if not registry.resolve(name).scheme.weights.dtype.is_float]
 EXACT = dict(atol=0, rtol=0)
 
 

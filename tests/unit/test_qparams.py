@@ -59,6 +59,74 @@ def test_float8_grid_equals_torchao_float8_tensor(dtype):
     torch.testing.assert_close(ours.scale.flatten(), theirs.scale.flatten().to(ours.scale.dtype), atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", ["mxfp4", "mxfp8"])
+def test_mx_grids_equal_torchao_mx_config(name, dtype):
+    """The torchao format's MX config (scaling mode EVEN for FP4 elements, RCEIL for FP8) rounds the scales as
+    compressed-tensors does: the same dequantized weights, atol 0. (Its CUDA kernels convert on sm100; torchao's
+    emulated path quantizes the same way on CPU.)"""
+    from torchao.prototype.mx_formats.mx_tensor import MXTensor
+    from torchao.quantization.quantize_.common import KernelPreference
+
+    scheme = registry.resolve(name).scheme
+    config = torchao_config(scheme)
+    weight = _weight(dtype, out=64, inp=512) * torch.logspace(-3, 1, 64).unsqueeze(1).to(dtype)  # scales over 13 octaves
+    theirs = MXTensor.to_mx(weight, config.weight_dtype, block_size=config.block_size, scaling_mode=config.scaling_mode,
+                            kernel_preference=KernelPreference.EMULATED, is_swizzled_scales=False)
+    torch.testing.assert_close(fake_quantize_weight(weight, scheme.weights), theirs.dequantize(dtype), atol=0, rtol=0)
+
+
+def _nvfp4_torchao(weight):
+    from torchao.quantization import quantize_
+
+    linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, dtype=weight.dtype)
+    linear.weight.data = weight.clone()
+    quantize_(linear, torchao_config(registry.resolve("nvfp4-a16").scheme))
+    return linear.weight
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_nvfp4_torchao_config_is_the_scheme_on_float32_arithmetic(dtype):
+    """torchao's NVFP4WeightOnlyConfig: the scheme's FP4 values and FP8 group scales, bit for bit, on a float32 model;
+    on a bfloat16 one compressed-tensors computes the global scale and the division in bfloat16, torchao in
+    float32, so a few values (under 3%) sit one FP4 step apart."""
+    from torchao.prototype.mx_formats.kernels import f4_unpacked_to_f32, unpack_uint4
+    from torchao.prototype.mx_formats.utils import from_blocked
+
+    spec = registry.resolve("nvfp4-a16").scheme.weights
+    weight = _weight(dtype, out=64, inp=512) * torch.rand(64, 1, generator=torch.Generator().manual_seed(1)).to(dtype)
+    ours, theirs = quantize_weight(weight, spec), _nvfp4_torchao(weight)
+    values = f4_unpacked_to_f32(unpack_uint4(theirs.qdata.contiguous().view(torch.uint8))).reshape(weight.shape)
+    scales = from_blocked(theirs.scale, *ours.scale.shape).reshape(ours.scale.shape).float()  # stored swizzled for the kernels
+    differ = (values != ours.qdata.float()).float().mean().item()
+    if dtype is torch.float32:
+        assert differ == 0
+        torch.testing.assert_close(scales, ours.scale.float(), atol=0, rtol=0)
+        torch.testing.assert_close(theirs.per_tensor_scale.reshape(1), 1 / ours.global_scale, rtol=1e-7, atol=0)
+    else:
+        assert 0 < differ < 0.03
+        step = (values - ours.qdata.float()).abs().max().item()
+        assert step <= 2.0  # FP4's largest step (4 -> 6); never a different region of the grid
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fp8_block_torchao_config_is_the_scheme_on_float32_arithmetic(dtype):
+    """torchao's Float8DynamicActivationFloat8WeightConfig with 128x128 weight blocks: the scheme's block scales
+    (torchao keeps them float32), and its FP8 values on a float32 model; on bfloat16 torchao divides in float32, so
+    a few values round to the neighbouring FP8 value."""
+    from torchao.quantization import PerBlock
+    from torchao.quantization.quantize_.workflows.float8.float8_tensor import Float8Tensor
+
+    spec = registry.resolve("fp8-block").scheme.weights
+    config = torchao_config(registry.resolve("fp8-block").scheme)
+    assert [tuple(g.block_size) for g in config.granularity] == [(1, 128), (128, 128)]
+    weight = _weight(dtype, out=256, inp=384) * torch.rand(256, 1, generator=torch.Generator().manual_seed(2)).to(dtype)
+    theirs, ours = Float8Tensor.from_hp(weight, granularity=PerBlock([128, 128])), quantize_weight(weight, spec)
+    torch.testing.assert_close(theirs.scale.float(), ours.scale.float(), atol=0, rtol=0)
+    differ = (theirs.qdata.float() != ours.qdata.float()).float().mean().item()
+    assert differ == 0 if dtype is torch.float32 else differ < 0.05  # 3.1% here: bfloat16 vs float32 quotients
+
+
 @pytest.mark.parametrize("bits, qmin, qmax", [(QDtype.INT2, -2, 1), (QDtype.INT3, -4, 3), (QDtype.INT4, -8, 7), (QDtype.INT8, -128, 127)])
 @pytest.mark.parametrize("symmetric", [True, False])
 def test_integers_stay_in_range_and_round_trip(bits, qmin, qmax, symmetric):
