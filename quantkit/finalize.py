@@ -517,6 +517,7 @@ def dry_run(src: str | Path, recipe: Recipe, fmt: Format | None, calibration: Ca
     from quantkit import preflight
 
     prepared = prepare(src, recipe, fmt, trust_remote_code, revision=revision, in_memory=in_memory)
+    dtype = artifact_dtype(prepared, recipe, dtype, trust_remote_code)  # FP4 / MX: 16-bit, as the real run
     options = calibration or CalibrationOptions()
     quantized = [e for e in prepared.plan if e.quantized]
     rows = None

@@ -8,7 +8,7 @@ pinning and the trained benchmark model, shared through `--workdir`):
 
 Each row pairs a quantkit recipe with the llm-compressor runner recipe of the same scheme (scripts/harness.py's
 LLM_RUNNER: QuantizationModifier / GPTQModifier / AWQModifier with compressed-tensors' preset, W4A16_ASYM,
-NVFP4A16, NVFP4, MXFP4A16, MXFP4, MXFP8, FP8_BLOCK, W4AFP8), plus the W4A16 RTN and GPTQ rows the FP4 targets are
+NVFP4A16 (RTN, GPTQ, AWQ), NVFP4, MXFP4A16, MXFP4, MXFP8, FP8_BLOCK, W4AFP8), plus the W4A16 RTN and GPTQ rows the FP4 targets are
 read against. Every artifact is evaluated by ONE `quantkit eval` call on this CPU: weights dequantized (the CPU
 has no FP4 / FP8 kernels), activations fake-quantized at run time as compressed-tensors' forward does (FP4 / FP8
 per group, per token). llm-compressor's asymmetric artifacts are evaluated through quantkit's loader too
@@ -37,6 +37,7 @@ SCHEMES = [
     ("AWQ W4A16 asym", "awq-w4a16-asym", "awq-w4a16-asym"),
     ("RTN NVFP4A16", "nvfp4-a16", "rtn-nvfp4a16"),
     ("GPTQ NVFP4A16", "gptq-nvfp4-a16", "gptq-nvfp4a16"),
+    ("AWQ NVFP4A16", "awq-nvfp4-a16", "awq-nvfp4a16"),
     ("RTN NVFP4 (W4A4)", "nvfp4", "rtn-nvfp4"),
     ("RTN MXFP4A16", "mxfp4-a16", "rtn-mxfp4a16"),
     ("RTN MXFP4 (W4A4)", "mxfp4", "rtn-mxfp4"),
@@ -45,7 +46,7 @@ SCHEMES = [
     ("RTN W4A8-FP8", "w4a8-fp8", "rtn-w4afp8"),
     ("RTN FP8 block + FP8 KV cache", "fp8-block+kv-fp8", "rtn-fp8-block-kv-fp8"),
 ]
-AWQ_ROWS = {"AWQ W4A16", "AWQ W4A16 asym"}
+AWQ_ROWS = {"AWQ W4A16", "AWQ W4A16 asym", "AWQ NVFP4A16"}
 
 
 def make_jobs(src: Path, calib: Path, args: argparse.Namespace) -> list[bench.Job]:

@@ -226,6 +226,7 @@ recipe = {
     "rtn-nvfp4a16": lambda: [QuantizationModifier(scheme="NVFP4A16", **common)],
     "rtn-nvfp4": lambda: [QuantizationModifier(scheme="NVFP4", **common)],
     "gptq-nvfp4a16": lambda: [GPTQModifier(scheme="NVFP4A16", **gptq)],
+    "awq-nvfp4a16": lambda: [AWQModifier(), QuantizationModifier(scheme="NVFP4A16", **common)],
     "rtn-mxfp4a16": lambda: [QuantizationModifier(scheme="MXFP4A16", **common)],
     "rtn-mxfp4": lambda: [QuantizationModifier(scheme="MXFP4", **common)],
     "rtn-mxfp8": lambda: [QuantizationModifier(scheme="MXFP8", **common)],

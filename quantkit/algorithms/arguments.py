@@ -27,6 +27,7 @@ class GPTQArgs:
     block_size: int = 128  # columns updated lazily together (rounded up to a multiple of the group size)
     dampening_frac: float = 0.01  # H += dampening_frac * mean(diag H) * I
     actorder: bool = False  # round columns in order of decreasing H_ii (static groups)
+    static_groups: bool = False  # group qparams chosen up front from the weight, not as GPTQ reaches each group
 
     def __post_init__(self) -> None:
         if self.block_size < 1:

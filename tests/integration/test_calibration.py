@@ -50,7 +50,7 @@ STAGED = ["llama", "qwen2", "mistral", "qwen3", "phi3", "starcoder2"]  # GPTQ's 
 RECIPES = [name for name in registry.recipe_names() if registry.resolve(name).needs_calibration]
 # calibrated recipes whose algorithm another recipe already runs on every architecture, on another grid: their grid
 # is tested on these architectures (a staged dense one, an unstaged one, an MoE one)
-GRID_VARIANTS = {"nvfp4", "gptq-nvfp4-a16", "gptq-w4a16-asym", "awq-w4a16-asym"}
+GRID_VARIANTS = {"nvfp4", "gptq-nvfp4-a16", "awq-nvfp4-a16", "gptq-w4a16-asym", "awq-w4a16-asym"}
 GRID_ARCHITECTURES = {"llama", "gemma2", "qwen3_moe"}
 AUTOROUND_STEPS = 4  # the shipped 200 steps a layer would make this sweep take minutes per architecture; 4 run the same code
 CASES = [(arch, name) for arch in ARCHITECTURES for name in RECIPES if name not in GRID_VARIANTS or arch in GRID_ARCHITECTURES]

@@ -56,6 +56,19 @@ def test_estimates_are_within_a_quarter_of_the_measured_run(model_dir, calib, tm
     assert abs(estimate["peak_ram_bytes"] / run["peak_ram_bytes"] - 1) <= 0.25, (estimate["peak_ram_breakdown"], run["peak_ram_bytes"])
 
 
+def test_dry_run_estimates_the_artifact_in_the_dtype_the_run_writes(model_dir, tmp_path):
+    """FP4 artifacts of a float32 model are bfloat16 (in either format): the dry run's output estimate is the real
+    run's."""
+    fmt = "torchao"
+    dry = finalize(str(model_dir), str(tmp_path / "out"), "-q", "nvfp4-a16", "--format", fmt, "--dry-run", "--json", str(tmp_path / "dry.json"))
+    run = finalize(str(model_dir), str(tmp_path / "out"), "-q", "nvfp4-a16", "--format", fmt, "--json", str(tmp_path / "run.json"))
+    assert dry.returncode == 0 and run.returncode == 0, (dry.stderr[-2000:], run.stderr[-2000:])
+    estimate = json.loads((tmp_path / "dry.json").read_text())["preflight"]["output_bytes"]
+    assert estimate == json.loads((tmp_path / "run.json").read_text())["preflight"]["output_bytes"]
+    written = sum(f.stat().st_size for f in (tmp_path / "out").iterdir() if f.name != "quantkit.json")
+    assert abs(estimate / written - 1) <= 0.25, (estimate, written)
+
+
 def test_dry_run_reports_memory_disk_and_a_measured_time_without_loading(model_dir, calib, tmp_path):
     done = finalize(str(model_dir), str(tmp_path / "out"), "-q", "gptq-w4a16", "--calib-data", str(calib),
                     "--num-samples", "16", "--seq-len", "64", "--nproc-per-node", "2", "--dry-run", "--json", "-")

@@ -151,6 +151,20 @@ def test_result_is_on_the_grid(spec, actorder):
         assert torch.equal(quantize_with(qw.dequantize(), spec, qw.scale, qw.zero_point).qdata, qw.qdata)
 
 
+@pytest.mark.parametrize("spec", [INT4_G32, INT4_G128_ASYM], ids=lambda s: ID[id(s)])
+def test_static_groups_take_the_weights_own_scales_and_still_beat_rtn(spec):
+    """static_groups (llm-compressor's GPTQ: scales from its observer on the weight before GPTQ moves it): the
+    scales are round-to-nearest's, the rounding still Hessian-aware; the default chooses each group's scales when
+    GPTQ reaches it, from the columns as updated, so its scales differ."""
+    weight, hessian = _weight(), _hessian(_inputs())
+    static = gptq_quantize(weight, hessian, spec, GPTQArgs(static_groups=True))
+    dynamic = gptq_quantize(weight, hessian, spec, GPTQArgs())
+    rtn_scale, rtn_zero = choose_qparams(weight, spec)
+    assert torch.equal(static.scale, rtn_scale) and (rtn_zero is None or torch.equal(static.zero_point, rtn_zero))
+    assert not torch.equal(dynamic.scale, rtn_scale)
+    assert _weighted_error(weight, static, hessian) < _weighted_error(weight, quantize_weight(weight, spec), hessian)
+
+
 def test_weight_and_hessian_are_not_modified():
     weight, hessian = _weight(), _hessian(_inputs())
     hessian[3, :] = hessian[:, 3] = 0  # a dead column, zeroed inside
