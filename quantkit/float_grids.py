@@ -93,6 +93,15 @@ def fp8_block_scales(absmax: torch.Tensor) -> torch.Tensor:
     return torch.where(scale == 0, torch.tensor(torch.finfo(scale.dtype).eps, dtype=scale.dtype), scale)
 
 
+def fake_quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    """NVFP4 activations, dequantized, as compressed-tensors' runtime computes them under `global_scale`: per group
+    of 16 along the last dimension, FP8 group scales (absmax / 6 in x's dtype, times the global scale), FP4 values
+    of x divided by scale / global_scale in float32, the product cast back to x's dtype."""
+    groups = x.unflatten(-1, (-1, 16))
+    divisor = nvfp4_group_scales(groups.abs().amax(-1, keepdim=True), global_scale) / global_scale
+    return (round_to_fp4(groups / divisor) * divisor).flatten(-2).to(x.dtype)
+
+
 def fake_quantize_groups(x: torch.Tensor, bits: int, group_size: int, mx: bool) -> torch.Tensor:
     """Dynamic per-group quantization of activations along the last dimension, dequantized, as compressed-tensors'
     runtime computes it: FP8 (`bits` 8) with scale absmax / 448 in x's dtype, or MX (FP4 / FP8 elements, E8M0

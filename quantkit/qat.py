@@ -52,6 +52,7 @@ from torchao.quantization.qat.fake_quantizer import FakeQuantizerBase, Float8Fak
 from torchao.quantization.quant_primitives import MappingType
 
 from quantkit import float_grids, qparams
+from quantkit.algorithms import Algorithm
 from quantkit.architectures import kernel_fused_groups
 from quantkit.errors import UsageError
 from quantkit.registry import Recipe, recipe_names, resolve
@@ -104,7 +105,7 @@ def weight_fake_quantize_config(spec: WeightSpec) -> FakeQuantizeConfigBase:
 def activation_fake_quantize_config(spec: ActivationSpec | None) -> FakeQuantizeConfigBase | None:
     if spec is None:
         return None
-    if spec.calibrated:
+    if not spec.dynamic:
         raise ValueError("QAT fake-quantizes dynamic activations only; static scales come from calibration")
     if spec.granularity is Granularity.GROUP:
         return GroupActivationFakeQuantizeConfig(spec)
@@ -116,11 +117,21 @@ def activation_fake_quantize_config(spec: ActivationSpec | None) -> FakeQuantize
     return IntxFakeQuantizeConfig(torch.int8, PerToken(), MappingType.ASYMMETRIC, scale_precision=None)
 
 
+def qat_ready(recipe: Recipe) -> bool:
+    """Round to nearest on min/max weights, with dynamic activations: the weights training sees are the ones
+    `finalize` writes. NVFP4's activations qualify: their groups are dynamic, and their global scale, which
+    `finalize` calibrates, is each tensor's own during training (as torchao's NVFP4 QAT does)."""
+    steps_rtn = all(step.name is Algorithm.RTN for step in recipe.steps)
+    acts = recipe.scheme.activations
+    minmax = recipe.scheme.weights.observer is WeightObserver.MINMAX
+    return steps_rtn and minmax and (acts is None or acts.dynamic) and recipe.kv_cache is None
+
+
 def check_recipe(recipe: Recipe) -> None:
     """QAT recipes round to nearest with dynamic activations: what training sees is what `finalize` writes.
     A calibrated recipe (GPTQ, SmoothQuant, static scales) would change the weights after training."""
-    if recipe.needs_calibration or recipe.scheme.weights.observer is not WeightObserver.MINMAX:
-        usable = [n for n in recipe_names() if not resolve(n).needs_calibration]
+    if not qat_ready(recipe):
+        usable = [n for n in recipe_names() if qat_ready(resolve(n))]
         raise UsageError(f"--qat-recipe {recipe.name}: QAT takes round-to-nearest min/max recipes with dynamic activations "
                          f"({', '.join(usable)})")
 
@@ -175,6 +186,8 @@ class GridFakeQuantizer(_StraightThroughFakeQuantizer):
 class GroupActivationFakeQuantizer(_StraightThroughFakeQuantizer):
     def fake_quantize(self, x: torch.Tensor) -> torch.Tensor:
         spec = self.config.activations
+        if spec.global_scale:  # NVFP4: the global scale of this tensor (finalize calibrates one over the data)
+            return float_grids.fake_quantize_nvfp4(x, float_grids.global_scale(x.abs().amax()))
         return float_grids.fake_quantize_groups(x, spec.dtype.bits, spec.group_size, spec.scale_dtype is ScaleDtype.E8M0)
 
 

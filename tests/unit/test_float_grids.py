@@ -83,3 +83,21 @@ def test_mx_exponents_are_the_stored_uint8():
     scale = float_grids.mx_group_scales(torch.tensor([1e-30, 0.01, 1.0, 6.0, 1e30]), 4)
     exponents = float_grids.mx_exponents(scale)
     assert exponents.dtype == torch.uint8 and torch.equal(torch.exp2(exponents.float() - 127), scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_nvfp4_activations_equal_compressed_tensors_runtime(dtype):
+    """NVFP4 activations (what QAT for `nvfp4` computes) as compressed-tensors' forward quantizes an input under a
+    global scale: per group of 16, dynamic FP8 scales, atol 0; the global scale is generate_gparam's."""
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+    from compressed_tensors.quantization.utils import compute_dynamic_scales_and_zp
+
+    args = preset_name_to_scheme("NVFP4", ["Linear"]).input_activations
+    generator = torch.Generator().manual_seed(5)
+    x = (torch.randn(3, 7, 64, generator=generator) * torch.logspace(-2, 1, 64)).to(dtype)
+    x[0, 0, :16] = 0  # an all-zero group
+    gs = generate_gparam(x.min().reshape(1), x.max().reshape(1))
+    assert torch.equal(float_grids.global_scale(x.abs().amax()), gs)
+    scale, zero = compute_dynamic_scales_and_zp(x, args, module=None, global_scale=gs)
+    theirs = fake_quantize(x, scale, zero, args, global_scale=gs)
+    torch.testing.assert_close(float_grids.fake_quantize_nvfp4(x, gs), theirs, atol=0, rtol=0)

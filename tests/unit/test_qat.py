@@ -5,6 +5,7 @@ import dataclasses
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from quantkit import qat, registry
@@ -16,7 +17,7 @@ from quantkit.qparams import fake_quantize_weight, fused_global_scales
 from quantkit.schemes import Granularity, QDtype, QuantScheme, ScaleDtype, WeightSpec
 
 DTYPES = [torch.float32, torch.bfloat16]
-RECIPES = [name for name in registry.recipe_names() if not registry.resolve(name).needs_calibration]
+RECIPES = [name for name in registry.recipe_names() if qat.qat_ready(registry.resolve(name))]
 TORCHAO_RECIPES = [name for name in RECIPES if torchao_unsupported(registry.resolve(name)) is None]  # a torchao PTQ config to compare with
 INT_RECIPES = [name for name in TORCHAO_RECIPES if not registry.resolve(name).scheme.weights.dtype.is_float]
 EXACT = dict(atol=0, rtol=0)
@@ -91,6 +92,7 @@ def test_configs_use_torchao_where_it_is_exact_and_quantkit_elsewhere():
         "mxfp4-a16": ("NoneType", "GridFakeQuantizeConfig"),
         "mxfp8": ("GroupActivationFakeQuantizeConfig", "GridFakeQuantizeConfig"),
         "nvfp4-a16": ("NoneType", "GridFakeQuantizeConfig"),
+        "nvfp4": ("GroupActivationFakeQuantizeConfig", "GridFakeQuantizeConfig"),
         "w4a8-fp8": (Float8FakeQuantizeConfig.__name__, IntxFakeQuantizeConfig.__name__),
         "int2-weight-only": ("NoneType", IntxFakeQuantizeConfig.__name__),
         "int4-weight-only": ("NoneType", IntxFakeQuantizeConfig.__name__),
@@ -284,7 +286,25 @@ def test_stripped_saves_a_plain_checkpoint_and_keeps_parameter_identity(tiny_mod
 def test_calibrated_recipes_are_refused_for_qat():
     from quantkit.errors import UsageError
 
-    for name in ("gptq-w4a16", "fp8-static", "smoothquant-w8a8"):
+    for name in ("gptq-w4a16", "fp8-static", "smoothquant-w8a8", "awq-nvfp4-a16"):
         with pytest.raises(UsageError, match="round-to-nearest"):
             qat.check_recipe(registry.resolve(name))
     qat.check_recipe(registry.resolve("int4-weight-only"))
+    qat.check_recipe(registry.resolve("nvfp4"))  # only its activations' global scale is calibrated, by finalize
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_nvfp4_activations_take_each_tensors_global_scale(dtype):
+    """NVFP4 W4A4 QAT: the activations as compressed-tensors' runtime quantizes them, under the tensor's own
+    global scale (finalize calibrates the deployed one over the calibration data), the weights on the grid."""
+    from quantkit import float_grids
+
+    scheme = registry.resolve("nvfp4").scheme
+    linear = _linear(_weight(dtype, out=32, inp=64, tiny_groups=False))
+    x = (torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(3)) * 3).to(dtype)
+    with torch.no_grad():
+        ours = qat.QATLinear(copy.deepcopy(linear), scheme)(x)
+    acts = float_grids.fake_quantize_nvfp4(x, float_grids.global_scale(x.abs().amax()))
+    expected = F.linear(acts, fake_quantize_weight(linear.weight.data, scheme.weights), linear.bias)
+    torch.testing.assert_close(ours, expected, **EXACT)
+    assert not torch.equal(acts, x)
