@@ -25,7 +25,6 @@ from quantkit.architectures import kernel_fused_groups
 from quantkit.qparams import QParams, fused_global_scales
 from quantkit.quantized_model import QuantizedModel
 from quantkit.registry import Format, Recipe
-from quantkit.schemes import QDtype, ScaleDtype
 
 
 @dataclass
@@ -287,8 +286,7 @@ def artifact_dtype(prepared: Prepared, recipe: Recipe, dtype: str, trust_remote_
     bfloat16 (a float32 model then fails in plain transformers) and vLLM's FP4 / MX kernels take 16-bit activations,
     so a float32 source becomes a bfloat16 artifact (noted in the summary); torchao's FP4 / MX tensors take bfloat16
     only, so in that format a float16 source does too."""
-    weights = recipe.scheme.weights
-    if weights.dtype is not QDtype.FLOAT4 and weights.scale_dtype is not ScaleDtype.E8M0:
+    if not recipe.scheme.weights.sixteen_bit:
         return dtype
     if prepared.format is Format.TORCHAO and dtype == "float16":
         raise UsageError(f"recipe '{recipe.name}' in format torchao: torchao's FP4 / MX tensors take bfloat16 weights; "

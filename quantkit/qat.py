@@ -176,11 +176,13 @@ class GridFakeQuantizer(_StraightThroughFakeQuantizer):
         self.fused_with: list[torch.Tensor] = []  # NVFP4: the weights sharing this one's global scale (itself included)
 
     def fake_quantize(self, weight: torch.Tensor) -> torch.Tensor:
+        spec, dtype = self.config.weights, weight.dtype
+        grid_dtype = torch.bfloat16 if spec.sixteen_bit and dtype == torch.float32 else dtype  # as finalize writes it
         global_scale = None
-        if self.config.weights.global_scale and self.fused_with:
+        if spec.global_scale and self.fused_with:
             with torch.no_grad():
-                global_scale = qparams.weight_global_scale([w.detach() for w in self.fused_with])
-        return qparams.fake_quantize_weight(weight, self.config.weights, global_scale)
+                global_scale = qparams.weight_global_scale([w.detach().to(grid_dtype) for w in self.fused_with])
+        return qparams.fake_quantize_weight(weight.to(grid_dtype), spec, global_scale).to(dtype)
 
 
 class GroupActivationFakeQuantizer(_StraightThroughFakeQuantizer):

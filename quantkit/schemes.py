@@ -133,6 +133,12 @@ class WeightSpec:
         """Whether a smaller group keeps the format (integer grids); NVFP4 and MX fix theirs at 16 and 32."""
         return self.scale_dtype not in (ScaleDtype.FLOAT8, ScaleDtype.E8M0)
 
+    @property
+    def sixteen_bit(self) -> bool:
+        """FP4 and MX weights load and run in 16 bits: a float32 model's artifact is bfloat16
+        (`finalize.artifact_dtype`), and QAT trains a float32 model on that bfloat16 grid."""
+        return self.dtype is QDtype.FLOAT4 or self.scale_dtype is ScaleDtype.E8M0
+
     def scale_count(self, rows: int, cols: int) -> int:
         if self.granularity is Granularity.GROUP:
             return rows * (cols // self.group_size)

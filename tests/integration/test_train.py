@@ -134,9 +134,10 @@ def test_one_rank_equals_two_ranks(workspace):
         torch.testing.assert_close(one[name], two[name], atol=2e-5, rtol=1e-4, msg=name)
 
 
-@pytest.mark.parametrize("recipe", ["int8-dynamic-act-int4-weight", "int4-weight-only", "int2-weight-only"])
+@pytest.mark.parametrize("recipe", ["int8-dynamic-act-int4-weight", "int4-weight-only", "int2-weight-only", "nvfp4-a16"])
 def test_qat_train_finalize_reload(workspace, recipe, tmp_path):
-    """The artifact's dequantized weights equal the fake-quantized weights the model trained with."""
+    """The artifact's dequantized weights equal the fake-quantized weights the model trained with (a float32 model
+    trains FP4 on the bfloat16 grid of the artifact it becomes)."""
     from quantkit import qat
     from quantkit.finalize import finalize
     from quantkit.models import load_model

@@ -32,6 +32,13 @@ def _weight(dtype, out=48, inp=256, seed=0, tiny_groups=True):
     return weight.to(dtype)
 
 
+def _artifact_grid(weight, spec, global_scale=None):
+    """The weight `finalize` writes: FP4 / MX artifacts of a float32 model are bfloat16, so their grid is."""
+    if spec.sixteen_bit and weight.dtype == torch.float32:
+        return fake_quantize_weight(weight.bfloat16(), spec, global_scale).float()
+    return fake_quantize_weight(weight, spec, global_scale)
+
+
 def _linear(weight, bias=True):
     linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias).to(weight.dtype)
     linear.weight.data = weight.clone()
@@ -57,7 +64,7 @@ def test_fake_quantized_weight_equals_qparams(name, dtype):
     scheme = registry.resolve(name).scheme
     weight = _weight(dtype)
     module = qat.QATLinear(_linear(weight), scheme)
-    torch.testing.assert_close(module.fake_quantized_weight(), fake_quantize_weight(weight, scheme.weights), **EXACT)
+    torch.testing.assert_close(module.fake_quantized_weight(), _artifact_grid(weight, scheme.weights), **EXACT)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -212,11 +219,11 @@ def test_prepare_installs_exactly_the_plan_and_trains(name, tiny_model_dir):
     assert list(model.state_dict()) == keys and {n: id(p) for n, p in model.named_parameters()} == params
 
     weights = {e.name: model.get_submodule(e.name).weight.detach() for e in plan if e.quantized}
-    nvfp4 = {name: weight for name, weight in weights.items() if qat.prepared_schemes(model)[name].weights.global_scale}
+    nvfp4 = {name: weight.bfloat16() for name, weight in weights.items() if qat.prepared_schemes(model)[name].weights.global_scale}
     global_scales = fused_global_scales(nvfp4, kernel_fused_groups(list(nvfp4)))  # NVFP4: shared by q/k/v, by gate/up
     for module_name, seen in qat.fake_quantized_weights(model).items():
         entry = next(e for e in plan if e.name == module_name)
-        expected = fake_quantize_weight(weights[module_name], entry.scheme.weights, global_scales.get(module_name))
+        expected = _artifact_grid(weights[module_name], entry.scheme.weights, global_scales.get(module_name))
         torch.testing.assert_close(seen, expected, **EXACT)
 
     _loss(model).backward()
@@ -305,6 +312,6 @@ def test_nvfp4_activations_take_each_tensors_global_scale(dtype):
     with torch.no_grad():
         ours = qat.QATLinear(copy.deepcopy(linear), scheme)(x)
     acts = float_grids.fake_quantize_nvfp4(x, float_grids.global_scale(x.abs().amax()))
-    expected = F.linear(acts, fake_quantize_weight(linear.weight.data, scheme.weights), linear.bias)
+    expected = F.linear(acts, _artifact_grid(linear.weight.data, scheme.weights), linear.bias)
     torch.testing.assert_close(ours, expected, **EXACT)
     assert not torch.equal(acts, x)
