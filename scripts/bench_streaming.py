@@ -65,6 +65,8 @@ def main(argv: list[str] | None = None) -> None:
             jobs.append(("llm-compressor oneshot", harness.llmc_command(args.llmc_python, runner, model, args.workdir / "out-llmc",
                                                                         ids, RECIPES[recipe], "default", args.threads)))
         runs: dict[str, list] = {label: [] for label, _ in jobs}
+        for out in ("out-tiny", "out-streamed", "out-in-memory"):  # an interrupted earlier run's work directory
+            shutil.rmtree(args.workdir / f"{out}.partial", ignore_errors=True)
         for repeat in range(args.repeats):  # the measured runs alternate order: a slow spell of the machine hits both
             for label, cmd in jobs if repeat % 2 == 0 else jobs[:1] + jobs[:0:-1]:
                 print(f"{recipe}: {label} ({repeat + 1}/{args.repeats}) ...", file=sys.stderr, flush=True)
