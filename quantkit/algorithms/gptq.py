@@ -103,8 +103,8 @@ def gptq_quantize_rows(weight: torch.Tensor, factor: InverseHessian, spec: Weigh
     wt = torch.empty(weight.shape[::-1], dtype=torch.float32, device=weight.device)
     wt.copy_(weight.T)  # the float32 work copy, transposed: a column of the weight is a contiguous row
     wt[factor.dead.to(wt.device)] = 0.0
-    grid = _Grid.up_front(wt.T, weight.dtype, spec, dynamic=spec.granularity is Granularity.GROUP and not (args.actorder or args.static_groups),
-                          global_scale=global_scale if spec.global_scale else None)
+    dynamic = spec.granularity is Granularity.GROUP and not (args.actorder or args.static_groups)
+    grid = _Grid.up_front(wt.T, weight.dtype, spec, dynamic=dynamic, global_scale=global_scale if spec.global_scale else None)
     if factor.perm is not None:
         wt = wt[factor.perm]
     qdata = _quantize_columns(wt, factor.upper, grid, factor.order, _aligned_block_size(args.block_size, spec))

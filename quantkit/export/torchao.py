@@ -97,7 +97,8 @@ def _float_grid_config(scheme: QuantScheme):
     w, a = scheme.weights, scheme.activations
     if w.global_scale:  # NVFP4
         if a is not None:
-            raise ValueError("torchao's NVFP4 W4A4 computes the activations' global scale at run time; the scheme's is calibrated")
+            raise ValueError("torchao's NVFP4 W4A4 computes the activations' global scale at run time; "
+                             "the scheme's is calibrated")
         return NVFP4WeightOnlyConfig(use_dynamic_per_tensor_scale=True)
     if w.scale_dtype is ScaleDtype.E8M0:  # MX
         if a is None or a.dtype is not w.dtype or a.group_size != w.group_size:
@@ -108,7 +109,9 @@ def _float_grid_config(scheme: QuantScheme):
                                                  scaling_mode=mode)
     if w.granularity is Granularity.BLOCK and w.dtype is QDtype.FLOAT8:
         blocks_128 = tuple(w.block_shape) == (128, 128)
-        if not (blocks_128 and a is not None and a.dtype is QDtype.FLOAT8 and a.granularity is Granularity.GROUP and a.group_size == 128):
+        token_groups_128 = (a is not None and a.dtype is QDtype.FLOAT8 and a.granularity is Granularity.GROUP
+                            and a.group_size == 128)
+        if not (blocks_128 and token_groups_128):
             raise ValueError("torchao's FP8 block config takes 128x128 weight blocks with FP8 activations per token-group of 128")
         return Float8DynamicActivationFloat8WeightConfig(granularity=[PerBlock([1, 128]), PerBlock([128, 128])])
     raise ValueError("torchao has no config for this float grid")

@@ -219,7 +219,8 @@ def test_prepare_installs_exactly_the_plan_and_trains(name, tiny_model_dir):
     assert list(model.state_dict()) == keys and {n: id(p) for n, p in model.named_parameters()} == params
 
     weights = {e.name: model.get_submodule(e.name).weight.detach() for e in plan if e.quantized}
-    nvfp4 = {name: weight.bfloat16() for name, weight in weights.items() if qat.prepared_schemes(model)[name].weights.global_scale}
+    schemes = qat.prepared_schemes(model)
+    nvfp4 = {name: weight.bfloat16() for name, weight in weights.items() if schemes[name].weights.global_scale}
     global_scales = fused_global_scales(nvfp4, kernel_fused_groups(list(nvfp4)))  # NVFP4: shared by q/k/v, by gate/up
     for module_name, seen in qat.fake_quantized_weights(model).items():
         entry = next(e for e in plan if e.name == module_name)
