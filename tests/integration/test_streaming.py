@@ -73,12 +73,12 @@ def test_a_streamed_moe_artifact_equals_the_in_memory_one(moe_model_dir, text_fi
 
 @pytest.fixture(scope="module")
 def layered(tmp_path_factory):
-    """The same Llama shape (hidden 384, float32: 7 MB a layer) with 4 and with 16 layers."""
+    """The same Llama shape (hidden 512, float32: 13 MB a layer) with 4 and with 16 layers."""
     from quantkit.tiny import build_tiny_llama
 
     root = tmp_path_factory.mktemp("layered")
     text = make_text(2000)
-    shape = dict(hidden_size=384, intermediate_size=1024, num_attention_heads=6, num_key_value_heads=6)
+    shape = dict(hidden_size=512, intermediate_size=1536, num_attention_heads=8, num_key_value_heads=8)
     return {n: build_tiny_llama(root / f"L{n}", text, num_hidden_layers=n, **shape) for n in (4, 16)}
 
 
@@ -93,10 +93,10 @@ def peak_ram(src, dst) -> int:
 
 
 def test_peak_memory_does_not_grow_with_the_number_of_layers(layered, tmp_path):
-    """Twelve more layers (85 MB of float32 weights) may cost at most three layers more peak memory. Each size is
-    run twice and its higher peak taken: one run's peak varies by up to 20 MiB on a 2-core machine (an allocator's
-    timing), and always downward from a steady value, so a single low run of the small model failed the test."""
+    """Twelve more layers (161 MB of float32 weights) may cost less than two layers more peak memory. Each size is
+    run twice and its higher peak taken: one run's peak falls up to 40 MiB below its steady value on a 2-core
+    machine (an allocator's timing), and one low run of the small model failed the test when layers were 7 MB."""
     layer_bytes = (sum(f.stat().st_size for f in layered[16].glob("*.safetensors"))
                    - sum(f.stat().st_size for f in layered[4].glob("*.safetensors"))) / 12
     four, sixteen = (max(peak_ram(layered[n], tmp_path / f"{n}-{run}") for run in range(2)) for n in (4, 16))
-    assert sixteen - four < 3 * layer_bytes, f"16 layers: {sixteen >> 20} MiB, 4 layers: {four >> 20} MiB"
+    assert sixteen - four < 2 * layer_bytes, f"16 layers: {sixteen >> 20} MiB, 4 layers: {four >> 20} MiB"
