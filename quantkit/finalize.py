@@ -367,7 +367,8 @@ def finalize(
         with _resumable_errors(prepared):
             if streamed is not None:
                 _write_errors(dst, lambda: _stream(streamed, prepared, recipe, dst, overwrite, trust_remote_code,
-                                                   progress, calibration, ctx, shard_bytes, dtype))
+                                                   progress, calibration, ctx, shard_bytes, dtype,
+                                                   estimate["output_bytes"]))
             else:
                 quantized = quantize(prepared, recipe, dtype, trust_remote_code, progress, calibration, ctx)
         if streamed is None:
@@ -463,9 +464,10 @@ def _under(prefix: str, names) -> list[str]:
 
 def _stream(streamed, prepared: Prepared, recipe: Recipe, dst: Path, overwrite: bool, trust_remote_code: bool,
             progress: Progress, calibration: CalibrationOptions | None, ctx, max_shard_size: int | None,
-            dtype: str) -> None:
+            dtype: str, expected_bytes: int | None = None) -> None:
     """Quantize and write layer by layer: every rank reads each decoder layer when its turn comes; rank 0 packs
-    it into the output shards (in a temporary directory renamed at the end) and every rank frees it."""
+    it into the output shards (in a temporary directory renamed at the end; `expected_bytes`, the preflight's
+    estimate of the output, sizes the room kept for their headers) and every rank frees it."""
     from quantkit import distributed
     from quantkit.memory import map_large_allocations
 
@@ -476,7 +478,8 @@ def _stream(streamed, prepared: Prepared, recipe: Recipe, dst: Path, overwrite: 
     plan = prepared.plan
     with contextlib.ExitStack() as stack:
         tmp = stack.enter_context(atomic.atomic_directory(dst, overwrite)) if ctx.is_main else None
-        writer = exporter(prepared.format).StreamWriter(streamed.model, plan, recipe, tmp, max_shard_size) if tmp else None
+        writer = (exporter(prepared.format).StreamWriter(streamed.model, plan, recipe, tmp, max_shard_size, expected_bytes)
+                  if tmp else None)
         layer_io = _LayerIO(streamed, writer)
         if samples is None:
             rest = _round_streamed(streamed, plan, recipe, prepared, layer_io, progress)

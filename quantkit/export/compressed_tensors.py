@@ -300,7 +300,7 @@ class StreamWriter:
     ever held, and the written files equal `write`'s for the same model."""
 
     def __init__(self, model: nn.Module, plan: list[ModulePlan], recipe: Recipe, out_dir: Path,
-                 max_shard_size: int | None = None):
+                 max_shard_size: int | None = None, expected_bytes: int | None = None):
         from quantkit.export.shards import ShardWriter
 
         self.model, self.recipe, self.out_dir = model, recipe, Path(out_dir)
@@ -308,7 +308,7 @@ class StreamWriter:
         self.planned = {entry.name for entry in plan if entry.quantized}
         self.names = {module: name for name, module in model.named_modules()}
         self.stored_name = moe.checkpoint_renamer(model)  # as save_pretrained renames (Mixtral's mlp: block_sparse_moe)
-        self.shards = ShardWriter(out_dir, max_shard_size)
+        self.shards = ShardWriter(out_dir, max_shard_size, expected_bytes)
 
     def add(self, modules: list[nn.Module], qparams: dict[str, QParams], input_scales: dict[str, torch.Tensor],
             kv_scales: dict[str, torch.Tensor] | None = None) -> None:
