@@ -3,18 +3,10 @@ these do nothing).
 
 A streamed finalize holds one decoder layer at a time, so its peak is set by what one layer's work allocates
 and by freed memory the C allocator keeps: `return_freed_memory` (glibc's `malloc_trim`) after each layer and
-before each GPTQ solve; for calibrated recipes, `map_large_allocations` (glibc's M_MMAP_THRESHOLD) at 32 MiB for
-the run and `mapped_from(4 MiB)` around each GPTQ solve.
+before each GPTQ solve, `map_large_allocations` (glibc's M_MMAP_THRESHOLD) for calibrated runs.
 """
 
 from __future__ import annotations
-
-import contextlib
-from typing import Iterator
-
-RUN_THRESHOLD = 32 << 20
-SOLVE_THRESHOLD = 4 << 20
-_threshold: int | None = None  # what map_large_allocations set (None: glibc's own, rising threshold)
 
 
 def return_freed_memory() -> None:
@@ -27,38 +19,14 @@ def return_freed_memory() -> None:
         libc.malloc_trim(0)
 
 
-def map_large_allocations(threshold: int = RUN_THRESHOLD) -> None:
+def map_large_allocations(threshold: int = 4 << 20) -> None:
     """Serve every allocation of `threshold` bytes or more with its own memory map (glibc's M_MMAP_THRESHOLD),
-    so that freeing it gives the memory back at once. By default glibc starts at 128 KiB and raises the threshold
-    up to 32 MiB as large blocks are freed, so that a layer's big temporaries fragment the heap within the layer,
-    where `malloc_trim` does not reach. A fixed threshold has a price: every allocation above it is a fresh map,
-    its pages faulted in (and zeroed) each time. Measured, streamed `gptq-w4a16` on a 1.7 GB bf16 Llama (16
-    layers, hidden 2048, 8 x 128 tokens, 2 threads; in-memory path beside it: 95-109 s), two runs each: 4 MiB for
-    the whole run peaks at 1149-1250 MiB and takes 1.08-1.12x the in-memory time; 16 MiB 1208-1230 MiB, 1.05x;
-    32 MiB for the run with 4 MiB around GPTQ's solves (`mapped_from`) 1199-1224 MiB, 1.03x. The last is what
-    finalize sets for calibrated recipes. Round to nearest keeps glibc's own (a fixed 4 MiB made it 40%
-    slower for 27 MiB less)."""
-    global _threshold
-    _threshold = threshold
-    _set_threshold(threshold)
-
-
-@contextlib.contextmanager
-def mapped_from(threshold: int = SOLVE_THRESHOLD) -> Iterator[None]:
-    """Within: allocations of `threshold` bytes or more get their own maps (the solve's copies, the layer's
-    largest allocations, then never sit on fragmented heap); after: the run's threshold again. Nothing where
-    `map_large_allocations` was not called (a run loaded whole keeps glibc's own)."""
-    if _threshold is None:
-        yield
-        return
-    _set_threshold(threshold)
-    try:
-        yield
-    finally:
-        _set_threshold(_threshold)
-
-
-def _set_threshold(threshold: int) -> None:
+    so that freeing it gives the memory back at once. By default glibc raises that threshold up to 32 MiB as
+    large blocks are freed, and a layer's 4-32 MiB temporaries then fragment the heap within the layer, where
+    `malloc_trim` does not reach. Measured on a 6-layer h2048 Llama (one thread): GPTQ's peak 1102 MiB instead
+    of 1377 (1181 with a `malloc_trim` before each GPTQ solve) for 4% more time; round to nearest's 695 instead
+    of 722 MiB but 40% slower (every large temporary is faulted in afresh), so finalize sets it for calibrated
+    recipes only."""
     libc = _glibc()
     if libc is not None:
         libc.mallopt(_M_MMAP_THRESHOLD, threshold)

@@ -30,7 +30,7 @@ from quantkit.calibration.hooks import observe, observer_groups
 from quantkit.calibration.layer import Layer, relative_error
 from quantkit.calibration.steps import register
 from quantkit.errors import UsageError
-from quantkit.memory import mapped_from, return_freed_memory
+from quantkit.memory import return_freed_memory
 from quantkit.observers import HessianObserver
 from quantkit.qparams import QuantizedWeight, empty_quantized
 from quantkit.schemes import WeightSpec
@@ -103,12 +103,7 @@ def _solve(layer: Layer, names: list[str], hessian: torch.Tensor, args: GPTQArgs
     row-wise (rows are independent given the factor, so this equals one run per module, for a third of the
     per-column work on q/k/v; one run per module when their grids differ), each rank solving its share of the
     rows. Every rank records the same qweights and relative errors."""
-    with mapped_from():  # the solve's copies are the layer's largest allocations: not on top of freed heap memory
-        return_freed_memory()
-        _solve_mapped(layer, names, hessian, args)
-
-
-def _solve_mapped(layer: Layer, names: list[str], hessian: torch.Tensor, args: GPTQArgs) -> None:
+    return_freed_memory()  # the solve's copies are the layer's largest allocations: not on top of freed heap memory
     try:
         factor = inverse_hessian(hessian.to(layer.linears[names[0]].weight.device), args)
     except ValueError as exc:

@@ -229,8 +229,8 @@ def test_inverse_hessian_cholesky_is_the_upper_factor_of_the_damped_inverse(size
 INVERSE_MEMORY = """
 import torch
 from quantkit.algorithms.gptq import _inverse_hessian_cholesky
-from quantkit.memory import map_large_allocations, mapped_from
-map_large_allocations()  # as calibrated finalize runs set it, and around each GPTQ solve:
+from quantkit.memory import map_large_allocations
+map_large_allocations()  # as calibrated finalize runs set it
 def status(key):
     return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith(key))
 x = torch.randn(4096, 3072, generator=torch.Generator().manual_seed(0))
@@ -238,8 +238,7 @@ hessian = x.T @ x / 4096
 del x
 open("/proc/self/clear_refs", "w").write("5")  # the peak resident size restarts from here
 before = status("VmRSS")
-with mapped_from():
-    upper = _inverse_hessian_cholesky(hessian, 0.01, 0)
+upper = _inverse_hessian_cholesky(hessian, 0.01, 0)
 print((status("VmHWM") - before) / (hessian.numel() * 4))
 """
 
