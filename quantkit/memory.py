@@ -26,7 +26,11 @@ def map_large_allocations(threshold: int = 4 << 20) -> None:
     `malloc_trim` does not reach. Measured on a 6-layer h2048 Llama (one thread): GPTQ's peak 1102 MiB instead
     of 1377 (1181 with a `malloc_trim` before each GPTQ solve) for 4% more time; round to nearest's 695 instead
     of 722 MiB but 40% slower (every large temporary is faulted in afresh), so finalize sets it for calibrated
-    recipes only."""
+    recipes only. Tried and not kept (streamed `gptq-w4a16` on the 1.7 GB benchmark Llama, 2 threads, paired
+    with the in-memory path): 4 MiB takes 1.08-1.12x the in-memory time for a peak of 1149-1250 MiB; 16 MiB
+    1.05x, 1208-1230 MiB; 32 MiB for the run and 4 MiB around each GPTQ solve 1.02-1.03x, 1199-1256 MiB (the
+    down_proj solves set the peak, which grows layer after layer by up to 90 MiB): above the 0.4x-the-model
+    memory target (1235 MiB there), which 4 MiB meets."""
     libc = _glibc()
     if libc is not None:
         libc.mallopt(_M_MMAP_THRESHOLD, threshold)
