@@ -27,7 +27,7 @@ from quantkit.algorithms.gptq import InverseHessian, gptq_quantize_rows, inverse
 from quantkit.architectures import find_wiring
 from quantkit.calibration import true_sequential
 from quantkit.calibration.hooks import observe, observer_groups
-from quantkit.calibration.layer import Layer, relative_error
+from quantkit.calibration.layer import Layer, relative_error_factored
 from quantkit.calibration.steps import register
 from quantkit.errors import UsageError
 from quantkit.memory import return_freed_memory
@@ -71,7 +71,7 @@ def _staged(layer: Layer, args: GPTQArgs) -> list[torch.Tensor]:
             observer.update(x)
         distributed.all_reduce_observer(observer, layer.ctx)
         mid = time.perf_counter()
-        _solve(layer, names, observer.pop_hessian(), args)
+        _solve(layer, names, observer, args)
         del observer
         spent["observe"] += mid - began
         spent["quantize"] += time.perf_counter() - mid
@@ -94,20 +94,22 @@ def _layer_wise(layer: Layer, args: GPTQArgs) -> None:
     layer.result.seconds["observe"] += time.perf_counter() - started
     started = time.perf_counter()
     for names in groups:
-        _solve(layer, names, observers.pop(names[0]).pop_hessian(), args)
+        _solve(layer, names, observers.pop(names[0]), args)
     layer.result.seconds["quantize"] += time.perf_counter() - started
 
 
-def _solve(layer: Layer, names: list[str], hessian: torch.Tensor, args: GPTQArgs) -> None:
+def _solve(layer: Layer, names: list[str], observer: HessianObserver, args: GPTQArgs) -> None:
     """GPTQ on the weights of modules sharing one Hessian: its inverse factor once, then the weights stacked
     row-wise (rows are independent given the factor, so this equals one run per module, for a third of the
     per-column work on q/k/v; one run per module when their grids differ), each rank solving its share of the
     rows. Every rank records the same qweights and relative errors."""
+    hessian = observer.pop_hessian()  # popped here, so that this frame holds its only reference
     return_freed_memory()  # the solve's copies are the layer's largest allocations: not on top of freed heap memory
     try:
         factor = inverse_hessian(hessian.to(layer.linears[names[0]].weight.device), args)
     except ValueError as exc:
         raise UsageError(f"GPTQ failed on {', '.join(names)}: {exc}") from exc
+    del hessian  # the factor stands for it from here on (the errors too): not held beside the solve's copies
     global_scales = layer.global_scales()
     for same_grid in _by_grid(layer, names, global_scales):
         weights = [layer.linears[n].weight.data for n in same_grid]
@@ -119,7 +121,7 @@ def _solve(layer: Layer, names: list[str], hessian: torch.Tensor, args: GPTQArgs
         else:
             whole = gptq_quantize_rows(stacked, factor, spec, args, global_scale)
         for name, weight, qweight in zip(same_grid, weights, split_rows(whole, [w.shape[0] for w in weights])):
-            layer.record(name, qweight, relative_error(weight, qweight, hessian))
+            layer.record(name, qweight, relative_error_factored(weight, qweight, factor))
         del stacked
 
 

@@ -7,7 +7,7 @@ from torch import nn
 from quantkit.algorithms.gptq import gptq_quantize
 from quantkit.architectures import shared_input_leaders
 from quantkit.calibration.hooks import observe
-from quantkit.calibration.layer import relative_error
+from quantkit.calibration.layer import relative_error, relative_error_factored
 from quantkit.calibration.steps.gptq import split_rows
 from quantkit.observers import HessianObserver
 from quantkit.qparams import quantize_weight
@@ -49,6 +49,28 @@ def test_relative_error_is_the_output_error_ratio():
     hessian = 2 * x.T @ x / x.shape[0]
     expected = ((weight - qweight.dequantize(torch.float32)) @ x.T).norm() / (weight @ x.T).norm()
     assert relative_error(weight, qweight, hessian) == pytest.approx(expected.item(), rel=1e-4)
+
+
+@pytest.mark.parametrize("actorder", [False, True])
+def test_the_error_through_gptqs_factor_is_the_error_through_the_damped_hessian(actorder):
+    """GPTQ frees the Hessian once its inverse factor is made; the error is then measured through the factor: the
+    same as through H + damp I, with dead inputs (H_ii = 0) left out as H leaves them out, in either column order."""
+    from quantkit.algorithms.arguments import GPTQArgs
+    from quantkit.algorithms.gptq import inverse_hessian
+
+    torch.manual_seed(0)
+    weight, x = torch.randn(300, 96), torch.randn(500, 96) * torch.linspace(0.1, 3, 96)
+    x[:, [5, 40]] = 0.0  # two dead inputs, whose weight columns would dominate the error if counted
+    weight[:, [5, 40]] *= 50
+    qweight = quantize_weight(weight, resolve("int8-weight-only").scheme.weights)
+    hessian = (2 * x.T @ x / x.shape[0]).double()
+    args = GPTQArgs(actorder=actorder)
+    factor = inverse_hessian(hessian.float(), args)
+    damped = hessian + args.dampening_frac * hessian.diagonal().mean() * torch.eye(96, dtype=torch.float64)
+    damped[[5, 40], [5, 40]] = 0.0
+    expected = relative_error(weight, qweight, damped.float())
+    assert relative_error_factored(weight, qweight, factor) == pytest.approx(expected, rel=1e-4)
+    assert relative_error_factored(weight, qweight, factor) == pytest.approx(relative_error(weight, qweight, hessian.float()), rel=0.05)
 
 
 def test_relative_error_estimate_on_many_rows_is_close():
