@@ -97,13 +97,11 @@ class Layer:
 def relative_error(weight: torch.Tensor, qweight: QuantizedWeight, hessian: torch.Tensor | None) -> float:
     """||(W - Q) X|| / ||W X|| through the Hessian (on up to ERROR_ROWS evenly spaced output rows: the exact
     value costs as much as GPTQ itself), else on the weights."""
-    delta = weight.float() - qweight.dequantize(torch.float32)
     if hessian is None:
+        delta = weight.float() - qweight.dequantize(torch.float32)
         return (delta.norm() / weight.float().norm().clamp(min=1e-12)).item()
-    rows = torch.linspace(0, weight.shape[0] - 1, min(ERROR_ROWS, weight.shape[0]), device=weight.device).long()
-    both = torch.cat([delta[rows], weight[rows].float()])
-    num, den = ((both @ hessian) * both).sum(-1).split(len(rows))
-    return (num.sum() / den.sum().clamp(min=1e-12)).sqrt().item()
+    both = _error_rows(weight, qweight)
+    return _ratio((both @ hessian) * both)
 
 
 def relative_error_factored(weight: torch.Tensor, qweight: QuantizedWeight, factor) -> float:
@@ -111,12 +109,22 @@ def relative_error_factored(weight: torch.Tensor, qweight: QuantizedWeight, fact
     (H + damp I)^-1 = U^T U, so x (H + damp I) x^T = ||x U^-1||^2, one triangular solve; dead inputs left out as
     H leaves them out), so that the Hessian can be freed before the solve: for a down_proj that is as large as
     the factor itself (121 MiB at 5632 inputs, 3.3 GB at 28672)."""
-    delta = weight.float() - qweight.dequantize(torch.float32)
-    rows = torch.linspace(0, weight.shape[0] - 1, min(ERROR_ROWS, weight.shape[0]), device=weight.device).long()
-    both = torch.cat([delta[rows], weight[rows].float()])
+    both = _error_rows(weight, qweight)
     both[:, factor.dead.to(both.device)] = 0.0
     if factor.perm is not None:
         both = both[:, factor.perm.to(both.device)]
     solved = torch.linalg.solve_triangular(factor.upper, both, upper=True, left=False)  # both @ U^-1
-    num, den = (solved * solved).sum(-1).split(len(rows))
+    return _ratio(solved * solved)
+
+
+def _error_rows(weight: torch.Tensor, qweight: QuantizedWeight) -> torch.Tensor:
+    """(W - Q) on up to ERROR_ROWS evenly spaced output rows, stacked over W on the same rows (float32)."""
+    rows = torch.linspace(0, weight.shape[0] - 1, min(ERROR_ROWS, weight.shape[0]), device=weight.device).long()
+    delta = weight[rows].float() - qweight.dequantize(torch.float32)[rows]
+    return torch.cat([delta, weight[rows].float()])
+
+
+def _ratio(weighted: torch.Tensor) -> float:
+    """sqrt(sum of the error rows' terms / sum of the weight rows'), from `_error_rows`' two halves."""
+    num, den = weighted.sum(-1).chunk(2)
     return (num.sum() / den.sum().clamp(min=1e-12)).sqrt().item()

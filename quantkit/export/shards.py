@@ -44,11 +44,11 @@ class ShardWriter:
         if repeated:
             raise ValueError(f"tensor {sorted(repeated)[0]} was written twice")
         self.keys.update(tensors)
-        entries = [(name, _as_bytes(tensor)) for name, tensor in tensors.items()]
+        entries = [(name, tensor, _as_bytes(tensor)) for name, tensor in tensors.items()]
         if self._header_per_byte is None:
-            header = sum(len(_entry_json(name, tensor, 0, len(data))) for (name, data), tensor in zip(entries, tensors.values()))
-            self._header_per_byte = header / max(1, sum(len(data) for _, data in entries))
-        for (name, data), tensor in zip(entries, tensors.values()):
+            header = sum(len(json.dumps({name: _entry(tensor, 0, len(data))})) for name, tensor, data in entries)
+            self._header_per_byte = header / max(1, sum(len(data) for _, _, data in entries))
+        for name, tensor, data in entries:
             shard = self.shards[-1] if self.shards else None
             if shard is None or (shard.size and shard.size + len(data) > self.max_shard_size):
                 if shard is not None:
@@ -91,8 +91,7 @@ class _Shard:
         self.file.seek(8 + room)
 
     def write(self, name: str, tensor, data: memoryview) -> None:
-        self.header[name] = {"dtype": _DTYPES[tensor.dtype], "shape": list(tensor.shape),
-                             "data_offsets": [self.size, self.size + len(data)]}
+        self.header[name] = _entry(tensor, self.size, self.size + len(data))
         self.file.write(data)
         self.size += len(data)
 
@@ -153,8 +152,9 @@ def _as_bytes(tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
 
 
-def _entry_json(name: str, tensor, begin: int, end: int) -> str:
-    return json.dumps({name: {"dtype": _DTYPES[tensor.dtype], "shape": list(tensor.shape), "data_offsets": [begin, end]}})
+def _entry(tensor, begin: int, end: int) -> dict:
+    """A tensor's safetensors header entry, its bytes at [begin, end) of the data section."""
+    return {"dtype": _DTYPES[tensor.dtype], "shape": list(tensor.shape), "data_offsets": [begin, end]}
 
 
 class _Dtypes(dict):
