@@ -30,7 +30,10 @@ def map_large_allocations(threshold: int = 4 << 20) -> None:
     with the in-memory path): 4 MiB takes 1.08-1.12x the in-memory time for a peak of 1149-1250 MiB; 16 MiB
     1.05x, 1208-1230 MiB; 32 MiB for the run and 4 MiB around each GPTQ solve 1.02-1.03x, 1199-1256 MiB (the
     down_proj solves set the peak, which grows layer after layer by up to 90 MiB): above the 0.4x-the-model
-    memory target (1235 MiB there), which 4 MiB meets."""
+    memory target (1235 MiB there), which 4 MiB meets. On an AVX2 machine (bf16 products in float32, each
+    product's float32 weight copy a fresh map), after GPTQ freed its Hessians early: 16 MiB without the
+    per-solve trim peaked at 1286-1386 MiB (over); one reused float32 buffer for those copies measured
+    1.02-1.12x the in-memory time against 1.17x without, within that machine's noise, so not kept."""
     libc = _glibc()
     if libc is not None:
         libc.mallopt(_M_MMAP_THRESHOLD, threshold)
