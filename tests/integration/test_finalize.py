@@ -202,3 +202,20 @@ def test_float32_fp4_and_mx_artifacts_run_with_quantkits_loader(artifacts, tmp_p
         logits = model(input_ids).logits
     assert logits.dtype == torch.float32
     torch.testing.assert_close(logits, in_memory[(name, Format.COMPRESSED_TENSORS)], atol=0.05, rtol=0.05)
+
+
+@pytest.mark.parametrize("case", [case for case in CASES if case[1] is Format.COMPRESSED_TENSORS], ids=lambda case: case[0])
+def test_the_written_quantization_config_validates_in_compressed_tensors(artifacts, case):
+    """The `quantization_config` in config.json, read back by compressed-tensors' own model, says what was written."""
+    from compressed_tensors.quantization import QuantizationConfig
+
+    root, _ = artifacts
+    name, fmt = case
+    written = json.loads((root / f"{name}-{fmt.value}" / "config.json").read_text())["quantization_config"]
+    config = QuantizationConfig.model_validate(written)
+    assert config.format == written["format"] and config.quant_method == "compressed-tensors"
+    assert set(config.config_groups) == set(written["config_groups"]) and config.ignore == written["ignore"]
+    for group, scheme in config.config_groups.items():
+        assert scheme.targets == written["config_groups"][group]["targets"]
+        assert scheme.weights.model_dump(mode="json") == {**scheme.weights.model_dump(mode="json"),
+                                                           **written["config_groups"][group]["weights"]}
