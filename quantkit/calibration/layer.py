@@ -120,8 +120,8 @@ def relative_error_factored(weight: torch.Tensor, qweight: QuantizedWeight, fact
 def _error_rows(weight: torch.Tensor, qweight: QuantizedWeight) -> torch.Tensor:
     """(W - Q) on up to ERROR_ROWS evenly spaced output rows, stacked over W on the same rows (float32)."""
     rows = torch.linspace(0, weight.shape[0] - 1, min(ERROR_ROWS, weight.shape[0]), device=weight.device).long()
-    delta = weight[rows].float() - qweight.dequantize(torch.float32)[rows]
-    return torch.cat([delta, weight[rows].float()])
+    picked = weight[rows].float()
+    return torch.cat([picked - qweight.dequantize(torch.float32)[rows], picked])
 
 
 def _ratio(weighted: torch.Tensor) -> float:
