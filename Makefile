@@ -2,6 +2,10 @@
 # (TORCH_SPEC, a CPU wheel by default) so that no other package pulls a CUDA build.
 PYTHON ?= python3
 TORCH_SPEC ?= torch==2.13.0
+# The suite runs in TEST_WORKERS processes (pytest-xdist), each test file in one of them (module fixtures are built
+# once) and each worker on its own share of the cores (tests/conftest.py). Measured on 2 cores: 1383 s in one
+# process, 1070 s in two workers spread test by test, 980 s file by file without the core split.
+TEST_WORKERS ?= 2
 VENV := .venv
 BIN := $(VENV)/bin
 
@@ -28,7 +32,7 @@ $(VENV)/.installed-base: pyproject.toml | $(BIN)/python
 install: $(VENV)/.installed
 
 test: install
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 test-unit: install
 	$(BIN)/python -m pytest -q -m "not integration"

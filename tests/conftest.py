@@ -17,6 +17,13 @@ import pytest
 if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
+# Under pytest-xdist (`make test` runs two workers), each worker keeps to its own share of the cores, and so does
+# every process it starts (affinity is inherited): quantkit's default thread count is the cores it may use, and two
+# workers each running torch on every core slow each other down (OpenMP threads spin on a busy core).
+_WORKER, _WORKERS = os.environ.get("PYTEST_XDIST_WORKER"), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKER and hasattr(os, "sched_setaffinity") and len(os.sched_getaffinity(0)) >= _WORKERS:
+    os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[int(_WORKER.removeprefix("gw")) :: _WORKERS])
+
 _WORDS = (
     "the a quantized model weight scale group token layer small fast bit integer float value error round grid "
     "river stone light night morning king queen castle garden winter summer ship sea wind song bread house"
