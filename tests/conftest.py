@@ -21,8 +21,10 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
 # every process it starts (affinity is inherited): quantkit's default thread count is the cores it may use, and two
 # workers each running torch on every core slow each other down (OpenMP threads spin on a busy core).
 _WORKER, _WORKERS = os.environ.get("PYTEST_XDIST_WORKER"), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-if _WORKER and hasattr(os, "sched_setaffinity") and len(os.sched_getaffinity(0)) >= _WORKERS:
-    os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[int(_WORKER.removeprefix("gw")) :: _WORKERS])
+if _WORKER and hasattr(os, "sched_setaffinity"):
+    _CORES = sorted(os.sched_getaffinity(0))
+    if len(_CORES) >= _WORKERS:
+        os.sched_setaffinity(0, _CORES[int(_WORKER.removeprefix("gw")) :: _WORKERS])
 
 _WORDS = (
     "the a quantized model weight scale group token layer small fast bit integer float value error round grid "
