@@ -15,7 +15,7 @@ from quantkit.cli import finalize as finalize_cmd
 from quantkit.cli import recipes as recipes_cmd
 from quantkit.cli import train as train_cmd
 from quantkit.cli.console import err
-from quantkit.runtime import debug_enabled
+from quantkit.runtime import advise_huge_pages, debug_enabled
 
 app = typer.Typer(
     name="quantkit",
@@ -72,6 +72,7 @@ def main() -> None:
     and exit 2, like every other user mistake; typer's own display would be a multi-line panel."""
     import sys
 
+    advise_huge_pages()  # before torch's first CPU allocation, which reads it
     try:
         code = app(standalone_mode=False)
     except typer.TyperException as exc:  # typer's public base of its (vendored) click usage errors

@@ -24,6 +24,22 @@ def launched_threads() -> int | None:
     return int(value) if value else None
 
 
+HUGE_PAGES_VARIABLE = "THP_MEM_ALLOC_ENABLE"  # torch's: its CPU tensors of 2 MiB+ advised as transparent huge pages
+
+
+def advise_huge_pages() -> None:
+    """Have torch advise transparent huge pages (`madvise(MADV_HUGEPAGE)`) for its CPU tensors of 2 MiB or more,
+    unless the environment already says otherwise (THP_MEM_ALLOC_ENABLE=0). torch reads the variable once, at
+    its first CPU allocation, so the command line calls this before anything else.
+
+    Why: a streamed calibrated finalize serves its large temporaries from fresh memory maps (see
+    `memory.map_large_allocations`), and faulting them in 4 KiB at a time was most of its extra time over the
+    in-memory path. Measured (1.7 GB bf16 16-layer Llama, `gptq-w4a16`, 2 threads, AVX2 machine with THP in
+    `madvise` mode): streamed 192.8 s, 17.8 M page faults, 58.0 s system time without; 173.0 s, 2.8 M faults,
+    29.2 s system time with; peak RSS 1042 vs 1036 MiB. Where THP is `never` the advice does nothing."""
+    os.environ.setdefault(HUGE_PAGES_VARIABLE, "1")
+
+
 def debug_enabled() -> bool:
     """QUANTKIT_DEBUG=1 (or true / yes): show tracebacks instead of one-line errors."""
     return os.environ.get("QUANTKIT_DEBUG", "").strip().lower() in ("1", "true", "yes")
