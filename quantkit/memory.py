@@ -34,8 +34,8 @@ def map_large_allocations(threshold: int = 4 << 20) -> None:
     product's float32 weight copy a fresh map), after GPTQ freed its Hessians early: 16 MiB without the
     per-solve trim peaked at 1286-1386 MiB (over); one reused float32 buffer for those copies measured
     1.02-1.12x the in-memory time against 1.17x without, within that machine's noise, so not kept. What closed
-    the gap there is the command line's `runtime.advise_huge_pages`: each fresh map faulted in 2 MiB at a time
-    (17.8 M page faults and 58 s system time down to 2.8 M and 29 s, same peak)."""
+    the gap there is the command line's `runtime.advise_huge_pages` (each fresh map faulted in 2 MiB at a time;
+    its docstring has the numbers)."""
     libc = _glibc()
     if libc is not None:
         libc.mallopt(_M_MMAP_THRESHOLD, threshold)

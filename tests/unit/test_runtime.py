@@ -1,3 +1,8 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from quantkit import runtime
@@ -38,15 +43,15 @@ def test_set_threads_sets_torch_threads():
 def test_huge_pages_are_advised_unless_the_environment_says_otherwise(monkeypatch):
     monkeypatch.delenv(runtime.HUGE_PAGES_VARIABLE, raising=False)
     runtime.advise_huge_pages()
-    assert runtime.os.environ[runtime.HUGE_PAGES_VARIABLE] == "1"
+    assert os.environ[runtime.HUGE_PAGES_VARIABLE] == "1"
     monkeypatch.setenv(runtime.HUGE_PAGES_VARIABLE, "0")
     runtime.advise_huge_pages()
-    assert runtime.os.environ[runtime.HUGE_PAGES_VARIABLE] == "0"
+    assert os.environ[runtime.HUGE_PAGES_VARIABLE] == "0"
 
 
 def _thp_mode() -> str | None:
     try:
-        text = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
     except OSError:
         return None
     return text.split("[", 1)[1].split("]", 1)[0] if "[" in text else None
@@ -57,10 +62,6 @@ def _thp_mode() -> str | None:
 def test_the_command_line_gets_huge_pages_for_large_tensors_before_torch_reads_the_setting(setting, huge):
     """The real entry point, with its imports, in a fresh process: a 64 MiB tensor it allocates is backed by
     huge pages (torch read THP_MEM_ALLOC_ENABLE=1 at its first CPU allocation), unless the user set it to 0."""
-    import os
-    import subprocess
-    import sys
-
     script = (
         "import quantkit.cli.main as m, torch\n"
         "def app(**_):\n"
