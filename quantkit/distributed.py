@@ -6,7 +6,7 @@ import contextlib
 import os
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -78,15 +78,55 @@ def timeout_s() -> int:
     return int(os.environ.get("QUANTKIT_DIST_TIMEOUT", DEFAULT_TIMEOUT_S))
 
 
+BUCKET_BYTES = 64 << 20  # statistics reduced in one collective up to this size (a larger one goes alone, in place)
+
+
 def all_reduce_observer(observer, ctx: Context | None) -> None:
     """Every rank ends with the statistics over all ranks' data, each reduced with its declared op."""
+    all_reduce_observers([observer], ctx)
+
+
+def all_reduce_observers(observers: list, ctx: Context | None) -> None:
+    """`all_reduce_observer` for several observers (a stage's, a layer's), bucketed: the statistics that reduce
+    with one op and have one dtype go in one collective per BUCKET_BYTES (a GPTQ Hessian's row blocks and its
+    token count: one all-reduce), not one per tensor. Elementwise the same reductions."""
     if ctx is None or not ctx.distributed:
         return
-    for key, op in observer.REDUCE.items():
-        for tensor in _tensors(observer.state[key]):
-            dist.all_reduce(tensor, _TORCH_OPS[op])
-            if op is ReduceOp.AVG:
+    by_op: dict[tuple, list[torch.Tensor]] = {}
+    for observer in observers:
+        for key, op in observer.REDUCE.items():
+            for tensor in _tensors(observer.state[key]):
+                by_op.setdefault((op, tensor.dtype, tensor.device), []).append(tensor)
+    for (op, _, _), tensors in by_op.items():
+        for bucket in _buckets(tensors):
+            _all_reduce_bucket(bucket, _TORCH_OPS[op])
+        if op is ReduceOp.AVG:
+            for tensor in tensors:
                 tensor /= ctx.world_size
+
+
+def _buckets(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Consecutive tensors in groups of at most BUCKET_BYTES (one larger tensor alone)."""
+    buckets, size = [[]], 0
+    for tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if buckets[-1] and size + nbytes > BUCKET_BYTES:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(tensor)
+        size += nbytes
+    return buckets
+
+
+def _all_reduce_bucket(tensors: list[torch.Tensor], op) -> None:
+    """One all-reduce for the bucket: in place for one contiguous tensor, else through one flat copy."""
+    if len(tensors) == 1 and tensors[0].is_contiguous():
+        dist.all_reduce(tensors[0], op)
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat, op)
+    for tensor, part in zip(tensors, flat.split([t.numel() for t in tensors])):
+        tensor.copy_(part.view_as(tensor))
 
 
 def _tensors(statistic) -> list[torch.Tensor]:
@@ -118,13 +158,82 @@ def all_reduce_(tensor: torch.Tensor, ctx: Context | None) -> None:
         dist.all_reduce(tensor)
 
 
+def computed_once(count: int, compute: Callable[[int], float], ctx: Context | None) -> list[float]:
+    """`[compute(i) for i in range(count)]` on every rank, each `compute(i)` run on one rank only (rank i % world
+    size) and shared in one all-reduce: float64 values that are zero on every other rank, so the sums are exact and
+    every rank has the values a single process computes. For work every rank could do alike (same inputs on all)."""
+    if ctx is None or not ctx.distributed:
+        return [compute(i) for i in range(count)]
+    values = torch.zeros(count, dtype=torch.float64, device=ctx.device)
+    for i in range(ctx.rank, count, ctx.world_size):
+        values[i] = compute(i)
+    dist.all_reduce(values)
+    return values.tolist()
+
+
+def gathered_in_order(values: torch.Tensor, ctx: Context | None) -> torch.Tensor:
+    """Every rank's `values` [k, n_rank] side by side in rank order [k, sum of n_rank], on every rank, exactly (one
+    count exchange and one all-reduce of float64 columns that are zero outside their rank's). For per-batch
+    statistics: ranks hold contiguous runs of the batches in rank order (`data.rank_batches`), so the columns
+    come out in the batches' order, as one process holds them."""
+    if ctx is None or not ctx.distributed:
+        return values.to(torch.float64)
+    counts = all_gather_int(values.shape[1], ctx)
+    start = sum(counts[: ctx.rank])
+    table = torch.zeros(values.shape[0], sum(counts), dtype=torch.float64, device=ctx.device)
+    table[:, start : start + values.shape[1]] = values
+    dist.all_reduce(table)
+    return table
+
+
 def all_gather_rows(tensors: list[torch.Tensor], shares: list[slice], ctx: Context | None) -> None:
     """Each rank has filled its rows (`shares[rank]`, along dim 0) of every tensor; every rank ends with all the
-    rows. One broadcast per rank and tensor (gloo's all_gather needs equal sizes; shares may differ by a block)."""
+    rows. One broadcast per rank (gloo's all_gather needs equal sizes; shares may differ by a block), carrying that
+    rank's rows of all the tensors packed as bytes when they come to at most BUCKET_BYTES (a GPTQ share's qdata,
+    scales and zero points), else one per tensor, straight into place (no copy of large activations); the
+    broadcasts are issued together and waited on once."""
     if ctx is None or not ctx.distributed:
         return
+    pending = []
     for rank, rows in enumerate(shares):
-        if rows.stop > rows.start:
-            for tensor in tensors:
-                part = tensor[rows]
-                dist.broadcast(part.view(torch.uint8) if part.dtype == torch.float8_e4m3fn else part, src=rank)  # gloo has no float8
+        if rows.stop <= rows.start:
+            continue
+        parts = [tensor[rows] for tensor in tensors]  # contiguous: whole rows of contiguous tensors
+        sizes = [part.numel() * part.element_size() for part in parts]
+        if len(parts) == 1 or sum(sizes) > BUCKET_BYTES:
+            pending += [(None, None, dist.broadcast(_bytes(part), src=rank, async_op=True)) for part in parts]
+            continue
+        if rank == ctx.rank:
+            packed = torch.cat([_bytes(part).reshape(-1) for part in parts])
+        else:
+            packed = torch.empty(sum(sizes), dtype=torch.uint8, device=ctx.device)
+        unpack = parts if rank != ctx.rank else None
+        pending.append((unpack, packed.split(sizes), dist.broadcast(packed, src=rank, async_op=True)))
+    for unpack, chunks, work in pending:
+        work.wait()
+        for part, chunk in zip(unpack or [], chunks or []):
+            _bytes(part).copy_(chunk.view(_bytes(part).shape))
+
+
+def all_gather_lower_columns(lower: torch.Tensor, shares: list[slice], ctx: Context | None) -> None:
+    """Each rank has computed its columns (`shares[rank]`) of the lower triangular `lower` [n, n]; every rank ends
+    with all of them. One broadcast per rank of its columns' rows on and below the diagonal, in pieces of at most
+    BUCKET_BYTES (a 5632-column GPTQ factor's shares are 30 to 90 MB)."""
+    if ctx is None or not ctx.distributed:
+        return
+    n = lower.shape[0]
+    for rank, columns in enumerate(shares):
+        start = columns.start
+        while start < columns.stop:
+            width = max(1, min(columns.stop - start, BUCKET_BYTES // (lower.element_size() * (n - start))))
+            piece = lower[start:, start : start + width]
+            buffer = piece.contiguous() if rank == ctx.rank else torch.empty(piece.shape, dtype=lower.dtype, device=lower.device)
+            dist.broadcast(buffer, src=rank)
+            if rank != ctx.rank:
+                piece.copy_(buffer)
+            start += width
+
+
+def _bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """The same memory as bytes (gloo has no float8; a packed buffer has no dtype)."""
+    return tensor.view(torch.uint8)

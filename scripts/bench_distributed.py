@@ -1,11 +1,14 @@
 """Distributed GPTQ calibration: 1 rank x 1 thread, 1 rank x 2 threads and 2 ranks x 1 thread, in one run.
 
-    python scripts/bench_distributed.py [--repeats 2] [--model DIR] [--json out.json]
+    python scripts/bench_distributed.py [--repeats 2] [--model DIR | --hidden 2048 --layers 5] [--json out.json]
 
 GPTQ W4A16 (`gptq-w4a16`) on the ~68M-parameter Llama that scripts/bench_finalize.py builds (hidden 1024,
-4 layers, MLP 2816, vocab 8192; or --model DIR), with 64 x 256 calibration tokens from WikiText-2 valid.
+4 layers, MLP 2816, vocab 8192; `--hidden H --layers L` builds the same shape wider or deeper: 2048 x 5 is the
+~290M one; or --model DIR), with 64 x 256 calibration tokens from WikiText-2 valid.
 Each configuration is a separate `quantkit finalize` process (the 2-rank one self-launches torchrun), run in
-turn round after round; wall time includes imports and loading. Peak RSS is the largest single process of the
+turn round after round; wall time includes imports and loading. Where the time goes comes from each run's
+`quantkit.json` (rank 0's calibration phases: forward passes, Hessians with their all-reduce, GPTQ solves with
+their gather) and the wall time (the rest: interpreter, imports, torchrun, reading, tokenizing, writing). Peak RSS is the largest single process of the
 run (for the 2-rank run: one rank, or the launcher). The 2-rank artifact is checked against the 1-rank one.
 
 With `--llmc-python PY` (a venv with llm-compressor, as for scripts/bench_calibration.py), llm-compressor's
@@ -27,7 +30,8 @@ import harness
 from harness import median
 
 CONFIGS = {"1 rank x 1 thread": (1, 1), "1 rank x 2 threads": (1, 2), "2 ranks x 1 thread": (2, 1)}
-Measured = dict[str, tuple[float, int, int]]  # "tool: configuration" -> (wall seconds, peak RSS KiB, return code)
+Measured = dict[str, tuple[float, int, int, dict]]  # "tool: configuration" -> (wall s, peak RSS KiB, return code, phases)
+PHASES = {"forward": "forward", "observe": "Hessians", "quantize": "GPTQ solves"}  # quantkit.json name -> table column
 
 
 def command(src: Path, dst: Path, calib: Path, ranks: int, threads: int, samples: int, seq_len: int) -> list[str]:
@@ -55,9 +59,19 @@ def run_round(src: Path, work: Path, calib: Path, args, llmc: tuple[Path, Path] 
             run = harness.measure(make(dst, ranks, threads), env)
             if run.returncode:
                 sys.exit(f"{tool} {label} failed:\n{run.stderr_tail}")
-            results[f"{tool}: {label}"] = (run.seconds, run.peak_rss_kib, run.returncode)
+            results[f"{tool}: {label}"] = (run.seconds, run.peak_rss_kib, run.returncode, phases(dst, run.seconds))
             print(f"{tool} {label}: {run.seconds:.1f} s, peak RSS {run.peak_rss_mib:.0f} MiB", file=sys.stderr)
     return results
+
+
+def phases(dst: Path, wall: float) -> dict[str, float]:
+    """Rank 0's calibration phases from quantkit's `quantkit.json` and the rest of the wall time; {} for a peer."""
+    info = dst / "quantkit.json"
+    if not info.is_file():
+        return {}
+    seconds = json.loads(info.read_text())["calibration"]["seconds"]
+    spent = {column: seconds.get(name, 0.0) for name, column in PHASES.items()}
+    return spent | {"the rest": wall - sum(seconds.values())}
 
 
 def same_artifact(work: Path) -> bool:
@@ -87,12 +101,23 @@ def table(medians: dict[str, float], rss: dict[str, float]) -> str:
     return harness.markdown_table(header, rows)
 
 
+def phase_table(rounds: list[Measured]) -> str:
+    """quantkit's phases, median over the rounds, one row a configuration."""
+    rows = []
+    for label in (label for label in rounds[0] if label.startswith("quantkit")):
+        spent = {column: median([r[label][3][column] for r in rounds]) for column in rounds[0][label][3]}
+        rows.append([label.split(": ")[1], *(f"{seconds:.1f}" for seconds in spent.values())])
+    return harness.markdown_table(["configuration", *PHASES.values(), "the rest"], rows)
+
+
 def report(src: Path, work: Path, rounds: list[Measured], args: argparse.Namespace) -> None:
     medians = {label: median([r[label][0] for r in rounds]) for label in rounds[0]}
     rss = {label: max(r[label][1] for r in rounds) / 1024 for label in rounds[0]}
     size = harness.safetensors_bytes(src) / 2**20
     print(f"model {src} ({size:.0f} MiB), gptq-w4a16, {args.samples} x {args.seq_len} tokens, {args.repeats} round(s)\n")
     print(table(medians, rss))
+    print("\nquantkit, where the time goes (rank 0, seconds):\n")
+    print(phase_table(rounds))
     identical = {tool: same_artifact(work / tool) for tool in ("quantkit", "llm-compressor") if (work / tool).is_dir()}
     print()
     for tool, same in identical.items():
@@ -101,12 +126,25 @@ def report(src: Path, work: Path, rounds: list[Measured], args: argparse.Namespa
         ratio = medians["quantkit: 2 ranks x 1 thread"] / medians["llm-compressor: 2 ranks x 1 thread"]
         print(f"quantkit / llm-compressor wall time, 2 ranks x 1 thread each: {ratio:.2f}x")
     if args.json:
-        args.json.write_text(json.dumps({"wall_s": medians, "peak_rss_mib": rss, "identical": identical}, indent=2))
+        spent = {label: r[label][3] for r in rounds[-1:] for label in r}
+        args.json.write_text(json.dumps({"wall_s": medians, "peak_rss_mib": rss, "identical": identical, "phases_s": spent},
+                                        indent=2))
+
+
+def built_model(args: argparse.Namespace) -> Path:
+    """The 68M Llama, or the same shape at --hidden / --layers (cached in --workdir)."""
+    if (args.hidden, args.layers) == (1024, 4):
+        return harness.llama_70m(args.workdir, args.text, "bfloat16", 16)
+    shape = harness.llama_shape(args.hidden) | {"num_hidden_layers": args.layers}
+    return harness.build_llama(args.workdir / f"llama-h{args.hidden}-l{args.layers}-bfloat16", args.text, "bfloat16",
+                               generate_if_missing=True, **shape)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, help="model directory (default: build the 68M Llama)")
+    parser.add_argument("--hidden", type=int, default=1024, help="the built Llama's hidden size (MLP 2.75x)")
+    parser.add_argument("--layers", type=int, default=4, help="the built Llama's decoder layers")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/quantkit-bench"))
     parser.add_argument("--text", type=Path, default=harness.WIKITEXT / "valid.txt")
     parser.add_argument("--samples", type=int, default=64)
@@ -116,7 +154,7 @@ def main() -> None:
     parser.add_argument("--llmc-python", type=Path, help="python of a venv with llmcompressor: run it side by side")
     args = parser.parse_args()
     args.workdir.mkdir(parents=True, exist_ok=True)
-    src = args.model or harness.llama_70m(args.workdir, args.text, "bfloat16", 16)
+    src = args.model or built_model(args)
     work = args.workdir / "distributed"
     llmc = prepare_llmc(src, work, args)
     rounds = [run_round(src, work, args.text, args, llmc) for _ in range(args.repeats)]

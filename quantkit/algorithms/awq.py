@@ -5,7 +5,8 @@ weights are scaled by s_j = mean|x_j|^r (normalised) and the feeding op's output
 leaves the float function unchanged but lets salient channels keep more precision after rounding. The
 ratio r is chosen on a grid in [0, 1) by the error of the block output with the scaled, rounded weights;
 r = 0 (s = 1) is plain RTN, so the chosen scales never do worse than RTN on the calibration data.
-The activation statistic, sum |x| and a token count, reduces across ranks by SUM; candidate errors too.
+The activation statistic, sum |x| and a token count, reduces across ranks by SUM; candidate errors too
+(`calibration.steps.awq`: the candidates shared out over the ranks where each is scored on all the tokens).
 """
 
 from __future__ import annotations
@@ -30,10 +31,19 @@ def awq_scales(act_mean: torch.Tensor, ratio: float) -> torch.Tensor:
 @register(Algorithm.AWQ)
 def search_scales(act_mean: torch.Tensor, error_of: Callable[[torch.Tensor], float], args: AWQArgs = AWQArgs()) -> tuple[torch.Tensor, float]:
     """The scales whose block-output error (`error_of(scales)`) is least over ratios k/grid, k = 0..grid-1."""
-    best_scales, best_error = torch.ones_like(act_mean, dtype=torch.float32), float("inf")
-    for k in range(args.grid):
-        scales = awq_scales(act_mean, k / args.grid)
-        error = error_of(scales)
+    candidates = candidate_scales(act_mean, args)
+    return least_error(candidates, [error_of(scales) for scales in candidates])
+
+
+def candidate_scales(act_mean: torch.Tensor, args: AWQArgs = AWQArgs()) -> list[torch.Tensor]:
+    """The scales searched, one per ratio k/grid, k = 0..grid-1 (the first is all ones: plain RTN)."""
+    return [awq_scales(act_mean, k / args.grid) for k in range(args.grid)]
+
+
+def least_error(candidates: list[torch.Tensor], errors: list[float]) -> tuple[torch.Tensor, float]:
+    """The first candidate of least error, and that error (all ones and inf when no error is a number)."""
+    best_scales, best_error = torch.ones_like(candidates[0], dtype=torch.float32), float("inf")
+    for scales, error in zip(candidates, errors):
         if error < best_error:
             best_scales, best_error = scales, error
     return best_scales, best_error

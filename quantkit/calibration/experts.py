@@ -46,8 +46,8 @@ def calibrating(layer: Layer) -> Iterator[None]:
         yield
         return
     counts = routed_tokens(layer.module, experts, layer.inputs)
+    distributed.all_reduce_observers(list(counts.values()), layer.ctx)
     for name, observer in counts.items():
-        distributed.all_reduce_observer(observer, layer.ctx)
         layer.result.routed_tokens[f"{layer.prefix}.{name}"] = observer.state["count"].tolist()
     for module in experts.values():
         module.all_tokens = True

@@ -7,3 +7,169 @@ def test_rank_shares_cover_the_samples_once(world):
 
     covered = [i for rank in range(world) for i in rank_slice(16, rank, world)]
     assert covered == list(range(16))
+
+
+# ---------------------------------------------------------------- collectives, on 1-3 forked gloo ranks
+
+
+def _on_ranks(world: int, work, tmp_path) -> list:
+    """`work(ctx)` on `world` forked processes joined in a gloo group; each rank's return value, in rank order
+    (saved by torch.save, read back with weights_only=True)."""
+    import multiprocessing
+
+    import torch
+
+    def rank_main(rank: int) -> None:
+        import torch.distributed as dist
+
+        from quantkit.distributed import Context
+
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=rank, world_size=world)
+        try:
+            torch.save(work(Context(rank, world, rank, torch.device("cpu"))), tmp_path / f"rank{rank}.pt")
+        finally:
+            dist.destroy_process_group()
+
+    procs = [multiprocessing.get_context("fork").Process(target=rank_main, args=(rank,)) for rank in range(world)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(timeout=120)
+    assert [proc.exitcode for proc in procs] == [0] * world
+    return [torch.load(tmp_path / f"rank{rank}.pt", weights_only=True) for rank in range(world)]
+
+
+def _scores(i: int) -> float:
+    return (i + 1) / 7 + 1e-17 * i  # a float64 value whose every bit matters
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_computed_once_runs_each_item_on_one_rank_and_every_rank_gets_all_exactly(world, tmp_path):
+    from quantkit.distributed import computed_once
+
+    def work(ctx):
+        ran = []
+        values = computed_once(7, lambda i: ran.append(i) or _scores(i), ctx)
+        return values, ran
+
+    outcomes = _on_ranks(world, work, tmp_path)
+    alone = computed_once(7, _scores, None)
+    assert all(values == alone for values, _ in outcomes)  # bit for bit, on every rank
+    ran = sorted(i for _, mine in outcomes for i in mine)
+    assert ran == list(range(7))  # each once
+    assert all(len(mine) < 7 for _, mine in outcomes)  # shared out, not repeated
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_gathered_in_order_puts_each_ranks_columns_where_a_single_process_holds_them(world, tmp_path):
+    import torch
+
+    from quantkit.data import rank_slice
+    from quantkit.distributed import gathered_in_order
+
+    whole = torch.randn(4, 10, dtype=torch.float64) / 3  # per-batch values of 4 candidates over 10 batches
+
+    def work(ctx):
+        mine = rank_slice(10, ctx.rank, ctx.world_size)  # the batches this rank holds (`data.rank_batches`)
+        return gathered_in_order(whole[:, mine.start : mine.stop], ctx)
+
+    for table in _on_ranks(world, work, tmp_path):
+        assert torch.equal(table, whole)
+
+
+def _counting_all_reduces():
+    """Wrap torch.distributed.all_reduce in this (forked) rank; returns the list its calls are appended to."""
+    import torch.distributed as dist
+
+    calls, real = [], dist.all_reduce
+    dist.all_reduce = lambda tensor, *a, **k: calls.append(tensor.numel()) or real(tensor, *a, **k)
+    return calls
+
+
+def _rank_observers(rank: int):
+    import torch
+
+    from quantkit.observers import HessianObserver, StaticMinMax
+
+    gen = torch.Generator().manual_seed(rank)
+    hessian, minmax = HessianObserver(), StaticMinMax()
+    hessian.update(torch.randn(2, 40, 300, generator=gen))  # 300 inputs: two row blocks of the upper triangle
+    minmax.update(torch.randn(2, 40, 300, generator=gen))
+    return hessian, minmax
+
+
+@pytest.mark.parametrize("bucket_bytes", [None, 1024])
+def test_observers_reduce_in_one_collective_per_op_and_dtype_with_the_per_tensor_result(bucket_bytes, tmp_path):
+    import torch
+
+    from quantkit import distributed
+
+    def work(ctx):
+        if bucket_bytes:
+            distributed.BUCKET_BYTES = bucket_bytes
+        calls = _counting_all_reduces()
+        hessian, minmax = _rank_observers(ctx.rank)
+        distributed.all_reduce_observers([hessian, minmax], ctx)
+        return hessian.xtx(), hessian.state["count"], minmax.state["min"], minmax.state["max"], calls
+
+    ranks = _on_ranks(2, work, tmp_path)
+    (h0, m0), (h1, m1) = _rank_observers(0), _rank_observers(1)
+    summed = [(a + b) for a, b in zip(h0.state["xtx"], h1.state["xtx"])]  # float64, two terms: exact in any order
+    h0.state["xtx"], h0.state["count"] = summed, h0.state["count"] + h1.state["count"]
+    for xtx, count, low, high, calls in ranks:
+        assert torch.equal(xtx, h0.xtx()) and count.item() == 160
+        assert torch.equal(low, torch.minimum(m0.state["min"], m1.state["min"]))
+        assert torch.equal(high, torch.maximum(m0.state["max"], m1.state["max"]))
+        if bucket_bytes is None:  # float64 SUM (Hessian blocks + count), float32 MIN, float32 MAX
+            assert len(calls) == 3, calls
+        else:  # no bucket over 1 KiB, except a tensor larger than that alone
+            assert len(calls) > 3
+
+
+def test_gathered_rows_arrive_packed_in_one_broadcast_per_rank(tmp_path):
+    import torch
+
+    from quantkit.distributed import all_gather_rows
+
+    gen = torch.Generator().manual_seed(3)
+    whole = [torch.randint(-8, 8, (300, 64), dtype=torch.int8, generator=gen),
+             torch.randn(300, 3, generator=gen).to(torch.bfloat16),
+             torch.randn(300, 5, generator=gen).to(torch.float8_e4m3fn)]
+    shares = [slice(0, 128), slice(128, 128), slice(128, 300)]  # uneven, one empty
+
+    def work(ctx):
+        import torch.distributed as dist
+
+        sent, real = [], dist.broadcast
+        dist.broadcast = lambda tensor, *a, **k: sent.append(tensor.dtype) or real(tensor, *a, **k)
+        mine = [torch.zeros_like(t) for t in whole]
+        for full, part in zip(mine, whole):
+            full[shares[ctx.rank]] = part[shares[ctx.rank]]
+        all_gather_rows(mine, shares, ctx)
+        return [t.view(torch.uint8) for t in mine], sent
+
+    for got, sent in _on_ranks(3, work, tmp_path):
+        assert all(torch.equal(g, w.view(torch.uint8)) for g, w in zip(got, whole))
+        assert sent == [torch.uint8, torch.uint8]  # one packed broadcast for each rank with rows
+
+
+@pytest.mark.parametrize("bucket_bytes", [None, 4096])
+def test_lower_columns_computed_on_each_rank_reach_every_rank(bucket_bytes, tmp_path):
+    import torch
+
+    from quantkit import distributed
+
+    whole = torch.randn(300, 300, generator=torch.Generator().manual_seed(4)).tril()
+    shares = [slice(0, 128), slice(128, 128), slice(128, 300)]
+
+    def work(ctx):
+        if bucket_bytes:
+            distributed.BUCKET_BYTES = bucket_bytes  # pieces of a few columns
+        mine = torch.zeros(300, 300)
+        mine[:, shares[ctx.rank]] = whole[:, shares[ctx.rank]]
+        distributed.all_gather_lower_columns(mine, shares, ctx)
+        return mine
+
+    for got in _on_ranks(3, work, tmp_path):
+        assert torch.equal(got, whole)

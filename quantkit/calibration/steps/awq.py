@@ -4,7 +4,14 @@
 One pass over the layer captures every mapping's block calls and activation statistic (folding a mapping's
 scales leaves the float function, so the later blocks' inputs, unchanged). A block that is one Linear
 (o, down) is scored through its input Hessian, sum ||(W' - W) x||^2 = tr(dW H dW^T), instead of running it on
-every token for every candidate. Every rank scores every candidate on all ranks' tokens, so all choose alike.
+every token for every candidate.
+
+Distributed, every rank ends with every candidate's error over all ranks' tokens, the same numbers a single
+process gets, so all choose alike and as one process would:
+- through the Hessian (all-reduced, the same on every rank), each candidate is scored on one rank only
+  (`distributed.computed_once`): the grid's scoring is shared out instead of repeated on every rank;
+- by running the block, each rank scores every candidate on its own batches, and the per-batch errors of all
+  candidates are exchanged once (`distributed.gathered_in_order`) and summed in the batches' order.
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ from torch import nn
 from quantkit import distributed
 from quantkit.algorithms import Algorithm
 from quantkit.algorithms.arguments import AWQArgs
-from quantkit.algorithms.awq import fold_scales, hessian_error, scaled_candidate, search_scales
+from quantkit.algorithms.awq import candidate_scales, fold_scales, hessian_error, least_error, scaled_candidate
 from quantkit.architectures import norm_weight_offset, scales_fold
 from quantkit.calibration.hooks import run_layer
 from quantkit.calibration.layer import Layer
@@ -34,8 +41,8 @@ def awq_step(layer: Layer, args: AWQArgs) -> None:
     captured = capture_blocks(layer.module, [(block, linears[0]) for _, block, linears, _, _ in mappings], layer.inputs)
     for (prev, block, linears, specs, along), (calls, act, hessian) in zip(mappings, captured):
         distributed.all_reduce_observer(act, layer.ctx)
-        error_of = _error_function(block, linears, specs, calls, hessian, layer.ctx)
-        scales, _ = search_scales(act.mean(), error_of, args)
+        candidates = candidate_scales(act.mean(), args)
+        scales, _ = least_error(candidates, _errors(block, linears, specs, calls, hessian, layer.ctx, candidates))
         weights = [m.weight for m in linears + along]
         offset = 0.0 if isinstance(prev, nn.Linear) else norm_weight_offset(prev)
         fold_scales(prev.weight, getattr(prev, "bias", None), weights, scales, offset)
@@ -75,20 +82,18 @@ def _scales_fold(layer: Layer, prev: str, linears: tuple[str, ...]) -> bool:
     return distributed.all_reduce_sum(float(folds), layer.ctx) == world
 
 
-def _error_function(block, linears, specs, calls, hessian, ctx):
-    """error_of(scales): the block's summed squared output error with the candidate weights, over all ranks."""
+def _errors(block, linears, specs, calls, hessian, ctx, candidates: list[torch.Tensor]) -> list[float]:
+    """Each candidate's summed squared block output error over all ranks' tokens (see the module docstring)."""
     if hessian is not None:  # the block is one Linear
-        distributed.all_reduce_observer(hessian, ctx)  # every rank then scores every candidate the same
+        distributed.all_reduce_observer(hessian, ctx)  # every rank then scores any candidate the same
         xtx = hessian.xtx()
         weight = linears[0].weight.data
-        return lambda scales: hessian_error(weight, scaled_candidate(weight, specs[0], scales), xtx)
+        return distributed.computed_once(
+            len(candidates), lambda k: hessian_error(weight, scaled_candidate(weight, specs[0], candidates[k]), xtx), ctx)
     with real_routing(block):  # the block's output is all the scores need: MoE experts on their own tokens only
         reference = run_layer(block, calls)
-
-    def error_of(scales):
-        with real_routing(block):
-            return distributed.all_reduce_sum(block_error(block, calls, reference, linears, specs, scales), ctx)
-    return error_of
+        mine = torch.tensor([block_errors(block, calls, reference, linears, specs, s) for s in candidates], dtype=torch.float64)
+    return [sum(row) for row in distributed.gathered_in_order(mine.reshape(len(candidates), len(calls)), ctx).tolist()]
 
 
 def capture_blocks(layer: nn.Module, blocks: list[tuple[nn.Module, nn.Module]],
@@ -116,6 +121,12 @@ def capture_blocks(layer: nn.Module, blocks: list[tuple[nn.Module, nn.Module]],
 def block_error(block: nn.Module, calls: list[tuple], reference: list[torch.Tensor], linears: list[nn.Module],
                 specs: list[WeightSpec], scales: torch.Tensor) -> float:
     """Summed squared block output error with each Linear's weight scaled by s, rounded on its grid, unscaled."""
+    return sum(block_errors(block, calls, reference, linears, specs, scales))
+
+
+def block_errors(block: nn.Module, calls: list[tuple], reference: list[torch.Tensor], linears: list[nn.Module],
+                 specs: list[WeightSpec], scales: torch.Tensor) -> list[float]:
+    """`block_error` of each call (batch) on its own."""
     originals = [m.weight.data for m in linears]
     try:
         for module, weight, spec in zip(linears, originals, specs):
@@ -124,4 +135,4 @@ def block_error(block: nn.Module, calls: list[tuple], reference: list[torch.Tens
     finally:
         for module, weight in zip(linears, originals):
             module.weight.data = weight
-    return sum(float((o.float() - r.float()).pow(2).sum()) for o, r in zip(outputs, reference))
+    return [float((o.float() - r.float()).pow(2).sum()) for o, r in zip(outputs, reference)]

@@ -2,15 +2,17 @@
 
 Two ways through a layer, chosen once per run (every rank the same):
 - staged ("true sequential", `calibration.true_sequential`): one pass; each stage's Hessian is summed over this
-  rank's batches, reduced to the stage's owner rank, and the owner's result is broadcast before the next stage
-  runs. Used when the staged computation reproduces the layer's forward bit for bit.
+  rank's batches and all-reduced, and the stage's weights are quantized (below) before the next stage runs.
+  Used when the staged computation reproduces the layer's forward bit for bit.
 - layer-wise: observe every Linear's Hessian on the float layer, reduce, quantize; the pipeline then runs the
   quantized layer to make the next layer's inputs.
 
-Distributed: every rank needs each Hessian (all-reduced), computes its inverse factor, and solves its share of
-the weight rows (`algorithms.gptq.row_share`: whole blocks of ROW_BLOCK rows, so each row's arithmetic is the
-same on any number of ranks); the shares' qdata, scale and zero point are then gathered, so every rank installs
-the same weights, those of a one-rank run bit for bit.
+Distributed: every rank needs each Hessian (all-reduced, in one collective) and its inverse factor: each rank
+computes the Cholesky factor, inverts its share of the column blocks (`algorithms.gptq.column_share`), and the
+blocks are gathered. Each rank then solves its share of the weight rows (`algorithms.gptq.row_share`: whole
+blocks of ROW_BLOCK rows); the shares' qdata, scale and zero point are gathered (one broadcast per rank). Every
+block's arithmetic has the same shapes on any number of ranks, so every rank installs the weights of a one-rank
+run, bit for bit.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from torch import nn
 from quantkit import distributed
 from quantkit.algorithms import Algorithm
 from quantkit.algorithms.arguments import GPTQArgs
-from quantkit.algorithms.gptq import InverseHessian, gptq_quantize_rows, inverse_hessian, row_share
+from quantkit.algorithms.gptq import (InverseHessian, column_share, gptq_quantize_rows, inverse_hessian, invert_lower_,
+                                     row_share)
 from quantkit.architectures import find_wiring
 from quantkit.calibration import true_sequential
 from quantkit.calibration.hooks import observe, observer_groups
@@ -89,8 +92,7 @@ def _layer_wise(layer: Layer, args: GPTQArgs) -> None:
     started = time.perf_counter()
     observers = observe(layer.linears, HessianObserver, layer.module, layer.inputs)
     groups = observer_groups(observers)
-    for names in groups:
-        distributed.all_reduce_observer(observers[names[0]], layer.ctx)
+    distributed.all_reduce_observers([observers[names[0]] for names in groups], layer.ctx)
     layer.result.seconds["observe"] += time.perf_counter() - started
     started = time.perf_counter()
     for names in groups:
@@ -106,7 +108,8 @@ def _solve(layer: Layer, names: list[str], observer: HessianObserver, args: GPTQ
     hessian = observer.pop_hessian()  # popped here, so that this frame holds its only reference
     return_freed_memory()  # the solve's copies are the layer's largest allocations: not on top of freed heap memory
     try:
-        factor = inverse_hessian(hessian.to(layer.linears[names[0]].weight.device), args)
+        invert = (lambda lower: _invert_shared(layer, lower)) if layer.distributed else None
+        factor = inverse_hessian(hessian.to(layer.linears[names[0]].weight.device), args, invert=invert)
     except ValueError as exc:
         raise UsageError(f"GPTQ failed on {', '.join(names)}: {exc}") from exc
     del hessian  # the factor stands for it from here on (the errors too): not held beside the solve's copies
@@ -123,6 +126,15 @@ def _solve(layer: Layer, names: list[str], observer: HessianObserver, args: GPTQ
         for name, weight, qweight in zip(same_grid, weights, split_rows(whole, [w.shape[0] for w in weights])):
             layer.record(name, qweight, relative_error_factored(weight, qweight, factor))
         del stacked
+
+
+def _invert_shared(layer: Layer, lower: torch.Tensor) -> None:
+    """The inverse of the Hessian's Cholesky factor, its column blocks shared out over the ranks (`column_share`)
+    and gathered: every rank ends with the values one process computes."""
+    world, rank = layer.ctx.world_size, layer.ctx.rank
+    shares = [column_share(lower.shape[0], world, r) for r in range(world)]
+    invert_lower_(lower, shares[rank])
+    distributed.all_gather_lower_columns(lower, shares, layer.ctx)
 
 
 def _solve_shared(layer: Layer, stacked: torch.Tensor, factor: InverseHessian, spec: WeightSpec, args: GPTQArgs,

@@ -40,9 +40,8 @@ def kv_cache_step(layer: Layer) -> list[torch.Tensor]:
     missing = [f"{name}.k_scale" for name in attentions if f"{name}.k_scale" not in observers]
     if missing:
         raise RuntimeError(f"{', '.join(missing)}: the attention never handed its keys to the cache")
+    distributed.all_reduce_observers([observer for parts in observers.values() for observer in parts], layer.ctx)
     for name, parts in observers.items():
-        for observer in parts:
-            distributed.all_reduce_observer(observer, layer.ctx)
         absmax = torch.stack([o.absmax() for o in parts]).squeeze(0)
         layer.result.kv_scales[name] = kv_cache.scale(absmax, spec)
         layer.result.kv_ranges[name] = absmax.max().item()

@@ -27,8 +27,7 @@ def smoothquant_step(layer: Layer, args: SmoothQuantArgs) -> None:
         else:
             groups[norm] = linears
     observers = observe({norm: part(linears[0]) for norm, linears in groups.items()}, ChannelAbsMax, layer.module, layer.inputs)
-    for observer in observers.values():
-        distributed.all_reduce_observer(observer, layer.ctx)
+    distributed.all_reduce_observers(list(observers.values()), layer.ctx)
     for norm, linears in groups.items():
         # the scales balance the quantized weights; modules kept in full precision (an MoE router) take them too
         quantized = [part(n).weight for n in linears if _quantized(layer, n)] or [part(n).weight for n in linears]

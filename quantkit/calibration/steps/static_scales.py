@@ -24,8 +24,8 @@ def static_scales_step(layer: Layer) -> None:
     started = time.perf_counter()
     spec = layer.recipe.scheme.activations
     observers = observe(layer.linears, activation_observer(spec.observer), layer.module, layer.inputs)
-    for names in observer_groups(observers):  # modules fed one tensor share one observer: reduce it once
-        distributed.all_reduce_observer(observers[names[0]], layer.ctx)
+    # modules fed one tensor share one observer: reduce it once
+    distributed.all_reduce_observers([observers[names[0]] for names in observer_groups(observers)], layer.ctx)
     qmax = spec.dtype.qrange[1]
     for name, observer in observers.items():
         if spec.global_scale:  # NVFP4: the per-tensor scale above the dynamic FP8 group scales, computed in the
