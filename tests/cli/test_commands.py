@@ -569,3 +569,29 @@ def test_eval_tp_refuses_what_runs_in_one_process(options, says, fake_compare, t
     result = invoke("eval", "a", "--data", "t.txt", "--tp", "2", *options)
     assert result.exit_code == 2 and says in result.output and len(result.output.strip().splitlines()) == 1
     assert not fake_compare
+
+
+RUN = """
+import atexit, sys
+atexit.register(lambda: print("interpreter finalized", file=sys.stderr))
+from quantkit.cli.main import run
+sys.argv = ["quantkit", *sys.argv[1:]]
+run()
+"""
+
+
+@pytest.mark.parametrize("argv,code", [(["recipes", "show", "gptq-w4a16"], 0), (["recipes", "show", "gptq-w4a61"], 2),
+                                       (["finalize", "--bogus"], 2)])
+def test_the_command_ends_without_finalizing_the_interpreter_and_keeps_its_output_and_exit_code(argv, code):
+    """`run` (the console script, `python -m quantkit.cli.main`) leaves through os._exit once `main` is done: no
+    atexit handler runs (finalizing torch and transformers costs 1.4 s a process), everything printed arrives."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", RUN, *argv], capture_output=True, text=True, timeout=120)
+    assert done.returncode == code, done.stderr
+    assert "interpreter finalized" not in done.stderr
+    if code == 0:
+        assert "gptq-w4a16" in done.stdout and "block_size" in done.stdout  # the whole recipe, flushed
+    else:
+        assert done.stderr.startswith("error:")

@@ -173,3 +173,29 @@ def test_lower_columns_computed_on_each_rank_reach_every_rank(bucket_bytes, tmp_
 
     for got in _on_ranks(3, work, tmp_path):
         assert torch.equal(got, whole)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_factor_inverted_by_several_ranks_is_the_one_process_inverse(world, tmp_path):
+    """GPTQ's shared inverse (`calibration.steps.gptq._invert_shared`: column blocks computed apart, gathered) on
+    1000 columns: the values one process computes, bit for bit, on every rank."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from quantkit.algorithms.gptq import _cholesky_, invert_lower_
+    from quantkit.calibration.steps.gptq import _invert_shared
+
+    x = torch.randn(2000, 1000, generator=torch.Generator().manual_seed(5))
+    lower = x.T @ x / 2000 + 0.01 * torch.eye(1000)
+    assert _cholesky_(lower)
+    alone = lower.clone()
+    invert_lower_(alone)
+
+    def work(ctx):
+        mine = lower.clone()
+        _invert_shared(SimpleNamespace(ctx=ctx), mine)
+        return mine
+
+    for got in _on_ranks(world, work, tmp_path):
+        assert torch.equal(got, alone)
