@@ -118,7 +118,8 @@ def report(src: Path, work: Path, rounds: list[Measured], args: argparse.Namespa
     print(table(medians, rss))
     print("\nquantkit, where the time goes (rank 0, seconds):\n")
     print(phase_table(rounds))
-    identical = {tool: same_artifact(work / tool) for tool in ("quantkit", "llm-compressor") if (work / tool).is_dir()}
+    ran = {label.split(":")[0] for label in rounds[0]}  # not an earlier run's directory
+    identical = {tool: same_artifact(work / tool) for tool in ("quantkit", "llm-compressor") if tool in ran}
     print()
     for tool, same in identical.items():
         print(f"{tool}: 2-rank artifact bit-identical to its 1-rank x 1-thread one: {same}")

@@ -98,10 +98,14 @@ def inverse_hessian(hessian: torch.Tensor, args: GPTQArgs = GPTQArgs(), damping_
 
 @torch.no_grad()
 def gptq_quantize_rows(weight: torch.Tensor, factor: InverseHessian, spec: WeightSpec, args: GPTQArgs = GPTQArgs(),
-                       global_scale: torch.Tensor | None = None) -> QuantizedWeight:
+                       global_scale: torch.Tensor | None = None, row_errors: torch.Tensor | None = None) -> QuantizedWeight:
     """GPTQ on some rows of a weight (rows are independent given the inverse-Hessian factor): the rows of
     `gptq_quantize(whole, ...)` bit for bit, when `weight` starts on a multiple of ROW_BLOCK rows of the whole
-    and, for NVFP4, `global_scale` is the whole weight's. This is how ranks share one weight's work (`row_share`)."""
+    and, for NVFP4, `global_scale` is the whole weight's. This is how ranks share one weight's work (`row_share`).
+
+    `row_errors` (float32 [rows], zeros) receives each row's sum of squared scaled rounding errors, sum_i err_i^2:
+    GPTQ's own loss, which is the row's squared output error through the damped Hessian, ||(w - q) U^-1||^2
+    (w - q = err U, U the factor), for free (an elementwise accumulation per column, the same on any rank)."""
     _check_inputs(weight, None, spec)
     if spec.global_scale and global_scale is None:
         global_scale = weight_global_scale([weight])
@@ -112,7 +116,7 @@ def gptq_quantize_rows(weight: torch.Tensor, factor: InverseHessian, spec: Weigh
     grid = _Grid.up_front(wt.T, weight.dtype, spec, dynamic=dynamic, global_scale=global_scale if spec.global_scale else None)
     if factor.perm is not None:
         wt = wt[factor.perm]
-    qdata = _quantize_columns(wt, factor.upper, grid, factor.order, _aligned_block_size(args.block_size, spec))
+    qdata = _quantize_columns(wt, factor.upper, grid, factor.order, _aligned_block_size(args.block_size, spec), row_errors)
     if factor.perm is not None:
         qdata = qdata[:, torch.argsort(factor.perm)]
     return QuantizedWeight(qdata=qdata, scale=grid.scale, zero_point=grid.zero, spec=spec, global_scale=grid.global_scale)
@@ -313,7 +317,8 @@ SUB_BLOCK = 16  # columns whose updates are applied one by one; the rest of a bl
 
 
 def _quantize_columns(
-    wt: torch.Tensor, hinv: torch.Tensor, grid: _Grid, order: list[int], block_size: int
+    wt: torch.Tensor, hinv: torch.Tensor, grid: _Grid, order: list[int], block_size: int,
+    row_errors: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The GPTQ loop over (permuted) columns of w, given as the contiguous w^T (updated in place; a column is a
     row); `order[j]` is the original index of column j. Returns qdata.
@@ -347,6 +352,8 @@ def _quantize_columns(
                     grid.choose(group, wt[i : i + dynamic_size].T)
                 qt[i], value = grid.round(wt[i], group)
                 e = torch.sub(wt[i], value, out=err[i - i1]).div_(hinv[i, i])
+                if row_errors is not None:
+                    row_errors.addcmul_(e, e)
                 if i + 1 < j2:
                     wt[i + 1 : j2].sub_(hinv[i, i + 1 : j2, None] * e)
             if j2 < i2:

@@ -30,7 +30,7 @@ from quantkit.algorithms.gptq import (InverseHessian, column_share, gptq_quantiz
 from quantkit.architectures import find_wiring
 from quantkit.calibration import true_sequential
 from quantkit.calibration.hooks import observe, observer_groups
-from quantkit.calibration.layer import Layer, relative_error_factored
+from quantkit.calibration.layer import Layer, relative_error_of_solve
 from quantkit.calibration.steps import register
 from quantkit.errors import UsageError
 from quantkit.memory import return_freed_memory
@@ -120,12 +120,14 @@ def _solve(layer: Layer, names: list[str], observer: HessianObserver, args: GPTQ
         stacked = torch.cat(weights) if len(weights) > 1 else weights[0]
         spec = layer.plan[same_grid[0]].scheme.weights
         global_scale = global_scales.get(same_grid[0])
+        row_errors = torch.zeros(stacked.shape[0], dtype=torch.float32, device=stacked.device)
         if layer.distributed:
-            whole = _solve_shared(layer, stacked, factor, spec, args, global_scale)
+            whole = _solve_shared(layer, stacked, factor, spec, args, global_scale, row_errors)
         else:
-            whole = gptq_quantize_rows(stacked, factor, spec, args, global_scale)
-        for name, weight, qweight in zip(same_grid, weights, split_rows(whole, [w.shape[0] for w in weights])):
-            layer.record(name, qweight, relative_error_factored(weight, qweight, factor))
+            whole = gptq_quantize_rows(stacked, factor, spec, args, global_scale, row_errors)
+        sizes = [w.shape[0] for w in weights]
+        for name, weight, qweight, errors in zip(same_grid, weights, split_rows(whole, sizes), row_errors.split(sizes)):
+            layer.record(name, qweight, relative_error_of_solve(weight, errors, factor))
         del stacked
 
 
@@ -145,18 +147,18 @@ def _invert_shared(layer: Layer, lower: torch.Tensor) -> None:
 
 
 def _solve_shared(layer: Layer, stacked: torch.Tensor, factor: InverseHessian, spec: WeightSpec, args: GPTQArgs,
-                  global_scale: torch.Tensor | None) -> QuantizedWeight:
-    """This rank's share of the rows, then every rank's shares gathered (NVFP4's global scale is the whole
-    weight's, the same on every rank)."""
+                  global_scale: torch.Tensor | None, row_errors: torch.Tensor) -> QuantizedWeight:
+    """This rank's share of the rows, then every rank's shares gathered, the rows' squared errors with them
+    (NVFP4's global scale is the whole weight's, the same on every rank)."""
     world, rank = layer.ctx.world_size, layer.ctx.rank
     shares = [row_share(stacked.shape[0], world, r) for r in range(world)]
     whole = empty_quantized(stacked, spec)
     whole.global_scale = global_scale
     if shares[rank].stop > shares[rank].start:
-        mine = gptq_quantize_rows(stacked[shares[rank]], factor, spec, args, global_scale)
+        mine = gptq_quantize_rows(stacked[shares[rank]], factor, spec, args, global_scale, row_errors[shares[rank]])
         for full, part in zip(_tensors(whole), _tensors(mine)):
             full[shares[rank]] = part
-    distributed.all_gather_rows(_tensors(whole), shares, layer.ctx)
+    distributed.all_gather_rows([*_tensors(whole), row_errors[:, None]], shares, layer.ctx)
     rows = layer.result.gptq_rows or [0] * world
     layer.result.gptq_rows = [done + share.stop - share.start for done, share in zip(rows, shares)]
     return whole

@@ -126,3 +126,25 @@ def test_awq_error_through_the_hessian_equals_running_the_linear():
             by_running = block_error(linear, calls, reference, [linear], [spec], scales)
         by_hessian = hessian_error(linear.weight.data, scaled_candidate(linear.weight.data, spec, scales), xtx)
         assert by_hessian == pytest.approx(by_running, rel=1e-4)
+
+
+@pytest.mark.parametrize("actorder", [False, True])
+def test_gptqs_own_row_errors_give_the_error_through_its_factor(actorder):
+    """The solve's per-row sums of squared scaled rounding errors are ||(W - Q) U^-1||^2 (W - Q = err U): the error
+    the pipeline reports from them equals the one measured through the factor (dead inputs and actorder included)."""
+    import dataclasses
+
+    from quantkit.algorithms.arguments import GPTQArgs
+    from quantkit.algorithms.gptq import gptq_quantize_rows, inverse_hessian
+    from quantkit.calibration.layer import relative_error_of_solve
+
+    torch.manual_seed(1)
+    weight, x = torch.randn(300, 96), torch.randn(500, 96) * torch.linspace(0.1, 3, 96)
+    x[:, [5, 40]] = 0.0
+    args = GPTQArgs(actorder=actorder, block_size=32)
+    factor = inverse_hessian(2 * x.T @ x / x.shape[0], args)
+    spec = resolve("gptq-w4a16").scheme.weights
+    row_errors = torch.zeros(300)
+    qweight = gptq_quantize_rows(weight, factor, dataclasses.replace(spec, group_size=32), args, row_errors=row_errors)
+    assert relative_error_of_solve(weight, row_errors, factor) == pytest.approx(
+        relative_error_factored(weight, qweight, factor), rel=1e-4)
