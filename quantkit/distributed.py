@@ -215,23 +215,10 @@ def all_gather_rows(tensors: list[torch.Tensor], shares: list[slice], ctx: Conte
             _bytes(part).copy_(chunk.view(_bytes(part).shape))
 
 
-def all_gather_lower_columns(lower: torch.Tensor, shares: list[slice], ctx: Context | None) -> None:
-    """Each rank has computed its columns (`shares[rank]`) of the lower triangular `lower` [n, n]; every rank ends
-    with all of them. One broadcast per rank of its columns' rows on and below the diagonal, in pieces of at most
-    BUCKET_BYTES (a 5632-column GPTQ factor's shares are 30 to 90 MB)."""
-    if ctx is None or not ctx.distributed:
-        return
-    n = lower.shape[0]
-    for rank, columns in enumerate(shares):
-        start = columns.start
-        while start < columns.stop:
-            width = max(1, min(columns.stop - start, BUCKET_BYTES // (lower.element_size() * (n - start))))
-            piece = lower[start:, start : start + width]
-            buffer = piece.contiguous() if rank == ctx.rank else torch.empty(piece.shape, dtype=lower.dtype, device=lower.device)
-            dist.broadcast(buffer, src=rank)
-            if rank != ctx.rank:
-                piece.copy_(buffer)
-            start += width
+def broadcast_(tensor: torch.Tensor, src: int, ctx: Context | None) -> None:
+    """Rank `src`'s values of `tensor` (contiguous: e.g. whole rows of a matrix) on every rank, in place."""
+    if ctx is not None and ctx.distributed:
+        dist.broadcast(tensor, src=src)
 
 
 def _bytes(tensor: torch.Tensor) -> torch.Tensor:

@@ -29,12 +29,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
 from quantkit.algorithms import Algorithm, register
 from quantkit.algorithms.arguments import GPTQArgs
+from quantkit.algorithms.factor import ALONE, Sharing, factor_
 from quantkit.errors import QuantkitError
 from quantkit import float_grids
 from quantkit.qparams import QuantizedWeight, choose_qparams, is_float_grid, weight_global_scale
@@ -78,10 +78,10 @@ def gptq_quantize(
 
 
 def inverse_hessian(hessian: torch.Tensor, args: GPTQArgs = GPTQArgs(), damping_retries: int = 3,
-                    invert: Callable[[torch.Tensor], None] | None = None) -> InverseHessian:
-    """Dead inputs get H_ii = 1, actorder's permutation, then the damped inverse's upper Cholesky factor.
-    `invert(lower)` inverts the Cholesky factor in place (default `invert_lower_`; ranks share the work out with
-    `column_share`, each inverting its columns, and gather the rest: the same values, bit for bit)."""
+                    sharing: Sharing = ALONE) -> InverseHessian:
+    """Dead inputs get H_ii = 1, actorder's permutation, then the damped inverse's upper Cholesky factor
+    (`algorithms.factor`: with a `sharing` of several ranks, each computes its blocks and they are exchanged;
+    the same values as one process's, bit for bit)."""
     if not all(torch.isfinite(rows).all() for rows in hessian.split(_CHECK_ROWS)):
         raise ValueError("the Hessian has NaN or inf entries; check the calibration activations")
     h = hessian.to(torch.float32)  # the caller's, unless it needs a change: read only
@@ -92,8 +92,7 @@ def inverse_hessian(hessian: torch.Tensor, args: GPTQArgs = GPTQArgs(), damping_
     perm = torch.argsort(h.diagonal(), descending=True, stable=True) if args.actorder else None
     if perm is not None:
         h = h[perm[:, None], perm]
-    return InverseHessian(_inverse_hessian_cholesky(h, args.dampening_frac, damping_retries, invert or invert_lower_),
-                          perm, dead)
+    return InverseHessian(_inverse_hessian_cholesky(h, args.dampening_frac, damping_retries, sharing), perm, dead)
 
 
 @torch.no_grad()
@@ -148,22 +147,19 @@ def _aligned_block_size(block_size: int, spec: WeightSpec) -> int:
 
 
 def _inverse_hessian_cholesky(hessian: torch.Tensor, dampening_frac: float, retries: int,
-                              invert: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+                              sharing: Sharing = ALONE) -> torch.Tensor:
     """Upper Cholesky factor of (H + damp * I)^-1, damp = frac * mean(diag H), frac x10 on each failed try.
 
-    With J the reversal permutation and J H J = L L^T (lower Cholesky factor L), H^-1 = U^T U for the upper
-    triangular U = J L^-1 J: one Cholesky and one triangular inverse, instead of a Cholesky, an inverse from it
-    and a second Cholesky (about half the time at 2816 columns). Everything after the one copy of H happens in
-    that copy's memory: the Cholesky factorisation, the inverse and the reversal (for the 5632-column down_proj
-    of a 1B model, 127 MB at the peak instead of 4 times that). `invert` as `inverse_hessian` takes it."""
+    With J the reversal permutation and J H J = R^T R (upper Cholesky factor R), H^-1 = U^T U for the upper
+    triangular U = J R^-T J: one Cholesky and one triangular inverse, instead of a Cholesky, an inverse from it
+    and a second Cholesky. Everything after the one copy of H happens in that copy's memory
+    (`algorithms.factor.factor_`; for the 5632-column down_proj of a 1B model, 127 MB at the peak)."""
     mean_diag = hessian.diagonal().mean()
     frac = dampening_frac
     for _ in range(retries + 1):
         work = hessian.flip(0, 1)  # J H J, a copy: H stays as it is for a retry, and for the caller
         work.diagonal().add_(frac * mean_diag)
-        if _cholesky_(work):
-            (invert or invert_lower_)(work)
-            _reverse_(work)
+        if factor_(work, sharing):
             if all(torch.isfinite(rows).all() for rows in work.split(_CHECK_ROWS)):  # no [in, in] mask
                 return work
         del work
@@ -174,79 +170,7 @@ def _inverse_hessian_cholesky(hessian: torch.Tensor, dampening_frac: float, retr
     )
 
 
-def _cholesky_(matrix: torch.Tensor) -> bool:
-    """Replace the symmetric `matrix` (contiguous) by its lower Cholesky factor, in place; False if it is not
-    positive definite. LAPACK works in column-major order, in place; `matrix.T` is that view of the same memory
-    (and, the matrix being symmetric, the same matrix), whose upper factor there is the lower factor here."""
-    info = torch.empty((), dtype=torch.int32, device=matrix.device)
-    column_major = matrix.T
-    torch.linalg.cholesky_ex(column_major, upper=True, out=(column_major, info))
-    return info.item() == 0
-
-
-FACTOR_BLOCK = 128  # columns of the triangular inverse solved as one unit: fixed shapes however they are shared out
-
-
-def invert_lower_(lower: torch.Tensor, columns: slice | None = None) -> None:
-    """The inverse X = L^-1 of the lower triangular L (contiguous, zero above the diagonal), in place; with
-    `columns` (a run of whole FACTOR_BLOCKs, `column_share`), only those columns of X, the rest of L left as is.
-
-    Block column by block column (blocked forward substitution, as LAPACK's trtri): with D_i = L_ii^-1 for the
-    diagonal blocks, X_cc = D_c and X_ic = -D_i (L_i,c:i X_c:i,c) for the blocks i below c. A column block of X
-    needs only L's columns from its own on, so blocks are written over L left to right, and its values come out
-    of the same products (shapes set by the block's place alone) whichever other blocks are solved, in this
-    process or another. The products are matrix products of one block row (n^3 / 3 multiply-adds in all); at
-    2816 columns 0.10 s against 0.15 s for the recursive inverse in halves it replaces (one thread)."""
-    n = lower.shape[0]
-    columns = columns or slice(0, n)
-    starts = range(columns.start, columns.stop, FACTOR_BLOCK)
-    if not starts:
-        return
-    eye = torch.eye(FACTOR_BLOCK, dtype=lower.dtype, device=lower.device)
-    below = range(columns.start, n, FACTOR_BLOCK)  # the diagonal blocks these columns' solves read
-    diagonal = {i: torch.linalg.solve_triangular(lower[i : i + FACTOR_BLOCK, i : i + FACTOR_BLOCK],
-                                                 eye[: min(FACTOR_BLOCK, n - i), : min(FACTOR_BLOCK, n - i)], upper=False)
-                for i in below}
-    for c in starts:
-        width = min(FACTOR_BLOCK, n - c)
-        column = torch.empty((n - c, width), dtype=lower.dtype, device=lower.device)
-        column[:width] = diagonal[c]
-        for i in range(c + FACTOR_BLOCK, n, FACTOR_BLOCK):
-            product = lower[i : i + FACTOR_BLOCK, c:i] @ column[: i - c]
-            torch.matmul(diagonal[i], product, out=column[i - c : i - c + product.shape[0]]).neg_()
-        lower[c:, c : c + width] = column
-
-
-def column_share(columns: int, world_size: int, rank: int) -> slice:
-    """The columns of the triangular inverse this rank computes (`invert_lower_`): a contiguous run of whole
-    FACTOR_BLOCKs, cut where the work (a block column's products shrink as (n - c)^2) is shared out most evenly.
-    Over all ranks the shares cover every column once, in order."""
-    starts = list(range(0, columns, FACTOR_BLOCK))
-    work = [(columns - c) ** 2 for c in starts]
-    total, done, cuts = sum(work), 0, [0]
-    for index, amount in enumerate(work):
-        done += amount
-        while len(cuts) < world_size and done * world_size >= total * len(cuts):
-            cuts.append(index + 1)
-    cuts += [len(starts)] * (world_size + 1 - len(cuts))
-    first, last = cuts[rank], cuts[rank + 1]
-    return slice(min(columns, first * FACTOR_BLOCK), min(columns, last * FACTOR_BLOCK))
-
-
-_REVERSE_CHUNK = 1 << 18
 _CHECK_ROWS = 256
-
-
-def _reverse_(matrix: torch.Tensor) -> None:
-    """`matrix.flip(0, 1)`, in place: for a contiguous matrix that is the reversal of its flat memory, done by
-    swapping mirrored chunks."""
-    flat = matrix.view(-1)
-    n = flat.numel()
-    for start in range(0, n // 2, _REVERSE_CHUNK):
-        stop = min(start + _REVERSE_CHUNK, n // 2)
-        head = flat[start:stop].clone()
-        flat[start:stop] = flat[n - stop : n - start].flip(0)
-        flat[n - stop : n - start] = head.flip(0)
 
 
 @dataclass

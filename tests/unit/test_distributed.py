@@ -154,47 +154,26 @@ def test_gathered_rows_arrive_packed_in_one_broadcast_per_rank(tmp_path):
         assert sent == [torch.uint8, torch.uint8]  # one packed broadcast for each rank with rows
 
 
-@pytest.mark.parametrize("bucket_bytes", [None, 4096])
-def test_lower_columns_computed_on_each_rank_reach_every_rank(bucket_bytes, tmp_path):
-    import torch
-
-    from quantkit import distributed
-
-    whole = torch.randn(300, 300, generator=torch.Generator().manual_seed(4)).tril()
-    shares = [slice(0, 128), slice(128, 128), slice(128, 300)]
-
-    def work(ctx):
-        if bucket_bytes:
-            distributed.BUCKET_BYTES = bucket_bytes  # pieces of a few columns
-        mine = torch.zeros(300, 300)
-        mine[:, shares[ctx.rank]] = whole[:, shares[ctx.rank]]
-        distributed.all_gather_lower_columns(mine, shares, ctx)
-        return mine
-
-    for got in _on_ranks(3, work, tmp_path):
-        assert torch.equal(got, whole)
-
-
 @pytest.mark.parametrize("world", [2, 3])
-def test_a_factor_inverted_by_several_ranks_is_the_one_process_inverse(world, tmp_path):
-    """GPTQ's shared inverse (`calibration.steps.gptq._invert_shared`: column blocks computed apart, gathered) on
-    1000 columns: the values one process computes, bit for bit, on every rank."""
+def test_a_factor_computed_by_several_ranks_is_the_one_process_factor(world, tmp_path):
+    """GPTQ's inverse-Hessian factor with its blocks shared out (`algorithms.factor`: Cholesky row blocks dealt out,
+    panels broadcast; inverse rows shared, exchanged), as `calibration.steps.gptq` shares it: the values one
+    process computes, bit for bit, on every rank. 1000 columns: not a multiple of the block."""
     from types import SimpleNamespace
 
     import torch
 
-    from quantkit.algorithms.gptq import _cholesky_, invert_lower_
-    from quantkit.calibration.steps.gptq import _invert_shared
+    from quantkit.algorithms.factor import factor_
+    from quantkit.calibration.steps.gptq import _sharing
 
     x = torch.randn(2000, 1000, generator=torch.Generator().manual_seed(5))
-    lower = x.T @ x / 2000 + 0.01 * torch.eye(1000)
-    assert _cholesky_(lower)
-    alone = lower.clone()
-    invert_lower_(alone)
+    matrix = x.T @ x / 2000 + 0.01 * torch.eye(1000)
+    alone = matrix.clone()
+    assert factor_(alone)
 
     def work(ctx):
-        mine = lower.clone()
-        _invert_shared(SimpleNamespace(ctx=ctx), mine)
+        mine = matrix.clone()
+        assert factor_(mine, _sharing(SimpleNamespace(ctx=ctx, distributed=True)))
         return mine
 
     for got in _on_ranks(world, work, tmp_path):

@@ -7,9 +7,9 @@ Two ways through a layer, chosen once per run (every rank the same):
 - layer-wise: observe every Linear's Hessian on the float layer, reduce, quantize; the pipeline then runs the
   quantized layer to make the next layer's inputs.
 
-Distributed: every rank needs each Hessian (all-reduced, in one collective) and its inverse factor: each rank
-computes the Cholesky factor and, for a large Hessian (SHARED_INVERSE_FROM inputs), inverts its share of the
-column blocks (`algorithms.gptq.column_share`), the blocks then gathered; a smaller one is inverted whole. Each rank then solves its share of the weight rows (`algorithms.gptq.row_share`: whole
+Distributed: every rank needs each Hessian (all-reduced, in one collective) and its inverse factor, which the
+ranks compute together (`algorithms.factor`: the Cholesky's row blocks dealt out, each panel broadcast; the
+triangular inverse's rows shared out and exchanged). Each rank then solves its share of the weight rows (`algorithms.gptq.row_share`: whole
 blocks of ROW_BLOCK rows); the shares' qdata, scale and zero point are gathered (one broadcast per rank). Every
 block's arithmetic has the same shapes on any number of ranks, so every rank installs the weights of a one-rank
 run, bit for bit.
@@ -25,8 +25,8 @@ from torch import nn
 from quantkit import distributed
 from quantkit.algorithms import Algorithm
 from quantkit.algorithms.arguments import GPTQArgs
-from quantkit.algorithms.gptq import (InverseHessian, column_share, gptq_quantize_rows, inverse_hessian, invert_lower_,
-                                     row_share)
+from quantkit.algorithms.factor import ALONE, Sharing
+from quantkit.algorithms.gptq import InverseHessian, gptq_quantize_rows, inverse_hessian, row_share
 from quantkit.architectures import find_wiring
 from quantkit.calibration import true_sequential
 from quantkit.calibration.hooks import observe, observer_groups
@@ -108,9 +108,7 @@ def _solve(layer: Layer, names: list[str], observer: HessianObserver, args: GPTQ
     hessian = observer.pop_hessian()  # popped here, so that this frame holds its only reference
     return_freed_memory()  # the solve's copies are the layer's largest allocations: not on top of freed heap memory
     try:
-        shared = layer.distributed and hessian.shape[0] >= SHARED_INVERSE_FROM
-        invert = (lambda lower: _invert_shared(layer, lower)) if shared else None
-        factor = inverse_hessian(hessian.to(layer.linears[names[0]].weight.device), args, invert=invert)
+        factor = inverse_hessian(hessian.to(layer.linears[names[0]].weight.device), args, sharing=_sharing(layer))
     except ValueError as exc:
         raise UsageError(f"GPTQ failed on {', '.join(names)}: {exc}") from exc
     del hessian  # the factor stands for it from here on (the errors too): not held beside the solve's copies
@@ -131,19 +129,11 @@ def _solve(layer: Layer, names: list[str], observer: HessianObserver, args: GPTQ
         del stacked
 
 
-# Hessians of at least this many inputs have their factor's inverse shared out over the ranks; smaller ones are
-# inverted whole on every rank, where gathering the columns costs more than it saves. Measured on 2 ranks of one
-# CPU thread (gloo): 2816 inputs 0.143 s shared vs 0.101 s whole, 5632: 0.559 vs 0.691 s, 8192: 1.16 vs 2.10 s.
-SHARED_INVERSE_FROM = 4096
-
-
-def _invert_shared(layer: Layer, lower: torch.Tensor) -> None:
-    """The inverse of the Hessian's Cholesky factor, its column blocks shared out over the ranks (`column_share`)
-    and gathered: every rank ends with the values one process computes."""
-    world, rank = layer.ctx.world_size, layer.ctx.rank
-    shares = [column_share(lower.shape[0], world, r) for r in range(world)]
-    invert_lower_(lower, shares[rank])
-    distributed.all_gather_lower_columns(lower, shares, layer.ctx)
+def _sharing(layer: Layer) -> Sharing:
+    """How this rank takes part in computing each inverse-Hessian factor (`algorithms.factor`)."""
+    if not layer.distributed:
+        return ALONE
+    return Sharing(layer.ctx.rank, layer.ctx.world_size, lambda rows, src: distributed.broadcast_(rows, src, layer.ctx))
 
 
 def _solve_shared(layer: Layer, stacked: torch.Tensor, factor: InverseHessian, spec: WeightSpec, args: GPTQArgs,

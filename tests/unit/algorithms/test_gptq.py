@@ -328,35 +328,31 @@ def test_float8_grids_are_refused():
 
 
 @pytest.mark.parametrize("size", [100, 300, 700])
-def test_the_blocked_triangular_inverse_is_the_inverse(size):
-    from quantkit.algorithms.gptq import _cholesky_, invert_lower_
+def test_the_blocked_factor_is_the_upper_factor_of_the_inverse(size):
+    """`factor.factor_` (blocked Cholesky, blocked inverse) against the definition, computed in float64."""
+    from quantkit.algorithms.factor import factor_
 
-    lower = _hessian(_inputs(tokens=2 * size, inp=size)) + 0.01 * torch.eye(size)
-    assert _cholesky_(lower)
-    expected = torch.linalg.solve_triangular(lower, torch.eye(size), upper=False)
-    invert_lower_(lower)
-    assert torch.equal(lower, lower.tril())
-    torch.testing.assert_close(lower, expected, atol=1e-5, rtol=1e-4)
+    hessian = _hessian(_inputs(tokens=2 * size, inp=size)) + 0.01 * torch.eye(size)
+    work = hessian.flip(0, 1)
+    assert factor_(work)
+    assert torch.equal(work, work.triu()) and (work.diagonal() > 0).all()
+    torch.testing.assert_close(work.T @ work @ hessian, torch.eye(size), atol=2e-3, rtol=0)  # U^T U = H^-1
+
+
+def test_a_matrix_that_is_not_positive_definite_is_refused_by_the_blocked_factor():
+    from quantkit.algorithms.factor import factor_
+
+    work = torch.eye(300)
+    work[200, 200] = -1.0
+    assert not factor_(work)
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 5, 9])
-def test_columns_of_the_inverse_shared_over_ranks_are_the_whole_inverses_bit_for_bit(world_size):
-    """How ranks share the factor: each inverts its `column_share` of a copy of the Cholesky factor. 700 columns are
-    not a multiple of FACTOR_BLOCK; 9 ranks leave some shares empty."""
-    from quantkit.algorithms.gptq import FACTOR_BLOCK, _cholesky_, column_share, invert_lower_
+def test_row_shares_of_the_inverse_cover_every_row_once_cut_by_work(world_size):
+    from quantkit.algorithms.factor import FACTOR_BLOCK, row_share
 
-    lower = _hessian(_inputs(tokens=1400, inp=700)) + 0.01 * torch.eye(700)
-    assert _cholesky_(lower)
-    whole = lower.clone()
-    invert_lower_(whole)
-    shares = [column_share(700, world_size, rank) for rank in range(world_size)]
-    assert [c for share in shares for c in range(share.start, share.stop)] == list(range(700))
+    shares = [row_share(700, world_size, rank) for rank in range(world_size)]
+    assert [r for share in shares for r in range(share.start, share.stop)] == list(range(700))
     assert all(share.start % FACTOR_BLOCK == 0 for share in shares)
-    if world_size == 2:  # cut by work, not by columns: the first columns' blocks reach further down
+    if world_size == 2:  # the first rows' blocks reach further right: fewer of them
         assert shares[0].stop - shares[0].start < shares[1].stop - shares[1].start
-    for share in shares:
-        mine = lower.clone()
-        invert_lower_(mine, share)
-        assert torch.equal(mine[:, share], whole[:, share])
-        untouched = [c for c in range(700) if not share.start <= c < share.stop]
-        assert torch.equal(mine[:, untouched], lower[:, untouched])
