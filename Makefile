@@ -4,7 +4,8 @@ PYTHON ?= python3
 TORCH_SPEC ?= torch==2.13.0
 # The suite runs in TEST_WORKERS processes (pytest-xdist), each test file in one of them (module fixtures are built
 # once) and each worker on its own share of the cores (tests/conftest.py). Measured on 2 cores: 691 s, against
-# 1383 s in one process, 1070 s in two workers spread test by test, 980 s file by file without the core split.
+# 1383 s in one process, 1070 s in two workers spread test by test, 980 s file by file without the core split;
+# 280-284 s since every quantkit process skips the interpreter's teardown (`cli.main.run`).
 TEST_WORKERS ?= 2
 VENV := .venv
 BIN := $(VENV)/bin

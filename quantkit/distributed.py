@@ -215,10 +215,12 @@ def all_gather_rows(tensors: list[torch.Tensor], shares: list[slice], ctx: Conte
             _bytes(part).copy_(chunk.view(_bytes(part).shape))
 
 
-def broadcast_(tensor: torch.Tensor, src: int, ctx: Context | None) -> None:
-    """Rank `src`'s values of `tensor` (contiguous: e.g. whole rows of a matrix) on every rank, in place."""
+def broadcast_(tensor: torch.Tensor, src: int, ctx: Context | None, wait: bool = True):
+    """Rank `src`'s values of `tensor` (contiguous: e.g. whole rows of a matrix) on every rank, in place; with
+    `wait` False, the handle of the broadcast under way (its `wait()` returns once it is done here)."""
     if ctx is not None and ctx.distributed:
-        dist.broadcast(tensor, src=src)
+        return dist.broadcast(tensor, src=src, async_op=not wait)
+    return None
 
 
 def _bytes(tensor: torch.Tensor) -> torch.Tensor:

@@ -178,3 +178,22 @@ def test_a_factor_computed_by_several_ranks_is_the_one_process_factor(world, tmp
 
     for got in _on_ranks(world, work, tmp_path):
         assert torch.equal(got, alone)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_every_rank_learns_that_the_matrix_is_not_positive_definite(world, tmp_path):
+    """A diagonal block that fails its Cholesky (here the third, computed ahead by its owner) reaches every rank as a
+    NaN panel: all return False together (GPTQ then retries with more damping), none waits for the others."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from quantkit.algorithms.factor import factor_
+    from quantkit.calibration.steps.gptq import _sharing
+
+    def work(ctx):
+        matrix = torch.eye(700)
+        matrix[300, 300] = -1.0
+        return factor_(matrix, _sharing(SimpleNamespace(ctx=ctx, distributed=True)))
+
+    assert _on_ranks(world, work, tmp_path) == [False] * world

@@ -133,7 +133,8 @@ def _sharing(layer: Layer) -> Sharing:
     """How this rank takes part in computing each inverse-Hessian factor (`algorithms.factor`)."""
     if not layer.distributed:
         return ALONE
-    return Sharing(layer.ctx.rank, layer.ctx.world_size, lambda rows, src: distributed.broadcast_(rows, src, layer.ctx))
+    return Sharing(layer.ctx.rank, layer.ctx.world_size,
+                   lambda rows, src, wait: distributed.broadcast_(rows, src, layer.ctx, wait))
 
 
 def _solve_shared(layer: Layer, stacked: torch.Tensor, factor: InverseHessian, spec: WeightSpec, args: GPTQArgs,
