@@ -115,7 +115,6 @@ def _invert_upper_(work: torch.Tensor, sharing: Sharing) -> None:
     """R^-1 in place of the upper triangle of R, by row blocks, each process its `row_share` (then exchanged)."""
     n = work.shape[0]
     mine = row_share(n, sharing.world_size, sharing.rank)
-    blocks = range(0, n, FACTOR_BLOCK)
     inverses = {}  # R_jj^-1 for the diagonal blocks this process's rows reach
     for j in range(mine.start, n, FACTOR_BLOCK) if mine.stop > mine.start else ():
         stop = min(j + FACTOR_BLOCK, n)
@@ -134,7 +133,6 @@ def _invert_upper_(work: torch.Tensor, sharing: Sharing) -> None:
         rows = row_share(n, sharing.world_size, rank)
         if rows.stop > rows.start:
             sharing.share(rank, work[rows])
-    del blocks
 
 
 def row_share(rows: int, world_size: int, rank: int) -> slice:
