@@ -109,11 +109,7 @@ def relative_error_factored(weight: torch.Tensor, qweight: QuantizedWeight, fact
     (H + damp I)^-1 = U^T U, so x (H + damp I) x^T = ||x U^-1||^2, one triangular solve; dead inputs left out as
     H leaves them out), so that the Hessian can be freed before the solve: for a down_proj that is as large as
     the factor itself (121 MiB at 5632 inputs, 3.3 GB at 28672)."""
-    both = _error_rows(weight, qweight)
-    both[:, factor.dead.to(both.device)] = 0.0
-    if factor.perm is not None:
-        both = both[:, factor.perm.to(both.device)]
-    solved = torch.linalg.solve_triangular(factor.upper, both, upper=True, left=False)  # both @ U^-1
+    solved = _through_factor(_error_rows(weight, qweight), factor)
     return _ratio(solved * solved)
 
 
@@ -122,13 +118,17 @@ def relative_error_of_solve(weight: torch.Tensor, row_errors: torch.Tensor, fact
     `gptq_quantize_rows`): only the weight's side, ||W U^-1||^2, is solved for (on the same ERROR_ROWS rows), half
     the work. The same value up to float32 rounding (tested)."""
     rows = _sampled_rows(weight)
-    picked = weight[rows].float()
-    picked[:, factor.dead.to(picked.device)] = 0.0
-    if factor.perm is not None:
-        picked = picked[:, factor.perm.to(picked.device)]
-    solved = torch.linalg.solve_triangular(factor.upper, picked, upper=True, left=False)  # W U^-1
+    solved = _through_factor(weight[rows].float(), factor)  # W U^-1
     error = row_errors[rows.to(row_errors.device)].double().sum()
     return (error / solved.square().sum(dtype=torch.float64).clamp(min=1e-12)).sqrt().item()
+
+
+def _through_factor(rows: torch.Tensor, factor) -> torch.Tensor:
+    """rows @ U^-1 (float32 rows, modified): dead inputs zeroed, columns in the factor's order, one triangular solve."""
+    rows[:, factor.dead.to(rows.device)] = 0.0
+    if factor.perm is not None:
+        rows = rows[:, factor.perm.to(rows.device)]
+    return torch.linalg.solve_triangular(factor.upper, rows, upper=True, left=False)
 
 
 def _sampled_rows(weight: torch.Tensor) -> torch.Tensor:
