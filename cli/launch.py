@@ -70,8 +70,11 @@ def relaunch(launch: Launch, threads: int | None = None, explained: tuple[int, .
 def run_torchrun(args: list[str], explained: tuple[int, ...] = ()) -> int:
     """torch.distributed.run in this process, so that a failed rank is reported in one line (its own error is
     already printed above it) instead of torchrun's traceback; not at all when its exit code is one of `explained`.
-    Returns the first failed rank's exit code (1 for a rank killed by a signal), 0 when all succeed."""
+    Returns the first failed rank's exit code (1 for a rank killed by a signal), 0 when all succeed. torchrun's
+    per-run log directory (its ranks' error files) is a temporary one, removed afterwards: left to itself, torchrun
+    makes a `torchelastic_*` directory under the temporary directory on every run and never removes it."""
     import logging
+    import tempfile
 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
@@ -80,7 +83,8 @@ def run_torchrun(args: list[str], explained: tuple[int, ...] = ()) -> int:
 
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # its own per-failure log lines
     try:
-        run(parse_args(args))
+        with tempfile.TemporaryDirectory(prefix="quantkit-torchrun-") as logs:
+            run(parse_args([f"--log-dir={logs}", *args]))
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
         if failure.exitcode in explained:

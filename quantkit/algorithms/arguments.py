@@ -62,6 +62,9 @@ class AutoRoundArgs:
     lr: float | None = None  # the rounding offsets' step size, decayed linearly to 0; None: 1 / iters
     minmax_lr: float | None = None  # the clipping factors' step size; None: lr
     batch_size: int = 8  # calibration samples per step
+    samples_per_pass: int = 4  # a step's samples to one forward and backward pass (equal-length samples; else 1).
+    # The ranks share a step's passes, so at most batch_size / samples_per_pass ranks tune at once; the artifact
+    # depends on it, not on the number of ranks
     minmax_tuning: bool = True  # tune each group's min/max clipping factors (else only the rounding)
     seed: int = 42  # the order samples are drawn in (with the layer's index)
     amp: bool = True  # tune in bfloat16 autocast where the device multiplies bf16 natively (auto-round's `amp`)
@@ -71,8 +74,9 @@ class AutoRoundArgs:
     def __post_init__(self) -> None:
         if self.iters < 1:
             raise SchemeError("iters", f"{self.iters} is not allowed; use at least 1 (e.g. 200), or algorithm rtn for none")
-        if self.batch_size < 1:
-            raise SchemeError("batch_size", f"{self.batch_size} is not allowed; use a positive number of samples")
+        for name in ("batch_size", "samples_per_pass"):
+            if getattr(self, name) < 1:
+                raise SchemeError(name, f"{getattr(self, name)} is not allowed; use a positive number of samples")
         for name in ("lr", "minmax_lr"):
             value = getattr(self, name)
             if value is not None and value <= 0:

@@ -10,9 +10,9 @@ V, a and b are tuned on a decoder layer's output error: each step takes the sign
 straight through), moves V by lr and a, b by minmax_lr (both decayed linearly to 0 over the steps), and the
 iterate with the least loss is kept. V = 0, a = b = 1 is round-to-nearest, bit for bit.
 
-A step fake-quantizes the weights once; every sample's gradient with respect to the fake-quantized weights is its
-own backward pass, summed in float64 in sample order (`tune`'s `reduce_sum` sums over ranks); the sum is carried
-back through the fake-quantization once. Every rank takes the sign of the same gradients, so every rank takes the
+A step fake-quantizes the weights once; the gradient with respect to the fake-quantized weights comes from
+forward and backward passes over a fixed number of the step's samples each (`per_pass`), summed in float64 in pass
+order (`tune`'s `reduce_sum` sums over ranks); the sum is carried back through the fake-quantization once. Every rank takes the sign of the same gradients, so every rank takes the
 same step.
 """
 
@@ -143,10 +143,11 @@ class Tuned:
     step_seconds: float  # the median wall time of a step (the first, warming up, left out when there are others)
 
 
-SampleLoss = Callable[[dict[str, torch.Tensor], int], torch.Tensor]  # (fake-quantized weights, sample) -> loss;
-# its gradient is taken with respect to those weights (leaf tensors), so it must not detach them
+SampleLoss = Callable[[dict[str, torch.Tensor], list[int]], torch.Tensor]  # (fake-quantized weights, samples) ->
+# each sample's loss, from one forward pass over them; its gradient is taken with respect to those weights (leaf
+# tensors), so it must not detach them
 ReduceSum = Callable[[torch.Tensor], None]  # sums a float64 tensor over ranks, in place
-Share = Callable[[int, int], bool]  # (position in the step, sample) -> whether this rank computes that sample
+Share = Callable[[int, list[int]], bool]  # (the pass's place in the step, its samples) -> whether this rank runs it
 
 
 def draws(num_samples: int, batch_size: int, iters: int, generator: torch.Generator) -> list[list[int]]:
@@ -162,16 +163,24 @@ def draws(num_samples: int, batch_size: int, iters: int, generator: torch.Genera
     return out
 
 
+def passes(chosen: list[int], per_pass: int) -> list[list[int]]:
+    """A step's samples cut into forward/backward passes of `per_pass` consecutive samples (the last one shorter)."""
+    return [chosen[at : at + per_pass] for at in range(0, len(chosen), per_pass)]
+
+
 @register(Algorithm.AUTOROUND)
 def tune(weights: dict[str, torch.Tensor], specs: dict[str, WeightSpec], sample_loss: SampleLoss,
          mine: Sequence[int] | Share, num_samples: int, generator: torch.Generator, args: AutoRoundArgs = AutoRoundArgs(),
-         reduce_sum: ReduceSum = lambda tensor: None) -> Tuned:
-    """Tune a Rounding for each weight on the summed loss of `args.batch_size` samples a step (of `num_samples`).
-    This rank computes `sample_loss` for the samples it holds (`mine`), or for those `mine(position, sample)` gives
-    it. `args.iters` SignSGD steps; the iterate with the least loss is returned."""
+         reduce_sum: ReduceSum = lambda tensor: None, per_pass: int = 1) -> Tuned:
+    """Tune a Rounding for each weight on the summed loss of `args.batch_size` samples a step (of `num_samples`),
+    `per_pass` samples to a forward and backward pass. This rank runs the passes over the samples it holds
+    (`mine`, one sample a pass), or those `mine(place, samples)` gives it. `args.iters` SignSGD steps; the iterate
+    with the least loss is returned."""
     if not callable(mine):
+        if per_pass != 1:
+            raise ValueError("samples held by the ranks are one to a pass; deal the passes out to share several")
         held = set(mine)
-        mine = lambda position, sample: sample in held  # noqa: E731
+        mine = lambda place, samples: samples[0] in held  # noqa: E731
     roundings = {name: Rounding.nearest(w, specs[name]) for name, w in weights.items()}
     tuned = [(r.value, args.rounding_lr, (-0.5, 0.5)) for r in roundings.values()]
     if args.minmax_tuning:
@@ -180,54 +189,55 @@ def tune(weights: dict[str, torch.Tensor], specs: dict[str, WeightSpec], sample_
     first, best, seconds = None, (math.inf, 0, None), []
     for step, chosen in enumerate(draws(num_samples, args.batch_size, args.iters, generator)):
         started = time.perf_counter()
-        flat, losses = _gradients(weights, specs, roundings, params, sample_loss, chosen, mine, args.full_range)
+        with torch.enable_grad():  # once a step; the passes' gradients are carried back through it once
+            fake = {name: fake_quantize(w, roundings[name], specs[name], args.full_range) for name, w in weights.items()}
+        flat, losses = _gradients(weights, fake, sample_loss, passes(chosen, per_pass), mine)
         reduce_sum(flat)
         loss = sum(losses.tolist()) / len(chosen)  # one value per sample, summed in one order on every rank
         first = loss if first is None else first
         if loss < best[0]:
             best = (loss, step, {name: r.clone() for name, r in roundings.items()})
-        _sign_step(tuned, 1.0 - step / args.iters,
-                   _through_fake_quantization(weights, specs, roundings, params, flat, args.full_range))
+        _sign_step(tuned, 1.0 - step / args.iters, _through_fake_quantization(weights, fake, params, flat))
         seconds.append(time.perf_counter() - started)
     return Tuned(best[2], first, best[0], best[1], statistics.median(seconds[1:] or seconds))
 
 
-def _gradients(weights, specs, roundings, params, sample_loss, chosen, mine: Share,
-               full_range: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """One flat float64 buffer: the gradients of the loss with respect to the fake-quantized weights, summed over
-    the chosen samples this rank computes (`mine`), then the chosen samples' losses (zero for the other ranks').
+def _gradients(weights: dict[str, torch.Tensor], fake: dict[str, torch.Tensor], sample_loss: SampleLoss,
+               step_passes: list[list[int]], mine: Share) -> tuple[torch.Tensor, torch.Tensor]:
+    """One flat float64 buffer: the gradients of the loss with respect to the fake-quantized weights `fake`, summed
+    over the passes this rank runs (`mine`), then the step's samples' losses (zero for the other ranks').
 
-    The weights are fake-quantized once; each sample is its own forward and backward pass with respect to those
-    (a sample's gradient does not depend on which samples share its rank), added in float64 in sample order.
-    `_through_fake_quantization` carries the reduced sum back to V and the clipping factors, once a step."""
-    with torch.no_grad():
-        fake = {name: fake_quantize(w, roundings[name], specs[name], full_range).to(w.dtype) for name, w in weights.items()}
-    leaves = {name: tensor.requires_grad_() for name, tensor in fake.items()}
+    Each pass is its own forward and backward pass with respect to the fake-quantized weights (detached, in the
+    weights' dtype): a pass's gradient does not depend on which rank runs it or which passes share that rank. They
+    are added in float64 in pass order; `_through_fake_quantization` carries the reduced sum back to V and the
+    clipping factors, once a step."""
+    leaves = {name: tensor.detach().to(weights[name].dtype).requires_grad_() for name, tensor in fake.items()}
     sizes = [w.numel() for w in weights.values()]
-    flat = torch.zeros(sum(sizes) + len(chosen), dtype=torch.float64, device=params[0].device)
+    count = sum(len(samples) for samples in step_passes)
+    flat = torch.zeros(sum(sizes) + count, dtype=torch.float64, device=next(iter(weights.values())).device)
     grads = flat[: sum(sizes)].split(sizes)
-    for position, sample in enumerate(chosen):
-        if not mine(position, sample):
-            continue
-        with torch.enable_grad():
-            loss = sample_loss(leaves, sample)
-            found = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
-        for buffer, grad in zip(grads, found):
-            if grad is not None:
-                buffer += grad.reshape(-1)
-        flat[sum(sizes) + position] = loss.detach().double()
+    at = sum(sizes)
+    for place, samples in enumerate(step_passes):
+        if mine(place, samples):
+            with torch.enable_grad():
+                losses = sample_loss(leaves, samples)
+                found = torch.autograd.grad(losses.sum(), list(leaves.values()), allow_unused=True)
+            for buffer, grad in zip(grads, found):
+                if grad is not None:
+                    buffer += grad.reshape(-1)
+            flat[at : at + len(samples)] = losses.detach().double()
+        at += len(samples)
     return flat, flat[sum(sizes):]
 
 
-def _through_fake_quantization(weights, specs, roundings, params, flat, full_range: bool = False) -> list[torch.Tensor | None]:
+def _through_fake_quantization(weights: dict[str, torch.Tensor], fake: dict[str, torch.Tensor],
+                               params: list[torch.Tensor], flat: torch.Tensor) -> list[torch.Tensor | None]:
     """The gradients of `params` from the summed gradient with respect to the fake-quantized weights at the front of
-    `flat`: one backward pass through the fake-quantization (rounding straight through). Every rank holds the same
-    sum, so every rank gets the same gradients (None: a parameter the loss does not reach)."""
+    `flat`: one backward pass through the step's fake-quantization `fake` (rounding straight through). Every rank
+    holds the same sum, so every rank gets the same gradients (None: a parameter the loss does not reach)."""
     sizes = [w.numel() for w in weights.values()]
-    with torch.enable_grad():
-        fake = [fake_quantize(w, roundings[name], specs[name], full_range) for name, w in weights.items()]
     upstream = [g.view(w.shape).float() for g, w in zip(flat[: sum(sizes)].split(sizes), weights.values())]
-    return list(torch.autograd.grad(fake, params, upstream, allow_unused=True))
+    return list(torch.autograd.grad(list(fake.values()), params, upstream, allow_unused=True))
 
 
 def _sign_step(tuned: list[tuple[torch.Tensor, float, tuple[float, float]]], decay: float,

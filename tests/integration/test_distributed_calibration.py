@@ -29,9 +29,11 @@ def calib_file(tmp_path_factory) -> Path:
     return path
 
 
-def _env() -> dict:
+def _env(tmpdir: Path | None = None) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID")}
     env["QUANTKIT_DIST_TIMEOUT"] = "60"
+    if tmpdir is not None:  # the processes' temporary directory (tempfile's TMPDIR)
+        env["TMPDIR"] = str(tmpdir)
     return env
 
 
@@ -40,11 +42,11 @@ def command(src, dst, recipe, calib, *extra, runner=None) -> list[str]:
             "--calib-data", str(calib), "--num-samples", "16", "--seq-len", "32", "--threads", "1", "--quiet", *extra]
 
 
-def finalize(src, dst, recipe, calib, nproc, *extra, runner=None):
+def finalize(src, dst, recipe, calib, nproc, *extra, runner=None, tmpdir=None):
     cmd = command(src, dst, recipe, calib, *extra, runner=runner)
     if nproc > 1 and runner is None:
         cmd += ["--nproc-per-node", str(nproc)]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=_env())
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=_env(tmpdir))
 
 
 def free_port() -> int:
@@ -78,11 +80,14 @@ def test_one_two_and_three_ranks_write_the_same_artifact(tiny_model_dir, calib_f
 
 def test_nvfp4_gptq_and_kv_cache_on_two_ranks_write_the_one_rank_artifact(tiny_model_dir, calib_file, tmp_path):
     """NVFP4's global scales come from whole weights (q/k/v together), not from a rank's share of the rows; the KV
-    cache's per-head ranges are merged over the ranks' data."""
+    cache's per-head ranges are merged over the ranks' data. The self-launched torchrun leaves nothing in the
+    temporary directory (by itself it leaves a `torchelastic_*` log directory behind on every run)."""
+    (tmp_path / "tmp").mkdir()
     for n in (1, 2):
         done = finalize(tiny_model_dir, tmp_path / f"n{n}", "gptq-nvfp4-a16", calib_file, n, "--num-samples", "16",
-                        "--kv-cache", "fp8-head")
+                        "--kv-cache", "fp8-head", tmpdir=tmp_path / "tmp")
         assert done.returncode == 0, done.stderr[-3000:]
+    assert list((tmp_path / "tmp").iterdir()) == []
     one, two = (load_file(tmp_path / f"n{n}" / "model.safetensors") for n in (1, 2))
     assert one.keys() == two.keys() and any(key.endswith("weight_global_scale") for key in one)
     for key in one:

@@ -5,23 +5,25 @@ quantized with the learned rounding.
 As in auto-round (`enable_quanted_input`, its default, which llm-compressor's AutoRoundModifier keeps): the target
 is the float model's hidden states after this layer (the float layer on the float model's hidden states before
 it, `Layer.float_hidden`, carried along by the pipeline), and the tuned layer's inputs are the quantized stream,
-so each layer also learns to correct the error the layers before it left. Each sample is its own forward and
-backward pass (batch of one) with respect to the step's fake-quantized weights: a sample's gradient is then the
-same whichever rank holds it. With `amp` (the default), those passes run in bfloat16 autocast where the device
+so each layer also learns to correct the error the layers before it left. A step's samples go `samples_per_pass`
+to a forward and backward pass with respect to the step's fake-quantized weights, where the samples differ only
+in their hidden states (equal-length calibration samples; otherwise one a pass): a pass's gradient is then the
+same whichever rank runs it. With `amp` (the default), those passes run in bfloat16 autocast where the device
 multiplies bf16 natively (CUDA; CPUs with AVX512-BF16 or AMX), as auto-round tunes; the targets, the losses in the
 summary and the final rounding are computed in the model's dtype. The summary keeps the layer's loss (mean squared
 error to the float model's output per sample, over all samples) with round-to-nearest and after tuning.
 
-Distributed: this rank's samples are the contiguous slice `data.rank_batches` gave it; every step's gradients with
-respect to the fake-quantized weights (float64) and per-sample losses are all-reduced before they are carried back
-to the rounding, so every rank takes the same step and ends with the same rounding.
+Distributed: this rank's samples are the contiguous slice `data.rank_batches` gave it; every rank gathers every
+rank's samples of the layer and runs the passes dealt to it; every step's gradients with respect to the
+fake-quantized weights (float64) and per-sample losses are all-reduced before they are carried back to the
+rounding, so every rank takes the same step and ends with the same rounding.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -55,17 +57,17 @@ def autoround_step(layer: Layer, args: AutoRoundArgs) -> list[torch.Tensor]:
                for name, w in weights.items()}
     before = _mean_loss(layer, _outputs_with(layer, nearest), targets, first, total)
     every = _every_sample(layer, rows, targets, first, total)
-    if every is None:  # one process (or samples whose other arguments differ): each rank computes the samples it holds
-        sample_loss, mine = _sample_loss(layer, rows, first, targets, amp), range(first, first + len(rows))
-    else:  # each step's samples dealt out evenly over the ranks
-        sample_loss, mine = _every_sample_loss(layer, *every, amp), _dealt(layer.ctx.rank, layer.ctx.world_size)
+    if every is None:  # samples whose other arguments differ (or a rank holds none): each rank runs its own, one a pass
+        sample_loss, mine, per_pass = _sample_loss(layer, rows, first, targets, amp), range(first, first + len(rows)), 1
+    else:  # each step's passes dealt out evenly over the ranks (one process: all of them)
+        sample_loss, mine, per_pass = _every_sample_loss(layer, *every, amp), _dealt(layer), args.samples_per_pass
     tuning = time.perf_counter()
     layer.result.seconds["forward"] += tuning - started
 
     generator = torch.Generator().manual_seed(args.seed + layer.index)
     with _tuning(layer.module):
         tuned = tune(weights, specs, sample_loss, mine, total, generator, args,
-                     lambda flat: distributed.all_reduce_(flat, layer.ctx))
+                     lambda flat: distributed.all_reduce_(flat, layer.ctx), per_pass)
     for name, weight in weights.items():
         qweight = quantize(weight, tuned.roundings[name], specs[name], args.full_range)
         layer.record(name, qweight, relative_error(weight, qweight, None))
@@ -76,6 +78,7 @@ def autoround_step(layer: Layer, args: AutoRoundArgs) -> list[torch.Tensor]:
                                          "best_step": tuned.best_iter, "steps": args.iters,
                                          "seconds_per_step": round(tuned.step_seconds, 4),
                                          "compute": "bfloat16" if amp else str(dtype).removeprefix("torch."),
+                                         "samples_per_pass": per_pass,
                                          "split": ("one process" if not layer.distributed
                                                    else "as held" if every is None else "dealt evenly")}
     layer.result.seconds["propagate"] += time.perf_counter() - propagating
@@ -85,34 +88,43 @@ def autoround_step(layer: Layer, args: AutoRoundArgs) -> list[torch.Tensor]:
 def _sample_loss(layer: Layer, rows: list[tuple[int, int]], first: int, targets: list[torch.Tensor], amp: bool):
     """The loss of global sample `sample` (this rank's `rows[sample - first]`: batch, row) with the fake-quantized
     weights in place of the float ones: its own forward pass, a batch of one (in bfloat16 autocast with `amp`)."""
-    def sample_loss(fake: dict[str, torch.Tensor], sample: int) -> torch.Tensor:
+    def sample_loss(fake: dict[str, torch.Tensor], samples: list[int]) -> torch.Tensor:
+        sample, = samples
         batch, row = rows[sample - first]
-        return _call_loss(layer, fake, _row_call(layer.inputs[batch], row), targets[batch][row : row + 1], amp)
+        return _call_losses(layer, fake, _row_call(layer.inputs[batch], row), targets[batch][row : row + 1], amp)
 
     return sample_loss
 
 
-def _call_loss(layer: Layer, fake: dict[str, torch.Tensor], call: tuple, target: torch.Tensor, amp: bool) -> torch.Tensor:
-    """The mean squared error to `target` of the layer's output on a one-sample `call`, with the fake-quantized
-    weights in place of the float ones (in bfloat16 autocast with `amp`)."""
+def _call_losses(layer: Layer, fake: dict[str, torch.Tensor], call: tuple, target: torch.Tensor, amp: bool) -> torch.Tensor:
+    """Each sample's mean squared error to `target` of the layer's output on `call` (one pass over its samples),
+    with the fake-quantized weights in place of the float ones (in bfloat16 autocast with `amp`)."""
     call_args, call_kwargs = call
     with torch.autocast(target.device.type, dtype=torch.bfloat16, enabled=amp):
         out = functional_call(layer.module, _local(layer, fake), call_args, call_kwargs)
     out = out[0] if isinstance(out, tuple) else out
-    return torch.nn.functional.mse_loss(out.float(), target.float())
+    return ((out.float() - target.float()) ** 2).flatten(1).mean(1)
 
 
 def _every_sample(layer: Layer, rows: list[tuple[int, int]], targets: list[torch.Tensor], first: int,
-                  total: int) -> tuple[torch.Tensor, torch.Tensor, tuple] | None:
-    """On several ranks: every rank's samples on every rank (the layer's input hidden states and the float model's
-    outputs, rows in global order) and the other arguments of a one-sample call, so that each step's samples can be
-    dealt out evenly (a rank holding its own samples only would compute as many of a step's as it happens to hold,
-    and the others would wait for it). None with one process, or where the samples' other arguments differ
-    (calibration samples of equal length share them) or a rank holds none: then each rank computes its own."""
-    if not layer.distributed:
-        return None
+                  total: int) -> tuple[Callable[[list[int]], tuple[torch.Tensor, torch.Tensor]], tuple] | None:
+    """Where every sample's call differs from the others only in its hidden states (calibration samples of equal
+    length): the hidden states and float outputs of any samples (rows in global order) and a one-sample call
+    to put them in, so that several samples share a pass and each step's passes can be dealt out evenly. On
+    several ranks every rank's samples are gathered onto every rank (a rank holding its own samples only would
+    run as many of a step's as it happens to hold, and the others would wait for it). None where the samples'
+    other arguments differ or a rank holds none: then each rank runs its own, one a pass."""
     template = _row_call(layer.inputs[0], 0) if rows else None
     uniform = bool(rows) and all(_same_call(_row_call(layer.inputs[b], r), template) for b, r in rows)
+    if not layer.distributed:
+        if not uniform:
+            return None
+        held = [(hidden_state(*layer.inputs[b])[r : r + 1], targets[b][r : r + 1]) for b, r in rows]
+
+        def rows_of(samples: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+            return torch.cat([held[s][0] for s in samples]), torch.cat([held[s][1] for s in samples])
+
+        return rows_of, template
     seq_len, width = hidden_state(*template).shape[1:] if uniform else (0, 0)
     counts = distributed.all_gather_int(len(rows) if uniform else 0, layer.ctx)
     shapes = [distributed.all_gather_int(size, layer.ctx) for size in (seq_len, width)]
@@ -125,7 +137,7 @@ def _every_sample(layer: Layer, rows: list[tuple[int, int]], targets: list[torch
         full[first : first + len(rows)] = mine
     starts = [sum(counts[:rank]) for rank in range(len(counts))]
     distributed.all_gather_rows(every, [slice(a, a + n) for a, n in zip(starts, counts)], layer.ctx)
-    return every[0], every[1], template
+    return (lambda samples: (every[0][samples], every[1][samples])), template
 
 
 def _same_call(call: tuple, template: tuple) -> bool:
@@ -142,18 +154,37 @@ def _same_call(call: tuple, template: tuple) -> bool:
             and all(k == "hidden_states" or same(v, t_kwargs[k]) for k, v in kwargs.items()))
 
 
-def _dealt(rank: int, world_size: int):
-    """This rank's share of a step: the samples at positions rank, rank + world_size, ... of the step's draw."""
-    return lambda position, sample: position % world_size == rank
+def _dealt(layer: Layer) -> Callable[[int, list[int]], bool]:
+    """This rank's passes of a step: those at places rank, rank + world_size, ... (one process: every pass)."""
+    if not layer.distributed:
+        return lambda place, samples: True
+    rank, world_size = layer.ctx.rank, layer.ctx.world_size
+    return lambda place, samples: place % world_size == rank
 
 
-def _every_sample_loss(layer: Layer, hidden: torch.Tensor, targets: torch.Tensor, template: tuple, amp: bool):
-    """`_sample_loss` for any global sample, from the rows every rank holds (`_every_sample`)."""
-    def sample_loss(fake: dict[str, torch.Tensor], sample: int) -> torch.Tensor:
-        call, = with_hidden([template], [hidden[sample : sample + 1]])
-        return _call_loss(layer, fake, call, targets[sample : sample + 1], amp)
+def _every_sample_loss(layer: Layer, rows_of, template: tuple, amp: bool):
+    """The losses of any samples (`_every_sample`'s rows), in one pass: the template call with their hidden states
+    (its per-sample tensors repeated for each)."""
+    def sample_loss(fake: dict[str, torch.Tensor], samples: list[int]) -> torch.Tensor:
+        hidden, target = rows_of(samples)
+        call, = with_hidden([_repeated(template, len(samples))], [hidden])
+        return _call_losses(layer, fake, call, target, amp)
 
     return sample_loss
+
+
+def _repeated(call: tuple, count: int) -> tuple[tuple, dict]:
+    """A one-sample call (`_row_call`'s) made a call of `count` samples: its tensors of one row (2 dims or more)
+    repeated `count` times, as a batch of samples with the same arguments would hold them."""
+    def grow(value):
+        if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[0] == 1 and count > 1:
+            return value.expand(count, *value.shape[1:])
+        if isinstance(value, tuple):
+            return tuple(grow(v) for v in value)
+        return value
+
+    args, kwargs = call
+    return tuple(grow(a) for a in args), {k: grow(v) for k, v in kwargs.items()}
 
 
 def _row_call(call: tuple, row: int) -> tuple[tuple, dict]:

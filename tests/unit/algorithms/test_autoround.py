@@ -164,12 +164,20 @@ def test_full_range_puts_each_groups_larger_side_on_the_grid():
     assert ((groups - deq) ** 2).sum() != ((groups - minmax) ** 2).sum()
 
 
-def _tune_linear(weight, xs, spec, args, seed=0):
-    def sample_loss(fake, sample):
-        return torch.nn.functional.mse_loss(xs[sample] @ fake["w"].T, xs[sample] @ weight.T)
+def _linear_loss(weight, xs):
+    """A Linear's `SampleLoss`: each sample's mean squared output error, the samples stacked in one product."""
+    stacked = torch.stack(xs)
 
+    def sample_loss(fake, samples):
+        x = stacked[samples]
+        return ((x @ fake["w"].T - x @ weight.T) ** 2).flatten(1).mean(1)
+
+    return sample_loss
+
+
+def _tune_linear(weight, xs, spec, args, seed=0):
     generator = torch.Generator().manual_seed(seed)
-    return tune({"w": weight}, {"w": spec}, sample_loss, range(len(xs)), len(xs), generator, args)
+    return tune({"w": weight}, {"w": spec}, _linear_loss(weight, xs), range(len(xs)), len(xs), generator, args)
 
 
 @pytest.mark.parametrize("full_range", [True, False], ids=["full-range", "min-max"])
@@ -185,30 +193,36 @@ def test_tuning_lowers_the_layer_output_error_below_rtn(spec, full_range):
     assert tuned.best_loss < tuned.first_loss
 
 
-def test_step_gradient_is_autograd_of_the_summed_loss_through_the_fake_quantization():
-    """One fake-quantization a step: the per-sample gradients with respect to the fake-quantized weight, summed and
-    carried back through the fake-quantization once, are autograd's gradients of the summed loss."""
+@pytest.mark.parametrize("per_pass", [1, 3])
+def test_step_gradient_is_autograd_of_the_summed_loss_through_the_fake_quantization(per_pass):
+    """One fake-quantization a step: the passes' gradients with respect to the fake-quantized weight, summed and
+    carried back through the fake-quantization once, are autograd's gradients of the summed loss; each sample's
+    loss comes back in its place, whichever pass it was in."""
     weight, xs = _structured_layer(samples=6)
     rounding = _random_rounding(weight, INT4_G32_ASYM)
     params = [t.requires_grad_() for t in rounding.tensors()]
-
-    def sample_loss(fake, sample):
-        return torch.nn.functional.mse_loss(xs[sample] @ fake["w"].T, xs[sample] @ weight.T)
-
-    weights, specs, roundings, chosen = {"w": weight}, {"w": INT4_G32_ASYM}, {"w": rounding}, [0, 2, 3, 5]
-    flat, losses = autoround._gradients(weights, specs, roundings, params, sample_loss, chosen, lambda position, sample: True)
-    ours = autoround._through_fake_quantization(weights, specs, roundings, params, flat)
+    sample_loss = _linear_loss(weight, xs)
+    weights, chosen = {"w": weight}, [0, 2, 3, 5]
     fake = {"w": fake_quantize(weight, rounding, INT4_G32_ASYM)}
-    total = sum(sample_loss(fake, s) for s in chosen)
-    reference = torch.autograd.grad(total, params)
+    flat, losses = autoround._gradients(weights, fake, sample_loss, autoround.passes(chosen, per_pass),
+                                        lambda place, samples: True)
+    ours = autoround._through_fake_quantization(weights, fake, params, flat)
+    fake = {"w": fake_quantize(weight, rounding, INT4_G32_ASYM)}  # that graph is spent: again, for autograd's own
+    reference = torch.autograd.grad(sum(sample_loss(fake, [s]).sum() for s in chosen), params)
     for mine, theirs in zip(ours, reference):
         torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-9)
-    assert torch.allclose(losses, torch.stack([sample_loss(fake, s) for s in chosen]).double().detach())
+    torch.testing.assert_close(losses, torch.cat([sample_loss(fake, [s]) for s in chosen]).double().detach())
 
 
-def _tune_on_ranks(weight, xs, spec, args, ranks):
-    """`tune` on `ranks` threads, each holding a contiguous slice of the samples, its float64 buffer summed over the
-    threads in rank order (what gloo's all-reduce does for two ranks); the rank-0 result."""
+def test_passes_cut_a_step_into_consecutive_runs_of_samples():
+    assert autoround.passes([1, 4, 5, 7, 9], 2) == [[1, 4], [5, 7], [9]]
+    assert autoround.passes([1, 4, 5], 4) == [[1, 4, 5]] and autoround.passes([1, 4], 1) == [[1], [4]]
+
+
+def _tune_on_ranks(weight, xs, spec, args, ranks, per_pass=None):
+    """`tune` on `ranks` threads, each holding a contiguous slice of the samples (or, with `per_pass`, running the
+    passes dealt to it), its float64 buffer summed over the threads in rank order (what gloo's all-reduce does for
+    two ranks); every rank's result."""
     share, buffers, results = len(xs) // ranks, [None] * ranks, [None] * ranks
     barrier = threading.Barrier(ranks)
 
@@ -219,12 +233,12 @@ def _tune_on_ranks(weight, xs, spec, args, ranks):
             flat.copy_(sum(buffers[1:], buffers[0]))
             barrier.wait()
 
-        def sample_loss(fake, sample):
-            return torch.nn.functional.mse_loss(xs[sample] @ fake["w"].T, xs[sample] @ weight.T)
-
-        mine = range(rank * share, (rank + 1) * share)
-        results[rank] = tune({"w": weight}, {"w": spec}, sample_loss, mine, len(xs),
-                             torch.Generator().manual_seed(0), args, reduce_sum)
+        if per_pass is None:  # each rank its own slice of the samples, one a pass
+            mine = range(rank * share, (rank + 1) * share)
+        else:  # the step's passes dealt out
+            mine = lambda place, samples: place % ranks == rank  # noqa: E731
+        results[rank] = tune({"w": weight}, {"w": spec}, _linear_loss(weight, xs), mine, len(xs),
+                             torch.Generator().manual_seed(0), args, reduce_sum, per_pass or 1)
 
     threads = [threading.Thread(target=run, args=(rank,)) for rank in range(ranks)]
     for thread in threads:
@@ -234,13 +248,35 @@ def _tune_on_ranks(weight, xs, spec, args, ranks):
     return results
 
 
-def test_one_and_two_ranks_tune_the_same_rounding_bit_for_bit():
+@pytest.mark.parametrize("per_pass", [None, 1, 2, 3], ids=["held", "dealt-1", "dealt-2", "dealt-3"])
+def test_one_and_several_ranks_tune_the_same_rounding_bit_for_bit(per_pass):
+    """Each pass's gradient is the same tensor on whichever rank runs it: 1, 2 and 3 ranks take the same steps
+    (3 samples a pass: passes of 3, 3 and 2 samples, 3 ranks one each)."""
     weight, xs = _structured_layer(samples=8)
     args = AutoRoundArgs(iters=20, batch_size=8)
-    one, = _tune_on_ranks(weight, xs, INT4_G32, args, 1)
-    for two in _tune_on_ranks(weight, xs, INT4_G32, args, 2):
-        assert all(torch.equal(a, b) for a, b in zip(one.roundings["w"].tensors(), two.roundings["w"].tensors()))
-        assert (two.first_loss, two.best_loss, two.best_iter) == (one.first_loss, one.best_loss, one.best_iter)
+    one, = _tune_on_ranks(weight, xs, INT4_G32, args, 1, per_pass)
+    for ranks in (2, 3) if per_pass else (2,):
+        for other in _tune_on_ranks(weight, xs, INT4_G32, args, ranks, per_pass):
+            assert all(torch.equal(a, b) for a, b in zip(one.roundings["w"].tensors(), other.roundings["w"].tensors()))
+            assert (other.first_loss, other.best_loss, other.best_iter) == (one.first_loss, one.best_loss, one.best_iter)
+
+
+def test_samples_per_pass_changes_the_sums_not_the_tuning():
+    """Passes of several samples sum the samples' gradients inside one product instead of in float64: not the same
+    bits as one sample a pass, but the same tuning to within the rounding of those sums."""
+    weight, xs = _structured_layer(samples=8)
+    args = AutoRoundArgs(iters=30, batch_size=8)
+    single, = _tune_on_ranks(weight, xs, INT4_G32, args, 1, 1)
+    shared, = _tune_on_ranks(weight, xs, INT4_G32, args, 1, 4)
+    assert abs(shared.best_loss - single.best_loss) < 0.02 * single.best_loss
+    assert (shared.roundings["w"].value == single.roundings["w"].value).float().mean() > 0.95
+
+
+def test_held_samples_go_one_to_a_pass():
+    weight, xs = _structured_layer(samples=4)
+    with pytest.raises(ValueError, match="one to a pass"):
+        tune({"w": weight}, {"w": INT4_G32}, _linear_loss(weight, xs), range(4), 4, torch.Generator(),
+             AutoRoundArgs(iters=1), per_pass=2)
 
 
 def test_same_seed_same_rounding_and_bounds_hold():
@@ -267,7 +303,7 @@ def test_registered_and_arguments_checked():
     assert args.rounding_lr == args.clipping_lr == 1 / 50
     assert AutoRoundArgs(iters=50, lr=0.1).clipping_lr == 0.1
     assert parse_arguments(Algorithm.AUTOROUND, {"lr": None, "minmax_lr": 1}) == {"lr": None, "minmax_lr": 1.0}
-    for bad in ({"iters": 0}, {"batch_size": 0}, {"lr": -1.0}, {"lr": "fast"}, {"steps": 3}):
+    for bad in ({"iters": 0}, {"batch_size": 0}, {"samples_per_pass": 0}, {"lr": -1.0}, {"lr": "fast"}, {"steps": 3}):
         with pytest.raises(SchemeError):
             parse_arguments(Algorithm.AUTOROUND, bad)
 

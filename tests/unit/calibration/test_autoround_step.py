@@ -3,6 +3,7 @@
 `amp` its passes run in bfloat16 autocast only where the device multiplies bf16 natively."""
 
 import copy
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -116,5 +117,42 @@ def test_samples_are_dealt_out_only_when_their_other_arguments_are_the_same():
     assert _same_call(_row_call((args, padded), 0), _row_call((args, padded), 0))
     assert not _same_call(_row_call((args, padded), 1), _row_call((args, padded), 0))
     assert not _same_call(_row_call((args, padded), 0), template)  # a mask where the template has none
-    three = [_dealt(rank, 3) for rank in range(3)]
-    assert [[p for p in range(8) if share(p, 100 + p)] for share in three] == [[0, 3, 6], [1, 4, 7], [2, 5]]
+    three = [_dealt(SimpleNamespace(distributed=True, ctx=SimpleNamespace(rank=rank, world_size=3))) for rank in range(3)]
+    assert [[p for p in range(8) if share(p, [100 + p])] for share in three] == [[0, 3, 6], [1, 4, 7], [2, 5]]
+    assert all(_dealt(SimpleNamespace(distributed=False))(p, [p]) for p in range(3))
+
+
+def test_a_pass_of_several_samples_gives_each_samples_own_loss():
+    """The template call repeated for a pass of several samples gives each sample the loss its own pass gives it
+    (the 4 samples, taken from 2 batches, in another order)."""
+    from quantkit.calibration.steps.autoround import _every_sample, _every_sample_loss, _local
+
+    layer = _layer(float_hidden=False)
+    targets = run_layer(layer.module, layer.inputs)
+    rows = [(b, r) for b in range(2) for r in range(2)]
+    rows_of, template = _every_sample(layer, rows, targets, 0, 4)
+    loss = _every_sample_loss(layer, rows_of, template, amp=False)
+    fake = {name: (m.weight.data + 0.01).requires_grad_() for name, m in layer.linears.items()}
+    together = loss(fake, [3, 0, 2])
+    alone = torch.cat([loss(fake, [s]) for s in (3, 0, 2)])
+    torch.testing.assert_close(together, alone, rtol=1e-5, atol=1e-9)
+    assert torch.equal(rows_of([3, 0])[0], torch.cat([hidden_states(layer.inputs)[1][1:], hidden_states(layer.inputs)[0][:1]]))
+    assert _local(layer, fake).keys() <= dict(layer.module.named_parameters()).keys()
+
+
+@pytest.mark.parametrize("per_pass", [1, 2])
+def test_the_summary_says_how_many_samples_a_pass_took(per_pass):
+    layer = _layer(float_hidden=True)
+    autoround_step(layer, AutoRoundArgs(iters=2, amp=False, batch_size=4, samples_per_pass=per_pass))
+    summary = layer.result.tuning["model.layers.0"]
+    assert summary["samples_per_pass"] == per_pass and summary["split"] == "one process"
+
+
+def test_samples_whose_other_arguments_differ_take_a_pass_each():
+    layer = _layer(float_hidden=True)
+    for b, (args, kwargs) in enumerate(layer.inputs):
+        mask = torch.zeros(2, 1, 12, 12)
+        mask[1, :, :, : b + 1] = float("-inf")  # padded samples: every mask differs
+        layer.inputs[b] = (args, {**kwargs, "attention_mask": mask})
+    autoround_step(layer, AutoRoundArgs(iters=2, amp=False, batch_size=4, samples_per_pass=4))
+    assert layer.result.tuning["model.layers.0"]["samples_per_pass"] == 1
