@@ -37,6 +37,7 @@ from quantkit.calibration.hooks import hidden_state, hidden_states, run_layer, w
 from quantkit.calibration.layer import Layer, relative_error
 from quantkit.calibration.steps import register
 from quantkit.moe import experts_modules
+from quantkit.tuning_attention import bf16_cpu_attention
 
 
 @register(Algorithm.AUTOROUND)
@@ -65,7 +66,7 @@ def autoround_step(layer: Layer, args: AutoRoundArgs) -> list[torch.Tensor]:
     layer.result.seconds["forward"] += tuning - started
 
     generator = torch.Generator().manual_seed(args.seed + layer.index)
-    with _tuning(layer.module):
+    with _tuning(layer.module), (bf16_cpu_attention(layer.module) if amp and device.type == "cpu" else contextlib.nullcontext()):
         tuned = tune(weights, specs, sample_loss, mine, total, generator, args,
                      lambda flat: distributed.all_reduce_(flat, layer.ctx), per_pass)
     for name, weight in weights.items():
