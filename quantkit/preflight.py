@@ -153,7 +153,9 @@ def calibration_bytes(plan: list[ModulePlan], quantized: dict[str, ModulePlan], 
 
 
 _HIDDEN_STATES = "calibration hidden states (this rank)"
-AUTOROUND_BYTES_PER_WEIGHT = 24  # V, its gradient, the float64 step sum, the best V, the fake-quantized weight
+AUTOROUND_BYTES_PER_WEIGHT = 36  # V, its gradient, the float64 step sum, the best V, the fake-quantized weight, and
+# what the step's fake-quantization keeps for its backward pass while the passes run (the clamp's input, the grid
+# values, a float32 copy of a 16-bit weight)
 
 
 def autoround_bytes(plan: list[ModulePlan], samples: int, seq_len: int, hidden: int, element: int,
