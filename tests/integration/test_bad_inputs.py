@@ -144,7 +144,8 @@ def test_sigkill_of_one_rank_stops_every_rank_and_leaves_no_dst_or_process(sourc
     calib.write_text(make_text(2000, seed=4))
     args = ["finalize", str(sources["model"]), str(tmp_path / "out"), "-q", "gptq-w4a16", "--calib-data", str(calib),
             "--num-samples", "4", "--seq-len", "16", "--threads", "1", "--quiet", "--json", str(tmp_path / marker)]
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", runner, *args],
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                           f"--log-dir={tmp_path / 'torchrun-logs'}", runner, *args],
                           capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode != 0
     assert not (tmp_path / "out").exists()

@@ -130,7 +130,8 @@ def test_two_machines_write_what_one_machine_of_two_ranks_writes(tiny_model_dir,
 
 
 def test_a_failing_rank_stops_every_rank_and_writes_nothing(tiny_model_dir, calib_file, tmp_path):
-    runner = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(Path(__file__).with_name("failing_rank.py"))]
+    runner = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", f"--log-dir={tmp_path / 'torchrun-logs'}",
+              str(Path(__file__).with_name("failing_rank.py"))]
     started = time.monotonic()
     done = finalize(tiny_model_dir, tmp_path / "out", "gptq-w4a16", calib_file, 2, runner=runner)
     assert done.returncode != 0

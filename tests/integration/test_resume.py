@@ -46,7 +46,8 @@ def run(src, dst, recipe, calib, *extra, nproc=1, kill_layer=None, kill_rank=0, 
         cmd = [sys.executable, "-m", "quantkit.cli.main", *args] + (["--nproc-per-node", str(nproc)] if nproc > 1 else [])
     else:
         env.update(QUANTKIT_TEST_KILL_LAYER=str(kill_layer), QUANTKIT_TEST_KILL_RANK=str(kill_rank), QUANTKIT_TEST_SIGNAL=signal)
-        launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] if nproc > 1 else []
+        launcher = (["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+                     f"--log-dir={Path(dst).parent}-torchrun-logs"] if nproc > 1 else [])  # beside the test's directory
         cmd = [sys.executable, *launcher, RUNNER, *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
 
