@@ -35,7 +35,8 @@ def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: 
     groups = getattr(module, "num_key_value_groups", 1)
     query, key, value = query.bfloat16(), repeat_kv(key.bfloat16(), groups), repeat_kv(value.bfloat16(), groups)
     q_length = query.shape[2]
-    causal = q_length > 1 and attention_mask is None and (is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    causal = q_length > 1 and attention_mask is None and is_causal
     if causal:  # as sdpa: causal attention is aligned to the first key
         key, value = key[:, :, :q_length], value[:, :, :q_length]
     scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])

@@ -12,8 +12,8 @@ iterate with the least loss is kept. V = 0, a = b = 1 is round-to-nearest, bit f
 
 A step fake-quantizes the weights once; the gradient with respect to the fake-quantized weights comes from
 forward and backward passes over a fixed number of the step's samples each (`per_pass`), summed in float64 in pass
-order (`tune`'s `reduce_sum` sums over ranks); the sum is carried back through the fake-quantization once. Every rank takes the sign of the same gradients, so every rank takes the
-same step.
+order (`tune`'s `reduce_sum` sums over ranks); the sum is carried back through the fake-quantization once. Every
+rank takes the sign of the same gradients, so every rank takes the same step.
 """
 
 from __future__ import annotations

@@ -66,7 +66,8 @@ def autoround_step(layer: Layer, args: AutoRoundArgs) -> list[torch.Tensor]:
     layer.result.seconds["forward"] += tuning - started
 
     generator = torch.Generator().manual_seed(args.seed + layer.index)
-    with _tuning(layer.module), (bf16_cpu_attention(layer.module) if amp and device.type == "cpu" else contextlib.nullcontext()):
+    attention = bf16_cpu_attention(layer.module) if amp and device.type == "cpu" else contextlib.nullcontext()
+    with _tuning(layer.module), attention:
         tuned = tune(weights, specs, sample_loss, mine, total, generator, args,
                      lambda flat: distributed.all_reduce_(flat, layer.ctx), per_pass)
     for name, weight in weights.items():
@@ -87,8 +88,8 @@ def autoround_step(layer: Layer, args: AutoRoundArgs) -> list[torch.Tensor]:
 
 
 def _sample_loss(layer: Layer, rows: list[tuple[int, int]], first: int, targets: list[torch.Tensor], amp: bool):
-    """The loss of global sample `sample` (this rank's `rows[sample - first]`: batch, row) with the fake-quantized
-    weights in place of the float ones: its own forward pass, a batch of one (in bfloat16 autocast with `amp`)."""
+    """The loss of a pass of one global sample (this rank's `rows[sample - first]`: batch, row) with the
+    fake-quantized weights in place of the float ones: a batch of one (in bfloat16 autocast with `amp`)."""
     def sample_loss(fake: dict[str, torch.Tensor], samples: list[int]) -> torch.Tensor:
         sample, = samples
         batch, row = rows[sample - first]
