@@ -146,6 +146,18 @@ def announce(report: dict) -> None:
     work = f", resume state {human_bytes(report['work_dir_bytes'])}" if report["work_dir_bytes"] else ""
     out.print(f"preflight: peak RAM about {human_bytes(report['peak_ram_bytes'])}, output {human_bytes(report['output_bytes'])}"
               f"{work}, {human_bytes(report['free_disk_bytes'])} free at DST", highlight=False, soft_wrap=True)
+    idle = _autoround_idle(report)
+    if idle:
+        out.print(f"note: {idle}", highlight=False, soft_wrap=True)
+
+
+def _autoround_idle(report: dict) -> str | None:
+    """What to say where AutoRound has fewer passes a step than there are ranks (the others wait while it tunes)."""
+    passes, ranks = report.get("autoround_passes_per_step"), report["ranks"]
+    if passes is None or passes >= ranks:
+        return None
+    return (f"AutoRound tunes on {passes} of the {ranks} ranks at a time ({passes} forward and backward passes a step); "
+            "a user recipe with a smaller samples_per_pass (or a larger batch_size) keeps more of them busy")
 
 
 def print_plan(plan: dict, recipe: str, dst) -> None:
@@ -170,6 +182,10 @@ def print_plan(plan: dict, recipe: str, dst) -> None:
         table.add_row("time", f"about {timing['seconds']:.0f} s: one layer {timing['one_layer_seconds']:.2f} s here x {timing['layers']} layers ({timing['note']})")
     if plan["samples_per_rank"]:
         table.add_row("ranks", f"{plan['ranks']}: samples per rank {' / '.join(map(str, plan['samples_per_rank']))} of {plan['seq_len']} tokens")
+    if report.get("autoround_passes_per_step"):
+        idle = _autoround_idle(report)
+        table.add_row("AutoRound", f"{report['autoround_passes_per_step']} forward and backward passes a step"
+                      + (f": {idle}" if idle else ""))
     if plan["gptq_rows_per_rank"] and plan["ranks"] > 1:
         table.add_row("GPTQ rows per rank", " / ".join(map(str, plan["gptq_rows_per_rank"])))
     out.print(table)

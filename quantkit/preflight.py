@@ -30,6 +30,7 @@ own work does not), times the layers.
 from __future__ import annotations
 
 import copy
+import math
 import re
 import resource
 import shutil
@@ -81,6 +82,7 @@ def estimate(prepared, recipe: Recipe, options, world_size: int, dst: str | Path
     device = None
     work_dir = None
     shares = None
+    passes = None
     if recipe.needs_calibration:
         num_samples = options.num_samples or recipe.calibration.num_samples
         seq_len = options.seq_len or recipe.calibration.seq_len
@@ -90,6 +92,7 @@ def estimate(prepared, recipe: Recipe, options, world_size: int, dst: str | Path
         if recipe.quantizer.name is Algorithm.AUTOROUND:
             calib.update(autoround_bytes(prepared.plan, max(shares), seq_len, hidden, element, num_samples, world_size))
             streams = 2  # the float model's beside the quantized ones
+            passes = autoround_passes(recipe.quantizer.arguments, num_samples)
         if streamed:  # each layer's grid integers are written with it
             calib.pop("grid integers of finished layers")
             outside_layers[_HIDDEN_STATES] = calib[_HIDDEN_STATES]
@@ -116,6 +119,8 @@ def estimate(prepared, recipe: Recipe, options, world_size: int, dst: str | Path
         "ranks": world_size,
         "samples_per_rank": shares,
     }
+    if passes is not None:  # AutoRound: the ranks share out a step's passes, so no more than that many tune at once
+        report["autoround_passes_per_step"] = passes
     if measure_time:
         report["time"] = time_estimate(prepared, recipe, options, max(shares) if shares else 0, layers,
                                        dtype if dtype != "auto" else _stored_dtype(headers), trust_remote_code)
@@ -153,6 +158,11 @@ def calibration_bytes(plan: list[ModulePlan], quantized: dict[str, ModulePlan], 
 
 
 _HIDDEN_STATES = "calibration hidden states (this rank)"
+def autoround_passes(args, num_samples: int) -> int:
+    """AutoRound's forward and backward passes a step (equal-length samples): a step's samples over samples_per_pass."""
+    return math.ceil(min(args.batch_size, num_samples) / args.samples_per_pass)
+
+
 AUTOROUND_BYTES_PER_WEIGHT = 36  # V, its gradient, the float64 step sum, the best V, the fake-quantized weight, and
 # what the step's fake-quantization keeps for its backward pass while the passes run (the clamp's input, the grid
 # values, a float32 copy of a 16-bit weight)

@@ -100,3 +100,8 @@ def test_autoround_dry_run_counts_the_float_models_hidden_states_and_every_ranks
     breakdown = autoround["peak_ram_breakdown"]
     assert breakdown["AutoRound every rank's samples of the layer (inputs and targets)"] == 2 * one_stream
     assert breakdown["AutoRound float model's hidden states (before and after the layer, this rank)"] == one_stream
+    assert autoround["autoround_passes_per_step"] == 2 and "autoround_passes_per_step" not in reports["gptq-w4a16"]
+    done = finalize(str(model_dir), str(tmp_path / "out"), "-q", "autoround-w4a16", "--calib-data", str(calib),
+                    "--num-samples", "16", "--seq-len", "64", "--nproc-per-node", "3", "--dry-run", "--json", "-")
+    three = json.loads(done.stdout)["preflight"]
+    assert (three["ranks"], three["autoround_passes_per_step"]) == (3, 2)
