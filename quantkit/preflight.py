@@ -90,9 +90,10 @@ def estimate(prepared, recipe: Recipe, options, world_size: int, dst: str | Path
         calib = calibration_bytes(prepared.plan, quantized, numel, max(shares), seq_len, hidden, element, options.batch_size)
         streams = 1  # of hidden states in the resume state
         if recipe.quantizer.name is Algorithm.AUTOROUND:
-            calib.update(autoround_bytes(prepared.plan, max(shares), seq_len, hidden, element, num_samples, world_size))
-            streams = 2  # the float model's beside the quantized ones
             passes = autoround_passes(recipe.quantizer.arguments, num_samples)
+            calib.update(autoround_bytes(prepared.plan, max(shares), seq_len, hidden, element, num_samples, world_size,
+                                         passes))
+            streams = 2  # the float model's beside the quantized ones
         if streamed:  # each layer's grid integers are written with it
             calib.pop("grid integers of finished layers")
             outside_layers[_HIDDEN_STATES] = calib[_HIDDEN_STATES]
@@ -169,14 +170,16 @@ AUTOROUND_BYTES_PER_WEIGHT = 36  # V, its gradient, the float64 step sum, the be
 
 
 def autoround_bytes(plan: list[ModulePlan], samples: int, seq_len: int, hidden: int, element: int,
-                    total: int = 0, world_size: int = 1) -> dict[str, int]:
+                    total: int = 0, world_size: int = 1, passes: int = 1) -> dict[str, int]:
     """What AutoRound adds: the float model's hidden states before and after the layer (its targets) for this rank's
     samples, the tuning state of one layer's weights and, on several ranks, every rank's samples (the layer's inputs
     and targets) so that each step's samples are dealt out evenly."""
     weights = sum(e.in_features * e.out_features for e in _first_layer(plan))
     needs = {"AutoRound float model's hidden states (before and after the layer, this rank)":
              2 * samples * seq_len * hidden * element,
-             "AutoRound tuning state of one layer": AUTOROUND_BYTES_PER_WEIGHT * weights}
+             "AutoRound tuning state of one layer": AUTOROUND_BYTES_PER_WEIGHT * weights,
+             # a step's gradient, a row a pass (float32, or bf16 under autocast), gathered from the ranks
+             "AutoRound gradients of a step's passes": 4 * passes * weights}
     if world_size > 1:
         needs["AutoRound every rank's samples of the layer (inputs and targets)"] = 2 * total * seq_len * hidden * element
     return needs

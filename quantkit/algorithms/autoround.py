@@ -11,9 +11,9 @@ straight through), moves V by lr and a, b by minmax_lr (both decayed linearly to
 iterate with the least loss is kept. V = 0, a = b = 1 is round-to-nearest, bit for bit.
 
 A step fake-quantizes the weights once; the gradient with respect to the fake-quantized weights comes from
-forward and backward passes over a fixed number of the step's samples each (`per_pass`), summed in float64 in pass
-order (`tune`'s `reduce_sum` sums over ranks); the sum is carried back through the fake-quantization once. Every
-rank takes the sign of the same gradients, so every rank takes the same step.
+forward and backward passes over a fixed number of the step's samples each (`per_pass`), shared out over the ranks
+(`Share`), gathered onto every rank and summed in float64 in pass order; the sum is carried back through the
+fake-quantization once. Every rank adds the same numbers in the same order, so every rank takes the same step.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import math
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable
 
 import torch
 from torchao.quantization.quant_primitives import MappingType, choose_qparams_affine_with_min_max
@@ -146,8 +146,19 @@ class Tuned:
 SampleLoss = Callable[[dict[str, torch.Tensor], list[int]], torch.Tensor]  # (fake-quantized weights, samples) ->
 # each sample's loss, from one forward pass over them; its gradient is taken with respect to those weights (leaf
 # tensors), so it must not detach them
-ReduceSum = Callable[[torch.Tensor], None]  # sums a float64 tensor over ranks, in place
-Share = Callable[[int, list[int]], bool]  # (the pass's place in the step, its samples) -> whether this rank runs it
+GatherRows = Callable[[list[torch.Tensor], list[slice]], None]  # every rank fills its rows of the tensors; every
+# rank ends with all of them (`distributed.all_gather_rows`)
+
+
+@dataclass(frozen=True)
+class Share:
+    """How the ranks share a step's passes: which rank runs each (`owner(place in the step, samples)`), and how
+    the passes' gradients and losses, one table row a pass, reach every rank. The default: one process."""
+
+    rank: int = 0
+    world_size: int = 1
+    owner: Callable[[int, list[int]], int] = lambda place, samples: 0
+    gather_rows: GatherRows = lambda tensors, shares: None
 
 
 def draws(num_samples: int, batch_size: int, iters: int, generator: torch.Generator) -> list[list[int]]:
@@ -169,18 +180,14 @@ def passes(chosen: list[int], per_pass: int) -> list[list[int]]:
 
 
 @register(Algorithm.AUTOROUND)
-def tune(weights: dict[str, torch.Tensor], specs: dict[str, WeightSpec], sample_loss: SampleLoss,
-         mine: Sequence[int] | Share, num_samples: int, generator: torch.Generator, args: AutoRoundArgs = AutoRoundArgs(),
-         reduce_sum: ReduceSum = lambda tensor: None, per_pass: int = 1) -> Tuned:
+def tune(weights: dict[str, torch.Tensor], specs: dict[str, WeightSpec], sample_loss: SampleLoss, num_samples: int,
+         generator: torch.Generator, args: AutoRoundArgs = AutoRoundArgs(), per_pass: int = 1, share: Share = Share(),
+         pass_dtype: torch.dtype | None = None) -> Tuned:
     """Tune a Rounding for each weight on the summed loss of `args.batch_size` samples a step (of `num_samples`),
-    `per_pass` samples to a forward and backward pass. This rank runs the passes over the samples it holds
-    (`mine`, one sample a pass), or those `mine(place, samples)` gives it. `args.iters` SignSGD steps; the iterate
-    with the least loss is returned."""
-    if not callable(mine):
-        if per_pass != 1:
-            raise ValueError("samples held by the ranks are one to a pass; deal the passes out to share several")
-        held = set(mine)
-        mine = lambda place, samples: samples[0] in held  # noqa: E731
+    `per_pass` samples to a forward and backward pass; this rank runs the passes `share` gives it. The passes take
+    the fake-quantized weights in `pass_dtype` (default: the weights' own; bfloat16 under autocast, where their
+    gradients come out of bf16 products anyway). `args.iters` SignSGD steps; the iterate with the least loss is
+    returned."""
     roundings = {name: Rounding.nearest(w, specs[name]) for name, w in weights.items()}
     tuned = [(r.value, args.rounding_lr, (-0.5, 0.5)) for r in roundings.values()]
     if args.minmax_tuning:
@@ -191,52 +198,57 @@ def tune(weights: dict[str, torch.Tensor], specs: dict[str, WeightSpec], sample_
         started = time.perf_counter()
         with torch.enable_grad():  # once a step; the passes' gradients are carried back through it once
             fake = {name: fake_quantize(w, roundings[name], specs[name], args.full_range) for name, w in weights.items()}
-        flat, losses = _gradients(weights, fake, sample_loss, passes(chosen, per_pass), mine)
-        reduce_sum(flat)
+        leaves = {name: t.detach().to(pass_dtype or weights[name].dtype).requires_grad_() for name, t in fake.items()}
+        flat, losses = _gradients(leaves, sample_loss, passes(chosen, per_pass), share)
         loss = sum(losses.tolist()) / len(chosen)  # one value per sample, summed in one order on every rank
         first = loss if first is None else first
         if loss < best[0]:
             best = (loss, step, {name: r.clone() for name, r in roundings.items()})
-        _sign_step(tuned, 1.0 - step / args.iters, _through_fake_quantization(weights, fake, params, flat))
+        _sign_step(tuned, 1.0 - step / args.iters, _through_fake_quantization(fake, params, flat))
         seconds.append(time.perf_counter() - started)
     return Tuned(best[2], first, best[0], best[1], statistics.median(seconds[1:] or seconds))
 
 
-def _gradients(weights: dict[str, torch.Tensor], fake: dict[str, torch.Tensor], sample_loss: SampleLoss,
-               step_passes: list[list[int]], mine: Share) -> tuple[torch.Tensor, torch.Tensor]:
-    """One flat float64 buffer: the gradients of the loss with respect to the fake-quantized weights `fake`, summed
-    over the passes this rank runs (`mine`), then the step's samples' losses (zero for the other ranks').
+def _gradients(leaves: dict[str, torch.Tensor], sample_loss: SampleLoss, step_passes: list[list[int]],
+               share: Share = Share()) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's gradient with respect to the fake-quantized weights (`leaves`), flat, float64, and its samples'
+    losses (float64, in the step's sample order), the same on every rank.
 
-    Each pass is its own forward and backward pass with respect to the fake-quantized weights (detached, in the
-    weights' dtype): a pass's gradient does not depend on which rank runs it or which passes share that rank. They
-    are added in float64 in pass order; `_through_fake_quantization` carries the reduced sum back to V and the
-    clipping factors, once a step."""
-    leaves = {name: tensor.detach().to(weights[name].dtype).requires_grad_() for name, tensor in fake.items()}
-    sizes = [w.numel() for w in weights.values()]
-    count = sum(len(samples) for samples in step_passes)
-    flat = torch.zeros(sum(sizes) + count, dtype=torch.float64, device=next(iter(weights.values())).device)
-    grads = flat[: sum(sizes)].split(sizes)
-    at = sum(sizes)
+    Each pass is its own forward and backward pass; its gradient does not depend on which rank runs it. This rank
+    runs its passes into its rows of a table (a row a pass, in the leaves' dtype, rows grouped by rank); the rows
+    are gathered onto every rank, and every rank adds the passes up in float64 in pass order: the arithmetic of one
+    process, on any number of ranks."""
+    sizes = [leaf.numel() for leaf in leaves.values()]
+    device, dtype = next(iter(leaves.values())).device, next(iter(leaves.values())).dtype
+    owners = [share.owner(place, samples) for place, samples in enumerate(step_passes)]
+    order = sorted(range(len(step_passes)), key=lambda place: (owners[place], place))  # the table's rows
+    row = {place: at for at, place in enumerate(order)}
+    grads = torch.zeros(len(step_passes), sum(sizes), dtype=dtype, device=device)
+    losses = torch.zeros(len(step_passes), max(map(len, step_passes)), dtype=torch.float64, device=device)
     for place, samples in enumerate(step_passes):
-        if mine(place, samples):
+        if owners[place] == share.rank:
             with torch.enable_grad():
-                losses = sample_loss(leaves, samples)
-                found = torch.autograd.grad(losses.sum(), list(leaves.values()), allow_unused=True)
-            for buffer, grad in zip(grads, found):
+                found = sample_loss(leaves, samples)
+                pass_grads = torch.autograd.grad(found.sum(), list(leaves.values()), allow_unused=True)
+            for into, grad in zip(grads[row[place]].split(sizes), pass_grads):
                 if grad is not None:
-                    buffer += grad.reshape(-1)
-            flat[at : at + len(samples)] = losses.detach().double()
-        at += len(samples)
-    return flat, flat[sum(sizes):]
+                    into.copy_(grad.reshape(-1))
+            losses[row[place], : len(samples)] = found.detach().double()
+    counts = [owners.count(rank) for rank in range(share.world_size)]
+    share.gather_rows([grads, losses], [slice(sum(counts[:rank]), sum(counts[: rank + 1])) for rank in range(share.world_size)])
+    flat = torch.zeros(sum(sizes), dtype=torch.float64, device=device)
+    for place in range(len(step_passes)):
+        flat += grads[row[place]]
+    return flat, torch.cat([losses[row[place], : len(samples)] for place, samples in enumerate(step_passes)])
 
 
-def _through_fake_quantization(weights: dict[str, torch.Tensor], fake: dict[str, torch.Tensor],
-                               params: list[torch.Tensor], flat: torch.Tensor) -> list[torch.Tensor | None]:
-    """The gradients of `params` from the summed gradient with respect to the fake-quantized weights at the front of
-    `flat`: one backward pass through the step's fake-quantization `fake` (rounding straight through). Every rank
-    holds the same sum, so every rank gets the same gradients (None: a parameter the loss does not reach)."""
-    sizes = [w.numel() for w in weights.values()]
-    upstream = [g.view(w.shape).float() for g, w in zip(flat[: sum(sizes)].split(sizes), weights.values())]
+def _through_fake_quantization(fake: dict[str, torch.Tensor], params: list[torch.Tensor],
+                               flat: torch.Tensor) -> list[torch.Tensor | None]:
+    """The gradients of `params` from the step's gradient with respect to the fake-quantized weights (`flat`): one
+    backward pass through the step's fake-quantization `fake` (rounding straight through). Every rank holds the
+    same gradient, so every rank gets the same (None: a parameter the loss does not reach)."""
+    sizes = [t.numel() for t in fake.values()]
+    upstream = [g.view(t.shape).float() for g, t in zip(flat.split(sizes), fake.values())]
     return list(torch.autograd.grad(list(fake.values()), params, upstream, allow_unused=True))
 
 

@@ -1,4 +1,5 @@
 import pytest
+from forked_ranks import on_ranks as _on_ranks
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
@@ -10,34 +11,6 @@ def test_rank_shares_cover_the_samples_once(world):
 
 
 # ---------------------------------------------------------------- collectives, on 1-3 forked gloo ranks
-
-
-def _on_ranks(world: int, work, tmp_path) -> list:
-    """`work(ctx)` on `world` forked processes joined in a gloo group; each rank's return value, in rank order
-    (saved by torch.save, read back with weights_only=True)."""
-    import multiprocessing
-
-    import torch
-
-    def rank_main(rank: int) -> None:
-        import torch.distributed as dist
-
-        from quantkit.distributed import Context
-
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=rank, world_size=world)
-        try:
-            torch.save(work(Context(rank, world, rank, torch.device("cpu"))), tmp_path / f"rank{rank}.pt")
-        finally:
-            dist.destroy_process_group()
-
-    procs = [multiprocessing.get_context("fork").Process(target=rank_main, args=(rank,)) for rank in range(world)]
-    for proc in procs:
-        proc.start()
-    for proc in procs:
-        proc.join(timeout=120)
-    assert [proc.exitcode for proc in procs] == [0] * world
-    return [torch.load(tmp_path / f"rank{rank}.pt", weights_only=True) for rank in range(world)]
 
 
 def _scores(i: int) -> float:

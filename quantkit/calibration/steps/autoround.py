@@ -14,14 +14,16 @@ summary and the final rounding are computed in the model's dtype. The summary ke
 error to the float model's output per sample, over all samples) with round-to-nearest and after tuning.
 
 Distributed: this rank's samples are the contiguous slice `data.rank_batches` gave it; every rank gathers every
-rank's samples of the layer and runs the passes dealt to it; every step's gradients with respect to the
-fake-quantized weights (float64) and per-sample losses are all-reduced before they are carried back to the
-rounding, so every rank takes the same step and ends with the same rounding.
+rank's samples of the layer and runs the passes dealt to it; every pass's gradient with respect to the
+fake-quantized weights and its samples' losses are gathered onto every rank and added up in pass order before they
+are carried back to the rounding, so every rank takes the same step and ends with the same rounding.
 """
 
 from __future__ import annotations
 
+import bisect
 import contextlib
+import itertools
 import time
 from typing import Callable, Iterator
 
@@ -32,7 +34,7 @@ from torch.func import functional_call
 from quantkit import distributed, precision
 from quantkit.algorithms import Algorithm
 from quantkit.algorithms.arguments import AutoRoundArgs
-from quantkit.algorithms.autoround import Rounding, quantize, tune
+from quantkit.algorithms.autoround import Rounding, Share, quantize, tune
 from quantkit.calibration.hooks import hidden_state, hidden_states, run_layer, with_hidden
 from quantkit.calibration.layer import Layer, relative_error
 from quantkit.calibration.steps import register
@@ -59,17 +61,17 @@ def autoround_step(layer: Layer, args: AutoRoundArgs) -> list[torch.Tensor]:
     before = _mean_loss(layer, _outputs_with(layer, nearest), targets, first, total)
     every = _every_sample(layer, rows, targets, first, total)
     if every is None:  # samples whose other arguments differ (or a rank holds none): each rank runs its own, one a pass
-        sample_loss, mine, per_pass = _sample_loss(layer, rows, first, targets, amp), range(first, first + len(rows)), 1
+        sample_loss, share, per_pass = _sample_loss(layer, rows, first, targets, amp), _held(layer, len(rows)), 1
     else:  # each step's passes dealt out evenly over the ranks (one process: all of them)
-        sample_loss, mine, per_pass = _every_sample_loss(layer, *every, amp), _dealt(layer), args.samples_per_pass
+        sample_loss, share, per_pass = _every_sample_loss(layer, *every, amp), _dealt(layer), args.samples_per_pass
     tuning = time.perf_counter()
     layer.result.seconds["forward"] += tuning - started
 
     generator = torch.Generator().manual_seed(args.seed + layer.index)
     attention = bf16_cpu_attention(layer.module) if amp and device.type == "cpu" else contextlib.nullcontext()
     with _tuning(layer.module), attention:
-        tuned = tune(weights, specs, sample_loss, mine, total, generator, args,
-                     lambda flat: distributed.all_reduce_(flat, layer.ctx), per_pass)
+        tuned = tune(weights, specs, sample_loss, total, generator, args, per_pass, share,
+                     torch.bfloat16 if amp else None)
     for name, weight in weights.items():
         qweight = quantize(weight, tuned.roundings[name], specs[name], args.full_range)
         layer.record(name, qweight, relative_error(weight, qweight, None))
@@ -156,12 +158,26 @@ def _same_call(call: tuple, template: tuple) -> bool:
             and all(k == "hidden_states" or same(v, t_kwargs[k]) for k, v in kwargs.items()))
 
 
-def _dealt(layer: Layer) -> Callable[[int, list[int]], bool]:
-    """This rank's passes of a step: those at places rank, rank + world_size, ... (one process: every pass)."""
+def _dealt(layer: Layer) -> Share:
+    """A step's passes dealt out: the passes at places rank, rank + world_size, ... to each rank (one process: all)."""
     if not layer.distributed:
-        return lambda place, samples: True
-    rank, world_size = layer.ctx.rank, layer.ctx.world_size
-    return lambda place, samples: place % world_size == rank
+        return Share()
+    world_size = layer.ctx.world_size
+    return Share(layer.ctx.rank, world_size, lambda place, samples: place % world_size, _gather(layer))
+
+
+def _held(layer: Layer, count: int) -> Share:
+    """Each pass (one sample) run by the rank that holds its sample: ranks hold contiguous runs in rank order."""
+    if not layer.distributed:
+        return Share()
+    counts = distributed.all_gather_int(count, layer.ctx)
+    ends = list(itertools.accumulate(counts))
+    return Share(layer.ctx.rank, layer.ctx.world_size, lambda place, samples: bisect.bisect_right(ends, samples[0]),
+                 _gather(layer))
+
+
+def _gather(layer: Layer):
+    return lambda tensors, shares: distributed.all_gather_rows(tensors, shares, layer.ctx)
 
 
 def _every_sample_loss(layer: Layer, rows_of, template: tuple, amp: bool):

@@ -164,20 +164,23 @@ def test_full_range_puts_each_groups_larger_side_on_the_grid():
     assert ((groups - deq) ** 2).sum() != ((groups - minmax) ** 2).sum()
 
 
-def _linear_loss(weight, xs):
-    """A Linear's `SampleLoss`: each sample's mean squared output error, the samples stacked in one product."""
+def _linear_loss(weight, xs, amp=False):
+    """A Linear's `SampleLoss`: each sample's mean squared output error, the samples stacked in one product (in
+    bf16 autocast with `amp`)."""
     stacked = torch.stack(xs)
 
     def sample_loss(fake, samples):
         x = stacked[samples]
-        return ((x @ fake["w"].T - x @ weight.T) ** 2).flatten(1).mean(1)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+            out = x @ fake["w"].T
+        return ((out.float() - x @ weight.T) ** 2).flatten(1).mean(1)
 
     return sample_loss
 
 
 def _tune_linear(weight, xs, spec, args, seed=0):
     generator = torch.Generator().manual_seed(seed)
-    return tune({"w": weight}, {"w": spec}, _linear_loss(weight, xs), range(len(xs)), len(xs), generator, args)
+    return tune({"w": weight}, {"w": spec}, _linear_loss(weight, xs), len(xs), generator, args)
 
 
 @pytest.mark.parametrize("full_range", [True, False], ids=["full-range", "min-max"])
@@ -202,11 +205,11 @@ def test_step_gradient_is_autograd_of_the_summed_loss_through_the_fake_quantizat
     rounding = _random_rounding(weight, INT4_G32_ASYM)
     params = [t.requires_grad_() for t in rounding.tensors()]
     sample_loss = _linear_loss(weight, xs)
-    weights, chosen = {"w": weight}, [0, 2, 3, 5]
+    chosen = [0, 2, 3, 5]
     fake = {"w": fake_quantize(weight, rounding, INT4_G32_ASYM)}
-    flat, losses = autoround._gradients(weights, fake, sample_loss, autoround.passes(chosen, per_pass),
-                                        lambda place, samples: True)
-    ours = autoround._through_fake_quantization(weights, fake, params, flat)
+    flat, losses = autoround._gradients({"w": fake["w"].detach().requires_grad_()}, sample_loss,
+                                        autoround.passes(chosen, per_pass))
+    ours = autoround._through_fake_quantization(fake, params, flat)
     fake = {"w": fake_quantize(weight, rounding, INT4_G32_ASYM)}  # that graph is spent: again, for autograd's own
     reference = torch.autograd.grad(sum(sample_loss(fake, [s]).sum() for s in chosen), params)
     for mine, theirs in zip(ours, reference):
@@ -219,26 +222,30 @@ def test_passes_cut_a_step_into_consecutive_runs_of_samples():
     assert autoround.passes([1, 4, 5], 4) == [[1, 4, 5]] and autoround.passes([1, 4], 1) == [[1], [4]]
 
 
-def _tune_on_ranks(weight, xs, spec, args, ranks, per_pass=None):
-    """`tune` on `ranks` threads, each holding a contiguous slice of the samples (or, with `per_pass`, running the
-    passes dealt to it), its float64 buffer summed over the threads in rank order (what gloo's all-reduce does for
-    two ranks); every rank's result."""
-    share, buffers, results = len(xs) // ranks, [None] * ranks, [None] * ranks
+def _tune_on_ranks(weight, xs, spec, args, ranks, per_pass=None, pass_dtype=None, amp=False):
+    """`tune` on `ranks` threads, each holding a contiguous slice of the samples and running their passes, one
+    sample a pass (or, with `per_pass`, running the passes dealt to it), each rank's table rows copied to the
+    others as `distributed.all_gather_rows` does; every rank's result."""
+    held, tables, results = len(xs) // ranks, [None] * ranks, [None] * ranks
     barrier = threading.Barrier(ranks)
 
     def run(rank):
-        def reduce_sum(flat):
-            buffers[rank] = flat.clone()
+        def gather_rows(tensors, shares):
+            tables[rank] = tensors
             barrier.wait()
-            flat.copy_(sum(buffers[1:], buffers[0]))
+            for other in range(ranks):
+                for into, source in zip(tensors, tables[other]):
+                    if other != rank:
+                        into[shares[other]] = source[shares[other]]
             barrier.wait()
 
         if per_pass is None:  # each rank its own slice of the samples, one a pass
-            mine = range(rank * share, (rank + 1) * share)
+            owner = lambda place, samples: samples[0] // held  # noqa: E731
         else:  # the step's passes dealt out
-            mine = lambda place, samples: place % ranks == rank  # noqa: E731
-        results[rank] = tune({"w": weight}, {"w": spec}, _linear_loss(weight, xs), mine, len(xs),
-                             torch.Generator().manual_seed(0), args, reduce_sum, per_pass or 1)
+            owner = lambda place, samples: place % ranks  # noqa: E731
+        share = autoround.Share(rank, ranks, owner, gather_rows)
+        results[rank] = tune({"w": weight}, {"w": spec}, _linear_loss(weight, xs, amp), len(xs),
+                             torch.Generator().manual_seed(0), args, per_pass or 1, share, pass_dtype)
 
     threads = [threading.Thread(target=run, args=(rank,)) for rank in range(ranks)]
     for thread in threads:
@@ -250,8 +257,9 @@ def _tune_on_ranks(weight, xs, spec, args, ranks, per_pass=None):
 
 @pytest.mark.parametrize("per_pass", [None, 1, 2, 3], ids=["held", "dealt-1", "dealt-2", "dealt-3"])
 def test_one_and_several_ranks_tune_the_same_rounding_bit_for_bit(per_pass):
-    """Each pass's gradient is the same tensor on whichever rank runs it: 1, 2 and 3 ranks take the same steps
-    (3 samples a pass: passes of 3, 3 and 2 samples, 3 ranks one each)."""
+    """Each pass's gradient is the same tensor on whichever rank runs it, and every rank adds the passes up in pass
+    order: 1, 2 and 3 ranks take the same steps (3 samples a pass: passes of 3, 3 and 2 samples; on 2 ranks one
+    runs two of them)."""
     weight, xs = _structured_layer(samples=8)
     args = AutoRoundArgs(iters=20, batch_size=8)
     one, = _tune_on_ranks(weight, xs, INT4_G32, args, 1, per_pass)
@@ -272,11 +280,16 @@ def test_samples_per_pass_changes_the_sums_not_the_tuning():
     assert (shared.roundings["w"].value == single.roundings["w"].value).float().mean() > 0.95
 
 
-def test_held_samples_go_one_to_a_pass():
-    weight, xs = _structured_layer(samples=4)
-    with pytest.raises(ValueError, match="one to a pass"):
-        tune({"w": weight}, {"w": INT4_G32}, _linear_loss(weight, xs), range(4), 4, torch.Generator(),
-             AutoRoundArgs(iters=1), per_pass=2)
+def test_bf16_passes_give_the_gradients_autocast_gives_float32_weights():
+    """Under bf16 autocast a product's gradient comes out of a bf16 product either way: weights handed to the
+    passes in bf16 (half the bytes to gather) tune exactly as float32 ones, on 1 and 2 ranks."""
+    weight, xs = _structured_layer(samples=8)
+    args = AutoRoundArgs(iters=10, batch_size=8)
+    as_float, = _tune_on_ranks(weight, xs, INT4_G32, args, 1, 4, amp=True)
+    as_bf16 = _tune_on_ranks(weight, xs, INT4_G32, args, 2, 4, torch.bfloat16, amp=True)
+    for other in as_bf16:
+        assert all(torch.equal(a, b) for a, b in zip(as_float.roundings["w"].tensors(), other.roundings["w"].tensors()))
+        assert other.best_loss == as_float.best_loss
 
 
 def test_same_seed_same_rounding_and_bounds_hold():

@@ -118,8 +118,9 @@ def test_samples_are_dealt_out_only_when_their_other_arguments_are_the_same():
     assert not _same_call(_row_call((args, padded), 1), _row_call((args, padded), 0))
     assert not _same_call(_row_call((args, padded), 0), template)  # a mask where the template has none
     three = [_dealt(SimpleNamespace(distributed=True, ctx=SimpleNamespace(rank=rank, world_size=3))) for rank in range(3)]
-    assert [[p for p in range(8) if share(p, [100 + p])] for share in three] == [[0, 3, 6], [1, 4, 7], [2, 5]]
-    assert all(_dealt(SimpleNamespace(distributed=False))(p, [p]) for p in range(3))
+    assert [[p for p in range(8) if share.owner(p, [100 + p]) == share.rank] for share in three] == [[0, 3, 6], [1, 4, 7], [2, 5]]
+    alone = _dealt(SimpleNamespace(distributed=False))
+    assert (alone.rank, alone.world_size) == (0, 1) and all(alone.owner(p, [p]) == 0 for p in range(3))
 
 
 def test_a_pass_of_several_samples_gives_each_samples_own_loss():
@@ -156,3 +157,40 @@ def test_samples_whose_other_arguments_differ_take_a_pass_each():
         layer.inputs[b] = (args, {**kwargs, "attention_mask": mask})
     autoround_step(layer, AutoRoundArgs(iters=2, amp=False, batch_size=4, samples_per_pass=4))
     assert layer.result.tuning["model.layers.0"]["samples_per_pass"] == 1
+
+
+def _padded(layer):
+    """The layer's samples padded differently (each mask its own): AutoRound runs them where they are held."""
+    for b, (args, kwargs) in enumerate(layer.inputs):
+        mask = torch.zeros(2, 1, 12, 12)
+        mask[1, :, :, : b + 1] = float("-inf")
+        layer.inputs[b] = (args, {**kwargs, "attention_mask": mask})
+    return layer
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["dealt", "held"])
+def test_two_gloo_ranks_tune_what_one_process_tunes(tmp_path, padded):
+    """The step on 2 forked gloo ranks, each holding one of the 2 batches: the passes (dealt out, or run where their
+    samples are held) are gathered onto both ranks and added up in pass order, so each rank's outputs are the
+    one-process outputs of its batch, bit for bit, and the summaries agree."""
+    from forked_ranks import on_ranks
+
+    args = AutoRoundArgs(iters=3, amp=False, batch_size=4, samples_per_pass=2)
+    whole = _padded(_layer(float_hidden=True)) if padded else _layer(float_hidden=True)
+    outputs = autoround_step(whole, args)
+
+    def work(ctx):
+        layer = _padded(_layer(float_hidden=True)) if padded else _layer(float_hidden=True)
+        layer.inputs, layer.float_hidden = layer.inputs[ctx.rank : ctx.rank + 1], layer.float_hidden[ctx.rank : ctx.rank + 1]
+        layer.ctx = ctx
+        mine = autoround_step(layer, args)
+        return {"outputs": mine[0], "summary": torch.tensor([layer.result.tuning["model.layers.0"][k]
+                                                             for k in ("loss_rtn", "loss_tuned", "best_step", "samples_per_pass")],
+                                                            dtype=torch.float64)}
+
+    ranks = on_ranks(2, work, tmp_path)
+    summary = whole.result.tuning["model.layers.0"]
+    for rank, result in enumerate(ranks):
+        assert torch.equal(result["outputs"], outputs[rank])
+        assert result["summary"].tolist() == [summary["loss_rtn"], summary["loss_tuned"], summary["best_step"],
+                                              1 if padded else 2]
