@@ -25,12 +25,13 @@ def test_several_machines_meet_at_the_endpoint():
     ]
 
 
-def test_torchrun_reads_the_arguments_as_meant(monkeypatch):
+def test_torchrun_reads_the_arguments_as_meant(monkeypatch, tmp_path):
     from torch.distributed.run import config_from_args, parse_args
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # torchrun sets it when absent
     two = Launch(nproc_per_node=2, nnodes=2, node_rank=1, rdzv_endpoint="10.0.0.1:29500")
-    config, module, args = config_from_args(parse_args(torchrun_args(two, ARGV)))
+    # a log directory of its own: without one torchrun makes a torchelastic_* directory under /tmp right here
+    config, module, args = config_from_args(parse_args([f"--log-dir={tmp_path}", *torchrun_args(two, ARGV)]))
     assert (config.min_nodes, config.max_nodes, config.nproc_per_node) == (2, 2, 2)
     assert (config.rdzv_backend, config.rdzv_endpoint, config.run_id) == ("static", "10.0.0.1:29500", "quantkit")
     assert config.rdzv_configs["rank"] == 1  # static keeps --node-rank: node 0 holds global rank 0, the writer
