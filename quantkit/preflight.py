@@ -159,6 +159,8 @@ def calibration_bytes(plan: list[ModulePlan], quantized: dict[str, ModulePlan], 
 
 
 _HIDDEN_STATES = "calibration hidden states (this rank)"
+
+
 def autoround_passes(args, num_samples: int) -> int:
     """AutoRound's forward and backward passes a step (equal-length samples): a step's samples over samples_per_pass."""
     return math.ceil(min(args.batch_size, num_samples) / args.samples_per_pass)

@@ -55,13 +55,14 @@ def autoround_step(layer: Layer, args: AutoRoundArgs) -> list[torch.Tensor]:
     dtype, device = next((w.dtype, w.device) for w in weights.values())
     amp = args.amp and precision.native_bf16(device)
     rows = [(b, r) for b, call in enumerate(layer.inputs) for r in range(hidden_state(*call).shape[0])]
-    first, total = _global_slice(len(rows), layer)
+    counts = distributed.all_gather_int(len(rows), layer.ctx)  # ranks hold contiguous runs in rank order
+    first, total = sum(counts[: layer.ctx.rank if layer.distributed else 0]), sum(counts)
     nearest = {name: quantize(w, Rounding.nearest(w, specs[name]), specs[name], args.full_range)
                for name, w in weights.items()}
     before = _mean_loss(layer, _outputs_with(layer, nearest), targets, first, total)
     every = _every_sample(layer, rows, targets, first, total)
     if every is None:  # samples whose other arguments differ (or a rank holds none): each rank runs its own, one a pass
-        sample_loss, share, per_pass = _sample_loss(layer, rows, first, targets, amp), _held(layer, len(rows)), 1
+        sample_loss, share, per_pass = _sample_loss(layer, rows, first, targets, amp), _held(layer, counts), 1
     else:  # each step's passes dealt out evenly over the ranks (one process: all of them)
         sample_loss, share, per_pass = _every_sample_loss(layer, *every, amp), _dealt(layer), args.samples_per_pass
     tuning = time.perf_counter()
@@ -166,11 +167,11 @@ def _dealt(layer: Layer) -> Share:
     return Share(layer.ctx.rank, world_size, lambda place, samples: place % world_size, _gather(layer))
 
 
-def _held(layer: Layer, count: int) -> Share:
-    """Each pass (one sample) run by the rank that holds its sample: ranks hold contiguous runs in rank order."""
+def _held(layer: Layer, counts: list[int]) -> Share:
+    """Each pass (one sample) run by the rank that holds its sample: the ranks hold `counts` samples, contiguous
+    runs in rank order (`data.rank_batches`)."""
     if not layer.distributed:
         return Share()
-    counts = distributed.all_gather_int(count, layer.ctx)
     ends = list(itertools.accumulate(counts))
     return Share(layer.ctx.rank, layer.ctx.world_size, lambda place, samples: bisect.bisect_right(ends, samples[0]),
                  _gather(layer))
@@ -224,17 +225,6 @@ def _row_call(call: tuple, row: int) -> tuple[tuple, dict]:
 def _local(layer: Layer, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Qualified module names -> the layer's own parameter names (`mlp.up_proj.weight`)."""
     return {f"{name[len(layer.prefix) + 1:]}.weight": tensor for name, tensor in tensors.items()}
-
-
-def _global_slice(count: int, layer: Layer) -> tuple[int, int]:
-    """(the global index of this rank's first sample, the number of samples over all ranks): ranks hold contiguous
-    slices in rank order (`data.rank_batches`)."""
-    if not layer.distributed:
-        return 0, count
-    counts = torch.zeros(layer.ctx.world_size, dtype=torch.float64, device=layer.ctx.device)
-    counts[layer.ctx.rank] = count
-    distributed.all_reduce_(counts, layer.ctx)
-    return int(counts[: layer.ctx.rank].sum()), int(counts.sum())
 
 
 def _outputs_with(layer: Layer, qweights: dict) -> list[torch.Tensor]:
