@@ -270,7 +270,7 @@ def test_one_and_several_ranks_tune_the_same_rounding_bit_for_bit(per_pass):
 
 
 def test_samples_per_pass_changes_the_sums_not_the_tuning():
-    """Passes of several samples sum the samples' gradients inside one product instead of in float64: not the same
+    """Passes of several samples sum the samples' gradients inside one product instead of afterwards: not the same
     bits as one sample a pass, but the same tuning to within the rounding of those sums."""
     weight, xs = _structured_layer(samples=8)
     args = AutoRoundArgs(iters=30, batch_size=8)
