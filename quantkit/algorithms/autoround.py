@@ -88,20 +88,72 @@ def round_ste(x: torch.Tensor) -> torch.Tensor:
     return x + (torch.round(x) - x).detach()
 
 
-def fake_quantize(weight: torch.Tensor, rounding: Rounding, spec: WeightSpec, full_range: bool = False) -> torch.Tensor:
+@dataclass(frozen=True)
+class Groups:
+    """A weight's float32 groups [out, groups, group size] and each group's min and max: what the fake-quantization
+    reads of the weight, which stays the same for the whole tuning (taken once, not every step)."""
+
+    values: torch.Tensor
+    low: torch.Tensor
+    high: torch.Tensor
+
+    @classmethod
+    def of(cls, weight: torch.Tensor, spec: WeightSpec) -> Groups:
+        values = _grouped(weight.float(), spec)
+        return cls(values, values.amin(-1), values.amax(-1))
+
+
+def fake_quantize(weight: torch.Tensor, rounding: Rounding, spec: WeightSpec, full_range: bool = False,
+                  groups: Groups | None = None) -> torch.Tensor:
     """The weight on the grid `rounding` chooses, float32, differentiable in V, a and b (rounding straight through).
-    `full_range`: symmetric grids scale as auto-round's (`_full_range_scale`)."""
-    groups = _grouped(weight.float(), spec)
-    low = groups.amin(-1) * rounding.min_scale
-    high = groups.amax(-1) * rounding.max_scale
+    `full_range`: symmetric grids scale as auto-round's (`_full_range_scale`). `groups`: the weight's, if taken
+    already."""
+    groups = groups if groups is not None else Groups.of(weight, spec)
+    low, high = groups.low * rounding.min_scale, groups.high * rounding.max_scale
     if full_range and spec.symmetric:
-        scale, zero = _full_range_scale(low, high, spec), torch.zeros_like(low)
+        scale, zero = _full_range_scale(low, high, spec), None
     else:
         scale, zero = _qparams(low, high, spec, round_ste)
-    scale, zero = scale.unsqueeze(-1), zero.unsqueeze(-1)
+        zero = None if spec.symmetric else zero.unsqueeze(-1)
     qmin, qmax = spec.dtype.qrange
-    q = torch.clamp(round_ste(groups * (1.0 / scale) + _grouped(rounding.value, spec)) + zero, qmin, qmax)
-    return ((q - zero) * scale).reshape(weight.shape)
+    value = _grouped(rounding.value, spec)
+    return _RoundToGrid.apply(groups.values, value, scale.unsqueeze(-1), zero, qmin, qmax).reshape(weight.shape)
+
+
+class _RoundToGrid(torch.autograd.Function):
+    """(clamp(round(w / s + V) + z, qmin, qmax) - z) * s per group (w: the weight's groups, s and z: each group's
+    scale and zero point, None where symmetric), with autograd's gradients of that expression with rounding passed
+    straight through (round's derivative 1; clamp's 1 inside [qmin, qmax], 0 outside), in a handful of
+    whole-weight passes instead of the ~20 autograd would make of it. Forward: the same operations in the same
+    order as `quantize`, so what tuning sees is what is written, bit for bit."""
+
+    @staticmethod
+    def forward(ctx, values, value, scale, zero, qmin, qmax):
+        inverse = 1.0 / scale
+        shifted = values * inverse
+        shifted += value
+        shifted.round_()
+        if zero is not None:
+            shifted += zero
+        q = shifted.clamp(qmin, qmax)
+        inside = q == shifted  # where clamp passes the gradient
+        if zero is not None:
+            q -= zero
+        ctx.save_for_backward(values, inverse, scale, q, inside)
+        ctx.has_zero = zero is not None
+        return q * scale
+
+    @staticmethod
+    def backward(ctx, grad):
+        values, inverse, scale, q, inside = ctx.saved_tensors
+        masked = grad * inside
+        grad_value = masked * scale if ctx.needs_input_grad[1] else None
+        grad_scale = grad_zero = None
+        if ctx.needs_input_grad[2]:  # d/ds of q * s, and of q's w * (1 / s) where the grid does not clamp
+            grad_scale = (grad * q).sum(-1, keepdim=True) - inverse * (masked * values).sum(-1, keepdim=True)
+        if ctx.has_zero and ctx.needs_input_grad[3]:  # d/dz of (clamp(... + z) - z) * s: s inside, 0 - s outside
+            grad_zero = (masked.sum(-1, keepdim=True) - grad.sum(-1, keepdim=True)) * scale
+        return None, grad_value, grad_scale, grad_zero, None, None
 
 
 def quantize(weight: torch.Tensor, rounding: Rounding, spec: WeightSpec, full_range: bool = False) -> QuantizedWeight:
@@ -193,11 +245,13 @@ def tune(weights: dict[str, torch.Tensor], specs: dict[str, WeightSpec], sample_
     if args.minmax_tuning:
         tuned += [(t, args.clipping_lr, (0.0, 1.0)) for r in roundings.values() for t in (r.min_scale, r.max_scale)]
     params = [t.requires_grad_() for t, _, _ in tuned]
+    groups = {name: Groups.of(w, specs[name]) for name, w in weights.items()}
     first, best, seconds = None, (math.inf, 0, None), []
     for step, chosen in enumerate(draws(num_samples, args.batch_size, args.iters, generator)):
         started = time.perf_counter()
         with torch.enable_grad():  # once a step; the passes' gradients are carried back through it once
-            fake = {name: fake_quantize(w, roundings[name], specs[name], args.full_range) for name, w in weights.items()}
+            fake = {name: fake_quantize(w, roundings[name], specs[name], args.full_range, groups[name])
+                    for name, w in weights.items()}
         leaves = {name: t.detach().to(pass_dtype or weights[name].dtype).requires_grad_() for name, t in fake.items()}
         flat, losses = _gradients(leaves, sample_loss, passes(chosen, per_pass), share)
         loss = sum(losses.tolist()) / len(chosen)  # one value per sample, summed in one order on every rank

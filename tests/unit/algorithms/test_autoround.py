@@ -100,6 +100,33 @@ def test_gradients_match_autograd_through_a_straight_through_reference(spec):
     assert torch.equal(torch.sign(ours[0])[ours[0] != 0], torch.sign(dw)[ours[0] != 0])
 
 
+@pytest.mark.parametrize("case", ["symmetric", "asymmetric", "fixed-clipping"])
+def test_grid_rounding_gives_autograds_straight_through_gradients(case):
+    """The fused rounding onto the grid (`_RoundToGrid`): its output is the plain expression's bit for bit, and its
+    gradients are autograd's through it (round passed straight through, clamp's gradient only inside the grid),
+    with clamped elements on both ends, a zero point that takes gradients, and a scale that takes none."""
+    generator = torch.Generator().manual_seed(0)
+    values = torch.randn(6, 4, 16, generator=generator)
+    scale = (values.abs().amax(-1, keepdim=True) / 7.5).requires_grad_(case != "fixed-clipping")
+    value = (torch.rand(values.shape, generator=generator) * 3 - 1.5).requires_grad_()  # past the grid's ends too
+    zero = torch.randint(-3, 4, (6, 4, 1), generator=generator).float().requires_grad_() if case == "asymmetric" else None
+    qmin, qmax = -8, 7
+
+    def plain(values, value, scale, zero):
+        shifted = autoround.round_ste(values * (1.0 / scale) + value) + (0 if zero is None else zero)
+        return (torch.clamp(shifted, qmin, qmax) - (0 if zero is None else zero)) * scale
+
+    ours = autoround._RoundToGrid.apply(values, value, scale, zero, qmin, qmax)
+    theirs = plain(values, value, scale, zero)
+    assert torch.equal(ours, theirs)
+    shifted = values / scale.detach() + value.detach()
+    assert (shifted.round() > qmax).any() and (shifted.round() < qmin).any()  # both ends clamp somewhere
+    inputs = [t for t in (value, scale, zero) if t is not None and t.requires_grad]
+    upstream = torch.randn(values.shape, generator=generator)
+    for a, b in zip(torch.autograd.grad(ours, inputs, upstream), torch.autograd.grad(theirs, inputs, upstream)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 def _structured_layer(seed=0, inp=128, out=64, tokens=64, samples=16):
     """A Linear on correlated inputs with a few large features, as trained models see (RTN's error is uneven)."""
     generator = torch.Generator().manual_seed(seed)
