@@ -53,6 +53,10 @@ AutoRoundModifier W4A16, batch 8, lr 1 / iters, torch.compile off) and AutoRound
 same modifier on symmetric int2 in groups of 32, beside RTN W2A16 on quantkit's int2 grid; both AutoRounds scale
 with auto-round's full range, the larger side of each group on -2) run
 `--autoround-iters` steps per layer on both sides (quantkit: a user recipe file made from the shipped one).
+`--autoround-seeds 42 7 1` runs both tools' AutoRound at each seed (the seed picks each step's samples; the
+runner hands llm-compressor's AutoRoundModifier's auto-round the seed it does not pass on) and reports each tool's
+mean perplexity and KL over the seeds: on this small model one seed's perplexity differs from another's by more
+than the tools differ at one seed, so a single pair of runs cannot say which tool tunes better.
 
 `--quantkit-ranks N` runs quantkit's calibrated recipes data-parallel (`--nproc-per-node N`, each rank with
 `--threads` / N threads) against llm-compressor's one process of `--threads` threads: both tools on the same cores.
@@ -63,6 +67,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -82,6 +87,7 @@ ALGORITHMS = [
     ("AutoRound W2A16", "autoround-w2a16", "autoround-w2a16"),
 ]
 AWQ = ("AWQ W4A16", "awq-w4a16", "awq-w4a16")
+DEFAULT_SEED = 42  # auto-round's, and quantkit's AutoRound recipes'
 
 
 @dataclass
@@ -101,6 +107,7 @@ class Job:
     error: str = ""
     perplexity: float | None = None
     kl: float | None = None  # mean per-token KL(float || quantized) on the eval windows
+    seed: int | None = None  # AutoRound's seed (its batches' draws), both tools
 
 
 # ---------------------------------------------------------------- the benchmark model
@@ -156,38 +163,47 @@ def training_facts(final: Path) -> dict | None:
 # ---------------------------------------------------------------- jobs
 
 
-def quantkit_job(algorithm: str, recipe: str, src: Path, out: Path, args: argparse.Namespace) -> Job:
+def quantkit_job(algorithm: str, recipe: str, src: Path, out: Path, args: argparse.Namespace,
+                 seed: int | None = None) -> Job:
     from quantkit.registry import resolve
 
-    dst = out / f"quantkit-{recipe}"
+    dst = out / f"quantkit-{recipe}{seed_suffix(seed)}"
     calibrated = resolve(recipe).needs_calibration
     calibration = harness.calibration_options(args.calib_data, args.num_samples, args.seq_len) if calibrated else []
-    chosen = autoround_recipe(recipe, args.autoround_iters, out) if recipe.startswith("autoround") else recipe
+    chosen = autoround_recipe(recipe, args.autoround_iters, out, seed) if recipe.startswith("autoround") else recipe
     ranks = args.quantkit_ranks if calibrated else 1
     if ranks > 1:
         calibration += ["--nproc-per-node", str(ranks)]
     cmd = harness.finalize_command(src, dst, chosen, max(1, args.threads // ranks), *calibration)
-    return Job("quantkit", algorithm, recipe, dst, cmd)
+    return Job("quantkit", algorithm, recipe, dst, cmd, seed=seed)
 
 
-def autoround_recipe(name: str, iters: int, folder: Path) -> str:
-    """The shipped AutoRound recipe `name`, or a user recipe file made from it with `iters` steps a layer."""
+def seed_suffix(seed: int | None) -> str:
+    """What an artifact's name gains from AutoRound's seed: nothing for auto-round's default, 42."""
+    return "" if seed in (None, DEFAULT_SEED) else f"-seed{seed}"
+
+
+def autoround_recipe(name: str, iters: int, folder: Path, seed: int | None = None) -> str:
+    """The shipped AutoRound recipe `name`, or a user recipe file made from it with `iters` steps a layer (and
+    `seed`)."""
     from quantkit.registry import resolve
 
-    shipped = resolve(name)
-    if iters == shipped.quantizer.arguments.iters:
+    shipped = resolve(name).quantizer.arguments
+    seed = shipped.seed if seed is None else seed
+    if iters == shipped.iters and seed == shipped.seed:
         return name
-    path = folder / f"{name}-{iters}-steps.yaml"
-    path.write_text(Path(shipped.source).read_text().replace(f"iters: {shipped.quantizer.arguments.iters}", f"iters: {iters}"))
+    path = folder / f"{name}-{iters}-steps{seed_suffix(seed)}.yaml"
+    text = Path(resolve(name).source).read_text()
+    path.write_text(text.replace(f"iters: {shipped.iters}", f"iters: {iters}").replace(f"seed: {shipped.seed}", f"seed: {seed}"))
     return str(path)
 
 
 def llmc_job(algorithm: str, recipe: str, src: Path, out: Path, calib: Path, runner: Path,
-             args: argparse.Namespace) -> Job:
-    dst = out / f"llmc-{recipe}"
+             args: argparse.Namespace, seed: int | None = None) -> Job:
+    dst = out / f"llmc-{recipe}{seed_suffix(seed)}"
     cmd = harness.llmc_command(args.llmc_python, runner, src, dst, calib, recipe, args.llmc_actorder, args.threads,
-                               iters=args.autoround_iters)
-    return Job("llm-compressor", algorithm, recipe, dst, cmd)
+                               iters=args.autoround_iters, seed=DEFAULT_SEED if seed is None else seed)
+    return Job("llm-compressor", algorithm, recipe, dst, cmd, seed=seed)
 
 
 def has_recipe(name: str) -> bool:
@@ -204,9 +220,10 @@ def make_jobs(src: Path, calib: Path, workdir: Path, args: argparse.Namespace) -
     for algo, qk_recipe, llmc_recipe in ALGORITHMS + [AWQ]:
         if args.only and qk_recipe not in args.only:
             continue
-        jobs += [quantkit_job(algo, qk_recipe, src, out, args)] if has_recipe(qk_recipe) else []
         run_llmc = args.llmc_python and (algo != AWQ[0] or args.awq)
-        jobs += [llmc_job(algo, llmc_recipe, src, out, calib, runner, args)] if run_llmc else []
+        for seed in args.autoround_seeds if qk_recipe.startswith("autoround") else [None]:
+            jobs += [quantkit_job(algo, qk_recipe, src, out, args, seed)] if has_recipe(qk_recipe) else []
+            jobs += [llmc_job(algo, llmc_recipe, src, out, calib, runner, args, seed)] if run_llmc else []
     return jobs
 
 
@@ -323,7 +340,8 @@ TABLE_HEADER = ["tool", "algorithm", "recipe", "wall s", "llmc oneshot() s", "pe
 def table_row(job: Job, float_ppl: float | None) -> list[str]:
     rise = job.perplexity / float_ppl - 1 if job.perplexity and float_ppl else None
     wall = "FAILED" if job.returncode else fmt(median(job.seconds), ".1f")
-    return [job.tool, job.algorithm, job.recipe, wall, fmt(median(job.calibration_s), ".1f"),
+    recipe = job.recipe + (f" (seed {job.seed})" if job.seed is not None else "")
+    return [job.tool, job.algorithm, recipe, wall, fmt(median(job.calibration_s), ".1f"),
             fmt(median(job.peak_rss_mib), ".0f"), fmt(job.perplexity, ".3f"),
             "n/a" if rise is None else f"{100 * rise:+.2f}%", fmt(None if job.kl is None else 1e3 * job.kl, ".3f")]
 
@@ -334,15 +352,15 @@ def table(jobs: list[Job], float_ppl: float | None) -> str:
 
 
 def ratios(jobs: list[Job]) -> list[dict]:
-    """quantkit / llm-compressor per algorithm: wall time, peak RSS, perplexity (and the targets)."""
-    by = {(j.tool, j.algorithm): j for j in jobs if not j.returncode}
+    """quantkit / llm-compressor per algorithm (and AutoRound seed): wall time, peak RSS, perplexity."""
+    by = {(j.tool, j.algorithm, j.seed): j for j in jobs if not j.returncode}
     rows = []
-    for algorithm, _, _ in ALGORITHMS + [AWQ]:
-        qk, lc = by.get(("quantkit", algorithm)), by.get(("llm-compressor", algorithm))
+    for algorithm, seed in dict.fromkeys((j.algorithm, j.seed) for j in jobs):
+        qk, lc = by.get(("quantkit", algorithm, seed)), by.get(("llm-compressor", algorithm, seed))
         if not (qk and lc):
             continue
         rows.append({
-            "algorithm": algorithm,
+            "algorithm": algorithm, "seed": seed,
             "wall_ratio": median(qk.seconds) / median(lc.seconds),
             "rss_ratio": median(qk.peak_rss_mib) / median(lc.peak_rss_mib),
             "ppl_quantkit": qk.perplexity, "ppl_llmc": lc.perplexity,
@@ -350,6 +368,27 @@ def ratios(jobs: list[Job]) -> list[dict]:
             "kl_quantkit": qk.kl, "kl_llmc": lc.kl,
         })
     return rows
+
+
+def over_seeds(jobs: list[Job]) -> list[dict]:
+    """Per algorithm run at several AutoRound seeds, per tool: the mean, lowest and highest perplexity and the mean
+    KL over the seeds both tools ran; and at how many of them quantkit's perplexity is at most llm-compressor's.
+    One seed's perplexity differs from another's by more than the tools differ at one: compare these."""
+    out = []
+    for algorithm in dict.fromkeys(j.algorithm for j in jobs if j.seed is not None):
+        paired = [r for r in ratios(jobs) if r["algorithm"] == algorithm and r["ppl_ratio"] is not None]
+        if len(paired) < 2:
+            continue
+        row = {"algorithm": algorithm, "seeds": [r["seed"] for r in paired],
+               "quantkit_wins": sum(r["ppl_quantkit"] <= r["ppl_llmc"] for r in paired),
+               "wall_ratio": statistics.mean(r["wall_ratio"] for r in paired)}
+        for tool, key in (("quantkit", "quantkit"), ("llm-compressor", "llmc")):
+            ppl = [r[f"ppl_{key}"] for r in paired]
+            kl = [r[f"kl_{key}"] for r in paired if r[f"kl_{key}"] is not None]
+            row[tool] = {"ppl_mean": statistics.mean(ppl), "ppl_min": min(ppl), "ppl_max": max(ppl),
+                         "kl_mean": statistics.mean(kl) if len(kl) == len(ppl) else None}
+        out.append(row)
+    return out
 
 
 def gptq_vs_rtn(jobs: list[Job], float_ppl: float | None) -> dict[str, dict[str, float | None]]:
@@ -385,13 +424,26 @@ def print_report(facts: dict, jobs: list[Job], float_ppl: float | None, eval_err
     print(table(jobs, float_ppl))
     print()
     for row in ratios(jobs):
-        print(f"- {row['algorithm']}: quantkit / llm-compressor wall {row['wall_ratio']:.2f}x, peak RSS "
+        seed = f" (seed {row['seed']})" if row["seed"] is not None else ""
+        print(f"- {row['algorithm']}{seed}: quantkit / llm-compressor wall {row['wall_ratio']:.2f}x, peak RSS "
               f"{row['rss_ratio']:.2f}x, perplexity {fmt(row['ppl_quantkit'], '.3f')} vs {fmt(row['ppl_llmc'], '.3f')}")
+    seeded = over_seeds(jobs)
+    for row in seeded:
+        qk, lc = row["quantkit"], row["llm-compressor"]
+        print(f"- {row['algorithm']} over seeds {', '.join(map(str, row['seeds']))}: perplexity mean {qk['ppl_mean']:.3f} "
+              f"({qk['ppl_min']:.3f}-{qk['ppl_max']:.3f}) vs {lc['ppl_mean']:.3f} ({lc['ppl_min']:.3f}-{lc['ppl_max']:.3f}), "
+              f"KL mean {fmt(None if qk['kl_mean'] is None else 1e3 * qk['kl_mean'], '.3f')} vs "
+              f"{fmt(None if lc['kl_mean'] is None else 1e3 * lc['kl_mean'], '.3f')}; quantkit's perplexity lower or "
+              f"equal at {row['quantkit_wins']} of {len(row['seeds'])} seeds")
+    targets = {r["algorithm"]: (r["wall_ratio"], r["quantkit"]["ppl_mean"] <= r["llm-compressor"]["ppl_mean"], "mean over seeds")
+               for r in seeded}
     for row in ratios(jobs):
         if row["algorithm"] in ("GPTQ W4A16", "AutoRound W4A16", "AutoRound W2A16") and row["ppl_ratio"] is not None:
-            met = row["wall_ratio"] <= 0.5 and row["ppl_ratio"] <= 1.0
-            print(f"- target ({row['algorithm'].split()[0]} wall <= 0.5x llm-compressor's, perplexity equal or better): "
-                  f"{'met' if met else 'NOT met'}")
+            targets.setdefault(row["algorithm"], (row["wall_ratio"], row["ppl_ratio"] <= 1.0, "one run"))
+    for algorithm, (wall_ratio, ppl_ok, basis) in targets.items():
+        met = wall_ratio <= 0.5 and ppl_ok
+        print(f"- target ({algorithm.split()[0]} wall <= 0.5x llm-compressor's, perplexity equal or better; {basis}): "
+              f"{'met' if met else 'NOT met'}")
     for tool, share in gptq_vs_rtn(jobs, float_ppl).items():
         ppl_share = "n/a (RTN does not raise perplexity)" if share["ppl_rise_share"] is None else f"{100 * share['ppl_rise_share']:.0f}%"
         print(f"- {tool}: GPTQ W4A16 perplexity rise = {ppl_share} of RTN W4A16's (target <= 60%); "
@@ -424,7 +476,7 @@ def machine_facts(src: Path, hidden: int, args: argparse.Namespace) -> dict:
 def write_json(path: Path, facts: dict, jobs: list[Job], float_ppl: float | None, eval_errors: dict) -> None:
     payload = {
         "machine": facts, "float_perplexity": float_ppl, "jobs": [{**asdict(j), "dst": str(j.dst)} for j in jobs],
-        "ratios": ratios(jobs), "gptq_rise_over_rtn_rise": gptq_vs_rtn(jobs, float_ppl),
+        "ratios": ratios(jobs), "over_seeds": over_seeds(jobs), "gptq_rise_over_rtn_rise": gptq_vs_rtn(jobs, float_ppl),
         "eval_errors": eval_errors,
     }
     path.write_text(json.dumps(payload, indent=2) + "\n")
@@ -462,6 +514,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="llm-compressor GPTQ column order: its default (static) or none (as quantkit's recipes)")
     p.add_argument("--autoround-iters", type=int, default=200, help="AutoRound's steps per layer, both tools (200: "
                    "auto-round's default; on 2 CPU cores each step is a forward and backward pass of 8 samples)")
+    p.add_argument("--autoround-seeds", type=int, nargs="+", default=[DEFAULT_SEED], metavar="SEED",
+                   help="run both tools' AutoRound at each of these seeds (which samples each step draws); with two "
+                   "or more, the report compares the tools' mean perplexity and KL over the seeds")
     p.add_argument("--no-kl", action="store_true", help="skip the KL-to-float measure (one more pass over every model)")
     p.add_argument("--prepare-only", action="store_true", help="build, train and write the calibration tokens, then stop")
     p.add_argument("--json", type=Path, help="also write every measurement here")

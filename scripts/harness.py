@@ -196,6 +196,7 @@ for name in ("src", "dst", "calib", "recipe", "actorder"):
     p.add_argument(name)
 p.add_argument("threads", type=int)
 p.add_argument("iters", type=int, nargs="?", default=200)  # AutoRound's steps per layer
+p.add_argument("seed", type=int, nargs="?", default=42)  # AutoRound's seed (auto-round's default: 42)
 args = p.parse_args()
 
 import torch
@@ -213,6 +214,10 @@ from llmcompressor.modifiers.autoround import AutoRoundModifier
 from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
 from llmcompressor.modifiers.transform import AWQModifier, SmoothQuantModifier
 
+if args.seed != 42:  # AutoRoundModifier passes no seed to auto-round's AutoRound (its batches' draws): give it one
+    import functools
+    import llmcompressor.modifiers.autoround.base as autoround_base
+    autoround_base.AutoRound = functools.partial(autoround_base.AutoRound, seed=args.seed)
 if not torch.accelerator.is_available():
     # llm-compressor 0.14's AWQ pins its activation cache for host-to-device copies; pinning needs an accelerator
     from llmcompressor.pipelines.cache import IntermediatesCache
@@ -283,12 +288,13 @@ def write_llmc_runner(folder: Path) -> Path:
 
 
 def llmc_command(python: Path, runner: Path, src: Path, dst: Path, ids: Path, recipe: str, actorder: str,
-                 threads: int, ranks: int = 1, iters: int = 200) -> list[str]:
+                 threads: int, ranks: int = 1, iters: int = 200, seed: int = 42) -> list[str]:
     """The runner under `python`; with `ranks` > 1 under `torch.distributed.run` (llm-compressor's distributed
     oneshot). `recipe` is one of the runner's (rtn-w4a16, rtn-w2a16, gptq-w4a16, smoothquant-gptq-w8a8, awq-w4a16,
-    autoround-w4a16, autoround-w2a16: `iters` steps a layer)."""
+    autoround-w4a16, autoround-w2a16: `iters` steps a layer, auto-round seeded with `seed`)."""
     launch = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)] if ranks > 1 else []
-    return [str(python), *launch, str(runner), str(src), str(dst), str(ids), recipe, actorder, str(threads), str(iters)]
+    return [str(python), *launch, str(runner), str(src), str(dst), str(ids), recipe, actorder, str(threads), str(iters),
+            str(seed)]
 
 
 def last_json_line(text: str) -> dict | None:
