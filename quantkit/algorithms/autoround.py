@@ -272,7 +272,8 @@ def _gradients(leaves: dict[str, torch.Tensor], sample_loss: SampleLoss, step_pa
     runs its passes into its rows of a table (a row a pass, in the leaves' dtype, rows grouped by rank); the rows
     are gathered onto every rank, and every rank adds the passes up in pass order: the arithmetic of one process, on
     any number of ranks. (float32, not float64: the sum of two bf16 passes is float32's correctly rounded one
-    either way, and converting bf16 to float64 on a CPU costs ~30x converting it to float32: 6 ms a step here.)"""
+    either way, and on a CPU bf16 -> float64 is ~30x slower than bf16 -> float32: 6.5 against 0.2 ms for the
+    benchmark layer's two passes, measured alone.)"""
     sizes = [leaf.numel() for leaf in leaves.values()]
     device, dtype = next(iter(leaves.values())).device, next(iter(leaves.values())).dtype
     owners = [share.owner(place, samples) for place, samples in enumerate(step_passes)]
