@@ -56,6 +56,13 @@ class Rounding:
     def clone(self) -> Rounding:
         return Rounding(*(t.detach().clone() for t in self.tensors()))
 
+    def copy_(self, other: Rounding) -> Rounding:
+        """`other`'s values in this Rounding's tensors (no new memory)."""
+        with torch.no_grad():
+            for mine, theirs in zip(self.tensors(), other.tensors()):
+                mine.copy_(theirs)
+        return self
+
 
 def _grouped(weight: torch.Tensor, spec: WeightSpec) -> torch.Tensor:
     return weight.reshape(weight.shape[0], -1, block_size(weight, spec)[1])
@@ -249,7 +256,8 @@ def tune(weights: dict[str, torch.Tensor], specs: dict[str, WeightSpec], sample_
     reused = Reused()
     leaves = {name: reused.get(("leaf", name), w.shape, pass_dtype or w.dtype, w.device).requires_grad_()
               for name, w in weights.items()}  # the fake-quantized weights the passes take, refilled every step
-    first, best, seconds = None, (math.inf, 0, None), []
+    kept = {name: r.clone() for name, r in roundings.items()}  # the best iterate yet, refilled in place
+    first, best, seconds = None, (math.inf, 0), []
     for step, chosen in enumerate(draws(num_samples, args.batch_size, args.iters, generator)):
         started = time.perf_counter()
         with torch.enable_grad():  # once a step; the passes' gradients are carried back through it once
@@ -262,10 +270,12 @@ def tune(weights: dict[str, torch.Tensor], specs: dict[str, WeightSpec], sample_
         loss = sum(losses.tolist()) / len(chosen)  # one value per sample, summed in one order on every rank
         first = loss if first is None else first
         if loss < best[0]:
-            best = (loss, step, {name: r.clone() for name, r in roundings.items()})
+            best = (loss, step)
+            for name, rounding in roundings.items():
+                kept[name].copy_(rounding)
         _sign_step(tuned, 1.0 - step / args.iters, _through_fake_quantization(fake, params, flat))
         seconds.append(time.perf_counter() - started)
-    return Tuned(best[2], first, best[0], best[1], statistics.median(seconds[1:] or seconds))
+    return Tuned(kept, first, best[0], best[1], statistics.median(seconds[1:] or seconds))
 
 
 class Reused:
