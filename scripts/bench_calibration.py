@@ -188,12 +188,13 @@ def autoround_recipe(name: str, iters: int, folder: Path, seed: int | None = Non
     `seed`)."""
     from quantkit.registry import resolve
 
-    shipped = resolve(name).quantizer.arguments
+    recipe = resolve(name)
+    shipped = recipe.quantizer.arguments
     seed = shipped.seed if seed is None else seed
     if iters == shipped.iters and seed == shipped.seed:
         return name
     path = folder / f"{name}-{iters}-steps{seed_suffix(seed)}.yaml"
-    text = Path(resolve(name).source).read_text()
+    text = Path(recipe.source).read_text()
     path.write_text(text.replace(f"iters: {shipped.iters}", f"iters: {iters}").replace(f"seed: {shipped.seed}", f"seed: {seed}"))
     return str(path)
 
@@ -374,9 +375,9 @@ def over_seeds(jobs: list[Job]) -> list[dict]:
     """Per algorithm run at several AutoRound seeds, per tool: the mean, lowest and highest perplexity and the mean
     KL over the seeds both tools ran; and at how many of them quantkit's perplexity is at most llm-compressor's.
     One seed's perplexity differs from another's by more than the tools differ at one: compare these."""
-    out = []
+    out, rows = [], ratios(jobs)
     for algorithm in dict.fromkeys(j.algorithm for j in jobs if j.seed is not None):
-        paired = [r for r in ratios(jobs) if r["algorithm"] == algorithm and r["ppl_ratio"] is not None]
+        paired = [r for r in rows if r["algorithm"] == algorithm and r["ppl_ratio"] is not None]
         if len(paired) < 2:
             continue
         row = {"algorithm": algorithm, "seeds": [r["seed"] for r in paired],
@@ -423,7 +424,8 @@ def print_report(facts: dict, jobs: list[Job], float_ppl: float | None, eval_err
     print()
     print(table(jobs, float_ppl))
     print()
-    for row in ratios(jobs):
+    rows = ratios(jobs)
+    for row in rows:
         seed = f" (seed {row['seed']})" if row["seed"] is not None else ""
         print(f"- {row['algorithm']}{seed}: quantkit / llm-compressor wall {row['wall_ratio']:.2f}x, peak RSS "
               f"{row['rss_ratio']:.2f}x, perplexity {fmt(row['ppl_quantkit'], '.3f')} vs {fmt(row['ppl_llmc'], '.3f')}")
@@ -437,7 +439,7 @@ def print_report(facts: dict, jobs: list[Job], float_ppl: float | None, eval_err
               f"equal at {row['quantkit_wins']} of {len(row['seeds'])} seeds")
     targets = {r["algorithm"]: (r["wall_ratio"], r["quantkit"]["ppl_mean"] <= r["llm-compressor"]["ppl_mean"], "mean over seeds")
                for r in seeded}
-    for row in ratios(jobs):
+    for row in rows:
         if row["algorithm"] in ("GPTQ W4A16", "AutoRound W4A16", "AutoRound W2A16") and row["ppl_ratio"] is not None:
             targets.setdefault(row["algorithm"], (row["wall_ratio"], row["ppl_ratio"] <= 1.0, "one run"))
     for algorithm, (wall_ratio, ppl_ok, basis) in targets.items():
