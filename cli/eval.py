@@ -10,7 +10,7 @@ import typer
 from quantkit import runtime, sources
 from quantkit.cli.launch import Launch, relaunch
 from quantkit.cli.console import human_bytes, json_to_stdout, out, quiet_libraries, write_json
-from quantkit.cli.options import CalibDataOpt, JsonOpt, QuietOpt, ThreadsOpt, TrustRemoteCodeOpt
+from quantkit.cli.options import CalibDataOpt, EvalDeviceOpt, JsonOpt, QuietOpt, ThreadsOpt, TrustRemoteCodeOpt
 from quantkit.errors import GateFailedError, UsageError
 
 
@@ -48,6 +48,7 @@ def evaluate(
         int, typer.Option("--tp", min=1, help="Shard each model over N processes (tensor parallel, transformers' tp_plan): "
                                               "one per GPU on CUDA, else N CPU processes; launches torchrun itself.")
     ] = 1,
+    device: EvalDeviceOpt = "auto",
     threads: ThreadsOpt = None,
     trust_remote_code: TrustRemoteCodeOpt = False,
     quiet: QuietOpt = False,
@@ -65,6 +66,8 @@ def evaluate(
       quantkit eval ./base ./base-int4 --data test.txt --tasks arc_easy,hellaswag --limit 500 --baseline ./base --max-acc-drop 1
 
       quantkit eval ./big-model ./big-model-int4 --data test.txt --tp 4
+
+      quantkit eval ./my-model ./my-model-int4 --data test.txt --device cpu     (on the CPU of a GPU machine)
     """
     for model in models:  # before torch loads: a wrong MODEL is reported at once
         sources.resolve_source(model)
@@ -76,11 +79,14 @@ def evaluate(
         raise UsageError("--tasks-dir and --limit apply to --tasks; pass --tasks NAMES too")
     if tp > 1:
         check_tensor_parallel(models + ([baseline] if baseline else []), tp, quantize, tasks, trust_remote_code)
+        if not runtime.under_torchrun():
+            device = tensor_parallel_device(device, tp)
         code = relaunch(Launch(nproc_per_node=tp), threads, explained=(GateFailedError.exit_code,))
         if code is not None:
             raise typer.Exit(code)
         threads = threads or runtime.launched_threads()
     from quantkit import evaluate as library
+    from quantkit import hardware
     from quantkit.finalize import CalibrationOptions
     from quantkit.progress import Progress
     from quantkit.tasks import TaskOptions, parse_names
@@ -89,18 +95,20 @@ def evaluate(
     if tasks is not None:
         task_options = TaskOptions(parse_names(tasks), tuple(tasks_dir or ()), limit, trust_remote_code=trust_remote_code)
     models = list(models) + ([baseline] if baseline and baseline not in models else [])
+    device = hardware.eval_device(device) if tp == 1 else device
     reports = library.compare(
         models, data, recipes=quantize or [], seq_len=seq_len, stride=stride, max_samples=max_samples,
         batch_size=batch_size, tokenizer=tokenizer, threads=threads, trust_remote_code=trust_remote_code,
         progress=Progress(enabled=not quiet),
-        calibration=CalibrationOptions(data=calib_data) if calib_data else None, tasks=task_options, tensor_parallel=tp,
+        calibration=CalibrationOptions(data=calib_data, device=device) if calib_data else None, tasks=task_options,
+        tensor_parallel=tp, device=device,
     )
     if not main:  # every rank measured the same numbers; rank 0 reports them
         return
     failures = library.gate(reports, baseline, max_ppl_increase, max_acc_drop) if baseline else []
     if json_path:
         gate = gate_dict(baseline, max_ppl_increase, max_acc_drop, failures)
-        write_json(json_path, "eval", {"data": data, "results": [r.to_dict() for r in reports], "gate": gate})
+        write_json(json_path, "eval", {"data": data, "device": device, "results": [r.to_dict() for r in reports], "gate": gate})
     if not quiet:
         print_table(reports, baseline)
     if failures:
@@ -116,6 +124,18 @@ def check_tensor_parallel(models: list[str], tp: int, quantize: list[str] | None
     tensor_parallel.check_options(quantize, tasks)
     for model in models:
         tensor_parallel.check(sources.resolve_source(model), tp, trust_remote_code)
+
+
+def tensor_parallel_device(device: str, tp: int) -> str:
+    """`--tp N` runs one rank per GPU where there are GPUs (transformers places the shards); `--device cpu` keeps
+    the ranks off them. Checked before anything is launched."""
+    from quantkit import hardware
+
+    if device == "cpu":
+        runtime.hide_gpus()  # the ranks see no GPU: transformers shards over CPU processes (gloo)
+        return device
+    hardware.check_ranks(None if device == "auto" else device, tp)
+    return device
 
 
 def check_gate_options(baseline: str | None, max_ppl_increase: float | None, max_acc_drop: float | None, tasks: str | None) -> None:

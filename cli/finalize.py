@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from quantkit import registry, runtime, sources
+from quantkit import hardware, registry, runtime, sources
 from quantkit.cli.console import human_bytes, json_to_stdout, out, quiet_libraries, write_json
 from quantkit.export import atomic
 
@@ -109,6 +109,8 @@ def finalize(
     if not dry_run:
         atomic.check_destination(dst, overwrite)
         atomic.check_work_dir(dst, resume, None if runtime.under_torchrun() else launch.world_size)
+        if not runtime.under_torchrun():
+            hardware.check_ranks(device, launch.nproc_per_node)  # CUDA: one GPU per rank, refused before launching
         code = relaunch(launch, threads)  # before torch is imported here: the ranks import it, this process only waits
         if code is not None:
             raise typer.Exit(code)

@@ -79,5 +79,9 @@ JsonOpt = Annotated[
 NumSamplesOpt = Annotated[Optional[int], typer.Option("--num-samples", min=1, help="Calibration samples; default: the recipe's.")]
 SeqLenOpt = Annotated[Optional[int], typer.Option("--seq-len", min=2, help="Tokens per calibration sample; default: the recipe's.")]
 DeviceOpt = Annotated[
-    str, typer.Option("--device", help="Compute device for calibration (cpu, cuda, cuda:1): the model stays in CPU memory, one layer at a time moves there.")
+    str, typer.Option("--device", help="Compute device for calibration (cpu, cuda, cuda:1): the model stays in CPU memory, one layer at a time moves there. "
+                                       "With --nproc-per-node N, cuda gives each rank its own GPU.")
+]
+EvalDeviceOpt = Annotated[
+    str, typer.Option("--device", help="Where the models run (and -q calibrates): auto (a GPU when there is one, else the CPU), cpu, cuda, cuda:1.")
 ]

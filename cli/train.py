@@ -64,7 +64,7 @@ def train(
     """
     launch = Launch(nproc_per_node, nnodes, node_rank, rdzv_endpoint, rdzv_backend)
     quiet_libraries()
-    from quantkit import registry, train_config
+    from quantkit import hardware, registry, train_config
 
     overrides = list(set_ or [])
     overrides += [f"output_dir={output_dir}"] if output_dir else []
@@ -76,6 +76,8 @@ def train(
         from quantkit import qat
 
         qat.check_recipe(registry.resolve(cfg.qat_recipe))
+    if not runtime.under_torchrun():
+        hardware.check_ranks(None, launch.nproc_per_node)  # on a GPU machine each rank takes a GPU
     code = relaunch(launch, threads)
     if code is not None:
         raise typer.Exit(code)

@@ -22,6 +22,7 @@ class Context:
     world_size: int
     local_rank: int
     device: torch.device
+    grouped: bool = False  # a process group is initialised (every run under torchrun, one rank included)
 
     @property
     def is_main(self) -> bool:
@@ -29,26 +30,43 @@ class Context:
 
     @property
     def distributed(self) -> bool:
-        return self.world_size > 1
+        """Collectives run: several ranks, or one rank under torchrun (the same code path, e.g. nccl on one GPU)."""
+        return self.world_size > 1 or self.grouped
 
 
 def world_from_env() -> tuple[int, int, int]:
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
 
 
+def backend(device_type: str) -> str:
+    """The process group backend for ranks computing on `device_type`: nccl for CUDA, gloo for the CPU."""
+    return "nccl" if device_type == "cuda" else "gloo"
+
+
+def rank_device(device: str | None, local_rank: int) -> torch.device:
+    """This rank's device: its own GPU (`cuda:LOCAL_RANK`) when the command computes on CUDA (`device` None: when
+    there is a GPU), else the CPU."""
+    cuda = torch.cuda.is_available() if device is None else torch.device(device).type == "cuda"
+    return torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+
+
 @contextlib.contextmanager
-def process_group(timeout: int | None = None) -> Iterator[Context]:
-    """One process group for the duration of the block; `destroy_process_group` always runs. Collectives time
-    out after `timeout` seconds (default QUANTKIT_DIST_TIMEOUT or 600): a failed rank never hangs the others."""
+def process_group(device: str | None = None, timeout: int | None = None) -> Iterator[Context]:
+    """One process group for the duration of the block, when there are several ranks or this process runs under
+    torchrun; `destroy_process_group` always runs. `device`: the compute device the command was given (cpu,
+    cuda, cuda:N; None: CUDA when there is a GPU), which picks the backend. Collectives time out after `timeout`
+    seconds (default QUANTKIT_DIST_TIMEOUT or 600): a failed rank never hangs the others."""
+    from quantkit.runtime import under_torchrun
+
     rank, world_size, local_rank = world_from_env()
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
-    if world_size > 1 and not dist.is_initialized():
-        if cuda:
-            torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout or timeout_s()))
+    here = rank_device(device, local_rank)
+    grouped = world_size > 1 or under_torchrun()
+    if grouped and not dist.is_initialized():
+        if here.type == "cuda":
+            torch.cuda.set_device(here)
+        dist.init_process_group(backend(here.type), timeout=timedelta(seconds=timeout or timeout_s()))
     try:
-        yield Context(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
+        yield Context(rank=rank, world_size=world_size, local_rank=local_rank, device=here, grouped=grouped)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

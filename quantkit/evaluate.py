@@ -139,17 +139,21 @@ def _sum_nll(model, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[float, 
 
 def load_eval_model(
     path: str | Path, trust_remote_code: bool = False, tokenizer_path: str | Path | None = None, dtype: str = "auto",
-    load_weights: bool = True, tensor_parallel: bool = False,
+    load_weights: bool = True, tensor_parallel: bool = False, device: str = "cpu",
 ):
     """(model, tokenizer) for a source or quantized model directory. Quantized directories (compressed-tensors
     or torchao `quantization_config` in config.json) load through plain transformers. With `load_weights`
     False only the tokenizer is loaded (model is None); with `tensor_parallel` the model is sharded over the
-    ranks of this torchrun (`quantkit.tensor_parallel`)."""
+    ranks of this torchrun (`quantkit.tensor_parallel`), else it is loaded onto `device`."""
     path = resolve_source(path)
     _check_experts_load(path)
     tokenizer = load_tokenizer(Path(tokenizer_path) if tokenizer_path else path, trust_remote_code)
-    load = tensor_parallel_load if tensor_parallel else load_model
-    model = load(path, dtype=dtype, trust_remote_code=trust_remote_code) if load_weights else None
+    if not load_weights:
+        return None, tokenizer
+    if tensor_parallel:
+        return tensor_parallel_load(path, dtype=dtype, trust_remote_code=trust_remote_code), tokenizer
+    placed = {} if torch.device(device).type == "cpu" else {"device_map": {"": device}}
+    model = load_model(path, dtype=dtype, trust_remote_code=trust_remote_code, **placed)
     return model, tokenizer
 
 
@@ -252,11 +256,12 @@ def compare(
     calibration=None,
     tasks: TaskOptions | None = None,
     tensor_parallel: int = 1,
+    device: str = "cpu",
 ) -> list[ModelReport]:
     """Each model on the same data (and `tasks`), labelled by its path as given; then, for each recipe, the
     model quantized under it in memory (labelled "PATH+RECIPE"), as `finalize` would quantize it. With
     `tensor_parallel` > 1 (under torchrun, one process per rank) each model is sharded over the ranks; every
-    rank returns the same reports."""
+    rank returns the same reports. Otherwise the models run on `device` (cpu, cuda, cuda:N)."""
     from quantkit import runtime
 
     if tensor_parallel > 1:
@@ -269,7 +274,7 @@ def compare(
     for label in models:
         path = resolve_source(label)  # a directory, or a hub id from the cache
         measure = partial(_measure, texts=texts, tokenizer=tokenizer, trust_remote_code=trust_remote_code,
-                          suite=suite, tensor_parallel=tensor_parallel > 1, **settings)
+                          suite=suite, tensor_parallel=tensor_parallel > 1, device=device, **settings)
         reset_peak_resident()
         result, scores, held = measure(path)
         peaks = gather_ints(peak_resident_bytes())
@@ -282,12 +287,13 @@ def compare(
 
 def _measure(
     path: str | Path, texts: list[str], tokenizer, trust_remote_code: bool, model=None, suite: TaskSuite | None = None,
-    tensor_parallel: bool = False, **settings,
+    tensor_parallel: bool = False, device: str = "cpu", **settings,
 ) -> tuple[PerplexityResult, dict[str, TaskResult], int]:
-    """Perplexity on `texts`, then the suite's task scores, on the model at `path` (or `model`, loaded already);
-    and the bytes of the weights this process held while it computed (`held_bytes`)."""
-    loaded, tok = load_eval_model(path, trust_remote_code, tokenizer, load_weights=model is None, tensor_parallel=tensor_parallel)
-    model = model if model is not None else loaded
+    """Perplexity on `texts`, then the suite's task scores, on the model at `path` (or `model`, quantized in
+    memory: moved to `device`); and the bytes of the weights this process held while it computed (`held_bytes`)."""
+    loaded, tok = load_eval_model(path, trust_remote_code, tokenizer, load_weights=model is None,
+                                  tensor_parallel=tensor_parallel, device=device)
+    model = model.to(device) if model is not None else loaded
     result = perplexity(model, tokenize(tok, texts), **settings)
     scores = suite.run(model, tok, batch_size=settings["batch_size"], progress=settings["progress"]) if suite else {}
     return result, scores, held_bytes(model)

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from quantkit import hardware, models, moe, runtime, sources
+from quantkit import hardware, models, moe, placement, runtime, sources
 from quantkit.algorithms import Algorithm, get_algorithm
 from quantkit.errors import ExportError, FormatError, InterruptedRunError, QuantkitError, UsageError
 from quantkit.export import atomic, check_supported, exporter, metadata
@@ -151,14 +151,6 @@ def calibration_samples(src: Path, recipe: Recipe, options: CalibrationOptions, 
     return data.sample_blocks(ids, num_samples, seq_len, seed=options.seed)
 
 
-def _calibration_device(name: str, ctx):
-    """`--device cuda` under torchrun means this rank's own GPU."""
-    device = torch.device(name)
-    if ctx is not None and ctx.distributed and device.type == "cuda" and device.index is None:
-        return ctx.device
-    return device
-
-
 def calibration_summary(result, samples, options: CalibrationOptions, recipe: Recipe, ctx=None) -> dict:
     """What calibration did, the same on every rank (a collective: every rank calls it)."""
     from quantkit import distributed
@@ -249,7 +241,7 @@ def _calibrate(model: nn.Module, prepared: Prepared, recipe: Recipe, samples, op
                progress: Progress, ctx, dtype: str = "auto", stream=None):
     from quantkit.calibration import calibrate
 
-    device = _calibration_device(options.device, ctx)
+    device = placement.compute_device(options.device, ctx)
     if prepared.work_dir is not None:
         prepared.resumable = _resumable(prepared, recipe, samples, options, ctx, dtype)
     result = calibrate(model, prepared.plan, recipe, samples, device, options.batch_size, progress, ctx, prepared.resumable,
@@ -362,7 +354,7 @@ def finalize(
     if announce is not None:
         announce(estimate)
     used_threads = runtime.set_threads(threads)
-    with distributed.process_group() as ctx:
+    with distributed.process_group((calibration or CalibrationOptions()).device) as ctx:
         streamed = open_streamed(prepared, dtype, trust_remote_code)
         with _resumable_errors(prepared):
             if streamed is not None:

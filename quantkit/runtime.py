@@ -13,6 +13,11 @@ def under_torchrun() -> bool:
     return "LOCAL_RANK" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ
 
 
+def hide_gpus() -> None:
+    """This process, and every process it starts, sees no CUDA device (before torch initialises CUDA)."""
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+
 def is_main_process() -> bool:
     """Global rank 0, or not distributed at all: the process that prints and writes."""
     return int(os.environ.get("RANK", 0)) == 0

@@ -20,7 +20,7 @@ from typing import Any, Callable, Protocol
 import torch
 from torch import nn
 
-from quantkit import data, kv_cache, models
+from quantkit import data, kv_cache, models, placement
 from quantkit.algorithms import Algorithm
 from quantkit.algorithms.rtn import rtn_quantize
 from quantkit.calibration.experts import calibrating
@@ -149,7 +149,7 @@ def _calibrate_one(i: int, module: nn.Module, prefix: str, inputs: list[tuple], 
         models.check_finite(name, linear.weight.data)
     outputs = calibrate_layer(layer, steps)
     result.peak_device_bytes = max(result.peak_device_bytes, _device_bytes(module, with_hidden(inputs, outputs), device))
-    module.to("cpu")
+    placement.offload_layer(module, prefix, result)  # the layer and its qparams: on the CPU for the writer and resume
     if resumable is not None:
         resumable.save_layer(i, module, prefix, result, outputs, num_layers, layer.float_hidden)
     return outputs, layer.float_hidden

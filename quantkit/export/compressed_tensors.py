@@ -26,7 +26,7 @@ from compressed_tensors.quantization import (
 )
 from torch import nn
 
-from quantkit import moe
+from quantkit import moe, placement
 from quantkit.plan import ModulePlan
 from quantkit.qparams import QParams
 from quantkit.quantized_model import QuantizedModel
@@ -285,6 +285,8 @@ def as_loaded(quantized: QuantizedModel) -> nn.Module:
 def write(quantized: QuantizedModel, out_dir: Path, max_shard_size: int | None = None) -> None:
     """Pack and write. Only rank 0 writes, so compressed-tensors must not spread the packing over the ranks
     of an initialised process group (it would wait for ranks that are not there)."""
+    placement.check_on_host("the compressed-tensors writer", model=quantized.model, qparams=quantized.qparams,
+                            input_scales=quantized.input_scales, kv_scales=quantized.kv_scales)
     model = as_loaded(quantized)
     with as_single_threaded():
         compressor = ModelCompressor.from_pretrained_model(model)
@@ -316,6 +318,8 @@ class StreamWriter:
         with their qparams (and KV cache scales), and hand their tensors to the shards."""
         from compressed_tensors.compressors.base import compress_module
 
+        placement.check_on_host("the compressed-tensors writer", modules=modules, qparams=qparams, input_scales=input_scales,
+                                kv_scales=kv_scales or {})
         inside = [sub for module in modules for sub in module.modules()]
         apply_quantization_config(self.model, self.config, show_progress=False, allowed_modules=inside)
         for sub in inside:

@@ -161,6 +161,33 @@ def test_eval_passes_models_data_and_recipes(fake_compare):
     assert (call.seq_len, call.stride, call.batch_size, call.max_samples) == (64, 32, 2, 5)
 
 
+def test_eval_runs_where_device_says_and_on_the_gpu_when_there_is_one(fake_compare, monkeypatch):
+    import torch
+
+    assert invoke("eval", "a", "--data", "t.txt").exit_code == 0
+    assert fake_compare[0].device == "cpu"  # auto on this machine: no GPU
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert invoke("eval", "a", "--data", "t.txt", "--calib-data", "c.txt").exit_code == 0
+    assert fake_compare[1].device == "cuda" and fake_compare[1].calibration.device == "cuda"
+    assert invoke("eval", "a", "--data", "t.txt", "--device", "cpu").exit_code == 0 and fake_compare[2].device == "cpu"
+    result = invoke("eval", "a", "--data", "t.txt", "--device", "cuda:3")
+    assert result.exit_code == 2 and "this machine has 1 CUDA GPU(s)" in result.output and len(fake_compare) == 3
+
+
+def test_more_ranks_than_gpus_is_refused_before_launching(monkeypatch, tmp_path, tiny_model_dir):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    launched = []
+    monkeypatch.setattr("quantkit.cli.launch.run_torchrun", lambda *a, **k: launched.append(a) or 0)
+    result = invoke("finalize", str(tiny_model_dir), str(tmp_path / "out"), "-q", "gptq-w4a16", "--calib-data", "c.txt",
+                    "--device", "cuda", "--nproc-per-node", "2")
+    assert result.exit_code == 2 and not launched
+    assert "--nproc-per-node 2 needs 2 GPUs (one per rank) and this machine has 1" in result.output
+
+
 def test_gate_exits_3_and_writes_json(fake_compare, tmp_path):
     out = tmp_path / "r.json"
     result = invoke("eval", "a", "b", "--data", "t.txt", "--baseline", "a", "--max-ppl-increase", "5", "--json", str(out))

@@ -78,6 +78,25 @@ def test_one_two_and_three_ranks_write_the_same_artifact(tiny_model_dir, calib_f
         assert len(rows) == 3 and min(rows) > 0, rows
 
 
+@pytest.mark.parametrize("recipe", ["gptq-w4a16", "awq-w4a16"])
+def test_one_rank_under_torchrun_writes_what_one_process_writes(tiny_model_dir, calib_file, tmp_path, recipe):
+    """A world of one rank under torchrun runs the collectives (gloo here, nccl on a one-GPU machine: the GPU suite
+    runs this with --device cuda) and writes the artifact of a plain process, tensor for tensor."""
+    runner = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", f"--log-dir={tmp_path / 'logs'}",
+              "-m", "quantkit.cli.main"]
+    plain = finalize(tiny_model_dir, tmp_path / "plain", recipe, calib_file, 1)
+    ranked = finalize(tiny_model_dir, tmp_path / "ranked", recipe, calib_file, 1, runner=runner)
+    assert plain.returncode == 0 and ranked.returncode == 0, (plain.stderr[-2000:], ranked.stderr[-2000:])
+    one, two = (load_file(tmp_path / name / "model.safetensors") for name in ("plain", "ranked"))
+    assert one.keys() == two.keys()
+    for key in one:
+        assert torch.equal(one[key], two[key]), key
+    if recipe.startswith("gptq"):  # the rows went through the owners' broadcast: one rank owned them all
+        info = json.loads((tmp_path / "ranked" / "quantkit.json").read_text())["calibration"]
+        rows = info["gptq_rows_per_rank"]
+        assert info["ranks"] == 1 and len(rows) == 1 and rows[0] > 0, rows
+
+
 def test_nvfp4_gptq_and_kv_cache_on_two_ranks_write_the_one_rank_artifact(tiny_model_dir, calib_file, tmp_path):
     """NVFP4's global scales come from whole weights (q/k/v together), not from a rank's share of the rows; the KV
     cache's per-head ranges are merged over the ranks' data. The self-launched torchrun leaves nothing in the

@@ -170,3 +170,42 @@ def test_every_rank_learns_that_the_matrix_is_not_positive_definite(world, tmp_p
         return factor_(matrix, _sharing(SimpleNamespace(ctx=ctx, distributed=True)))
 
     assert _on_ranks(world, work, tmp_path) == [False] * world
+
+
+def test_the_backend_follows_the_compute_device_not_the_machine(monkeypatch):
+    """nccl for ranks computing on CUDA (one GPU each), gloo for CPU ranks, also on a machine with GPUs."""
+    import torch
+
+    from quantkit import distributed
+
+    assert distributed.backend("cuda") == "nccl" and distributed.backend("cpu") == "gloo"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert distributed.rank_device("cpu", 3) == torch.device("cpu")
+    assert distributed.rank_device("cuda", 3) == torch.device("cuda", 3)
+    assert distributed.rank_device(None, 1) == torch.device("cuda", 1)  # train: the GPU when there is one
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert distributed.rank_device(None, 1) == torch.device("cpu")
+
+
+def test_one_rank_under_torchrun_runs_the_collective_code_path(monkeypatch, tmp_path):
+    """A world of one rank under torchrun gets a process group (gloo here; nccl on a GPU), so the collectives of
+    N ranks run with one: the path a one-GPU machine exercises. Outside torchrun there is none."""
+    import socket
+
+    import torch.distributed as dist
+
+    from quantkit import distributed
+
+    with distributed.process_group("cpu") as ctx:
+        assert not ctx.distributed and not dist.is_initialized()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {"LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": "1", "TORCHELASTIC_RUN_ID": "test", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port)}
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with distributed.process_group("cpu") as ctx:
+        assert ctx.distributed and ctx.world_size == 1 and dist.get_backend() == "gloo"
+        assert distributed.all_reduce_mean(3.0, ctx) == 3.0
+    assert not dist.is_initialized()
