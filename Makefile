@@ -10,7 +10,7 @@ TEST_WORKERS ?= 2
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: install test test-unit demo bench clean
+.PHONY: install test test-unit test-gpu demo bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +37,11 @@ test: install
 
 test-unit: install
 	$(BIN)/python -m pytest -q -m "not integration"
+
+# The GPU suite (tests/gpu: every recipe on CUDA against the CPU run, nccl, train and eval on the GPU); skipped where
+# torch sees no CUDA device, so CI (CPU-only) cannot run it. On a GPU machine with no registry: scripts/gpu_check.sh.
+test-gpu: install
+	$(BIN)/python -m pytest -q -m gpu tests/gpu
 
 demo: $(VENV)/.installed-base
 	env -u PYTHONDONTWRITEBYTECODE PATH="$(CURDIR)/$(BIN):$$PATH" bash scripts/demo.sh

@@ -1,0 +1,186 @@
+"""Every command on CUDA, compared with the CPU run of the same work.
+
+Each shipped recipe is finalized twice from the same tiny Llama and the same calibration tokens, with
+`--device cpu` and `--device cuda`; both artifacts are evaluated on the GPU and their perplexities agree within
+PPL_TOLERANCE (GPU and CPU products round differently, so calibrated integers may differ in a few places; the
+round-to-nearest recipes, which quantize on the CPU whatever the device, are checked tensor for tensor). A recipe
+whose kernels need a newer GPU than this one is refused with a line naming the capability."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from conftest import make_text
+
+PPL_TOLERANCE = 0.02  # relative: |ppl(cuda-made) / ppl(cpu-made) - 1|
+NUM_SAMPLES, SEQ_LEN = 16, 64
+AUTOROUND_ITERS = 40  # the shipped 200 steps a layer, cut for the suite's time (the same recipe on both devices)
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    """A tiny Llama whose widths (128, 256) take every group size and FP8's 128x128 blocks; calibration and eval text."""
+    from quantkit.tiny import build_tiny_llama
+
+    root = tmp_path_factory.mktemp("gpu")
+    build_tiny_llama(root / "model", make_text(3000), hidden_size=128, intermediate_size=256)
+    (root / "calib.txt").write_text(make_text(4000, seed=11))
+    (root / "eval.txt").write_text(make_text(1500, seed=1))
+    return root
+
+
+def _recipe(name: str, folder: Path):
+    from quantkit import registry
+
+    recipe = registry.resolve(name)
+    if recipe.quantizer.name.value != "autoround":
+        return recipe
+    files = {p.stem: p for p in Path(registry.__file__).parent.joinpath("recipes").rglob("*.yaml")}
+    data = yaml.safe_load(files[name].read_text()) if name in files else None
+    if data is None:  # an installed wheel: the recipes are package data of quantkit.recipes
+        from importlib import resources
+
+        data = yaml.safe_load(resources.files("quantkit.recipes").joinpath(f"{name}.yaml").read_text())
+    data["algorithm"]["iters"] = AUTOROUND_ITERS
+    path = folder / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return registry.resolve(str(path))
+
+
+def _finalize(work: Path, recipe, device: str, fmt=None):
+    from quantkit.finalize import CalibrationOptions, finalize
+
+    dst = work / f"{recipe.name}-{fmt.value if fmt else 'default'}-{device}"
+    options = CalibrationOptions(data=str(work / "calib.txt"), num_samples=NUM_SAMPLES, seq_len=SEQ_LEN, device=device)
+    return finalize(work / "model", dst, recipe, fmt, overwrite=True, calibration=options if recipe.needs_calibration else
+                    CalibrationOptions(device=device))
+
+
+def _perplexity(path: Path, work: Path, device: str = "cuda") -> float:
+    from quantkit.data import load_texts, tokenize
+    from quantkit.evaluate import load_eval_model, perplexity
+
+    model, tokenizer = load_eval_model(path, device=device)
+    ids = tokenize(tokenizer, load_texts(str(work / "eval.txt")))
+    return perplexity(model, ids, seq_len=128, max_samples=16).perplexity
+
+
+def _recipe_names() -> list[str]:
+    from quantkit.registry import recipe_names
+
+    return recipe_names()
+
+
+@pytest.mark.parametrize("name", _recipe_names())
+def test_every_recipe_finalizes_on_cuda_as_on_the_cpu(work, name):
+    from quantkit import hardware
+    from quantkit.errors import HardwareError
+
+    recipe = _recipe(name, work)
+    needed = hardware.missing_requirement(recipe, recipe.format)
+    if needed:
+        with pytest.raises(HardwareError, match="compute capability"):
+            _finalize(work, recipe, "cuda")
+        pytest.skip(f"{name}: refused as it should be on this GPU ({needed})")
+    on_gpu = _finalize(work, recipe, "cuda")
+    on_cpu = _finalize(work, recipe, "cpu")
+    gpu_ppl, cpu_ppl = _perplexity(on_gpu.dst, work), _perplexity(on_cpu.dst, work)
+    assert abs(gpu_ppl / cpu_ppl - 1) <= PPL_TOLERANCE, (name, gpu_ppl, cpu_ppl)
+    if recipe.needs_calibration:
+        made = json.loads((on_gpu.dst / "quantkit.json").read_text())["calibration"]
+        assert made["device"] == "cuda" and made["peak_device_bytes"] > 0, made
+    else:  # round to nearest: the same tensors, bit for bit
+        _assert_same_tensors(on_gpu.dst, on_cpu.dst)
+
+
+@pytest.mark.parametrize("name", ["int4-weight-only", "float8-dynamic-act-float8-weight", "int8-dynamic-act-int4-weight"])
+def test_torchao_artifacts_made_and_evaluated_on_cuda(work, name):
+    """torchao converts while loading, on the device it runs on; an FP8 artifact evaluates on the GPU (on the CPU
+    torch has no per-row FP8 product)."""
+    from quantkit.registry import Format, resolve
+
+    recipe = resolve(name)
+    made = _finalize(work, recipe, "cuda", Format.TORCHAO)
+    float_ppl, ppl = _perplexity(work / "model", work), _perplexity(made.dst, work)
+    assert ppl < float_ppl * 1.5, (name, ppl, float_ppl)
+
+
+def _assert_same_tensors(a: Path, b: Path) -> None:
+    one, two = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
+    assert one.keys() == two.keys()
+    for key in one:
+        x, y = one[key], two[key]
+        if x.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            x, y = x.view(torch.uint8), y.view(torch.uint8)
+        assert torch.equal(x, y), key
+
+
+def _quantkit(*args, cwd: Path | None = None, runner: list[str] | None = None, timeout: int = 600):
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID")}
+    cmd = [sys.executable, *(runner or ["-m", "quantkit.cli.main"]), *map(str, args)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
+
+
+def test_one_rank_on_nccl_writes_what_one_process_writes(work, tmp_path):
+    """The collectives of N GPUs, run with one: torchrun, one rank, nccl; the artifact equals a plain run's."""
+    runner = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", f"--log-dir={tmp_path / 'logs'}",
+              "-m", "quantkit.cli.main"]
+    common = ["-q", "gptq-w4a16", "--calib-data", work / "calib.txt", "--num-samples", NUM_SAMPLES, "--seq-len", SEQ_LEN,
+              "--device", "cuda", "--quiet"]
+    plain = _quantkit("finalize", work / "model", tmp_path / "plain", *common)
+    ranked = _quantkit("finalize", work / "model", tmp_path / "ranked", *common, runner=runner)
+    assert plain.returncode == 0 and ranked.returncode == 0, (plain.stderr[-3000:], ranked.stderr[-3000:])
+    _assert_same_tensors(tmp_path / "plain", tmp_path / "ranked")
+    info = json.loads((tmp_path / "ranked" / "quantkit.json").read_text())["calibration"]
+    assert info["ranks"] == 1 and info["device"] == "cuda"
+
+
+def test_more_ranks_than_gpus_is_refused_before_anything_starts(work, tmp_path):
+    count = torch.cuda.device_count()
+    done = _quantkit("finalize", work / "model", tmp_path / "out", "-q", "gptq-w4a16", "--calib-data", work / "calib.txt",
+                     "--device", "cuda", "--nproc-per-node", count + 1)
+    assert done.returncode == 2, done.stderr
+    assert f"--nproc-per-node {count + 1} needs {count + 1} GPUs (one per rank) and this machine has {count}" in done.stderr
+    assert "Traceback" not in done.stderr and not (tmp_path / "out").exists()
+
+
+def test_train_with_a_qat_recipe_on_cuda(work, tmp_path):
+    from quantkit.tiny import train_tokenizer
+
+    train_tokenizer(make_text(3000), 384).save_pretrained(tmp_path / "tok")
+    config = {
+        "model": {"config": {"model_type": "llama", "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+                             "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 384,
+                             "max_position_embeddings": 128}, "tokenizer": str(tmp_path / "tok")},
+        "data": {"train": str(work / "calib.txt"), "eval": str(work / "eval.txt"), "seq_len": 64},
+        "train": {"micro_batch_size": 4, "global_batch_size": 8, "max_steps": 8, "lr": 3e-3, "warmup_steps": 2},
+        "output_dir": str(tmp_path / "run"),
+    }
+    (tmp_path / "train.yaml").write_text(yaml.safe_dump(config))
+    done = _quantkit("train", tmp_path / "train.yaml", "--qat-recipe", "int8-dynamic-act-int4-weight", "--quiet")
+    assert done.returncode == 0, done.stderr[-3000:]
+    final = tmp_path / "run" / "final"
+    converted = _quantkit("finalize", final, tmp_path / "converted", "-q", "int8-dynamic-act-int4-weight", "--quiet")
+    assert converted.returncode == 0, converted.stderr[-3000:]
+
+
+@pytest.mark.parametrize("tp", [None, 1])
+def test_eval_runs_on_the_gpu_by_default(work, tmp_path, tp):
+    made = _finalize(work, _recipe("int4-weight-only", work), "cuda")
+    extra = ["--tp", tp] if tp else []
+    done = _quantkit("eval", work / "model", made.dst, "--data", work / "eval.txt", "--seq-len", 128, "--max-samples", 8,
+                     "--json", "-", *extra)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    assert report["device"] == "cuda"
+    ppl = [r["perplexity"]["perplexity"] for r in report["results"]]
+    assert all(p == p and p < 1e4 for p in ppl), ppl
