@@ -5,6 +5,7 @@
 #   .whl/quantkit  quantkit's own wheel (built from this checkout) and the dependencies the image lacks
 #   .whl/llmc      llm-compressor 0.14 and what it pins (compressed-tensors 0.19, auto-round), for the benchmark's peer:
 #                  a second folder, because the two tools pin different compressed-tensors releases
+#   .whl/data      WikiText-2 (valid, test) from ../shared/data, the benchmark's text (../shared does not travel)
 # Usage: bash scripts/gpu_wheels.sh   (from any directory; needs PyPI; about 20 MB)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -22,10 +23,13 @@ download() {
 }
 
 PYDANTIC=(pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5)
-download .whl/quantkit torchao==0.18.0 compressed-tensors==0.20.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 \
+# datasets 4.8: pyarrow >= 21 (5.x wants 24, newer than some images hold); inside quantkit's datasets range
+download .whl/quantkit torchao==0.18.0 compressed-tensors==0.20.0 datasets==4.8.4 dill==0.4.1 multiprocess==0.70.19 \
     loguru==0.7.3 "${PYDANTIC[@]}"
 download .whl/llmc llmcompressor==0.14.0.1 compressed-tensors==0.19.0 auto-round==0.15.1 torchao==0.18.0 \
-    datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 loguru==0.7.3 "${PYDANTIC[@]}"
+    datasets==4.8.4 dill==0.4.1 multiprocess==0.70.19 loguru==0.7.3 "${PYDANTIC[@]}"
 "$PY" -m pip wheel -q --no-deps --no-build-isolation -w .whl/quantkit .
+mkdir -p .whl/data/wikitext-2
+cp ../shared/data/wikitext-2/valid.txt ../shared/data/wikitext-2/test.txt .whl/data/wikitext-2/
 ls -la .whl/quantkit .whl/llmc
 du -sh .whl

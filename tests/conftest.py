@@ -86,3 +86,18 @@ def quantkit_offline(home: Path, *args: str) -> subprocess.CompletedProcess:
     """`quantkit ARGS` in a fresh process with HF_HOME=`home`, offline."""
     env = {**os.environ, "HF_HOME": str(home), "HF_HUB_OFFLINE": "1"}
     return subprocess.run([sys.executable, "-m", "quantkit.cli.main", *args], env=env, capture_output=True, text=True)
+
+
+def pytest_collection_modifyitems(config, items):
+    """The GPU suite (`pytest -m gpu`, `make test-gpu`): every test under tests/gpu is marked `gpu` and skipped where
+    torch sees no CUDA device, so a CPU-only run (CI) runs none of them."""
+    gpu = [item for item in items if "/tests/gpu/" in str(item.fspath).replace("\\", "/")]
+    if not gpu:
+        return
+    import torch
+
+    cuda = torch.cuda.is_available()
+    for item in gpu:
+        item.add_marker(pytest.mark.gpu)
+        if not cuda:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU (the GPU suite: make test-gpu)"))

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The whole GPU check in one command, on a GPU machine with no package registry (the image has torch and
+# transformers; scripts/gpu_wheels.sh, run beforehand where PyPI is reachable, carried the rest in .whl/):
+#   1. installs .whl/quantkit (quantkit's wheel + what the image lacks) and .whl/llmc (llm-compressor 0.14 with
+#      the compressed-tensors 0.19 it pins) into two separate target folders;
+#   2. runs the GPU suite (pytest -m gpu) and the tests that compare runs of different thread counts;
+#   3. runs scripts/bench_gpu.py, both tools side by side on this GPU.
+# Usage, from the repository root:  bash scripts/gpu_check.sh [OUT_DIR] [STEPS]
+#   STEPS: any of "tests bench" (default both); logs, JUnit XML and the benchmark's JSON land in OUT_DIR.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+REPO=$PWD
+OUT=${1:-${OUT:-/tmp/gpu-check}}
+STEPS=${2:-tests bench}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 QUANTKIT_DIST_TIMEOUT=120
+
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-qk .whl/quantkit/*.whl || exit 1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-llmc .whl/llmc/*.whl || exit 1
+export PYTHONPATH=/tmp/site-qk PATH=/tmp/site-qk/bin:$PATH
+printf '#!/bin/sh\nPYTHONPATH=/tmp/site-llmc exec python3 "$@"\n' > /tmp/llmc-python && chmod +x /tmp/llmc-python
+{
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    nproc
+    python3 -c "import torch, transformers, torchao, compressed_tensors, quantkit; print('torch', torch.__version__, 'transformers', transformers.__version__, 'torchao', torchao.__version__, 'compressed-tensors', compressed_tensors.__version__, 'quantkit', quantkit.__file__)"
+    /tmp/llmc-python -c "import llmcompressor, compressed_tensors; print('llmcompressor', llmcompressor.__version__, 'compressed-tensors', compressed_tensors.__version__)"
+    python3 -m pip list 2>/dev/null | grep -i -E "^(pyarrow|accelerate|fsspec|huggingface)"
+} 2>&1 | tee "$OUT/versions.txt"
+
+status=0
+# the tests run from outside the checkout, so that `python -m ...` in their subprocesses imports the installed
+# quantkit (the checkout's quantkit/ lacks quantkit.cli, which the wheel maps from cli/)
+mkdir -p /tmp/run && cd /tmp/run
+if [[ " $STEPS " == *" tests "* ]]; then
+    timeout 420 python3 -m pytest -c "$REPO/pyproject.toml" --rootdir "$REPO" -q -m gpu "$REPO/tests/gpu" -p no:cacheprovider \
+        -x --junitxml="$OUT/gpu-tests.xml" 2>&1 | tail -60 | tee "$OUT/gpu-tests.txt" || status=1
+    timeout 240 python3 -m pytest -c "$REPO/pyproject.toml" --rootdir "$REPO" -q -p no:cacheprovider \
+        "$REPO/tests/unit/test_distributed.py" "$REPO/tests/unit/calibration/test_autoround_step.py" 2>&1 | tail -20 \
+        | tee "$OUT/thread-tests.txt" || status=1
+fi
+if [[ " $STEPS " == *" bench "* ]]; then
+    data=$REPO/.whl/data/wikitext-2
+    timeout 480 python3 "$REPO/scripts/bench_gpu.py" --llmc-python /tmp/llmc-python --workdir /tmp/bench-gpu \
+        --train-text "$data/valid.txt" --calib-data "$data/valid.txt" --eval-data "$data/test.txt" \
+        --json "$OUT/bench-gpu.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench-gpu.txt" || status=1
+    tar czf "$OUT/bench-logs.tgz" -C /tmp/bench-gpu logs 2>/dev/null || true
+fi
+exit $status
