@@ -152,9 +152,22 @@ def load_eval_model(
         return None, tokenizer
     if tensor_parallel:
         return tensor_parallel_load(path, dtype=dtype, trust_remote_code=trust_remote_code), tokenizer
+    _check_kernels_run_on(path, device)
     placed = {} if torch.device(device).type == "cpu" else {"device_map": {"": device}}
     model = load_model(path, dtype=dtype, trust_remote_code=trust_remote_code, **placed)
     return model, tokenizer
+
+
+def _check_kernels_run_on(path: Path, device: str) -> None:
+    """A torchao artifact whose kernels need a CUDA GPU (FP8: torch has no per-row FP8 product on the CPU) is refused
+    on the CPU in one line, not with PyTorch's internal assertion halfway through the first forward."""
+    made = metadata.read(Path(path)) or {}
+    needs = ((made.get("recipe") or {}).get("requires") or {}).get("torchao", {}).get("cuda_capability")
+    if made.get("format") == "torchao" and needs and torch.device(device).type == "cpu":
+        from quantkit.errors import HardwareError
+
+        raise HardwareError(f"{path}: a torchao artifact whose kernels need a CUDA GPU with compute capability {needs}+; "
+                            "evaluate it on such a GPU (--device cuda), or finalize with --format compressed-tensors for the CPU")
 
 
 def _check_experts_load(path: Path) -> None:

@@ -239,3 +239,22 @@ def test_compare_measures_each_model_on_the_same_tokens(eval_model_dir, tmp_path
     data.write_text("\n".join(json.dumps({"text": _text(100, seed=s)}) for s in range(4)))
     first, second = compare([str(eval_model_dir), str(eval_model_dir)], str(data), seq_len=64, threads=1)
     assert first.perplexity.perplexity == second.perplexity.perplexity
+
+
+def test_a_torchao_artifact_whose_kernels_need_a_gpu_is_refused_on_the_cpu_in_one_line(tmp_path):
+    import json
+
+    import pytest
+
+    from quantkit.errors import HardwareError
+    from quantkit.evaluate import _check_kernels_run_on
+    from quantkit.registry import resolve
+
+    made = {"format": "torchao", "recipe": resolve("float8-dynamic-act-float8-weight").to_dict()}
+    (tmp_path / "quantkit.json").write_text(json.dumps(made))
+    with pytest.raises(HardwareError, match=r"compute capability 8.9\+; evaluate it on such a GPU \(--device cuda\)"):
+        _check_kernels_run_on(tmp_path, "cpu")
+    _check_kernels_run_on(tmp_path, "cuda")  # checked there by the kernels themselves
+    made["format"] = "compressed-tensors"  # vLLM's format: dequantized on the CPU by plain transformers
+    (tmp_path / "quantkit.json").write_text(json.dumps(made))
+    _check_kernels_run_on(tmp_path, "cpu")
