@@ -25,6 +25,7 @@ from quantkit.architectures import kernel_fused_groups
 from quantkit.qparams import QParams, fused_global_scales
 from quantkit.quantized_model import QuantizedModel
 from quantkit.registry import Format, Recipe
+from quantkit.schemes import QDtype
 
 
 @dataclass
@@ -277,7 +278,10 @@ def artifact_dtype(prepared: Prepared, recipe: Recipe, dtype: str, trust_remote_
     """The dtype to quantize in. FP4 and MX artifacts are 16-bit: compressed-tensors decompresses their weights to
     bfloat16 (a float32 model then fails in plain transformers) and vLLM's FP4 / MX kernels take 16-bit activations,
     so a float32 source becomes a bfloat16 artifact (noted in the summary); torchao's FP4 / MX tensors take bfloat16
-    only, so in that format a float16 source does too."""
+    only, so in that format a float16 source does too. torchao's FP8 tensors (per row, per block) take bfloat16
+    weights alone, so an FP8 torchao artifact is bfloat16 too."""
+    if prepared.format is Format.TORCHAO and recipe.scheme.weights.dtype is QDtype.FLOAT8:
+        return _torchao_float8_dtype(prepared, recipe, dtype, trust_remote_code)
     if not recipe.scheme.weights.sixteen_bit:
         return dtype
     if prepared.format is Format.TORCHAO and dtype == "float16":
@@ -296,6 +300,19 @@ def artifact_dtype(prepared: Prepared, recipe: Recipe, dtype: str, trust_remote_
     note = ("a float32 model: the artifact is bfloat16 (FP4 / MX weights load and run in 16 bits)" if source is torch.float32
             else "a float16 model: the torchao artifact is bfloat16 (torchao's FP4 / MX tensors take bfloat16 weights)")
     prepared.coverage.setdefault("notes", []).append(note)
+    return "bfloat16"
+
+
+def _torchao_float8_dtype(prepared: Prepared, recipe: Recipe, dtype: str, trust_remote_code: bool) -> str:
+    if dtype not in ("auto", "bfloat16"):
+        raise UsageError(f"recipe '{recipe.name}' in format torchao: torchao's FP8 tensors take bfloat16 weights; "
+                         "pass --dtype bfloat16, or leave --dtype auto")
+    from quantkit.streaming import model_dtype
+
+    source = model_dtype(prepared.src, models.load_config(prepared.src, trust_remote_code), "auto")
+    if dtype == "auto" and source is not torch.bfloat16:
+        prepared.coverage.setdefault("notes", []).append(
+            f"a {str(source).removeprefix('torch.')} model: the torchao artifact is bfloat16 (torchao's FP8 tensors take bfloat16 weights)")
     return "bfloat16"
 
 

@@ -23,11 +23,14 @@ class PlacementError(RuntimeError):
 
 
 def compute_device(name: str, ctx=None) -> torch.device:
-    """The device `--device NAME` computes on: `cuda` under torchrun is this rank's own GPU (`ctx.device`)."""
+    """The device `--device NAME` computes on, with its index: `cuda` under torchrun is this rank's own GPU
+    (`ctx.device`), else the current one (tensors on it report `cuda:0`, which `cuda` does not equal)."""
     device = torch.device(name)
-    if ctx is not None and ctx.distributed and device.type == "cuda" and device.index is None:
+    if device.type != "cuda" or device.index is not None:
+        return device
+    if ctx is not None and ctx.distributed:
         return ctx.device
-    return device
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def to_host(value: Any) -> Any:

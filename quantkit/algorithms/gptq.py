@@ -213,17 +213,21 @@ class _Grid:
         tests/unit/algorithms/test_gptq.py holds it equal to RTN through `quantize_with`, bit for bit."""
         if self.float_grid:
             return self._round_float(column, group)
-        if group not in self._columns:
-            scale = self.scale[:, group].contiguous()
-            zero = self.zero[:, group].contiguous() if self.zero is not None else None
-            self._columns[group] = (scale, 1.0 / scale, zero, zero.float() if zero is not None else None)
-        scale, inverse, zero, zero_float = self._columns[group]
+        scale, inverse, zero, zero_float = self.columns(group)
         q = torch.round(column.to(self.dtype) * inverse)
         if zero is None:
             q = q.clamp_(*self.spec.dtype.qrange).float()
             return q, (q * scale).float()
         q = (q + zero).clamp_(*self.spec.dtype.qrange).float()
         return q, ((q - zero_float) * scale).float()
+
+    def columns(self, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """An integer grid's (scale, 1 / scale, zero point, zero point as float32) of `group`, as contiguous columns."""
+        if group not in self._columns:
+            scale = self.scale[:, group].contiguous()
+            zero = self.zero[:, group].contiguous() if self.zero is not None else None
+            self._columns[group] = (scale, 1.0 / scale, zero, zero.float() if zero is not None else None)
+        return self._columns[group]
 
     def _round_float(self, column: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
         """FP4 grids (NVFP4, MXFP4) as `qparams.round_float_grid` rounds: divided by the float32 scale under a
@@ -242,7 +246,7 @@ SUB_BLOCK = 16  # columns whose updates are applied one by one; the rest of a bl
 
 def _quantize_columns(
     wt: torch.Tensor, hinv: torch.Tensor, grid: _Grid, order: list[int], block_size: int,
-    row_errors: torch.Tensor | None = None,
+    row_errors: torch.Tensor | None = None, graphs: bool | None = None,
 ) -> torch.Tensor:
     """The GPTQ loop over (permuted) columns of w, given as the contiguous w^T (updated in place; a column is a
     row); `order[j]` is the original index of column j. Returns qdata.
@@ -255,11 +259,16 @@ def _quantize_columns(
 
     Every weight row's arithmetic is the same whatever other rows are solved beside it: the per-column steps
     are elementwise (no fused multiply-add whose use could depend on a row's place in a vector), and the
-    matmuls run on blocks of ROW_BLOCK rows."""
+    matmuls run on blocks of ROW_BLOCK rows. On CUDA the matmuls take all rows at once (cuBLAS may pick other
+    kernels for other row counts anyway: ranks agree up to float summation order there) and whole sub-blocks run
+    as one CUDA graph each (`gptq_graphs`: the same kernels, bit for bit); `graphs` False runs that path eagerly
+    (tests), None picks it on CUDA."""
     qt = torch.empty(wt.shape, dtype=torch.float8_e4m3fn if grid.float_grid else torch.int8, device=wt.device)  # the grid values
     dynamic_size = grid.spec.group_size if grid.dynamic else None
     sub = math.gcd(SUB_BLOCK, dynamic_size) if dynamic_size else SUB_BLOCK
-    row_blocks = [slice(r, r + ROW_BLOCK) for r in range(0, wt.shape[1], ROW_BLOCK)]
+    cuda = wt.device.type == "cuda"
+    row_blocks = [slice(None)] if cuda else [slice(r, r + ROW_BLOCK) for r in range(0, wt.shape[1], ROW_BLOCK)]
+    runner = _sub_block_runner(wt, grid, order, sub, row_errors, graphs)
 
     def push(columns: slice, factors: torch.Tensor, err: torch.Tensor) -> None:  # wt[columns] -= factors @ err
         for rows in row_blocks:
@@ -270,6 +279,14 @@ def _quantize_columns(
         err = torch.empty_like(wt[i1:i2])
         for j1 in range(i1, i2, sub):
             j2 = min(j1 + sub, i2)
+            if runner is not None and j2 - j1 == sub:
+                group = grid.group_of(order[j1])
+                if dynamic_size and j1 % dynamic_size == 0:
+                    grid.choose(group, wt[j1 : j1 + dynamic_size].T)
+                qt[j1:j2], err[j1 - i1 : j2 - i1] = runner(wt[j1:j2], hinv[j1:j2, j1:j2], *grid.columns(group))
+                if j2 < i2:
+                    push(slice(j2, i2), hinv[j1:j2, j2:i2].T, err[j1 - i1 : j2 - i1])
+                continue
             for i in range(j1, j2):
                 group = grid.group_of(order[i])
                 if dynamic_size and i % dynamic_size == 0:
@@ -285,3 +302,18 @@ def _quantize_columns(
         if i2 < wt.shape[0]:
             push(slice(i2, None), hinv[i1:i2, i2:].T, err)
     return qt.T.contiguous()
+
+
+def _sub_block_runner(wt: torch.Tensor, grid: _Grid, order: list[int], sub: int, row_errors: torch.Tensor | None,
+                      graphs: bool | None):
+    """`gptq_graphs.sub_block_runner` where it applies: integer grids rounded left to right (every column of a
+    sub-block in one group), on CUDA or when asked (`graphs` False)."""
+    if grid.float_grid or order != list(range(len(order))) or (graphs is None and wt.device.type != "cuda"):
+        return None
+    if grid.spec.granularity is Granularity.GROUP and grid.spec.group_size % sub:
+        return None  # a sub-block would straddle two groups
+    from quantkit.algorithms.gptq_graphs import sub_block_runner
+
+    zero_dtype = grid.zero.dtype if grid.zero is not None else None
+    return sub_block_runner(sub, wt.shape[1], grid.dtype, grid.scale.dtype, zero_dtype, grid.spec.dtype.qrange, wt.device,
+                            row_errors, graphs)

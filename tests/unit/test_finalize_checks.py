@@ -79,3 +79,23 @@ def test_qat_nvfp4_in_torchao_format_is_refused_for_its_other_grid(tiny_model_di
         with pytest.raises(FormatError, match="own global scale.*use --format compressed-tensors"):
             prepare(src, recipe, Format.TORCHAO)
     prepare(src, recipe, Format.COMPRESSED_TENSORS)
+
+
+def test_a_torchao_fp8_artifact_is_bfloat16_whatever_the_source(tiny_model_dir):
+    """torchao's FP8 tensors take bfloat16 weights only (its per-row config asserts it mid-load): a float32 source
+    becomes a bfloat16 artifact, noted; an explicit float32 / float16 is refused in one line."""
+    import pytest
+
+    from quantkit.errors import UsageError
+    from quantkit.finalize import Prepared, artifact_dtype
+    from quantkit.registry import Format, resolve
+
+    for name in ("float8-dynamic-act-float8-weight", "fp8-block"):
+        recipe = resolve(name)
+        prepared = Prepared(src=tiny_model_dir, format=Format.TORCHAO, plan=[], coverage={})
+        assert artifact_dtype(prepared, recipe, "auto") == "bfloat16"
+        assert "torchao's FP8 tensors take bfloat16 weights" in prepared.coverage["notes"][0]
+        with pytest.raises(UsageError, match="pass --dtype bfloat16"):
+            artifact_dtype(prepared, recipe, "float32")
+        compressed = Prepared(src=tiny_model_dir, format=Format.COMPRESSED_TENSORS, plan=[], coverage={})
+        assert artifact_dtype(compressed, recipe, "auto") == "auto"  # compressed-tensors' FP8 takes any dtype

@@ -56,3 +56,17 @@ def test_an_already_quantized_source_is_refused(tmp_path):
     assert models.quantization_method(tmp_path) == "compressed-tensors"
     with pytest.raises(SourceModelError, match="already quantized"):
         models.check_full_precision(tmp_path)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_check_finite_names_every_kind_of_non_finite_value(bad, dtype):
+    from quantkit.errors import SourceModelError
+    from quantkit.models import check_finite
+
+    weight = torch.randn(64, 32).to(dtype)
+    check_finite("m", weight)
+    weight[3, 7] = bad
+    weight[9, 1] = bad
+    with pytest.raises(SourceModelError, match="m.weight has 2 non-finite values"):
+        check_finite("m", weight)

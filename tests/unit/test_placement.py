@@ -68,8 +68,11 @@ def test_offload_layer_puts_the_layer_and_its_results_on_the_cpu_and_leaves_othe
     placement.check_on_host("test", layer=layer, qweights=result.qweights, input_scales=result.input_scales)
 
 
-def test_compute_device_is_the_ranks_own_gpu_under_torchrun():
+def test_compute_device_is_the_ranks_own_gpu_under_torchrun(monkeypatch):
     from quantkit.distributed import Context
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert placement.compute_device("cuda") == torch.device("cuda", 0)  # what a tensor there reports: comparable
 
     ctx = Context(rank=1, world_size=2, local_rank=1, device=torch.device("cuda", 1))
     assert placement.compute_device("cuda", ctx) == torch.device("cuda", 1)

@@ -356,3 +356,31 @@ def test_row_shares_of_the_inverse_cover_every_row_once_cut_by_work(world_size):
     assert all(share.start % FACTOR_BLOCK == 0 for share in shares)
     if world_size == 2:  # the first rows' blocks reach further right: fewer of them
         assert shares[0].stop - shares[0].start < shares[1].stop - shares[1].start
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: ID[id(s)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_sub_block_path_cuda_replays_as_a_graph_is_the_column_loop_bit_for_bit(spec, dtype):
+    """`gptq_graphs`: a sub-block's columns copied into tensors of their own, looped over there, and the grid
+    integers and scaled errors copied out (what a CUDA graph replays) give the column loop's qdata, scales and
+    rows' squared errors bit for bit; 200 rows (not a multiple of a row block); per channel 264 columns (a short
+    last sub-block, which runs column by column)."""
+    from quantkit.algorithms.gptq import _Grid, _aligned_block_size, _quantize_columns, inverse_hessian
+
+    columns = 384 if spec.granularity is Granularity.GROUP else 264
+    weight = _weight(dtype, out=200, inp=columns)
+    hessian = HessianObserver()
+    hessian.update(_inputs(inp=columns))
+    factor = inverse_hessian(hessian.hessian())
+    args = GPTQArgs()
+    dynamic = spec.granularity is Granularity.GROUP
+    results = []
+    for graphs in (None, False):  # None on the CPU: the column loop
+        grid = _Grid.up_front(weight.float(), dtype, spec, dynamic=dynamic)
+        errors = torch.zeros(weight.shape[0])
+        qdata = _quantize_columns(weight.T.float().contiguous(), factor.upper, grid, factor.order,
+                                  _aligned_block_size(args.block_size, spec), errors, graphs=graphs)
+        results.append((qdata, grid.scale, grid.zero, errors))
+    (q1, s1, z1, e1), (q2, s2, z2, e2) = results
+    assert torch.equal(q1, q2) and torch.equal(s1, s2) and torch.equal(e1, e2)
+    assert (z1 is None and z2 is None) or torch.equal(z1, z2)
