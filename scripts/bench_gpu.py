@@ -37,12 +37,12 @@ from harness import WIKITEXT, fmt
 
 import bench_calibration
 
-JOBS = [  # (algorithm, quantkit recipe, llm-compressor runner recipe, model: big | small)
-    ("GPTQ W4A16", "gptq-w4a16", "gptq-w4a16", "big"),
-    ("AWQ W4A16", "awq-w4a16", "awq-w4a16", "big"),
+JOBS = [  # (algorithm, quantkit recipe, llm-compressor runner recipe, model: big | small), in the order they run
     ("GPTQ W4A16", "gptq-w4a16", "gptq-w4a16", "small"),
     ("AWQ W4A16", "awq-w4a16", "awq-w4a16", "small"),
     ("AutoRound W4A16", "autoround-w4a16", "autoround-w4a16", "small"),
+    ("GPTQ W4A16", "gptq-w4a16", "gptq-w4a16", "big"),
+    ("AWQ W4A16", "awq-w4a16", "awq-w4a16", "big"),
 ]
 
 
@@ -277,25 +277,32 @@ def main(argv: list[str] | None = None) -> None:
     if not args.no_small:
         models["small"] = small_model(args.workdir, args)
         calib["small"] = harness.write_calibration(models["small"], args.calib_data, args.num_samples, args.seq_len, args.workdir)
-    if not args.no_big:
-        models["big"] = big_model(args.workdir, args.train_text, args.big_layers)
-        (args.workdir / "big").mkdir(exist_ok=True)
-        calib["big"] = harness.write_calibration(models["big"], args.calib_data, args.big_samples, args.big_seq_len,
-                                                 args.workdir / "big")
-    facts = machine_facts(args)
-    jobs = make_jobs(models, calib, args.workdir, args)
+    facts = {}  # filled at the end: torch.cuda in this process before a model is built (in a fork) would break the build
     try:
         sampler = GpuSampler()
     except Exception as exc:  # no NVML: times only
         print(f"note: no GPU sampling ({exc})", file=sys.stderr)
         sampler = None
-    for job in jobs:
-        run(job, sampler, logs, args.threads)
-        state = f"{job.seconds:.1f}s" if not job.returncode else f"FAILED (rc {job.returncode})"
-        print(f"{job.tool} {job.recipe} ({job.model}): {state}", file=sys.stderr, flush=True)
-        report(jobs, None, facts, args.json, show=False)  # what is done so far survives a run cut short
-    float_ppl = perplexities(jobs, models["small"], args, args.workdir) if "small" in models else None
-    report(jobs, float_ppl, facts, args.json)
+    jobs, float_ppl = [], None
+    for which in ("small", "big"):  # the small model's perplexities first: a run cut short still has them
+        if which == "big" and not args.no_big:
+            models["big"] = big_model(args.workdir, args.train_text, args.big_layers)
+            (args.workdir / "big").mkdir(exist_ok=True)
+            calib["big"] = harness.write_calibration(models["big"], args.calib_data, args.big_samples, args.big_seq_len,
+                                                     args.workdir / "big")
+        if which not in models:
+            continue
+        batch = make_jobs({which: models[which]}, calib, args.workdir, args)
+        jobs += batch
+        for job in batch:
+            run(job, sampler, logs, args.threads)
+            state = f"{job.seconds:.1f}s" if not job.returncode else f"FAILED (rc {job.returncode})"
+            print(f"{job.tool} {job.recipe} ({job.model}): {state}", file=sys.stderr, flush=True)
+            report(jobs, float_ppl, facts, args.json, show=False)  # what is done so far survives a run cut short
+        if which == "small":
+            float_ppl = perplexities(jobs, models["small"], args, args.workdir)
+            report(jobs, float_ppl, facts, args.json)
+    report(jobs, float_ppl, machine_facts(args), args.json)
 
 
 if __name__ == "__main__":
