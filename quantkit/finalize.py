@@ -68,6 +68,7 @@ class Prepared:
     resume: bool = False  # continue the interrupted run saved in work_dir
     resumable: object | None = None  # the run's `calibration.resume.Resumable`, once calibration starts
     loading: str | None = None  # how finalize held the model: streamed layer by layer, or whole (and why)
+    source_fingerprint: object | None = None  # SRC's sha256 (`models.fingerprint`), computing meanwhile: a Future
 
 
 def check_qat_recipe(src: Path, recipe: Recipe, force: bool = False) -> str | None:
@@ -359,6 +360,8 @@ def finalize(
     if recipe.needs_calibration:
         hardware.check_device((calibration or CalibrationOptions()).device)
     prepared = prepare(src, recipe, fmt, trust_remote_code, force_recipe, revision, in_memory)
+    if runtime.is_main_process():  # the writer's: hashed beside the work (0.5 GB/s: 30 s for an 8B model's weights)
+        prepared.source_fingerprint = models.fingerprint_in_background(prepared.src)
     dtype = artifact_dtype(prepared, recipe, dtype, trust_remote_code)
     if recipe.needs_calibration:
         check_calibration_data(recipe, calibration)
@@ -580,7 +583,9 @@ def _write_errors(dst: Path, write) -> None:
 def _write_beside(prepared: Prepared, recipe: Recipe, out: Path) -> None:
     """The tokenizer and quantkit.json beside the weights."""
     models.copy_tokenizer(prepared.src, out)
-    info = metadata.build(recipe, prepared.format, prepared.plan, prepared.src, models.fingerprint(prepared.src))
+    found = prepared.source_fingerprint
+    info = metadata.build(recipe, prepared.format, prepared.plan, prepared.src,
+                          found.result() if found is not None else models.fingerprint(prepared.src))
     info["modules"]["coverage"] = prepared.coverage
     info["calibration"] = prepared.calibration
     metadata.write(out, info)

@@ -168,6 +168,17 @@ def fingerprint(path: Path) -> str:
     return "sha256:" + digest.hexdigest()
 
 
+def fingerprint_in_background(path: Path):
+    """`fingerprint(path)` computed in a thread of its own (hashlib lets go of the GIL over large reads), as a
+    Future: a finalize hashes its source while it quantizes instead of after."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="quantkit-fingerprint")
+    future = pool.submit(fingerprint, path)
+    pool.shutdown(wait=False)
+    return future
+
+
 def weights_size(path: Path) -> int:
     """Bytes of the safetensors weights in a model directory."""
     return sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))

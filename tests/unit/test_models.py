@@ -70,3 +70,7 @@ def test_check_finite_names_every_kind_of_non_finite_value(bad, dtype):
     weight[9, 1] = bad
     with pytest.raises(SourceModelError, match="m.weight has 2 non-finite values"):
         check_finite("m", weight)
+
+
+def test_the_background_fingerprint_is_the_fingerprint(tiny_model_dir):
+    assert models.fingerprint_in_background(tiny_model_dir).result(timeout=60) == models.fingerprint(tiny_model_dir)
