@@ -40,12 +40,16 @@ def list_recipes(json_path: JsonOpt = None) -> None:
 
 
 def show(name: Annotated[str, typer.Argument(help="Recipe name or path to a recipe .yaml file.")], json_path: JsonOpt = None) -> None:
-    """One recipe as resolved: scheme, algorithm, format, ignore list, requirements.
+    """One recipe as a recipe file, every default spelt out: save it, edit it, pass it to -q.
 
-    Example: quantkit recipes show int4-weight-only
+    Examples:
+
+      quantkit recipes show int4-weight-only
+
+      quantkit recipes show gptq-w4a16 > my-gptq.yaml     (then: quantkit finalize SRC DST -q my-gptq.yaml)
     """
     recipe = registry.resolve(name)
     if json_path:
         write_json(json_path, "recipes show", {"recipe": recipe.to_dict()})
         return
-    out.print(yaml.safe_dump(recipe.to_dict(), sort_keys=False), end="", highlight=False)
+    typer.echo(yaml.safe_dump(recipe.to_file(), sort_keys=False, width=10_000), nl=False)  # plain: no terminal wrapping

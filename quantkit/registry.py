@@ -113,8 +113,18 @@ class Recipe:
         return self.requires.get(fmt, Requirement())
 
     def to_dict(self) -> dict[str, Any]:
-        """The recipe as resolved, JSON-ready (used by `recipes show` and quantkit.json)."""
+        """The recipe as resolved, JSON-ready (`recipes show --json` and quantkit.json)."""
         return _plain(asdict(self))
+
+    def to_file(self) -> dict[str, Any]:
+        """The recipe as a recipe file writes it, every default spelt out (`recipes show`): a file that `resolve`
+        reads back to this recipe, under the file's own name."""
+        data = self.to_dict()
+        steps = [{"name": step["name"], **step["args"]} for step in data["steps"]]
+        data["algorithm"] = steps[0] if len(steps) == 1 else steps
+        order = ("description", "scheme", "algorithm", "calibration", "format", "ignore", "on_indivisible", "requires",
+                 "hardware", "kv_cache")
+        return {key: data[key] for key in order if data.get(key) is not None}
 
 
 def _plain(value: Any) -> Any:

@@ -15,7 +15,7 @@ import quantkit.finalize
 from quantkit import errors
 from quantkit.cli.main import app
 from quantkit.evaluate import ModelReport, PerplexityResult
-from quantkit.registry import Format
+from quantkit.registry import Format, recipe_names, resolve
 from quantkit.tasks import TaskOptions, TaskResult
 
 runner = CliRunner()
@@ -622,3 +622,16 @@ def test_the_command_ends_without_finalizing_the_interpreter_and_keeps_its_outpu
         assert "gptq-w4a16" in done.stdout and "block_size" in done.stdout  # the whole recipe, flushed
     else:
         assert done.stderr.startswith("error:")
+
+
+@pytest.mark.parametrize("name", recipe_names())
+def test_recipes_show_writes_a_file_that_resolves_to_the_same_recipe(name, tmp_path):
+    """`quantkit recipes show NAME > mine.yaml`, then `-q mine.yaml`: the same recipe (under the file's name)."""
+    shown = invoke("recipes", "show", name)
+    assert shown.exit_code == 0, shown.output
+    path = tmp_path / "mine.yaml"
+    path.write_text(shown.output)
+    mine, shipped = resolve(str(path)).to_dict(), resolve(name).to_dict()
+    assert mine.pop("name") == "mine" and shipped.pop("name") == name
+    mine.pop("source"), shipped.pop("source")
+    assert mine == shipped
