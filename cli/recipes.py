@@ -52,4 +52,5 @@ def show(name: Annotated[str, typer.Argument(help="Recipe name or path to a reci
     if json_path:
         write_json(json_path, "recipes show", {"recipe": recipe.to_dict()})
         return
-    typer.echo(yaml.safe_dump(recipe.to_file(), sort_keys=False, width=10_000), nl=False)  # plain: no terminal wrapping
+    header = f"# quantkit recipe {recipe.name}: saved as FILE.yaml and passed as -q FILE.yaml, it is this recipe, named FILE\n"
+    typer.echo(header + yaml.safe_dump(recipe.to_file(), sort_keys=False, width=10_000), nl=False)  # plain: no wrapping
