@@ -136,9 +136,11 @@ def quantize_cache(model: nn.Module) -> int:
     none on transformers 5.24's attention). Returns how many modules were hooked here."""
     hooked = 0
     for module in cached_attentions(model).values():
-        if hasattr(module, "kv_cache") or not hasattr(module, "k_scale"):
-            continue
         key = cache_argument(module)
+        # compressed-tensors' `kv_cache` replaces the cache passed as past_key_value(s) only; 0.17 installs it on
+        # transformers 5.24's attention too (argument `cache`), where it quantizes nothing
+        if not hasattr(module, "k_scale") or (hasattr(module, "kv_cache") and key != "cache"):
+            continue
 
         def hook(mod, args, kwargs, key=key):
             return args, {**kwargs, key: _QuantizingCache(mod, kwargs.get(key))}

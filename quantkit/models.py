@@ -69,9 +69,11 @@ def load_model(path: Path, dtype: str = "auto", trust_remote_code: bool = False,
     from transformers import AutoModelForCausalLM
 
     from quantkit.export.compressed_tensors import packed_zero_points_on_load
+    from quantkit.export.ct_compat import compute_as_newer_releases
 
     if dtype not in DTYPES:
         raise SourceModelError(f"unknown dtype '{dtype}'; use one of {', '.join(DTYPES)}")
+    compute_as_newer_releases()  # compressed-tensors 0.17: FP8 blocks as written
     with packed_zero_points_on_load():
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code, **kwargs

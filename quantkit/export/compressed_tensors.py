@@ -22,11 +22,12 @@ from compressed_tensors.quantization import (
     QuantizationConfig,
     QuantizationScheme,
     QuantizationStatus,
-    apply_quantization_config,
 )
 from torch import nn
 
 from quantkit import moe, placement
+from quantkit.export import ct_compat
+from quantkit.export.ct_compat import apply_quantization_config
 from quantkit.plan import ModulePlan
 from quantkit.qparams import QParams
 from quantkit.quantized_model import QuantizedModel
@@ -35,6 +36,9 @@ from quantkit.schemes import ActivationSpec, Granularity, KVCacheSpec, QDtype, Q
 
 
 def unsupported(recipe: Recipe) -> str | None:
+    """What the installed compressed-tensors cannot write of this recipe (a format of a newer release), or None."""
+    if compression_format(recipe.scheme) == "pack-quantized":
+        return ct_compat.cannot_pack(recipe.scheme.weights.dtype.bits)
     return None
 
 
@@ -77,11 +81,16 @@ def compression_format(scheme: QuantScheme) -> str:
 
 def loading_caveat(recipe: Recipe) -> str | None:
     """What plain transformers cannot load of what this recipe writes (vLLM serves it), or None."""
-    if recipe.scheme.weights.is_asymmetric and compression_format(recipe.scheme) == "pack-quantized":
+    if (recipe.scheme.weights.is_asymmetric and compression_format(recipe.scheme) == "pack-quantized"
+            and ct_compat.sizes_packed_zero_points_unpacked()):
         import transformers
 
         return (f"written for vLLM: transformers {transformers.__version__} cannot load asymmetric pack-quantized weights "
                 "(it sizes the packed zero points unpacked; llm-compressor issue #1618); `quantkit eval` loads them itself")
+    if recipe.scheme.weights.granularity is Granularity.BLOCK and not ct_compat.dequantizes_by_scheme():
+        return (f"written for vLLM: transformers with compressed-tensors {ct_compat.version()} cannot run FP8 blocks of a "
+                "weight one block wide or not a whole number of blocks (it guesses the layout from the scales; 0.19+ "
+                "reads it from the config); `quantkit eval` loads them itself")
     return None
 
 
@@ -213,7 +222,8 @@ def _kv_cache_args(spec: KVCacheSpec | None) -> QuantizationArgs | None:
 
 def install(model: nn.Module, plan: list[ModulePlan], recipe: Recipe) -> None:
     """Attach compressed-tensors' quantization (schemes, qparam slots, quantized forward) to `model`."""
-    apply_quantization_config(model, quantization_config(plan, recipe, experts_targets(model)), show_progress=False)
+    ct_compat.compute_as_newer_releases()
+    apply_quantization_config(model, quantization_config(plan, recipe, experts_targets(model)))
 
 
 def experts_targets(model: nn.Module) -> tuple[tuple[str, ...], str | None]:
@@ -305,6 +315,7 @@ class StreamWriter:
                  max_shard_size: int | None = None, expected_bytes: int | None = None):
         from quantkit.export.shards import ShardWriter
 
+        ct_compat.compute_as_newer_releases()
         self.model, self.recipe, self.out_dir = model, recipe, Path(out_dir)
         self.config = quantization_config(plan, recipe, experts_targets(model))
         self.planned = {entry.name for entry in plan if entry.quantized}
@@ -321,7 +332,7 @@ class StreamWriter:
         placement.check_on_host("the compressed-tensors writer", modules=modules, qparams=qparams, input_scales=input_scales,
                                 kv_scales=kv_scales or {})
         inside = [sub for module in modules for sub in module.modules()]
-        apply_quantization_config(self.model, self.config, show_progress=False, allowed_modules=inside)
+        apply_quantization_config(self.model, self.config, allowed_modules=inside)
         for sub in inside:
             name = self.names[sub]
             if name not in self.planned:

@@ -23,11 +23,11 @@ def main() -> None:
     for artifact in sys.argv[3:]:
         try:
             model = AutoModelForCausalLM.from_pretrained(artifact).eval()
+            with torch.no_grad():  # compressed-tensors decompresses on the first forward
+                tensors = {"logits": model(ids).logits.float().contiguous()}
         except Exception as exc:  # noqa: BLE001 - reported to the test, which knows which artifacts must load
             (out_dir / f"{Path(artifact).name}.error.txt").write_text(f"{type(exc).__name__}: {exc}")
             continue
-        with torch.no_grad():
-            tensors = {"logits": model(ids).logits.float().contiguous()}
         for name, module in model.named_modules():
             if isinstance(module, torch.nn.Linear):
                 tensors[name] = dense(module.weight.data).float().contiguous()
