@@ -25,6 +25,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from quantkit import compat
 from quantkit.architectures import LLAMA, WIRINGS, LayerWiring, feeding_modules
 from quantkit.errors import UnsupportedModelError
 
@@ -112,17 +113,12 @@ def linearize(model: nn.Module) -> nn.Module:
 def _checkpoint_layouts(model: nn.Module) -> list[tuple[str, list[str], list[tuple[str, int]]]]:
     """transformers' conversions that merge per-expert checkpoint weights into a fused parameter, as
     (fused parameter suffix, per-expert projection names in merge order, (operation, dim) list)."""
-    from transformers.conversion_mapping import extract_weight_conversions_for_model
-    from transformers.core_model_loading import WeightConverter
-
     layouts = []
-    for conversion in extract_weight_conversions_for_model(model) or []:
-        if not isinstance(conversion, WeightConverter) or len(conversion._original_target_patterns) != 1:
-            continue
-        sources = [re.search(r"\.\*\.(\w+)\.weight$", s) for s in conversion._original_source_patterns]
-        if all(sources):
-            operations = [(type(op).__name__, getattr(op, "dim", None)) for op in conversion.operations]
-            layouts.append((conversion._original_target_patterns[0].lstrip("."), [s.group(1) for s in sources], operations))
+    for conversion in filter(compat.is_weight_converter, compat.weight_conversions(model)):
+        source_patterns, target_patterns, operations = compat.converter_layout(conversion)
+        sources = [re.search(r"\.\*\.(\w+)\.weight$", s) for s in source_patterns]
+        if len(target_patterns) == 1 and all(sources):
+            layouts.append((target_patterns[0].lstrip("."), [s.group(1) for s in sources], operations))
     return layouts
 
 
@@ -173,12 +169,7 @@ def checkpoint_names(model: nn.Module, names: list[str]) -> dict[str, str]:
 def checkpoint_renamer(model: nn.Module):
     """`checkpoint_names` for one name at a time, the conversion mapping looked up once (for a writer that names
     every tensor it writes)."""
-    from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import PrefixChange, WeightRenaming, apply_renamings
-
-    conversions = [c for c in get_model_conversion_mapping(model, add_legacy=False) if not isinstance(c, PrefixChange)]
-    renamings = [r for r in (c.reverse_transform() for c in conversions[::-1]) if isinstance(r, WeightRenaming)]
-    return lambda name: apply_renamings(name, renamings)
+    return compat.checkpoint_renamer(model)
 
 
 @contextlib.contextmanager

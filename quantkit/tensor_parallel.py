@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from quantkit import compat
 from quantkit.errors import UnsupportedModelError, UsageError
 
 
@@ -21,7 +22,7 @@ def load(path: Path, dtype: str = "auto", trust_remote_code: bool = False):
     artifact cannot be: compressed-tensors decompresses on the first forward, through an offloading wrapper that
     transformers' sharded modules break. It is loaded whole, decompressed (dense weights, activation quantization
     kept), and then sharded by the same plan, so each rank holds the dense model until the shards are cut."""
-    from transformers.distributed import DistributedConfig
+    from transformers import DistributedConfig
 
     from quantkit.models import load_model, quantization_method
 
@@ -37,17 +38,16 @@ def shard_loaded(model):
     replicated, not split with its module's weight; per-head KV cache scales keep this rank's heads."""
     import torch
     from compressed_tensors.offload import remove_dispatch
-    from transformers.distributed import DistributedConfig
-    from transformers.distributed.parallel_utils import replace_layer_number_by_wildcard
+
+    from quantkit import compat
 
     device = next(model.parameters()).device
     with torch.inference_mode():  # compressed-tensors decompresses in a hook on the first call
         model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=False)
     remove_dispatch(model)
-    per_tensor = {replace_layer_number_by_wildcard(name): "replicate" for name, p in model.named_parameters() if p.numel() == 1}
-    config, local_device, mesh = type(model).prepare_distribute_model(DistributedConfig(tp_plan=per_tensor or "auto"))
-    model = type(model).maybe_distribute_model(model, config, mesh)
-    _keep_local_head_scales(model, mesh.get_mesh("tp"))
+    per_tensor = [compat.replace_layer_number_by_wildcard(name) for name, p in model.named_parameters() if p.numel() == 1]
+    model, local_device, mesh = compat.distribute_loaded(model, per_tensor)
+    _keep_local_head_scales(model, mesh)
     return model.to(local_device) if local_device is not None else model
 
 
@@ -73,10 +73,11 @@ def plan_of(config) -> dict[str, str]:
 def families() -> list[str]:
     """The causal-LM model types whose transformers config declares a tensor-parallel plan."""
     from transformers import CONFIG_MAPPING
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from quantkit.compat import causal_lm_model_types
 
     found = []
-    for model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+    for model_type in causal_lm_model_types():
         try:
             config_class = CONFIG_MAPPING[model_type]
         except (KeyError, ImportError):  # a family whose optional dependencies are missing
@@ -106,8 +107,9 @@ def check_options(recipes: list[str] | None, tasks: object | None) -> None:
 
 def check(path: str | Path, ranks: int, trust_remote_code: bool = False) -> None:
     """Refuse, in one line and before anything is launched, a model that cannot be sharded over `ranks`
-    processes: a family without a tensor-parallel plan, a head count the ranks do not divide, a format other
-    than compressed-tensors among quantized ones, activation groups a rank's share of a width would split."""
+    processes: a family without a tensor-parallel plan, a head count the ranks do not divide (or a vocabulary, where
+    transformers needs that), a format other than compressed-tensors among quantized ones, activation groups a rank's
+    share of a width would split."""
     from transformers import AutoConfig
 
     from quantkit.models import quantization_method
@@ -128,6 +130,10 @@ def check(path: str | Path, ranks: int, trust_remote_code: bool = False) -> None
     if uneven:
         raise UsageError(f"{path}: --tp {ranks} does not divide the model's {', '.join(uneven)}; pass a --tp that divides "
                          "them (each rank computes whole attention heads)")
+    if config.vocab_size % ranks and not compat.shards_rows_unevenly():
+        raise UsageError(f"{path}: --tp {ranks} does not divide the model's vocab_size {config.vocab_size}, and the installed "
+                         "transformers splits lm_head's rows in equal shares only (5.21 and later split them unevenly); pass "
+                         "a --tp that divides it, or upgrade transformers")
     group = _activation_group(config)
     if group:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads

@@ -21,7 +21,10 @@ from typing import Iterator
 import torch
 from torch import nn
 from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+
+from quantkit import compat
+
+sdpa_attention_forward, repeat_kv = compat.sdpa_attention()
 
 NAME = "quantkit_cpu_bf16"  # its name in transformers' attention registry
 

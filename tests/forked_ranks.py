@@ -1,9 +1,12 @@
 """A test helper: run a function on forked processes joined in a gloo process group."""
 
+from same_threads import THREADS
+
 
 def on_ranks(world: int, work, tmp_path) -> list:
-    """`work(ctx)` on `world` forked processes joined in a gloo group; each rank's return value, in rank order
-    (saved by torch.save, read back with weights_only=True)."""
+    """`work(ctx)` on `world` forked processes joined in a gloo group, each computing with `same_threads.THREADS`
+    torch threads (a one-process result compared with theirs bit for bit is computed inside `same_threads.pinned()`);
+    each rank's return value, in rank order (saved by torch.save, read back with weights_only=True)."""
     import multiprocessing
 
     import torch
@@ -13,7 +16,7 @@ def on_ranks(world: int, work, tmp_path) -> list:
 
         from quantkit.distributed import Context
 
-        torch.set_num_threads(1)
+        torch.set_num_threads(THREADS)
         dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=rank, world_size=world)
         try:
             torch.save(work(Context(rank, world, rank, torch.device("cpu"))), tmp_path / f"rank{rank}.pt")

@@ -25,7 +25,7 @@ from compressed_tensors.quantization import (
 )
 from torch import nn
 
-from quantkit import moe, placement
+from quantkit import compat, moe, placement
 from quantkit.export import ct_compat
 from quantkit.export.ct_compat import apply_quantization_config
 from quantkit.plan import ModulePlan
@@ -82,7 +82,7 @@ def compression_format(scheme: QuantScheme) -> str:
 def loading_caveat(recipe: Recipe) -> str | None:
     """What plain transformers cannot load of what this recipe writes (vLLM serves it), or None."""
     if (recipe.scheme.weights.is_asymmetric and compression_format(recipe.scheme) == "pack-quantized"
-            and ct_compat.sizes_packed_zero_points_unpacked()):
+            and ct_compat.sizes_packed_zero_points_unpacked() and not compat.tolerates_quantized_shape_mismatch()):
         import transformers
 
         return (f"written for vLLM: transformers {transformers.__version__} cannot load asymmetric pack-quantized weights "

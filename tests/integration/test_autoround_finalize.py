@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import make_text
+from same_threads import environment, pinned
 from quantkit import registry
 from quantkit.finalize import CalibrationOptions, finalize, prepare, quantize_model
 from quantkit.qparams import fake_quantize_weight
@@ -86,13 +87,13 @@ def artifacts(tiny_model_dir, calib_file, tmp_path_factory):
     for case, path in cases.items():
         recipe = registry.resolve(str(path))
         model = quantize_model(prepare(tiny_model_dir, recipe), recipe, calibration=options)
-        with torch.no_grad():
+        with torch.no_grad(), pinned():  # the logits compared bit for bit with the reloading process's
             logits[case] = model(ids).logits.float()
         finalize(tiny_model_dir, root / case, recipe, calibration=options)
     save_file({"input_ids": ids}, root / "ids.safetensors")
     script = Path(__file__).with_name("reload_plain.py")
     subprocess.run([sys.executable, str(script), str(root / "ids.safetensors"), str(root), *[str(root / c) for c in cases]],
-                   check=True)
+                   check=True, env=environment())
     return root, logits
 
 

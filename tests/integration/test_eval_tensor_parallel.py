@@ -1,21 +1,28 @@
 """`quantkit eval --tp 2` through the real CLI on CPU (gloo): transformers' tensor parallelism shards a full-precision
-Llama, a Qwen2-MoE (experts split) and a compressed-tensors artifact with per-head FP8 KV cache scales, and each
+Llama, a Qwen2-MoE (its experts split from transformers 5.21) and a compressed-tensors artifact with per-head FP8 KV cache scales, and each
 gives the perplexity of one process; rank 0 alone prints and writes, and a failed gate is one line."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+import transformers
+from packaging.version import Version
 
 from conftest import make_text
 
 pytestmark = pytest.mark.integration
 
 QUANTKIT = [sys.executable, "-m", "quantkit.cli.main"]
+# transformers 5.17 to 5.20 keep MoE experts in the expert-parallel plan alone: `--tp` splits the rest of an MoE
+# model and leaves every rank all the experts; 5.21 and later split them too
+EXPERTS_SPLIT = Version(transformers.__version__).release >= (5, 21)
 EVAL = ["--seq-len", "64", "--max-samples", "8", "--threads", "1"]
 
 
@@ -23,6 +30,23 @@ def run(*args) -> subprocess.CompletedProcess:
     env = {**os.environ, "COLUMNS": "120"}
     env.pop("QUANTKIT_DEBUG", None)
     return subprocess.run([*QUANTKIT, *map(str, args)], capture_output=True, text=True, timeout=600, env=env)
+
+
+def shardable(model_dir: Path, copies: Path) -> Path:
+    """The model as it is where transformers splits an lm_head over ranks that do not divide its rows (5.21 and
+    later); for older releases, which `check` refuses it for, a copy whose vocabulary 2 ranks divide (the tiny
+    tokenizers' 425 words and a row that no token reaches)."""
+    from transformers import AutoModelForCausalLM
+
+    from quantkit import compat
+
+    if compat.shards_rows_unevenly():
+        return model_dir
+    copy = shutil.copytree(model_dir, copies / model_dir.name)
+    model = AutoModelForCausalLM.from_pretrained(copy)
+    model.resize_token_embeddings(model.config.vocab_size + model.config.vocab_size % 2)
+    model.save_pretrained(copy)
+    return copy
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +58,7 @@ def moe_model_dir(tmp_path_factory):
 
 
 def test_two_ranks_measure_the_perplexity_of_one_process(tiny_model_dir, wide_model_dir, moe_model_dir, text_file, tmp_path):
+    tiny_model_dir, wide_model_dir, moe_model_dir = (shardable(d, tmp_path) for d in (tiny_model_dir, wide_model_dir, moe_model_dir))
     artifact = tmp_path / "int4-kv-head"
     made = run("finalize", wide_model_dir, artifact, "-q", "int4-weight-only", "--kv-cache", "fp8-head",
                "--calib-data", text_file, "--num-samples", "4", "--seq-len", "64", "--quiet")
@@ -45,12 +70,13 @@ def test_two_ranks_measure_the_perplexity_of_one_process(tiny_model_dir, wide_mo
     sharded = run("eval", *models, "--data", text_file, *EVAL, *gate, "--json", two, "--tp", "2")
     assert alone.returncode == sharded.returncode == 3, sharded.stderr
     single, split = json.loads(one.read_text())["results"], json.loads(two.read_text())["results"]
-    for a, b in zip(single, split, strict=True):
+    for model, a, b in zip(models, single, split, strict=True):
         assert b["perplexity"]["perplexity"] == pytest.approx(a["perplexity"]["perplexity"], rel=1e-4), b["path"]
         assert (a["tensor_parallel"], b["tensor_parallel"]) == (1, 2)
         assert len(b["peak_rss_per_rank"]) == 2 and min(b["peak_rss_per_rank"]) > 0
         (whole,), shares = a["weight_bytes_per_rank"], b["weight_bytes_per_rank"]
-        assert len(shares) == 2 and max(shares) < 0.6 * whole <= 0.6 * sum(shares)  # each rank holds about half
+        held = 0.6 if model != moe_model_dir or EXPERTS_SPLIT else 0.95  # about half; the experts whole, where they stay
+        assert len(shares) == 2 and max(shares) < held * whole <= held * sum(shares)
     assert sharded.stdout.count("quantkit eval") == 1 and "weights / rank" in sharded.stdout  # rank 0's table alone
     assert "sharded over 2 processes" in sharded.stdout
     assert sharded.stderr.strip().splitlines() == alone.stderr.strip().splitlines()  # the gate's line, no launcher line

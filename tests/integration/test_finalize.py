@@ -23,6 +23,8 @@ from quantkit.qparams import fake_quantize_weight, fused_global_scales
 from quantkit.registry import Format
 from quantkit.schemes import Granularity
 
+from same_threads import environment, pinned
+
 pytestmark = pytest.mark.integration
 
 CASES = [
@@ -58,16 +60,16 @@ def artifacts(tiny_model_dir, wide_model_dir, tmp_path_factory, input_ids):
     for name, fmt in CASES:
         recipe, src = registry.resolve(name), _source(name, tiny_model_dir, wide_model_dir)
         model = quantize_model(prepare(src, recipe, fmt), recipe)
-        with torch.no_grad():
+        with torch.no_grad(), pinned():  # the logits compared bit for bit with the reloading process's
             in_memory[(name, fmt)] = model(input_ids).logits.float()
         finalize(src, root / f"{name}-{fmt.value}", recipe, fmt)
     save_file({"input_ids": input_ids}, root / "ids.safetensors")
     script = Path(__file__).with_name("reload_plain.py")
     dirs = [str(root / f"{name}-{fmt.value}") for name, fmt in CASES]
-    subprocess.run([sys.executable, str(script), str(root / "ids.safetensors"), str(root), *dirs], check=True)
+    subprocess.run([sys.executable, str(script), str(root / "ids.safetensors"), str(root), *dirs], check=True, env=environment())
     for name, fmt in PLAIN_FAILS:
         model = models.load_model(root / f"{name}-{fmt.value}")
-        with torch.no_grad():
+        with torch.no_grad(), pinned():
             tensors = {"logits": model(input_ids).logits.float()}
         tensors.update({n: m.weight.data.float() for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
         save_file(tensors, root / f"{name}-{fmt.value}.safetensors")

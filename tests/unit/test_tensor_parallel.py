@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from quantkit import tensor_parallel
+from quantkit import compat, tensor_parallel
 from quantkit.errors import UnsupportedModelError, UsageError
 
 
@@ -41,6 +41,19 @@ def test_heads_the_ranks_do_not_divide_are_refused(tmp_path):
     with pytest.raises(UsageError) as caught:
         tensor_parallel.check(write_config(tmp_path / "m", **LLAMA), 3)
     assert "--tp 3 does not divide the model's num_attention_heads 4, num_key_value_heads 2" in str(caught.value)
+
+
+@pytest.mark.parametrize("uneven", [False, True], ids=["5.17-5.20", "5.21+"])
+def test_a_vocabulary_the_ranks_do_not_divide_is_refused_where_transformers_splits_lm_head_evenly_only(uneven, tmp_path, monkeypatch):
+    monkeypatch.setattr(compat, "shards_rows_unevenly", lambda version=None: uneven)
+    model = write_config(tmp_path / "m", **LLAMA, vocab_size=425)
+    if uneven:
+        tensor_parallel.check(model, 2)
+        return
+    with pytest.raises(UsageError) as caught:
+        tensor_parallel.check(model, 2)
+    assert "--tp 2 does not divide the model's vocab_size 425" in str(caught.value) and "upgrade transformers" in str(caught.value)
+    tensor_parallel.check(write_config(tmp_path / "even", **LLAMA, vocab_size=426), 2)
 
 
 def test_a_family_without_a_plan_is_refused_naming_those_with_one(tmp_path):

@@ -174,10 +174,12 @@ def test_two_gloo_ranks_tune_what_one_process_tunes(tmp_path, padded):
     samples are held) are gathered onto both ranks and added up in pass order, so each rank's outputs are the
     one-process outputs of its batch, bit for bit, and the summaries agree."""
     from forked_ranks import on_ranks
+    from same_threads import pinned
 
     args = AutoRoundArgs(iters=3, amp=False, batch_size=4, samples_per_pass=2)
-    whole = _padded(_layer(float_hidden=True)) if padded else _layer(float_hidden=True)
-    outputs = autoround_step(whole, args)
+    with pinned():  # the ranks' thread count, for the layer's inputs and the tuning
+        whole = _padded(_layer(float_hidden=True)) if padded else _layer(float_hidden=True)
+        outputs = autoround_step(whole, args)
 
     def work(ctx):
         layer = _padded(_layer(float_hidden=True)) if padded else _layer(float_hidden=True)
