@@ -3,6 +3,7 @@
 `amp` its passes run in bfloat16 autocast only where the device multiplies bf16 natively."""
 
 import copy
+import functools
 from types import SimpleNamespace
 
 import pytest
@@ -181,18 +182,19 @@ def test_two_gloo_ranks_tune_what_one_process_tunes(tmp_path, padded):
         whole = _padded(_layer(float_hidden=True)) if padded else _layer(float_hidden=True)
         outputs = autoround_step(whole, args)
 
-    def work(ctx):
-        layer = _padded(_layer(float_hidden=True)) if padded else _layer(float_hidden=True)
-        layer.inputs, layer.float_hidden = layer.inputs[ctx.rank : ctx.rank + 1], layer.float_hidden[ctx.rank : ctx.rank + 1]
-        layer.ctx = ctx
-        mine = autoround_step(layer, args)
-        return {"outputs": mine[0], "summary": torch.tensor([layer.result.tuning["model.layers.0"][k]
-                                                             for k in ("loss_rtn", "loss_tuned", "best_step", "samples_per_pass")],
-                                                            dtype=torch.float64)}
-
-    ranks = on_ranks(2, work, tmp_path)
+    ranks = on_ranks(2, functools.partial(_tuned_on_rank, padded=padded, args=args), tmp_path, start="spawn")
     summary = whole.result.tuning["model.layers.0"]
     for rank, result in enumerate(ranks):
         assert torch.equal(result["outputs"], outputs[rank])
         assert result["summary"].tolist() == [summary["loss_rtn"], summary["loss_tuned"], summary["best_step"],
                                               1 if padded else 2]
+
+
+def _tuned_on_rank(ctx, padded: bool, args: AutoRoundArgs) -> dict:
+    """A rank's share of `test_two_gloo_ranks_tune_what_one_process_tunes` (module level: spawned ranks unpickle it)."""
+    layer = _padded(_layer(float_hidden=True)) if padded else _layer(float_hidden=True)
+    layer.inputs, layer.float_hidden = layer.inputs[ctx.rank : ctx.rank + 1], layer.float_hidden[ctx.rank : ctx.rank + 1]
+    layer.ctx = ctx
+    mine = autoround_step(layer, args)
+    keys = ("loss_rtn", "loss_tuned", "best_step", "samples_per_pass")
+    return {"outputs": mine[0], "summary": torch.tensor([layer.result.tuning["model.layers.0"][k] for k in keys], dtype=torch.float64)}
