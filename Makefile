@@ -9,8 +9,9 @@ TORCH_SPEC ?= torch==2.13.0
 TEST_WORKERS ?= 2
 VENV := .venv
 BIN := $(VENV)/bin
+LOWEST := .venv-lowest
 
-.PHONY: install test test-unit test-gpu demo bench clean
+.PHONY: install test test-lowest test-unit test-gpu demo bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +36,18 @@ install: $(VENV)/.installed
 test: install
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
+# The suite again in $(LOWEST), on the lowest version of every direct dependency pyproject.toml declares
+# (ci/lowest.txt), so that each lower bound is one it passes on; without extras, so the tests of an extra skip.
+$(LOWEST)/.installed: pyproject.toml ci/lowest.txt
+	rm -rf $(LOWEST)
+	$(PYTHON) -m venv $(LOWEST)
+	$(LOWEST)/bin/python -m pip install -q -c ci/lowest.txt "$(TORCH_SPEC)"
+	$(LOWEST)/bin/python -m pip install -q -c ci/lowest.txt -e ".[test]"
+	touch $@
+
+test-lowest: $(LOWEST)/.installed
+	$(LOWEST)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+
 test-unit: install
 	$(BIN)/python -m pytest -q -m "not integration"
 
@@ -50,4 +63,4 @@ bench: install
 	$(BIN)/python scripts/bench_finalize.py
 
 clean:
-	rm -rf $(VENV) demo build dist *.egg-info
+	rm -rf $(VENV) $(LOWEST) demo build dist *.egg-info
