@@ -24,7 +24,7 @@ def version() -> str:
 
 def apply_quantization_config(model: nn.Module, config, allowed_modules: Iterable[nn.Module] | None = None) -> None:
     """compressed-tensors' `apply_quantization_config` without its progress bar (0.19+), on the modules in
-    `allowed_modules` only where given: 0.20's argument; for 0.17 and 0.19, the modules it matches and the
+    `allowed_modules` only where given: 0.20's argument; for 0.17 to 0.19, the modules it matches and the
     attention modules it gives a KV cache scheme are narrowed to those while it runs."""
     from compressed_tensors.quantization.lifecycle import apply
 
@@ -81,15 +81,15 @@ def sizes_packed_zero_points_unpacked() -> bool:
 
 def dequantizes_by_scheme() -> bool:
     """Whether the installed compressed-tensors dequantizes float- and int-quantized weights with the scheme's
-    arguments (0.19+); 0.17 infers the layout from the scale's shape, which takes FP8 blocks for channels where a
-    weight is one block wide and fails where a weight is not a whole number of blocks."""
+    arguments (0.19+); 0.17 and 0.18 infer the layout from the scale's shape, which takes FP8 blocks for channels
+    where a weight is one block wide and fails where a weight is not a whole number of blocks."""
     return _release() >= (0, 19)
 
 
 def compute_as_newer_releases() -> None:
-    """From now on in this process, compressed-tensors 0.17 computes as 0.19+ does where quantkit relies on it (a
-    no-op on 0.19+): it dequantizes float- and int-quantized weights (its naive-quantized compressor: FP8, MXFP8,
-    int8) with the scheme's arguments, and rounds to FP4 eagerly (0.17 runs its FP4 rounding through
+    """From now on in this process, compressed-tensors 0.17 and 0.18 compute as 0.19+ does where quantkit relies
+    on it (a no-op on 0.19+): they dequantize float- and int-quantized weights (the naive-quantized compressor:
+    FP8, MXFP8, int8) with the scheme's arguments, and round to FP4 eagerly (0.17 runs its FP4 rounding through
     torch.compile, which on CPU needs a C++ compiler, compiles for seconds and leaves files in the temporary
     directory). Called before compressed-tensors installs, packs or loads anything."""
     if dequantizes_by_scheme():

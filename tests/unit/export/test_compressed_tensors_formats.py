@@ -25,12 +25,13 @@ def test_each_recipe_names_the_format_compressed_tensors_infers(name, fmt):
 
 def test_only_asymmetric_packed_artifacts_carry_the_loading_caveat():
     caveats = {name for name in registry.recipe_names() if loading_caveat(registry.resolve(name))}
-    # transformers up to 5.22 loads the zero points as they are packed
-    asymmetric = set() if compat.tolerates_quantized_shape_mismatch() else {"int4-asym", "gptq-w4a16-asym", "awq-w4a16-asym"}
-    if ct_compat.dequantizes_by_scheme():
-        assert caveats == asymmetric
-    else:  # compressed-tensors 0.17: it loads the packed zero points, not FP8 blocks one block wide
-        assert caveats == {"fp8-block"}
+    expected = set()
+    # transformers up to 5.22 loads the zero points as they are packed, and so does compressed-tensors 0.17
+    if ct_compat.sizes_packed_zero_points_unpacked() and not compat.tolerates_quantized_shape_mismatch():
+        expected |= {"int4-asym", "gptq-w4a16-asym", "awq-w4a16-asym"}
+    if not ct_compat.dequantizes_by_scheme():  # compressed-tensors 0.17 and 0.18: FP8 blocks one block wide
+        expected |= {"fp8-block"}
+    assert caveats == expected
 
 
 def _moe_config(fmt: str, symmetric: bool = True) -> dict:
