@@ -24,8 +24,8 @@ On a GPU machine without a registry, scripts/gpu_check.sh installs the carried w
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
-import os
 import sys
 import threading
 import time
@@ -144,7 +144,7 @@ def run(job: Job, sampler: GpuSampler | None, logs: Path, threads: int) -> None:
 
     shutil.rmtree(job.dst, ignore_errors=True)
     env = harness.thread_env(threads)
-    with sampler if sampler is not None else _nothing() as sampled:
+    with sampler if sampler is not None else contextlib.nullcontext() as sampled:
         measured, printed = harness.measure_logged(job.cmd, env, logs / f"{job.dst.name}.log")
     job.returncode = measured.returncode
     if measured.returncode:
@@ -160,14 +160,6 @@ def run(job: Job, sampler: GpuSampler | None, logs: Path, threads: int) -> None:
         calibration = json.loads(made.read_text()).get("calibration") or {}
         job.split = {k: round(v, 2) for k, v in (calibration.get("seconds") or {}).items()}
         job.calibration_s = sum(job.split.values()) or None
-
-
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc) -> None:
-        return None
 
 
 def perplexities(jobs: list[Job], small: Path, args: argparse.Namespace, workdir: Path) -> float | None:

@@ -84,15 +84,12 @@ class SubBlockGraph(SubBlock):
         super().__init__(*args)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # warm-up on a side stream, as graph capture requires
-            snapshot = self.row_errors.clone()
-            self.body()
-            self.row_errors.copy_(snapshot)
+        with torch.cuda.stream(stream):  # warm-up on a side stream, as graph capture requires (its values are
+            self.body()                  # junk: every run loads its inputs and the running squared errors first)
         torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             self.body()
-        self.row_errors.zero_()
 
     def run(self, *inputs) -> tuple[torch.Tensor, torch.Tensor]:
         self.load(*inputs)
@@ -142,24 +139,20 @@ def _accumulating(block: SubBlock, row_errors: torch.Tensor | None) -> Callable:
 
 
 def _checked(run: Callable, key: tuple, shape: tuple) -> Callable:
-    """`run`, whose first call is compared with the eager loop's, bit for bit; a mismatch turns graphs off."""
+    """`run`, compared with the eager loop bit for bit until a sub-block of this shape has matched; a mismatch turns
+    graphs off for the run and the eager loop's values are used."""
 
-    def first(*inputs):
-        eager = SubBlock(*shape)
-        q_ref, err_ref = (t.clone() for t in eager.run(*inputs))
-        q, err = run(*inputs)
-        if torch.equal(q, q_ref) and torch.equal(err, err_ref):  # (the squared errors follow from err)
+    def checked(*inputs):
+        if key in _STATE["checked"]:
+            return run(*inputs)
+        q_ref, err_ref = (t.clone() for t in SubBlock(*shape).run(*inputs))
+        q, err = run(*inputs)  # (the squared errors follow from err)
+        if torch.equal(q, q_ref) and torch.equal(err, err_ref):
             _STATE["checked"].add(key)
-        else:
+            return q, err
+        if _STATE["enabled"]:
             _STATE["enabled"] = False
             warnings.warn("GPTQ's CUDA graph differed from the eager loop; running eagerly from here on")
-            return q_ref, err_ref
-        return q, err
+        return q_ref, err_ref
 
-    calls = {"n": 0}
-
-    def dispatch(*inputs):
-        calls["n"] += 1
-        return first(*inputs) if calls["n"] == 1 else run(*inputs)
-
-    return dispatch
+    return checked
