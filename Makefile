@@ -11,7 +11,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 LOWEST := .venv-lowest
 
-.PHONY: install test test-lowest test-unit test-gpu demo bench clean
+.PHONY: install test test-lowest test-unit test-gpu demo docs bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -55,6 +55,10 @@ test-unit: install
 # torch sees no CUDA device, so CI (CPU-only) cannot run it. On a GPU machine with no registry: scripts/gpu_check.sh.
 test-gpu: install
 	$(BIN)/python -m pytest -q -m gpu tests/gpu
+
+# docs/commands.md from the CLI itself (tests/cli/test_commands_doc.py fails when it is stale)
+docs: install
+	$(BIN)/python scripts/gen_commands_doc.py > docs/commands.md
 
 demo: $(VENV)/.installed-base
 	env -u PYTHONDONTWRITEBYTECODE PATH="$(CURDIR)/$(BIN):$$PATH" bash scripts/demo.sh

@@ -7,11 +7,26 @@ from typing import Annotated, Optional
 
 import typer
 
-from quantkit import runtime, sources
-from quantkit.cli.launch import Launch, relaunch
 from quantkit.cli.console import human_bytes, json_to_stdout, out, quiet_libraries, write_json
+from quantkit.cli.launch import Launch, relaunch
 from quantkit.cli.options import CalibDataOpt, EvalDeviceOpt, JsonOpt, QuietOpt, ThreadsOpt, TrustRemoteCodeOpt
 from quantkit.errors import GateFailedError, UsageError
+from quantkit.models import sources
+from quantkit.runtime import environment as runtime
+
+
+# The end of `quantkit eval --help` (typer's epilog): lines of at most 78 characters, so 80-column help keeps
+# each whole; the recipes and options they name must exist (tests/cli/test_commands_doc.py)
+EXAMPLES = """Examples:
+
+quantkit eval ./my-model ./my-model-int4 --data wiki.test.txt
+
+quantkit eval ./my-model --data test.txt -q int4-weight-only -q gptq-w4a16 \\
+    --calib-data train.txt
+
+quantkit eval ./base ./base-int4 --data test.txt \\
+    --baseline ./base --max-ppl-increase 5 --json results.json
+"""
 
 
 def evaluate(
@@ -53,22 +68,7 @@ def evaluate(
     trust_remote_code: TrustRemoteCodeOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
-    """Perplexity, tokens/s and size on disk of one or more models, side by side.
-
-    Examples:
-
-      quantkit eval ./my-model ./my-model-int4 --data wiki.test.txt
-
-      quantkit eval ./my-model --data test.txt -q int4-weight-only -q int8-weight-only
-
-      quantkit eval ./base ./base-int4 --data test.txt --baseline ./base --max-ppl-increase 5 --json results.json
-
-      quantkit eval ./base ./base-int4 --data test.txt --tasks arc_easy,hellaswag --limit 500 --baseline ./base --max-acc-drop 1
-
-      quantkit eval ./big-model ./big-model-int4 --data test.txt --tp 4
-
-      quantkit eval ./my-model ./my-model-int4 --data test.txt --device cpu     (on the CPU of a GPU machine)
-    """
+    """Perplexity, tokens/s and size on disk of one or more models, side by side."""
     for model in models:  # before torch loads: a wrong MODEL is reported at once
         sources.resolve_source(model)
     main = runtime.is_main_process()
@@ -85,11 +85,11 @@ def evaluate(
         if code is not None:
             raise typer.Exit(code)
         threads = threads or runtime.launched_threads()
-    from quantkit import evaluate as library
-    from quantkit import hardware
-    from quantkit.finalize import CalibrationOptions
-    from quantkit.progress import Progress
-    from quantkit.tasks import TaskOptions, parse_names
+    from quantkit.evaluation import evaluate as library
+    from quantkit.evaluation.tasks import TaskOptions, parse_names
+    from quantkit.finalization.finalize import CalibrationOptions
+    from quantkit.runtime import hardware
+    from quantkit.runtime.progress import Progress
 
     task_options = None
     if tasks is not None:
@@ -119,8 +119,7 @@ def check_tensor_parallel(models: list[str], tp: int, quantize: list[str] | None
                           trust_remote_code: bool) -> None:
     """What `--tp` cannot combine with, and models transformers cannot shard over `tp` ranks: refused before
     anything is launched."""
-    from quantkit import tensor_parallel
-
+    from quantkit.evaluation import tensor_parallel
     tensor_parallel.check_options(quantize, tasks)
     for model in models:
         tensor_parallel.check(sources.resolve_source(model), tp, trust_remote_code)
@@ -129,8 +128,7 @@ def check_tensor_parallel(models: list[str], tp: int, quantize: list[str] | None
 def tensor_parallel_device(device: str, tp: int) -> str:
     """`--tp N` runs one rank per GPU where there are GPUs (transformers places the shards); `--device cpu` keeps
     the ranks off them. Checked before anything is launched."""
-    from quantkit import hardware
-
+    from quantkit.runtime import hardware
     if device == "cpu":
         runtime.hide_gpus()  # the ranks see no GPU: transformers shards over CPU processes (gloo)
         return device

@@ -7,11 +7,13 @@ from typing import Annotated, Optional
 
 import typer
 
-from quantkit import hardware, registry, runtime, sources
 from quantkit.cli.console import human_bytes, json_to_stdout, out, quiet_libraries, write_json
-from quantkit.export import atomic
-
 from quantkit.cli.launch import Launch, relaunch
+from quantkit.export import atomic
+from quantkit.models import sources
+from quantkit.quant import registry
+from quantkit.runtime import hardware
+from quantkit.runtime import environment as runtime
 from quantkit.cli.options import (
     CalibDataOpt,
     DeviceOpt,
@@ -34,6 +36,19 @@ from quantkit.cli.options import (
     ThreadsOpt,
     TrustRemoteCodeOpt,
 )
+
+
+# The end of `quantkit finalize --help` (typer's epilog): lines of at most 78 characters, so 80-column help keeps
+# each whole; the recipes and options they name must exist (tests/cli/test_commands_doc.py)
+EXAMPLES = """Examples:
+
+quantkit finalize ./my-model ./my-model-int4 -q int4-weight-only
+
+quantkit finalize ./my-model ./my-model-w4a16 -q gptq-w4a16 \\
+    --calib-data train.txt --device cuda
+
+quantkit finalize Qwen/Qwen3-0.6B ./qwen3-fp8 -q fp8-block
+"""
 
 
 def finalize(
@@ -80,27 +95,6 @@ def finalize(
 ) -> None:
     """Quantize a model into a low-bit artifact that plain transformers (and vLLM) load: post-training
     quantization of a plain model, or the convert step of a QAT-trained one (same recipes).
-
-    Examples:
-
-      quantkit finalize ./my-model ./my-model-int4 --quantize int4-weight-only
-
-      quantkit finalize Qwen/Qwen3-0.6B ./qwen3-int4 -q int4-weight-only     (a hub id, from the HF cache)
-
-      quantkit finalize ./my-model ./my-model-fp8 -q float8-dynamic-act-float8-weight --format compressed-tensors
-
-      quantkit finalize ./my-model ./out -q ./my-recipe.yaml --overwrite
-
-      quantkit finalize ./my-model ./out -q int4-weight-only --max-shard-size 5GB
-
-      quantkit finalize ./my-model ./my-model-gptq -q gptq-w4a16 --calib-data train.txt --num-samples 128 --seq-len 512
-
-      quantkit finalize ./my-model ./my-model-gptq -q gptq-w4a16 --calib-data train.txt --resume   (after Ctrl-C or a crash)
-
-      quantkit finalize ./my-model ./out -q fp8-block --kv-cache fp8 --calib-data train.txt   (vLLM: --kv-cache-dtype fp8)
-
-      quantkit finalize ./my-model ./out -q gptq-w4a16 --calib-data train.txt --nproc-per-node 8 --nnodes 2 --node-rank 0 --rdzv-endpoint node0:29500
-      (and --node-rank 1 on the second machine)
     """
     launch = Launch(nproc_per_node, nnodes, node_rank, rdzv_endpoint, rdzv_backend)
     recipe = registry.with_kv_cache(registry.resolve(quantize), kv_cache)
@@ -115,9 +109,9 @@ def finalize(
         if code is not None:
             raise typer.Exit(code)
     quiet_libraries()
-    from quantkit import finalize as library
-    from quantkit.finalize import CalibrationOptions
-    from quantkit.progress import Progress
+    from quantkit.finalization import finalize as library
+    from quantkit.finalization.finalize import CalibrationOptions
+    from quantkit.runtime.progress import Progress
 
     options = CalibrationOptions(data=calib_data, num_samples=num_samples, seq_len=seq_len, device=device)
     if dry_run:

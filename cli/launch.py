@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from quantkit.cli.options import RdzvBackend
 from quantkit.errors import UsageError
-from quantkit.runtime import THREADS_VARIABLE, available_cores, under_torchrun
+from quantkit.runtime.environment import THREADS_VARIABLE, available_cores, under_torchrun
 
 RDZV_ID = "quantkit"  # the same on every node; one run at a time per endpoint (its port is taken while it runs)
 

@@ -16,7 +16,7 @@ from quantkit.cli import finalize as finalize_cmd
 from quantkit.cli import recipes as recipes_cmd
 from quantkit.cli import train as train_cmd
 from quantkit.cli.console import err
-from quantkit.runtime import advise_huge_pages, debug_enabled
+from quantkit.runtime.environment import advise_huge_pages, debug_enabled
 
 app = typer.Typer(
     name="quantkit",
@@ -59,12 +59,13 @@ def handle_errors(fn: Callable) -> Callable:
     return wrapper
 
 
-app.command("train", no_args_is_help=True)(handle_errors(train_cmd.train))
-app.command("finalize", no_args_is_help=True)(handle_errors(finalize_cmd.finalize))
-app.command("eval", no_args_is_help=True)(handle_errors(eval_cmd.evaluate))
+# Each command's examples end its --help (epilog) and docs/commands.md (scripts/gen_commands_doc.py)
+app.command("train", no_args_is_help=True, epilog=train_cmd.EXAMPLES)(handle_errors(train_cmd.train))
+app.command("finalize", no_args_is_help=True, epilog=finalize_cmd.EXAMPLES)(handle_errors(finalize_cmd.finalize))
+app.command("eval", no_args_is_help=True, epilog=eval_cmd.EXAMPLES)(handle_errors(eval_cmd.evaluate))
 recipes_app = typer.Typer(help="List and inspect quantization recipes.", no_args_is_help=True)
-recipes_app.command("list")(handle_errors(recipes_cmd.list_recipes))
-recipes_app.command("show")(handle_errors(recipes_cmd.show))
+recipes_app.command("list", epilog=recipes_cmd.LIST_EXAMPLES)(handle_errors(recipes_cmd.list_recipes))
+recipes_app.command("show", epilog=recipes_cmd.SHOW_EXAMPLES)(handle_errors(recipes_cmd.show))
 app.add_typer(recipes_app, name="recipes")
 
 

@@ -7,47 +7,73 @@ from typing import Annotated
 import typer
 import yaml
 
-from quantkit import registry
 from quantkit.cli.console import out, write_json
 from quantkit.cli.options import JsonOpt
+from quantkit.quant import registry
+from quantkit.quant.schemes import ActivationSpec, ScaleDtype, WeightObserver, WeightSpec
+
+# The ends of `recipes list --help` and `recipes show --help` (typer's epilogs): lines of at most 78 characters, so
+# 80-column help keeps each whole; the recipes and options they name must exist (tests/cli/test_commands_doc.py)
+LIST_EXAMPLES = """Examples:
+
+quantkit recipes list
+
+quantkit recipes list --json recipes.json
+"""
+
+SHOW_EXAMPLES = """Examples:
+
+quantkit recipes show int4-weight-only
+
+quantkit recipes show gptq-w4a16 > my-gptq.yaml
+
+quantkit finalize ./my-model ./out -q my-gptq.yaml --calib-data train.txt
+"""
+
+FORMATS = {registry.Format.COMPRESSED_TENSORS: "ct"}  # `recipes list` fits 100 columns; the caption spells it out
 
 
 def list_recipes(json_path: JsonOpt = None) -> None:
-    """Every recipe: name, scheme, algorithm, default format, and the GPUs vLLM runs it on.
+    """Every recipe, one line each: name, weights, activations, algorithm, default format.
 
-    Example: quantkit recipes list
+    The GPUs vLLM runs a recipe on natively, its description and every setting: `quantkit recipes show NAME`.
     """
-    from rich.table import Table
-
     if json_path:
         write_json(json_path, "recipes list", {"recipes": [recipe.to_dict() for recipe in registry.list_recipes()]})
         return
 
     from rich import box
+    from rich.table import Table
 
-    table = Table(box=box.SIMPLE_HEAD, caption="Details: quantkit recipes show NAME")
+    # no borders, two spaces between columns: 25 recipes in 100 columns, one line each
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1, 0, 0),
+                  caption="ct: compressed-tensors; where vLLM runs each, and every setting: quantkit recipes show NAME")
     recipes = registry.list_recipes()
     width = max(len(r.name) for r in recipes)
     table.add_column("name", no_wrap=True, min_width=width, style="bold")  # names are copied into commands: never cut
-    for column in ("weights", "activations", "algorithm", "format", "runs natively on (vLLM)"):
+    for column in ("weights", "activations", "algorithm", "format"):
         table.add_column(column)
     for recipe in recipes:
-        scheme = recipe.scheme
-        acts = scheme.activations
-        acts = f"{acts.describe()} ({'dynamic' if acts.dynamic else 'static'})" if acts else "16-bit"
-        table.add_row(recipe.name, scheme.weights.describe(), acts, recipe.describe_algorithm(), recipe.format.value, recipe.hardware)
+        acts = recipe.scheme.activations
+        acts = (grid(acts) + ("" if acts.dynamic else " static")) if acts else "16-bit"
+        table.add_row(recipe.name, grid(recipe.scheme.weights), acts, recipe.describe_algorithm(),
+                      FORMATS.get(recipe.format, recipe.format.value))
     out.print(table)
 
 
+def grid(spec: WeightSpec | ActivationSpec) -> str:
+    """A weight or activation grid in a table cell: NVFP4 and MX grids by their names (the group size and scales
+    each fixes: `recipes show`), any other as the scheme describes it."""
+    family = {ScaleDtype.FLOAT8: "nv", ScaleDtype.E8M0: "mx"}.get(spec.scale_dtype)
+    if family is None:
+        return spec.describe()
+    element = spec.describe().split(" ", 1)[0]  # fp4 or fp8
+    mse = " mse" if getattr(spec, "observer", None) is WeightObserver.MSE else ""
+    return f"{family}{element}{'' if spec.symmetric else ' asym'}{mse}"
+
+
 def show(name: Annotated[str, typer.Argument(help="Recipe name or path to a recipe .yaml file.")], json_path: JsonOpt = None) -> None:
-    """One recipe as a recipe file, every default spelt out: save it, edit it, pass it to -q.
-
-    Examples:
-
-      quantkit recipes show int4-weight-only
-
-      quantkit recipes show gptq-w4a16 > my-gptq.yaml     (then: quantkit finalize SRC DST -q my-gptq.yaml)
-    """
+    """One recipe as a recipe file, every default spelt out: save it, edit it, pass it to -q."""
     recipe = registry.resolve(name)
     if json_path:
         write_json(json_path, "recipes show", {"recipe": recipe.to_dict()})

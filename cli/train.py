@@ -7,9 +7,9 @@ from typing import Annotated, Optional
 
 import typer
 
-from quantkit import runtime
 from quantkit.cli.console import json_to_stdout, out, quiet_libraries, write_json
 from quantkit.cli.launch import Launch, relaunch
+from quantkit.runtime import environment as runtime
 from quantkit.cli.options import (
     JsonOpt,
     NnodesOpt,
@@ -21,6 +21,18 @@ from quantkit.cli.options import (
     RdzvEndpointOpt,
     ThreadsOpt,
 )
+
+
+# The end of `quantkit train --help` (typer's epilog): lines of at most 78 characters, so 80-column help keeps
+# each whole; the recipes and options they name must exist (tests/cli/test_commands_doc.py)
+EXAMPLES = """Examples:
+
+quantkit train config.yaml --nproc-per-node 2
+
+quantkit train config.yaml --qat-recipe int8-dynamic-act-int4-weight
+
+quantkit train config.yaml --resume latest --set train.max_steps=2000
+"""
 
 
 def train(
@@ -48,24 +60,14 @@ def train(
 ) -> None:
     """Train or fine-tune a causal LM; with --qat-recipe, quantization-aware training.
 
-    Examples:
-
-      quantkit train config.yaml
-
-      quantkit train config.yaml --qat-recipe int8-dynamic-act-int4-weight --nproc-per-node 2
-
-      quantkit train config.yaml --resume latest --set train.max_steps=2000
-
-      quantkit train config.yaml --nproc-per-node 8 --nnodes 2 --node-rank 0 --rdzv-endpoint node0:29500
-      (and --node-rank 1 on the second machine)
-
     The trained model lands in OUTPUT_DIR/final; convert a QAT model with
     `quantkit finalize OUTPUT_DIR/final DST --quantize RECIPE`.
     """
     launch = Launch(nproc_per_node, nnodes, node_rank, rdzv_endpoint, rdzv_backend)
     quiet_libraries()
-    from quantkit import hardware, registry, train_config
-
+    from quantkit.quant import registry
+    from quantkit.runtime import hardware
+    from quantkit.training import config as train_config
     overrides = list(set_ or [])
     overrides += [f"output_dir={output_dir}"] if output_dir else []
     overrides += [f"train.max_steps={max_steps}"] if max_steps else []
@@ -73,16 +75,15 @@ def train(
     cfg = train_config.load(config, overrides)  # validated before launching any process
     train_config.resolve_sources(cfg)  # a missing directory or hub id too, before torch loads
     if cfg.qat_recipe:
-        from quantkit import qat
-
+        from quantkit.training import qat
         qat.check_recipe(registry.resolve(cfg.qat_recipe))
     if not runtime.under_torchrun():
         hardware.check_ranks(None, launch.nproc_per_node)  # on a GPU machine each rank takes a GPU
     code = relaunch(launch, threads)
     if code is not None:
         raise typer.Exit(code)
-    from quantkit.progress import Progress
-    from quantkit.train import train as run
+    from quantkit.runtime.progress import Progress
+    from quantkit.training.loop import train as run
 
     main_rank = runtime.is_main_process()
     quiet = quiet or json_to_stdout(json_path)

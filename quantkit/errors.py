@@ -30,7 +30,7 @@ class DestinationExistsError(UsageError):
 
 
 class UnsupportedModelError(UsageError):
-    """The model's layout is not one calibration knows (`quantkit.architectures`)."""
+    """The model's layout is not one calibration knows (`quantkit.models.architectures`)."""
 
 
 class DataError(UsageError):

@@ -48,8 +48,7 @@ def digest(artifact: Path) -> dict[str, str]:
 
 def recipes(names: list[str] | None) -> list[tuple[str, bool]]:
     """(name, needs calibration) for the requested recipes, or every shipped one."""
-    from quantkit import registry
-
+    from quantkit.quant import registry
     return [(name, registry.resolve(name).needs_calibration) for name in names or registry.recipe_names()]
 
 

@@ -21,7 +21,7 @@ What it does (everything cached under `--workdir`, default /tmp/quantkit-bench-c
    that the model has real structure; OUTPUT/final is the benchmark
    model (float32). Hidden 512, not 1024: on a shared 2-core machine 1024 trains at ~90 tokens/s. Even so,
    150 steps leave a weak model (test perplexity ~290) whose perplexity 4-bit RTN barely moves: see step 4;
-2. takes the calibration blocks once, with `quantkit.finalize.calibration_samples` (`--num-samples` x
+2. takes the calibration blocks once, with `quantkit.finalization.finalize.calibration_samples` (`--num-samples` x
    `--seq-len` tokens of `--calib-data`, seed 0) and saves them to calib-NxL.safetensors; `quantkit finalize`
    draws the same blocks from the same options, and the llm-compressor runner feeds exactly these ids to
    `oneshot` as a `datasets.Dataset` of input_ids (no shuffling);
@@ -165,7 +165,7 @@ def training_facts(final: Path) -> dict | None:
 
 def quantkit_job(algorithm: str, recipe: str, src: Path, out: Path, args: argparse.Namespace,
                  seed: int | None = None) -> Job:
-    from quantkit.registry import resolve
+    from quantkit.quant.registry import resolve
 
     dst = out / f"quantkit-{recipe}{seed_suffix(seed)}"
     calibrated = resolve(recipe).needs_calibration
@@ -186,7 +186,7 @@ def seed_suffix(seed: int | None) -> str:
 def autoround_recipe(name: str, iters: int, folder: Path, seed: int | None = None) -> str:
     """The shipped AutoRound recipe `name`, or a user recipe file made from it with `iters` steps a layer (and
     `seed`)."""
-    from quantkit.registry import resolve
+    from quantkit.quant.registry import resolve
 
     recipe = resolve(name)
     shipped = recipe.quantizer.arguments
@@ -208,7 +208,7 @@ def llmc_job(algorithm: str, recipe: str, src: Path, out: Path, calib: Path, run
 
 
 def has_recipe(name: str) -> bool:
-    from quantkit.registry import recipe_names
+    from quantkit.quant.registry import recipe_names
 
     return name in recipe_names()
 
@@ -304,7 +304,7 @@ def kl_to_float(src: Path, models: list[Path], args: argparse.Namespace) -> dict
     import torch
 
     from quantkit.data import load_texts, tokenize
-    from quantkit.evaluate import load_eval_model
+    from quantkit.evaluation.evaluate import load_eval_model
 
     torch.set_num_threads(args.threads)
     model, tokenizer = load_eval_model(src)

@@ -20,7 +20,7 @@ runs on this machine and can express the recipe):
 
 The source model (~70M parameters: a 4-layer Llama, hidden 1024, intermediate 2816, 16 query and 16
 key/value heads by default, a byte-level BPE tokenizer of up to 8192 tokens trained on `--text`) is built
-once with `quantkit.tiny.build_tiny_llama` (scripts/harness.py) and cached under `--workdir`. Both
+once with `quantkit.models.tiny.build_tiny_llama` (scripts/harness.py) and cached under `--workdir`. Both
 subprocesses get the same thread count: OMP_NUM_THREADS/MKL_NUM_THREADS in their environment, `--threads` for
 quantkit and `torch.set_num_threads` in the baseline.
 """
@@ -72,8 +72,8 @@ def baseline_load_save(src: str, dst: str, threads: int) -> None:
 def jobs(formats: str) -> list[tuple[str, str]]:
     """(recipe, format) pairs: each recipe's default format, or every format that runs here and fits."""
     from quantkit.export import exporter
-    from quantkit.hardware import missing_requirement
-    from quantkit.registry import Format, recipe_names, resolve
+    from quantkit.quant.registry import Format, recipe_names, resolve
+    from quantkit.runtime.hardware import missing_requirement
 
     pairs = []
     for name in recipe_names():

@@ -9,10 +9,10 @@ Run from the repository root (with the venv active):
 What it measures, for every recipe QAT accepts (the five round-to-nearest ones; `--recipes` to choose), in ONE
 process:
 
-* two models side by side with the same initial weights (`quantkit.train.build_model`, seeded), one plain and
-  one with the recipe's fake quantizers installed by `quantkit.qat.prepare` (the plan `quantkit train
-  --qat-recipe` uses), each with its own AdamW and LR schedule (`quantkit.train.make_optimizer`);
-* one optimizer step is `quantkit.train.train_step` itself (forward + backward over the micro-batches, grad
+* two models side by side with the same initial weights (`quantkit.training.loop.build_model`, seeded), one plain and
+  one with the recipe's fake quantizers installed by `quantkit.training.qat.prepare` (the plan `quantkit train
+  --qat-recipe` uses), each with its own AdamW and LR schedule (`quantkit.training.loop.make_optimizer`);
+* one optimizer step is `quantkit.training.loop.train_step` itself (forward + backward over the micro-batches, grad
   clipping, optimizer and scheduler step, zero_grad), fed the same batch in both models (the step's batch is
   a function of the step number and the seed); fp32 (`precision: auto` on CPU);
 * after `--warmup` unmeasured pairs, `--pairs` measured pairs, interleaved: plain step, QAT step, plain, QAT,
@@ -25,7 +25,7 @@ The default model is a Llama built from a config: hidden 512, 4 layers, intermed
 heads), vocab 4096, untied embeddings (17.8M parameters; the script prints the exact count); seq_len 256,
 micro batch 4, one micro-batch per step. Data: random token ids by default (the step time does not depend on
 the token values); `--data text` packs `--text` (WikiText-2 valid) tokenized by a BPE tokenizer from
-`quantkit.tiny.train_tokenizer` instead. `--profile` adds a torch.profiler table of the QAT step's top
+`quantkit.models.tiny.train_tokenizer` instead. `--profile` adds a torch.profiler table of the QAT step's top
 operators for each recipe (a few extra steps, not timed).
 """
 
@@ -43,9 +43,13 @@ import torch
 
 import harness
 from harness import median
-from quantkit import qat, registry, runtime, train, train_config
-from quantkit.distributed import process_group
-from quantkit.plan import plan_model
+from quantkit.quant import registry
+from quantkit.quant.plan import plan_model
+from quantkit.runtime import environment as runtime
+from quantkit.runtime.distributed import process_group
+from quantkit.training import qat
+from quantkit.training import loop as train
+from quantkit.training import config as train_config
 
 DEFAULT_TEXT = harness.WIKITEXT / "valid.txt"
 TARGET_RATIO = 1.25  # the issue's target; Forgather measured 1.67x, torchtune reports ~1.3x
@@ -97,7 +101,7 @@ def make_blocks(args: argparse.Namespace) -> tuple[torch.Tensor, int]:
         generator = torch.Generator().manual_seed(args.seed)
         return torch.randint(0, args.vocab, (256, args.seq_len), generator=generator), args.vocab
     from quantkit import data
-    from quantkit.tiny import train_tokenizer
+    from quantkit.models.tiny import train_tokenizer
 
     text = args.text.read_text(encoding="utf-8")
     tokenizer = train_tokenizer(text, args.vocab)
@@ -105,7 +109,7 @@ def make_blocks(args: argparse.Namespace) -> tuple[torch.Tensor, int]:
 
 
 def make_run(config: train_config.TrainConfig, ctx, blocks: torch.Tensor, recipe_name: str | None) -> train.Run:
-    """What `quantkit.train.setup` builds, minus tokenizer and files: same model, plan, optimizer, schedule."""
+    """What `quantkit.training.loop.setup` builds, minus tokenizer and files: same model, plan, optimizer, schedule."""
     model = train.build_model(config, None)
     recipe = registry.resolve(recipe_name) if recipe_name else None
     if recipe is not None:

@@ -66,7 +66,7 @@ def make_jobs(src: Path, calib: Path, args: argparse.Namespace) -> list[bench.Jo
 def kv_cache_recipe(name: str, folder: Path) -> str:
     """"fp8-block+kv-fp8": a user recipe file, the shipped fp8-block with `kv_cache: fp8` (static FP8 KV cache
     scales, measured on the calibration data; llm-compressor's peer: the preset with a `kv_cache_scheme`)."""
-    from quantkit.registry import resolve
+    from quantkit.quant.registry import resolve
 
     base, kv = name.split("+kv-")
     path = folder / f"{base}-kv-{kv}.yaml"

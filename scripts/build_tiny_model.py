@@ -12,7 +12,7 @@ import random
 from pathlib import Path
 
 from quantkit.cli.console import quiet_libraries
-from quantkit.tiny import build_tiny_llama
+from quantkit.models.tiny import build_tiny_llama
 
 
 def generated_text(n_words: int = 20000, seed: int = 0) -> str:

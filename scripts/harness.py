@@ -6,7 +6,7 @@ file; it is not a package and is not installed.
 * commands: the `quantkit` console script beside this interpreter, `quantkit finalize` command lines, and an
   environment that pins OMP_NUM_THREADS / MKL_NUM_THREADS;
 * measuring: one subprocess, its wall time (perf_counter around it) and peak RSS and CPU time (os.wait4);
-* models: the benchmark Llamas, built once with `quantkit.tiny.build_tiny_llama` and cached in a work dir;
+* models: the benchmark Llamas, built once with `quantkit.models.tiny.build_tiny_llama` and cached in a work dir;
 * llm-compressor: the peer tool runs in its own virtualenv (`--llmc-python`), through a runner script written
   to the work dir, on calibration token ids saved by quantkit;
 * reporting: medians, "n/a"-aware formatting, markdown tables, the machine and package versions.
@@ -148,7 +148,7 @@ def build_llama(dst: Path, text: Path, dtype: str, generate_if_missing: bool = F
         return dst
     import multiprocessing
 
-    from quantkit.tiny import build_tiny_llama
+    from quantkit.models.tiny import build_tiny_llama
 
     tmp = dst.with_name(f"{dst.name}.building")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -320,8 +320,8 @@ def write_calibration(src: Path, data: Path, num_samples: int, seq_len: int, wor
     import torch
     from safetensors.torch import save_file
 
-    from quantkit.finalize import CalibrationOptions, calibration_samples
-    from quantkit.registry import resolve
+    from quantkit.finalization.finalize import CalibrationOptions, calibration_samples
+    from quantkit.quant.registry import resolve
 
     options = CalibrationOptions(data=str(data), num_samples=num_samples, seq_len=seq_len)
     blocks = calibration_samples(src, resolve("gptq-w4a16"), options)

@@ -8,7 +8,7 @@
 # 1. Data (from ../shared/data relative to the repository root, or $QUANTKIT_DATA): the training text is
 #    WikiText-2 valid + Tiny Shakespeare concatenated into WORK_DIR/train.txt; the evaluation text is the first
 #    $EVAL_BYTES bytes of WikiText-2 test (cut at a line end), WORK_DIR/eval.txt.
-# 2. A byte-level BPE tokenizer (quantkit.tiny.train_tokenizer, vocab $VOCAB) trained on train.txt.
+# 2. A byte-level BPE tokenizer (quantkit.models.tiny.train_tokenizer, vocab $VOCAB) trained on train.txt.
 # 3. A small Llama trained FROM SCRATCH three times with the same config, seed and batches (WORK_DIR/config.yaml):
 #    plain, with `--qat-recipe int8-dynamic-act-int4-weight` (W4A8) and with `--qat-recipe int4-weight-only` (W4A16).
 #    Default model: hidden 256, 4 layers, intermediate 688 (128 does not divide it: down_proj falls back to
@@ -48,7 +48,7 @@ head -c "$EVAL_BYTES" "$DATA/wikitext-2/test.txt" | sed '$d' > "$WORK/eval.txt" 
 python - "$WORK" "$VOCAB" <<'EOF'
 import sys
 from pathlib import Path
-from quantkit.tiny import train_tokenizer
+from quantkit.models.tiny import train_tokenizer
 
 work, vocab = Path(sys.argv[1]), int(sys.argv[2])
 train_tokenizer((work / "train.txt").read_text(encoding="utf-8"), vocab).save_pretrained(work / "tokenizer")

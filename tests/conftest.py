@@ -48,7 +48,7 @@ def make_text(n_words: int, seed: int = 0) -> str:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """A tiny float32 Llama (hidden 64, MLP 176: a width 128 and 32 do not divide) with a BPE tokenizer."""
-    from quantkit.tiny import build_tiny_llama
+    from quantkit.models.tiny import build_tiny_llama
 
     return build_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama", make_text(3000))
 
@@ -56,7 +56,7 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def wide_model_dir(tmp_path_factory) -> Path:
     """A tiny float32 Llama whose widths (128, 256) take FP8's 128x128 blocks and every group size."""
-    from quantkit.tiny import build_tiny_llama
+    from quantkit.models.tiny import build_tiny_llama
 
     return build_tiny_llama(tmp_path_factory.mktemp("models") / "wide-llama", make_text(3000), hidden_size=128, intermediate_size=256)
 

@@ -29,7 +29,7 @@ def _rank_main(rank: int, world: int, work, tmp_path) -> None:
     import torch
     import torch.distributed as dist
 
-    from quantkit.distributed import Context
+    from quantkit.runtime.distributed import Context
 
     torch.set_num_threads(THREADS)
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=rank, world_size=world)

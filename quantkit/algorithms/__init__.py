@@ -20,7 +20,7 @@ import importlib
 from enum import Enum
 from typing import Callable
 
-from quantkit.registration import Registry
+from quantkit.runtime.registration import Registry
 
 
 class Algorithm(str, Enum):

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from quantkit.algorithms import Algorithm
-from quantkit.schemes import SchemeError
+from quantkit.quant.schemes import SchemeError
 
 
 @dataclass(frozen=True)

@@ -29,8 +29,8 @@ from torchao.quantization.quant_primitives import MappingType, choose_qparams_af
 
 from quantkit.algorithms import Algorithm, register
 from quantkit.algorithms.arguments import AutoRoundArgs
-from quantkit.qparams import QuantizedWeight, block_size, scale_dtype
-from quantkit.schemes import WeightSpec
+from quantkit.quant.qparams import QuantizedWeight, block_size, scale_dtype
+from quantkit.quant.schemes import WeightSpec
 
 EPS = torch.finfo(torch.float32).eps  # the smallest scale, as `qparams.choose_qparams` clamps it
 

@@ -18,8 +18,8 @@ import torch
 from quantkit.algorithms import Algorithm, register
 from quantkit.algorithms.arguments import AWQArgs
 from quantkit.algorithms.smoothquant import divide_norm_output
-from quantkit.qparams import fake_quantize_weight
-from quantkit.schemes import WeightSpec
+from quantkit.quant.qparams import fake_quantize_weight
+from quantkit.quant.schemes import WeightSpec
 
 
 def awq_scales(act_mean: torch.Tensor, ratio: float) -> torch.Tensor:

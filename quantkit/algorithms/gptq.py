@@ -36,9 +36,9 @@ from quantkit.algorithms import Algorithm, register
 from quantkit.algorithms.arguments import GPTQArgs
 from quantkit.algorithms.factor import ALONE, Sharing, factor_
 from quantkit.errors import QuantkitError
-from quantkit import float_grids
-from quantkit.qparams import QuantizedWeight, choose_qparams, is_float_grid, weight_global_scale
-from quantkit.schemes import Granularity, QDtype, SchemeError, WeightSpec
+from quantkit.quant import float_grids
+from quantkit.quant.qparams import QuantizedWeight, choose_qparams, is_float_grid, weight_global_scale
+from quantkit.quant.schemes import Granularity, QDtype, SchemeError, WeightSpec
 
 
 class GPTQDampingError(QuantkitError, ValueError):

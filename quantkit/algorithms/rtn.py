@@ -3,8 +3,8 @@
 import torch
 
 from quantkit.algorithms import Algorithm, register
-from quantkit.qparams import QuantizedWeight, quantize_weight
-from quantkit.schemes import WeightSpec
+from quantkit.quant.qparams import QuantizedWeight, quantize_weight
+from quantkit.quant.schemes import WeightSpec
 
 
 @register(Algorithm.RTN)

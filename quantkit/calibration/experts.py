@@ -15,11 +15,11 @@ from typing import Iterator
 
 import torch
 
-from quantkit import distributed
 from quantkit.calibration.hooks import Stop
 from quantkit.calibration.layer import Layer
-from quantkit.moe import LinearExperts, experts_modules
-from quantkit.observers import Observer, ReduceOp
+from quantkit.models.moe import LinearExperts, experts_modules
+from quantkit.quant.observers import Observer, ReduceOp
+from quantkit.runtime import distributed
 
 
 class RoutedTokens(Observer):

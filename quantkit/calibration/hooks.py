@@ -8,7 +8,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from quantkit.observers import Observer
+from quantkit.quant.observers import Observer
 
 
 class Stop(Exception):

@@ -10,12 +10,12 @@ from functools import cached_property
 import torch
 from torch import nn
 
-from quantkit.architectures import LayerWiring, kernel_fused_groups, traced_wiring, wiring_of
-from quantkit.distributed import Context
-from quantkit.moe import MoEWiring, is_moe_layer, traced_moe_wiring
-from quantkit.plan import ModulePlan
-from quantkit.qparams import QuantizedWeight, fused_global_scales
-from quantkit.registry import Recipe
+from quantkit.models.architectures import LayerWiring, kernel_fused_groups, traced_wiring, wiring_of
+from quantkit.models.moe import MoEWiring, is_moe_layer, traced_moe_wiring
+from quantkit.quant.plan import ModulePlan
+from quantkit.quant.qparams import QuantizedWeight, fused_global_scales
+from quantkit.quant.registry import Recipe
+from quantkit.runtime.distributed import Context
 
 ERROR_ROWS = 256  # output rows the Hessian-weighted error is measured on (evenly spaced): an estimate, cheap
 

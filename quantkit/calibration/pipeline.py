@@ -20,22 +20,25 @@ from typing import Any, Callable, Protocol
 import torch
 from torch import nn
 
-from quantkit import data, kv_cache, models, placement
+from quantkit import data
 from quantkit.algorithms import Algorithm
 from quantkit.algorithms.rtn import rtn_quantize
 from quantkit.calibration.experts import calibrating
 from quantkit.calibration.hooks import capture_inputs, hidden_states, run_layer, with_hidden
 from quantkit.calibration.layer import CalibrationResult, Layer, relative_error
-from quantkit.precision import float32_products, model_dtype
 from quantkit.calibration.resume import Resumable
 from quantkit.calibration.steps import STEPS
 from quantkit.calibration.steps.kv_cache import kv_cache_step
 from quantkit.calibration.steps.static_scales import static_scales_step
-from quantkit.distributed import Context
 from quantkit.errors import CalibrationError, UsageError
-from quantkit.plan import ModulePlan
-from quantkit.progress import QUIET, Progress
-from quantkit.registry import AlgorithmStep, Recipe
+from quantkit.models import loading as models
+from quantkit.quant import kv_cache
+from quantkit.quant.plan import ModulePlan
+from quantkit.quant.registry import AlgorithmStep, Recipe
+from quantkit.runtime import placement
+from quantkit.runtime.distributed import Context
+from quantkit.runtime.precision import float32_products, model_dtype
+from quantkit.runtime.progress import QUIET, Progress
 
 Step = Callable[[Layer], "list[torch.Tensor] | None"]
 

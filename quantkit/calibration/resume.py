@@ -32,12 +32,12 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from quantkit import distributed
 from quantkit.calibration.layer import CalibrationResult
 from quantkit.errors import UsageError
 from quantkit.export.atomic import STATE
-from quantkit.plan import ModulePlan
-from quantkit.qparams import QuantizedWeight
+from quantkit.quant.plan import ModulePlan
+from quantkit.quant.qparams import QuantizedWeight
+from quantkit.runtime import distributed
 
 
 

@@ -1,6 +1,6 @@
 """One pass per decoder layer for GPTQ: quantize its Linear modules stage by stage, in the order they run.
 
-A decoder layer with a known wiring (`quantkit.architectures.LayerWiring`) computes
+A decoder layer with a known wiring (`quantkit.models.architectures.LayerWiring`) computes
 
     h = h + attention(input_norm(h))               attention ends with o(attention core(q, k, v))
     h = h + mlp(post_attention_norm(h))            mlp = down(act(gate(x)) * up(x)), or down(act(up(x)))
@@ -24,8 +24,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from quantkit.architectures import LayerWiring
 from quantkit.calibration.hooks import Stop
+from quantkit.models.architectures import LayerWiring
 
 
 def split_call(args: tuple, kwargs: dict) -> tuple[torch.Tensor, dict] | None:

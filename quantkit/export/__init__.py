@@ -8,13 +8,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from quantkit.errors import FormatError
-from quantkit.registry import Format, Recipe
+from quantkit.quant.registry import Format, Recipe
 
 if TYPE_CHECKING:  # this package's __init__ stays light: metadata.py is read without torch
     from torch import nn
 
-    from quantkit.plan import ModulePlan
-    from quantkit.quantized_model import QuantizedModel
+    from quantkit.quant.plan import ModulePlan
+    from quantkit.quant.quantized_model import QuantizedModel
 
 
 class Exporter(Protocol):

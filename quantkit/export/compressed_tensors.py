@@ -25,14 +25,15 @@ from compressed_tensors.quantization import (
 )
 from torch import nn
 
-from quantkit import compat, moe, placement
 from quantkit.export import ct_compat
 from quantkit.export.ct_compat import apply_quantization_config
-from quantkit.plan import ModulePlan
-from quantkit.qparams import QParams
-from quantkit.quantized_model import QuantizedModel
-from quantkit.registry import Recipe
-from quantkit.schemes import ActivationSpec, Granularity, KVCacheSpec, QDtype, QuantScheme, ScaleDtype, WeightSpec
+from quantkit.models import compat, moe
+from quantkit.quant.plan import ModulePlan
+from quantkit.quant.qparams import QParams
+from quantkit.quant.quantized_model import QuantizedModel
+from quantkit.quant.registry import Recipe
+from quantkit.quant.schemes import ActivationSpec, Granularity, KVCacheSpec, QDtype, QuantScheme, ScaleDtype, WeightSpec
+from quantkit.runtime import placement
 
 
 def unsupported(recipe: Recipe) -> str | None:
@@ -258,7 +259,7 @@ def set_kv_scales(model: nn.Module, scales: dict[str, torch.Tensor], prefix: str
     """Give every cached attention module under `model` (named `prefix`) its measured `k_scale` / `v_scale`, in
     the model's dtype: into the parameters compressed-tensors installed, or new ones where it installed none (it
     does not see transformers 5.24's attention, whose cache argument is `cache`). A missing one is an error."""
-    from quantkit.kv_cache import cached_attentions
+    from quantkit.quant.kv_cache import cached_attentions
 
     for name, module in cached_attentions(model, prefix).items():
         dtype = next(p.dtype for p in module.parameters() if p.is_floating_point())
@@ -284,8 +285,7 @@ def as_loaded(quantized: QuantizedModel) -> nn.Module:
     for name, scale in quantized.input_scales.items():
         set_input_scale(model.get_submodule(name), scale)
     if quantized.recipe.kv_cache is not None:
-        from quantkit import kv_cache
-
+        from quantkit.quant import kv_cache
         set_kv_scales(model, quantized.kv_scales)
         kv_cache.quantize_cache(model)
     freeze(model)

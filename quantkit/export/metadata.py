@@ -8,9 +8,9 @@ from importlib import metadata as importlib_metadata
 from pathlib import Path
 from typing import Any
 
+from quantkit.quant.plan import ModulePlan
+from quantkit.quant.registry import Format, Recipe
 import quantkit
-from quantkit.plan import ModulePlan
-from quantkit.registry import Format, Recipe
 
 FILENAME = "quantkit.json"
 _PACKAGES = ("torch", "torchao", "transformers", "compressed-tensors", "safetensors")

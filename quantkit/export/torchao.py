@@ -17,10 +17,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from quantkit.plan import ModulePlan
-from quantkit.quantized_model import QuantizedModel
-from quantkit.registry import Recipe
-from quantkit.schemes import Granularity, QDtype, QuantScheme, ScaleDtype, WeightObserver
+from quantkit.quant.plan import ModulePlan
+from quantkit.quant.quantized_model import QuantizedModel
+from quantkit.quant.registry import Recipe
+from quantkit.quant.schemes import Granularity, QDtype, QuantScheme, ScaleDtype, WeightObserver
 
 if TYPE_CHECKING:
     from torch import nn
@@ -151,8 +151,7 @@ def transformers_config(plan: list[ModulePlan]):
 
 def load_quantized(src: Path, plan: list[ModulePlan], dtype: str = "auto", trust_remote_code: bool = False) -> nn.Module:
     """The model at `src`, each planned Linear converted by its torchao config while transformers loads it."""
-    from quantkit import models
-
+    from quantkit.models import loading as models
     return models.load_model(src, dtype, trust_remote_code, quantization_config=transformers_config(plan))
 
 

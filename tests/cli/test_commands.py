@@ -10,13 +10,13 @@ from types import SimpleNamespace
 import pytest
 from typer.testing import CliRunner
 
-import quantkit.evaluate
-import quantkit.finalize
 from quantkit import errors
 from quantkit.cli.main import app
-from quantkit.evaluate import ModelReport, PerplexityResult
-from quantkit.registry import Format, recipe_names, resolve
-from quantkit.tasks import TaskOptions, TaskResult
+from quantkit.evaluation.evaluate import ModelReport, PerplexityResult
+from quantkit.evaluation.tasks import TaskOptions, TaskResult
+from quantkit.quant.registry import Format, recipe_names, resolve
+import quantkit.evaluation.evaluate
+import quantkit.finalization.finalize
 
 runner = CliRunner()
 
@@ -25,8 +25,8 @@ runner = CliRunner()
 def sources_are_not_checked(monkeypatch):
     """The commands check SRC and DST before heavy imports (tests/unit/test_finalize.py proves it); here the library
     is patched, so the made-up paths pass through as given."""
-    from quantkit import sources
     from quantkit.export import atomic
+    from quantkit.models import sources
 
     monkeypatch.setattr(sources, "resolve_source", lambda src, revision=None: src)
     monkeypatch.setattr(atomic, "check_destination", lambda dst, overwrite: None)
@@ -47,7 +47,7 @@ def fake_finalize(monkeypatch):
             source_bytes=100, output_bytes=50, threads=2, calibration=None, coverage=None, preflight=None, peak_ram_bytes=None, loading=None,
         )
 
-    monkeypatch.setattr(quantkit.finalize, "finalize", fake)
+    monkeypatch.setattr(quantkit.finalization.finalize, "finalize", fake)
     return calls
 
 
@@ -96,7 +96,7 @@ def test_library_errors_become_one_line_and_an_exit_code(monkeypatch, error, cod
     def fail(*args, **kwargs):
         raise error
 
-    monkeypatch.setattr(quantkit.finalize, "finalize", fail)
+    monkeypatch.setattr(quantkit.finalization.finalize, "finalize", fail)
     result = invoke("finalize", "src", "dst", "-q", "int4-weight-only")
     assert result.exit_code == code
     assert "Traceback" not in result.output
@@ -107,7 +107,7 @@ def test_debug_variable_shows_the_traceback(monkeypatch):
     def fail(*args, **kwargs):
         raise errors.SourceModelError("nope")
 
-    monkeypatch.setattr(quantkit.finalize, "finalize", fail)
+    monkeypatch.setattr(quantkit.finalization.finalize, "finalize", fail)
     result = invoke("finalize", "src", "dst", "-q", "int4-weight-only", env={"QUANTKIT_DEBUG": "1"})
     assert isinstance(result.exception, errors.SourceModelError)
 
@@ -117,7 +117,7 @@ def test_debug_variable_set_to_off_keeps_the_one_line_error(monkeypatch, value):
     def fail(*args, **kwargs):
         raise errors.SourceModelError("nope")
 
-    monkeypatch.setattr(quantkit.finalize, "finalize", fail)
+    monkeypatch.setattr(quantkit.finalization.finalize, "finalize", fail)
     result = invoke("finalize", "src", "dst", "-q", "int4-weight-only", env={"QUANTKIT_DEBUG": value})
     assert result.exit_code == 2 and result.output.strip() == "error: nope"
 
@@ -126,7 +126,7 @@ def test_ctrl_c_exits_130(monkeypatch):
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(quantkit.finalize, "finalize", interrupted)
+    monkeypatch.setattr(quantkit.finalization.finalize, "finalize", interrupted)
     result = invoke("finalize", "src", "dst", "-q", "int4-weight-only")
     assert result.exit_code == 130 and "nothing was written" in result.output
 
@@ -148,7 +148,7 @@ def fake_compare(monkeypatch):
             report.tasks = {name: TaskResult("acc", 0.60 if i == 0 else 0.55, 0.01, 100) for name in names}
         return reports
 
-    monkeypatch.setattr(quantkit.evaluate, "compare", fake)
+    monkeypatch.setattr(quantkit.evaluation.evaluate, "compare", fake)
     return calls
 
 
@@ -258,7 +258,7 @@ def test_without_lm_eval_tasks_are_one_line_naming_the_extra(monkeypatch):
     assert line.startswith("error: --tasks needs lm-evaluation-harness") and "pip install 'quantkit[tasks]'" in line
     import subprocess
 
-    without = "import sys; sys.modules['lm_eval'] = None; import quantkit.evaluate, quantkit.cli.eval"
+    without = "import sys; sys.modules['lm_eval'] = None; import quantkit.evaluation.evaluate, quantkit.cli.eval"
     assert subprocess.run([sys.executable, "-c", without]).returncode == 0  # eval without --tasks needs no lm-eval
 
 
@@ -279,7 +279,7 @@ def test_help_names_every_command():
 
 # ---------------------------------------------------------------- train
 
-import quantkit.train  # noqa: E402
+import quantkit.training.loop  # noqa: E402
 from quantkit.cli import launch  # noqa: E402
 
 
@@ -299,20 +299,20 @@ def fake_train(monkeypatch):
         return SimpleNamespace(steps=3, seconds=1.0, final_loss=2.0, eval_perplexity=None, tokens_per_second=100.0,
                                final_dir=Path("o/final"), output_dir=Path("o"))
 
-    monkeypatch.setattr(quantkit.train, "train", fake)
+    monkeypatch.setattr(quantkit.training.loop, "train", fake)
     return calls
 
 
 def test_train_refuses_a_missing_model_before_launching(monkeypatch, train_yaml):
-    from quantkit import sources
     from quantkit.errors import SourceModelError
+    from quantkit.models import sources
 
     def missing(src, revision=None):
         raise SourceModelError(f"{src} does not exist (revision {revision})")
 
     launched = []
     monkeypatch.setattr(sources, "resolve_source", missing)
-    monkeypatch.setattr(quantkit.train, "train", lambda *a, **k: pytest.fail("train must not run"))
+    monkeypatch.setattr(quantkit.training.loop, "train", lambda *a, **k: pytest.fail("train must not run"))
     monkeypatch.setattr(launch, "run_torchrun", lambda args, explained=(): launched.append(args) or 0)
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
@@ -414,7 +414,7 @@ def test_finalize_checks_and_plans_for_every_rank_of_every_machine(monkeypatch):
 
     checked, planned = [], []
     monkeypatch.setattr(atomic, "check_work_dir", lambda dst, resume, ranks: checked.append(ranks))
-    monkeypatch.setattr(quantkit.finalize, "finalize", lambda *a, **k: pytest.fail("the parent only launches"))
+    monkeypatch.setattr(quantkit.finalization.finalize, "finalize", lambda *a, **k: pytest.fail("the parent only launches"))
     monkeypatch.setattr(launch, "run_torchrun", lambda args, explained=(): 0)
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
@@ -422,7 +422,7 @@ def test_finalize_checks_and_plans_for_every_rank_of_every_machine(monkeypatch):
     monkeypatch.setenv("QUANTKIT_THREADS", "1")
     two = ["--nproc-per-node", "2", "--nnodes", "2", "--rdzv-endpoint", "h:29500"]
     assert invoke("finalize", "src", "dst", "-q", "gptq-w4a16", "--calib-data", "c.txt", *two).exit_code == 0
-    monkeypatch.setattr(quantkit.finalize, "dry_run", lambda *args: planned.append(args[4]) or {"ranks": args[4]})
+    monkeypatch.setattr(quantkit.finalization.finalize, "dry_run", lambda *args: planned.append(args[4]) or {"ranks": args[4]})
     result = invoke("finalize", "src", "dst", "-q", "gptq-w4a16", *two, "--dry-run", "--json", "-")
     assert result.exit_code == 0 and checked == [4] and planned == [4]
 
@@ -435,7 +435,7 @@ def test_finalize_with_one_process_runs_in_process(fake_finalize, monkeypatch):
 
 def test_finalize_dry_run_prints_the_plan(monkeypatch):
     calls = []
-    monkeypatch.setattr(quantkit.finalize, "dry_run", lambda *args: calls.append(args) or {"ranks": args[4]})
+    monkeypatch.setattr(quantkit.finalization.finalize, "dry_run", lambda *args: calls.append(args) or {"ranks": args[4]})
     result = invoke("finalize", "src", "dst", "-q", "gptq-w4a16", "--nproc-per-node", "4", "--dry-run", "--json", "-")
     assert result.exit_code == 0 and json.loads(result.output)["ranks"] == 4
 
@@ -467,8 +467,7 @@ def test_finalize_json_to_a_file_keeps_the_table(fake_finalize, tmp_path):
 
 
 def test_recipes_list_and_show_json():
-    from quantkit import registry
-
+    from quantkit.quant import registry
     listed = _only_json(invoke("recipes", "list", "--json", "-"))
     assert [r["name"] for r in listed["recipes"]] == registry.recipe_names()
     shown = _only_json(invoke("recipes", "show", "gptq-w4a16", "--json", "-"))
@@ -548,8 +547,7 @@ def test_the_summary_says_how_much_autoround_lowered_each_layers_loss():
 @pytest.fixture
 def tp_checked(monkeypatch):
     """`eval --tp`'s per-model check (tests/unit/test_tensor_parallel.py proves it), recorded instead of run."""
-    from quantkit import tensor_parallel
-
+    from quantkit.evaluation import tensor_parallel
     checked = []
     monkeypatch.setattr(tensor_parallel, "check", lambda path, ranks, trust_remote_code: checked.append((path, ranks)))
     return checked

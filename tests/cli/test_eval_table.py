@@ -7,9 +7,9 @@ import io
 import pytest
 from rich.console import Console
 
+from quantkit.evaluation.evaluate import ModelReport, PerplexityResult
+from quantkit.evaluation.tasks import TaskResult
 import quantkit.cli.eval as eval_cmd
-from quantkit.evaluate import ModelReport, PerplexityResult
-from quantkit.tasks import TaskResult
 
 LONG = "/home/someone/experiments/2025-11-qat-sweep/run-{i}/checkpoints/final-model-with-a-long-name-{i}"
 

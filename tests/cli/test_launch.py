@@ -98,7 +98,7 @@ def test_finalize_relaunches_before_importing_the_model_stack(tiny_model_dir, tm
         "import sys\n"
         "import quantkit.cli.launch as launch\n"
         "def fake(args, explained=()):\n"
-        "    print('stack imported' if 'quantkit.finalize' in sys.modules else 'stack not imported')\n"
+        "    print('stack imported' if 'quantkit.finalization.finalize' in sys.modules else 'stack not imported')\n"
         "    return 0\n"
         "launch.run_torchrun = fake\n"
         "from quantkit.cli.main import main\n"

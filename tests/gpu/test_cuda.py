@@ -29,7 +29,7 @@ AUTOROUND_ITERS = 40  # the shipped 200 steps a layer, cut for the suite's time 
 @pytest.fixture(scope="module")
 def work(tmp_path_factory) -> Path:
     """A tiny Llama whose widths (128, 256) take every group size and FP8's 128x128 blocks; calibration and eval text."""
-    from quantkit.tiny import build_tiny_llama
+    from quantkit.models.tiny import build_tiny_llama
 
     root = tmp_path_factory.mktemp("gpu")
     build_tiny_llama(root / "model", make_text(3000), hidden_size=128, intermediate_size=256)
@@ -39,8 +39,7 @@ def work(tmp_path_factory) -> Path:
 
 
 def _recipe(name: str, folder: Path):
-    from quantkit import registry
-
+    from quantkit.quant import registry
     recipe = registry.resolve(name)
     if recipe.quantizer.name.value != "autoround":
         return recipe
@@ -57,7 +56,7 @@ def _recipe(name: str, folder: Path):
 
 
 def _finalize(work: Path, recipe, device: str, fmt=None):
-    from quantkit.finalize import CalibrationOptions, finalize
+    from quantkit.finalization.finalize import CalibrationOptions, finalize
 
     dst = work / f"{recipe.name}-{fmt.value if fmt else 'default'}-{device}"
     options = CalibrationOptions(data=str(work / "calib.txt"), num_samples=NUM_SAMPLES, seq_len=SEQ_LEN, device=device)
@@ -67,7 +66,7 @@ def _finalize(work: Path, recipe, device: str, fmt=None):
 
 def _perplexity(path: Path, work: Path, device: str = "cuda") -> float:
     from quantkit.data import load_texts, tokenize
-    from quantkit.evaluate import load_eval_model, perplexity
+    from quantkit.evaluation.evaluate import load_eval_model, perplexity
 
     model, tokenizer = load_eval_model(path, device=device)
     ids = tokenize(tokenizer, load_texts(str(work / "eval.txt")))
@@ -75,18 +74,18 @@ def _perplexity(path: Path, work: Path, device: str = "cuda") -> float:
 
 
 def _recipe_names() -> list[str]:
-    from quantkit.registry import recipe_names
+    from quantkit.quant.registry import recipe_names
 
     return recipe_names()
 
 
 @pytest.mark.parametrize("name", _recipe_names())
 def test_every_recipe_finalizes_on_cuda_as_on_the_cpu(work, name):
-    from quantkit import hardware
     from quantkit.errors import HardwareError
+    from quantkit.finalization import checks
 
     recipe = _recipe(name, work)
-    needed = hardware.missing_requirement(recipe, recipe.format)
+    needed = checks.missing_requirement(recipe, recipe.format)
     if needed:
         with pytest.raises(HardwareError, match="compute capability"):
             _finalize(work, recipe, "cuda")
@@ -106,7 +105,7 @@ def test_every_recipe_finalizes_on_cuda_as_on_the_cpu(work, name):
 def test_torchao_artifacts_made_and_evaluated_on_cuda(work, name):
     """torchao converts while loading, on the device it runs on; an FP8 artifact evaluates on the GPU (on the CPU
     torch has no per-row FP8 product)."""
-    from quantkit.registry import Format, resolve
+    from quantkit.quant.registry import Format, resolve
 
     recipe = resolve(name)
     made = _finalize(work, recipe, "cuda", Format.TORCHAO)
@@ -154,7 +153,7 @@ def test_more_ranks_than_gpus_is_refused_before_anything_starts(work, tmp_path):
 
 
 def test_train_with_a_qat_recipe_on_cuda(work, tmp_path):
-    from quantkit.tiny import train_tokenizer
+    from quantkit.models.tiny import train_tokenizer
 
     train_tokenizer(make_text(3000), 384).save_pretrained(tmp_path / "tok")
     config = {

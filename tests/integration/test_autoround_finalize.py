@@ -16,9 +16,9 @@ from safetensors.torch import load_file, save_file
 
 from conftest import make_text
 from same_threads import environment, pinned
-from quantkit import registry
-from quantkit.finalize import CalibrationOptions, finalize, prepare, quantize_model
-from quantkit.qparams import fake_quantize_weight
+from quantkit.finalization.finalize import CalibrationOptions, finalize, prepare, quantize_model
+from quantkit.quant import registry
+from quantkit.quant.qparams import fake_quantize_weight
 
 pytestmark = pytest.mark.integration
 

@@ -16,11 +16,12 @@ import pytest
 import torch
 
 from conftest import make_text
-from quantkit import registry, train_config
-from quantkit.evaluate import perplexity
-from quantkit.finalize import CalibrationOptions, prepare, quantize_model
-from quantkit.models import load_tokenizer
-from quantkit.train import train
+from quantkit.evaluation.evaluate import perplexity
+from quantkit.finalization.finalize import CalibrationOptions, prepare, quantize_model
+from quantkit.models.loading import load_tokenizer
+from quantkit.quant import registry
+from quantkit.training import config as train_config
+from quantkit.training.loop import train
 
 pytestmark = pytest.mark.integration
 
@@ -29,7 +30,7 @@ PRICE = 0.0025  # the perplexity the symmetric default may cost against the asym
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> tuple[Path, Path]:
-    from quantkit.tiny import train_tokenizer
+    from quantkit.models.tiny import train_tokenizer
 
     root = tmp_path_factory.mktemp("awq-grid")
     train_tokenizer(make_text(3000), 384).save_pretrained(root / "tok")

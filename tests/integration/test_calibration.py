@@ -18,13 +18,13 @@ from safetensors.torch import load_file, save_file
 
 from conftest import make_text
 from same_threads import environment, pinned
-from quantkit import registry
 from quantkit.algorithms import Algorithm
 from quantkit.calibration import calibrate
 from quantkit.errors import UnsupportedModelError
 from quantkit.export.compressed_tensors import experts_problem, compression_format, loading_caveat
-from quantkit.models import decoder_layers, load_model
-from quantkit.finalize import CalibrationOptions, calibration_samples, finalize, prepare, quantize_model
+from quantkit.finalization.finalize import CalibrationOptions, calibration_samples, finalize, prepare, quantize_model
+from quantkit.models.loading import decoder_layers, load_model
+from quantkit.quant import registry
 
 pytestmark = pytest.mark.integration
 
@@ -95,7 +95,7 @@ def calib_file(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def tiny_models(tmp_path_factory) -> dict[str, Path]:
-    from quantkit.tiny import build_tiny_model
+    from quantkit.models.tiny import build_tiny_model
 
     root = tmp_path_factory.mktemp("arch")
     models = {arch: build_tiny_model(root / arch, make_text(3000), arch, **extra) for arch, extra in ARCHITECTURES.items()}
@@ -158,8 +158,7 @@ def _experts_as_transformers_runs_them(model, ids, recipe: registry.Recipe) -> d
     MoE experts while loading and runs them on float activations; vLLM quantizes them, as the in-memory model
     does), and its dequantized experts stacked as transformers fuses them (FP8 ones rounded to bfloat16, where it
     does that)."""
-    from quantkit import moe
-
+    from quantkit.models import moe
     rounded = FP8_EXPERTS_IN_BF16 and compression_format(recipe.scheme) == "float-quantized"
     for name in moe.expert_linears(model):
         model.get_submodule(name).quantization_enabled = False
@@ -223,7 +222,7 @@ def test_moe_summary_counts_routed_tokens_and_quantizes_every_expert(artifacts, 
 
 def test_calibration_changes_the_rounding(artifacts, tiny_models):
     """GPTQ does not just round to nearest: some weights differ from RTN's on the same grid."""
-    from quantkit.qparams import fake_quantize_weight
+    from quantkit.quant.qparams import fake_quantize_weight
 
     root, _ = artifacts
     gptq = load_file(root / "llama-gptq-w4a16.safetensors")["model.layers.0.mlp.up_proj"]
@@ -266,7 +265,7 @@ def test_awq_skips_the_pair_a_non_linear_activation_separates(artifacts):
     and says so; SmoothQuant (norms only) skips nothing."""
     import json
 
-    from quantkit.architectures import STARCODER2
+    from quantkit.models.architectures import STARCODER2
 
     root, _ = artifacts
     awq = json.loads((root / "starcoder2-awq-w4a16" / "quantkit.json").read_text())["calibration"]["skipped"]
@@ -301,8 +300,8 @@ def test_static_scales_are_written(artifacts):
 
 def test_device_memory_stays_near_one_layer(tiny_models, calib_file):
     """Bytes held on the compute device: one decoder layer plus the calibration activations, never the model."""
-    from quantkit.models import load_model
-    from quantkit.plan import plan_model
+    from quantkit.models.loading import load_model
+    from quantkit.quant.plan import plan_model
 
     recipe = registry.resolve("gptq-w4a16")
     src = tiny_models["llama"]
@@ -339,8 +338,8 @@ def test_awq_block_error_is_no_worse_than_rtn(tiny_models, calib_file):
     from quantkit.algorithms.awq import search_scales
     from quantkit.calibration.hooks import capture_inputs
     from quantkit.calibration.steps.awq import block_error, capture_blocks
-    from quantkit.models import load_model
-    from quantkit.plan import plan_model
+    from quantkit.models.loading import load_model
+    from quantkit.quant.plan import plan_model
 
     recipe = registry.resolve("awq-w4a16")
     src = tiny_models["llama"]

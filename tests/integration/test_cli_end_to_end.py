@@ -85,7 +85,7 @@ def test_interrupted_finalize_leaves_no_output(tiny_model_dir, tmp_path):
 
     dst = tmp_path / "out"
     slow_write = (  # the weights are written; copying the tokenizer stalls, so the signal lands mid-write
-        "import sys, time, quantkit.models as m; copy = m.copy_tokenizer; "
+        "import sys, time, quantkit.models.loading as m; copy = m.copy_tokenizer; "
         "m.copy_tokenizer = lambda *a: (time.sleep(60), copy(*a))[1]; "
         "from quantkit.cli.main import main; sys.argv = ['quantkit', *sys.argv[1:]]; main()"
     )

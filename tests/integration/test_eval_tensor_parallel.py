@@ -38,8 +38,7 @@ def shardable(model_dir: Path, copies: Path) -> Path:
     tokenizers' 425 words and a row that no token reaches)."""
     from transformers import AutoModelForCausalLM
 
-    from quantkit import compat
-
+    from quantkit.models import compat
     if compat.shards_rows_unevenly():
         return model_dir
     copy = shutil.copytree(model_dir, copies / model_dir.name)
@@ -51,7 +50,7 @@ def shardable(model_dir: Path, copies: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def moe_model_dir(tmp_path_factory):
-    from quantkit.tiny import build_tiny_model
+    from quantkit.models.tiny import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen2-moe", make_text(3000), "qwen2_moe", num_experts=4,
                             num_experts_per_tok=2, moe_intermediate_size=96, shared_expert_intermediate_size=96)
@@ -84,7 +83,7 @@ def test_two_ranks_measure_the_perplexity_of_one_process(tiny_model_dir, wide_mo
 
 
 def test_a_family_without_a_plan_is_refused_before_launching(tmp_path, text_file):
-    from quantkit.tiny import build_tiny_model
+    from quantkit.models.tiny import build_tiny_model
 
     gpt2 = build_tiny_model(tmp_path / "gpt2", make_text(500), "gpt2", n_embd=64, n_layer=1, n_head=4)
     refused = run("eval", gpt2, "--data", text_file, "--tp", "2")

@@ -13,15 +13,17 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from quantkit import hardware, models, registry
-from quantkit.architectures import kernel_fused_groups
 from quantkit.export import exporter
 from quantkit.export.compressed_tensors import loading_caveat
 from quantkit.export.torchao import torchao_config
-from quantkit.finalize import finalize, prepare, quantize_model
-from quantkit.qparams import fake_quantize_weight, fused_global_scales
-from quantkit.registry import Format
-from quantkit.schemes import Granularity
+from quantkit.finalization.finalize import finalize, prepare, quantize_model
+from quantkit.models import loading as models
+from quantkit.models.architectures import kernel_fused_groups
+from quantkit.quant import registry
+from quantkit.quant.qparams import fake_quantize_weight, fused_global_scales
+from quantkit.quant.registry import Format
+from quantkit.quant.schemes import Granularity
+from quantkit.finalization import checks
 
 from same_threads import environment, pinned
 
@@ -31,7 +33,7 @@ CASES = [
     (name, fmt)
     for name in registry.recipe_names()
     for fmt in Format
-    if hardware.missing_requirement(registry.resolve(name), fmt) is None
+    if checks.missing_requirement(registry.resolve(name), fmt) is None
     and exporter(fmt).unsupported(registry.resolve(name)) is None
     and not registry.resolve(name).needs_calibration
 ]

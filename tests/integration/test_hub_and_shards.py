@@ -53,8 +53,8 @@ def test_max_shard_size_writes_shards_and_an_index_that_load_like_one_file(tiny_
     import torch
     from transformers import AutoModelForCausalLM
 
-    from quantkit import registry
-    from quantkit.finalize import finalize
+    from quantkit.finalization.finalize import finalize
+    from quantkit.quant import registry
 
     recipe = registry.resolve("int4-weight-only")
     finalize(tiny_model_dir, tmp_path / "one", recipe)

@@ -15,9 +15,9 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from conftest import make_text
-from quantkit import registry
-from quantkit.models import load_model
-from quantkit.finalize import CalibrationOptions, calibration_samples, finalize, prepare, quantize_model
+from quantkit.finalization.finalize import CalibrationOptions, calibration_samples, finalize, prepare, quantize_model
+from quantkit.models.loading import load_model
+from quantkit.quant import registry
 
 pytestmark = pytest.mark.integration
 

@@ -25,7 +25,7 @@ RUNNER = str(Path(__file__).with_name("signalled_at_layer.py"))
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
-    from quantkit.tiny import build_tiny_llama
+    from quantkit.models.tiny import build_tiny_llama
 
     return build_tiny_llama(tmp_path_factory.mktemp("resume") / "llama5", make_text(3000), num_hidden_layers=LAYERS)
 

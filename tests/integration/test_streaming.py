@@ -12,8 +12,8 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import make_text
-from quantkit.finalize import STREAMED, CalibrationOptions, finalize
-from quantkit.registry import resolve
+from quantkit.finalization.finalize import STREAMED, CalibrationOptions, finalize
+from quantkit.quant.registry import resolve
 
 pytestmark = pytest.mark.integration
 
@@ -49,7 +49,7 @@ def test_a_streamed_artifact_equals_the_in_memory_one(tiny_model_dir, text_file,
 def moe_model_dir(request, tmp_path_factory):
     """A tiny MoE model: Mixtral's checkpoint names its block `block_sparse_moe` (the model's `mlp`); Qwen2-MoE
     has a shared expert and its gate."""
-    from quantkit.tiny import build_tiny_model
+    from quantkit.models.tiny import build_tiny_model
 
     extra = {"mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
              "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
@@ -74,7 +74,7 @@ def test_a_streamed_moe_artifact_equals_the_in_memory_one(moe_model_dir, text_fi
 @pytest.fixture(scope="module")
 def layered(tmp_path_factory):
     """The same Llama shape (hidden 512, float32: 13 MB a layer) with 4 and with 16 layers."""
-    from quantkit.tiny import build_tiny_llama
+    from quantkit.models.tiny import build_tiny_llama
 
     root = tmp_path_factory.mktemp("layered")
     text = make_text(2000)

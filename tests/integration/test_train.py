@@ -14,8 +14,9 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from quantkit import registry, train_config
-from quantkit.train import train
+from quantkit.quant import registry
+from quantkit.training import config as train_config
+from quantkit.training.loop import train
 
 from conftest import HUB_COMMIT, hub_snapshot, make_text, quantkit_offline
 
@@ -24,7 +25,7 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory) -> Path:
-    from quantkit.tiny import train_tokenizer
+    from quantkit.models.tiny import train_tokenizer
 
     root = tmp_path_factory.mktemp("train")
     train_tokenizer(make_text(3000), 384).save_pretrained(root / "tok")
@@ -96,8 +97,8 @@ def test_train_data_takes_a_datasets_spec_and_its_train_split(workspace, tmp_pat
     """data.train as a datasets spec (a local dataset directory: the loader hub names go through); without a split
     it reads "train", where eval and calibration default to "test". data.eval keeps "test"."""
     from quantkit.data import tokenize
-    from quantkit.models import load_tokenizer
-    from quantkit.train import load_blocks
+    from quantkit.models.loading import load_tokenizer
+    from quantkit.training.loop import load_blocks
 
     root = tmp_path / "my-dataset"
     root.mkdir()
@@ -138,10 +139,10 @@ def test_one_rank_equals_two_ranks(workspace):
 def test_qat_train_finalize_reload(workspace, recipe, tmp_path):
     """The artifact's dequantized weights equal the fake-quantized weights the model trained with (a float32 model
     trains FP4 on the bfloat16 grid of the artifact it becomes)."""
-    from quantkit import qat
-    from quantkit.finalize import finalize
-    from quantkit.models import load_model
-    from quantkit.plan import plan_model
+    from quantkit.finalization.finalize import finalize
+    from quantkit.models.loading import load_model
+    from quantkit.quant.plan import plan_model
+    from quantkit.training import qat
 
     rec = registry.resolve(recipe)
     result = train(train_config.from_dict({**config_dict(workspace, f"qat-{recipe}", max_steps=3), "qat_recipe": recipe}))
@@ -210,7 +211,7 @@ def test_train_fine_tunes_hub_ids_from_the_cache(workspace, hub_home, tmp_path, 
 
 
 def test_the_tokenizer_defaults_to_the_models_snapshot(hub_home):
-    code = ("from quantkit import train_config as t; "
+    code = ("from quantkit.training import config as t; "
             "s = t.resolve_sources(t.from_dict({'model': {'path': 'org/tiny'}, 'data': {'train': 'x.txt'}})); "
             "print(s.model, s.tokenizer, 'torch' in __import__('sys').modules)")
     env = {**os.environ, "HF_HOME": str(hub_home), "HF_HUB_OFFLINE": "1"}

@@ -42,7 +42,7 @@ def test_installed_wheel_resolves_recipes_outside_the_checkout(wheel, tmp_path):
                    check=True, capture_output=True)
     code = (
         "import sys; sys.path.insert(0, sys.argv[1]); "
-        "import quantkit, quantkit.registry as r; from quantkit.cli.main import app; "
+        "import quantkit, quantkit.quant.registry as r; from quantkit.cli.main import app; "
         "assert quantkit.__file__.startswith(sys.argv[1]), quantkit.__file__; "
         "print(','.join(r.recipe_names())); print(r.resolve('int4-weight-only').source)"
     )

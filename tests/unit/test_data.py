@@ -162,7 +162,7 @@ def test_hub_dataset_without_the_column(monkeypatch):
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from quantkit.tiny import train_tokenizer
+    from quantkit.models.tiny import train_tokenizer
 
     return train_tokenizer("the quick brown fox jumps over the lazy dog\n" * 50, vocab_size=300)
 

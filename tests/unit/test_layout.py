@@ -74,12 +74,30 @@ def test_no_import_cycles():
 
 @pytest.mark.parametrize("package, forbidden", [
     ("quantkit.export", ("quantkit.calibration", "quantkit.algorithms")),
-    ("quantkit.algorithms", ("quantkit.registry", "quantkit.calibration", "quantkit.export")),
+    ("quantkit.algorithms", ("quantkit.quant.registry", "quantkit.calibration", "quantkit.export")),
 ])
 def test_layers_import_only_downward(package, forbidden):
     for name in MODULES:
         if name == package or name.startswith(package + "."):
             bad = {t for t in _imports(name) if t.startswith(forbidden)}
+            assert not bad, f"{name} imports {sorted(bad)}"
+
+
+GRID = ("quantkit.quant.schemes", "quantkit.quant.float_grids", "quantkit.quant.qparams", "quantkit.quant.observers")
+
+
+@pytest.mark.parametrize("packages, allowed, module_level_only", [
+    (("quantkit.runtime",), ("quantkit.errors", "quantkit.runtime"), False),
+    (GRID, ("quantkit.errors", "quantkit.runtime", *GRID), False),
+    (("quantkit.algorithms",), ("quantkit.errors", "quantkit.runtime", "quantkit.algorithms", *GRID), False),
+    (("quantkit.models",), ("quantkit.errors", "quantkit.runtime", "quantkit.models"), True),
+])
+def test_the_lower_packages_import_only_below_them(packages, allowed, module_level_only):
+    """docs/ARCHITECTURE.md's layering: runtime at the bottom, then quant's grid, algorithms, models."""
+    for name in MODULES:
+        if name.startswith(packages) and name not in ("quantkit", "quantkit.cli"):
+            bad = {t for t in _imports(name, module_level_only) if t != "quantkit.quant"  # its __init__: a docstring
+                   and not any(t == a or t.startswith(a + ".") for a in allowed)}
             assert not bad, f"{name} imports {sorted(bad)}"
 
 
@@ -109,7 +127,7 @@ def _code_strings(path: Path) -> list[str]:
 
 
 def test_layer_module_names_live_in_the_architecture_module_only():
-    offenders = {name: hits for name, path in MODULES.items() if name != "quantkit.architectures"
+    offenders = {name: hits for name, path in MODULES.items() if name != "quantkit.models.architectures"
                  for hits in [[s for s in _code_strings(path) if LAYER_NAMES.search(s) or s == "mlp"]] if hits}
     assert not offenders, offenders
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from quantkit.registration import Registry
+from quantkit.runtime.registration import Registry
 
 STEPS: Registry[Callable] = Registry("calibration step")
 register = STEPS.register

@@ -31,15 +31,15 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from quantkit import distributed, precision
 from quantkit.algorithms import Algorithm
 from quantkit.algorithms.arguments import AutoRoundArgs
 from quantkit.algorithms.autoround import Rounding, Share, quantize, tune
 from quantkit.calibration.hooks import hidden_state, hidden_states, run_layer, with_hidden
 from quantkit.calibration.layer import Layer, relative_error
 from quantkit.calibration.steps import register
-from quantkit.moe import experts_modules
-from quantkit.tuning_attention import bf16_cpu_attention
+from quantkit.calibration.tuning_attention import bf16_cpu_attention
+from quantkit.models.moe import experts_modules
+from quantkit.runtime import distributed, precision
 
 
 @register(Algorithm.AUTOROUND)

@@ -21,17 +21,17 @@ import time
 import torch
 from torch import nn
 
-from quantkit import distributed
 from quantkit.algorithms import Algorithm
 from quantkit.algorithms.arguments import AWQArgs
 from quantkit.algorithms.awq import candidate_scales, fold_scales, hessian_error, least_error, scaled_candidate
-from quantkit.architectures import norm_weight_offset, scales_fold
 from quantkit.calibration.hooks import run_layer
 from quantkit.calibration.layer import Layer
 from quantkit.calibration.steps import register
-from quantkit.moe import real_routing
-from quantkit.observers import ChannelAbsMean, HessianObserver, Observer
-from quantkit.schemes import WeightSpec
+from quantkit.models.architectures import norm_weight_offset, scales_fold
+from quantkit.models.moe import real_routing
+from quantkit.quant.observers import ChannelAbsMean, HessianObserver, Observer
+from quantkit.quant.schemes import WeightSpec
+from quantkit.runtime import distributed
 
 
 @register(Algorithm.AWQ)

@@ -22,21 +22,21 @@ import time
 import torch
 from torch import nn
 
-from quantkit import distributed
 from quantkit.algorithms import Algorithm
 from quantkit.algorithms.arguments import GPTQArgs
 from quantkit.algorithms.factor import ALONE, Sharing
 from quantkit.algorithms.gptq import InverseHessian, gptq_quantize_rows, inverse_hessian, row_share
-from quantkit.architectures import find_wiring
 from quantkit.calibration import true_sequential
 from quantkit.calibration.hooks import observe, observer_groups
 from quantkit.calibration.layer import Layer, relative_error_of_solve
 from quantkit.calibration.steps import register
 from quantkit.errors import UsageError
-from quantkit.memory import return_freed_memory
-from quantkit.observers import HessianObserver
-from quantkit.qparams import QuantizedWeight, empty_quantized
-from quantkit.schemes import WeightSpec
+from quantkit.models.architectures import find_wiring
+from quantkit.quant.observers import HessianObserver
+from quantkit.quant.qparams import QuantizedWeight, empty_quantized
+from quantkit.quant.schemes import WeightSpec
+from quantkit.runtime import distributed
+from quantkit.runtime.memory import return_freed_memory
 
 
 @register(Algorithm.GPTQ)

@@ -12,11 +12,12 @@ import time
 
 import torch
 
-from quantkit import distributed, kv_cache
 from quantkit.calibration.hooks import run_layer
 from quantkit.calibration.layer import Layer
-from quantkit.observers import Observer, activation_observer
-from quantkit.schemes import Granularity
+from quantkit.quant import kv_cache
+from quantkit.quant.observers import Observer, activation_observer
+from quantkit.quant.schemes import Granularity
+from quantkit.runtime import distributed
 
 
 def kv_cache_step(layer: Layer) -> list[torch.Tensor]:

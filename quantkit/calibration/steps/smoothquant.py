@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import time
 
-from quantkit import distributed
 from quantkit.algorithms import Algorithm
 from quantkit.algorithms.arguments import SmoothQuantArgs
 from quantkit.algorithms.smoothquant import fold_scales, smoothing_scales
-from quantkit.architectures import norm_weight_offset
 from quantkit.calibration.hooks import observe
 from quantkit.calibration.layer import Layer
 from quantkit.calibration.steps import register
-from quantkit.observers import ChannelAbsMax
+from quantkit.models.architectures import norm_weight_offset
+from quantkit.quant.observers import ChannelAbsMax
+from quantkit.runtime import distributed
 
 
 @register(Algorithm.SMOOTHQUANT)

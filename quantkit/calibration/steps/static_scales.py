@@ -11,11 +11,12 @@ import time
 
 import torch
 
-from quantkit import distributed, float_grids
 from quantkit.calibration.hooks import observe, observer_groups
 from quantkit.calibration.layer import Layer
-from quantkit.observers import activation_observer
-from quantkit.precision import model_dtype
+from quantkit.quant import float_grids
+from quantkit.quant.observers import activation_observer
+from quantkit.runtime import distributed
+from quantkit.runtime.precision import model_dtype
 
 
 def static_scales_step(layer: Layer) -> None:

@@ -14,9 +14,9 @@ from quantkit.algorithms.gptq import (
     GPTQDampingError,
     gptq_quantize,
 )
-from quantkit.observers import HessianObserver
-from quantkit.qparams import choose_qparams, quantize_weight, quantize_with
-from quantkit.schemes import Granularity, QDtype, ScaleDtype, WeightSpec
+from quantkit.quant.observers import HessianObserver
+from quantkit.quant.qparams import choose_qparams, quantize_weight, quantize_with
+from quantkit.quant.schemes import Granularity, QDtype, ScaleDtype, WeightSpec
 
 INT4_G32 = WeightSpec(QDtype.INT4, Granularity.GROUP, group_size=32)
 INT4_G128 = WeightSpec(QDtype.INT4, Granularity.GROUP, group_size=128)
@@ -229,7 +229,7 @@ def test_inverse_hessian_cholesky_is_the_upper_factor_of_the_damped_inverse(size
 INVERSE_MEMORY = """
 import torch
 from quantkit.algorithms.gptq import _inverse_hessian_cholesky
-from quantkit.memory import map_large_allocations
+from quantkit.runtime.memory import map_large_allocations
 map_large_allocations()  # as calibrated finalize runs set it
 def status(key):
     return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith(key))
@@ -308,7 +308,7 @@ def test_fp4_hessian_weighted_error_is_lower_than_rtn_and_on_the_grid(spec, acto
 
 def test_nvfp4_rows_shared_over_ranks_use_the_whole_weights_global_scale():
     from quantkit.algorithms.gptq import gptq_quantize_rows, inverse_hessian, row_share
-    from quantkit.qparams import weight_global_scale
+    from quantkit.quant.qparams import weight_global_scale
 
     weight = _weight(torch.bfloat16, out=300, inp=256)
     weight[290, 7] = 1.0  # the largest value sits in the last share: its global scale is every share's

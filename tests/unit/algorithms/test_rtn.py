@@ -3,7 +3,7 @@ import torch
 
 from quantkit.algorithms import Algorithm, get_algorithm
 from quantkit.algorithms.rtn import rtn_quantize
-from quantkit.registry import resolve
+from quantkit.quant.registry import resolve
 
 
 @pytest.mark.parametrize("recipe", ["int4-weight-only", "int8-weight-only", "float8-dynamic-act-float8-weight"])

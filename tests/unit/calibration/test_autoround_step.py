@@ -10,14 +10,15 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from quantkit import precision, registry
 from quantkit.algorithms.arguments import AutoRoundArgs
 from quantkit.algorithms.autoround import Rounding, quantize
 from quantkit.calibration.hooks import capture_inputs, hidden_states, run_layer, with_hidden
 from quantkit.calibration.layer import CalibrationResult, Layer
 from quantkit.calibration.steps.autoround import autoround_step
-from quantkit.models import decoder_layers
-from quantkit.plan import plan_model
+from quantkit.models.loading import decoder_layers
+from quantkit.quant import registry
+from quantkit.quant.plan import plan_model
+from quantkit.runtime import precision
 
 RECIPE = "autoround-w2a16"  # 2 bits: round-to-nearest leaves a large error to tune away
 

@@ -4,14 +4,14 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from quantkit import registry
 from quantkit.calibration.experts import RoutedTokens, calibrating
 from quantkit.calibration.hooks import capture_inputs, observe
 from quantkit.calibration.layer import CalibrationResult, Layer
-from quantkit.models import decoder_layers
-from quantkit.moe import expert_linears, linearize
-from quantkit.observers import HessianObserver
-from quantkit.plan import plan_model
+from quantkit.models.loading import decoder_layers
+from quantkit.models.moe import expert_linears, linearize
+from quantkit.quant import registry
+from quantkit.quant.observers import HessianObserver
+from quantkit.quant.plan import plan_model
 
 
 @pytest.mark.parametrize("split", [1, 3])

@@ -7,20 +7,20 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from quantkit.algorithms.awq import fold_scales
-from quantkit import registry
 from quantkit.algorithms.arguments import AWQArgs, SmoothQuantArgs
-from quantkit.architectures import LLAMA, norm_weight_offset, scales_fold, traced_wiring
+from quantkit.algorithms.awq import fold_scales
 from quantkit.calibration.hooks import capture_inputs, run_layer
 from quantkit.calibration.layer import CalibrationResult, Layer
 from quantkit.calibration.steps.awq import awq_step
 from quantkit.calibration.steps.smoothquant import smoothquant_step
-from quantkit.models import decoder_layers
-from quantkit.plan import plan_model
+from quantkit.models.architectures import LLAMA, norm_weight_offset, scales_fold, traced_wiring
+from quantkit.models.loading import decoder_layers
+from quantkit.quant import registry
+from quantkit.quant.plan import plan_model
 
 
 def _model_and_inputs(model_type: str, **extra):
-    from quantkit.moe import linearize
+    from quantkit.models.moe import linearize
 
     torch.manual_seed(0)
     params = {**dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
@@ -106,7 +106,7 @@ MOE = {"mixtral": dict(num_local_experts=4), "qwen2_moe": dict(num_experts=4, mo
 
 @pytest.mark.parametrize("model_type", MOE)
 def test_folding_into_an_moe_layer_keeps_its_function_with_the_router_and_gates_scaled_along(model_type):
-    from quantkit.moe import traced_moe_wiring
+    from quantkit.models.moe import traced_moe_wiring
 
     layer, inputs = _layer_and_inputs(model_type, **MOE[model_type])
     wiring = traced_moe_wiring(layer, inputs[0])

@@ -2,10 +2,10 @@
 
 import pytest
 
-from quantkit import registry
 from quantkit.calibration.pipeline import layer_steps
 from quantkit.calibration.steps.static_scales import static_scales_step
 from quantkit.errors import UsageError
+from quantkit.quant import registry
 
 
 def _recipe(tmp_path, algorithm: str, activations: str = ""):
@@ -36,7 +36,7 @@ def _layer_with(outputs_error: float):
     from torch import nn
 
     from quantkit.calibration.layer import CalibrationResult, Layer
-    from quantkit.plan import ModulePlan
+    from quantkit.quant.plan import ModulePlan
 
     module = nn.Sequential(nn.Linear(4, 4))
     recipe = registry.resolve("gptq-w4a16")

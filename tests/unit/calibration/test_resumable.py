@@ -13,7 +13,7 @@ from torch import nn
 
 from quantkit.calibration.layer import CalibrationResult
 from quantkit.calibration.resume import Resumable
-from quantkit.distributed import Context
+from quantkit.runtime.distributed import Context
 
 LAYERS = 4
 

@@ -4,14 +4,14 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from quantkit.architectures import LLAMA, find_wiring
 from quantkit.calibration import calibrate, true_sequential
 from quantkit.calibration.hooks import capture_inputs, run_layer
 from quantkit.calibration.steps.gptq import can_stage
-from quantkit.models import decoder_layers
-from quantkit.plan import plan_model
-from quantkit.qparams import fake_quantize_weight
-from quantkit.registry import resolve
+from quantkit.models.architectures import LLAMA, find_wiring
+from quantkit.models.loading import decoder_layers
+from quantkit.quant.plan import plan_model
+from quantkit.quant.qparams import fake_quantize_weight
+from quantkit.quant.registry import resolve
 
 ARCHITECTURES = ["llama", "qwen2", "mistral"]
 

@@ -4,11 +4,11 @@ import json
 
 import torch
 
-from quantkit import registry
 from quantkit.export import compressed_tensors, exporter
-from quantkit.finalize import prepare, round_to_nearest
-from quantkit.models import load_model
-from quantkit.quantized_model import QuantizedModel
+from quantkit.finalization.finalize import prepare, round_to_nearest
+from quantkit.models.loading import load_model
+from quantkit.quant import registry
+from quantkit.quant.quantized_model import QuantizedModel
 
 
 def _quantized(src) -> QuantizedModel:

@@ -2,10 +2,11 @@
 
 import pytest
 
-from quantkit import compat, registry
 from quantkit.export import ct_compat
 from quantkit.export.compressed_tensors import compression_format, experts_load_problem, loading_caveat, quantization_config
-from quantkit.plan import ModulePlan
+from quantkit.models import compat
+from quantkit.quant import registry
+from quantkit.quant.plan import ModulePlan
 
 
 @pytest.mark.parametrize("name,fmt", [

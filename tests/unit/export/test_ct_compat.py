@@ -9,12 +9,13 @@ import torch
 from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 from compressed_tensors.quantization.lifecycle import apply
 
-from quantkit import models, registry
 from quantkit.export import ct_compat, exporter
 from quantkit.export.compressed_tensors import experts_targets, quantization_config
-from quantkit.finalize import prepare
-from quantkit.registry import Format
-from quantkit.schemes import QDtype
+from quantkit.finalization.finalize import prepare
+from quantkit.models import loading as models
+from quantkit.quant import registry
+from quantkit.quant.registry import Format
+from quantkit.quant.schemes import QDtype
 
 HAS_ALLOWED_MODULES = "allowed_modules" in apply.apply_quantization_config.__code__.co_varnames
 NEWER = f"compressed-tensors {ct_compat.version()} is installed, the newer release is not"

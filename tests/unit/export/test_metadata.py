@@ -2,9 +2,9 @@
 
 import json
 
-from quantkit import registry
 from quantkit.export import metadata
-from quantkit.plan import ModulePlan
+from quantkit.quant import registry
+from quantkit.quant.plan import ModulePlan
 
 
 def test_build_write_read_round_trip(tmp_path):

@@ -1,0 +1,9 @@
+"""Evaluation: `quantkit eval`.
+
+- `evaluate.py`: perplexity over strided windows, loading any model or artifact to evaluate, reports, the gate.
+- `tasks.py`: lm-evaluation-harness tasks (`--tasks`) on an already-loaded model.
+- `tensor_parallel.py`: `--tp N`: a model sharded with transformers' tensor-parallel plan.
+
+Imports anything below it: `quantkit.finalization` (`eval -q` previews a recipe in memory), `quantkit.export`,
+`quantkit.models`, `quantkit.quant`, `quantkit.runtime`, `quantkit.data`, `quantkit.errors`.
+"""

@@ -1,0 +1,344 @@
+"""Measuring models: strided perplexity, lm-eval task scores (`quantkit.evaluation.tasks`), per-model reports, and the
+accuracy gate."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from quantkit.data import eval_windows, load_texts, tokenize
+from quantkit.errors import UnsupportedModelError, UsageError
+from quantkit.evaluation.tasks import TaskOptions, TaskResult, TaskSuite, load_tasks
+from quantkit.evaluation.tensor_parallel import check_options as check_tensor_parallel_options
+from quantkit.evaluation.tensor_parallel import gather_ints
+from quantkit.evaluation.tensor_parallel import load as tensor_parallel_load
+from quantkit.export import metadata
+from quantkit.finalization.preflight import peak_resident_bytes, reset_peak_resident
+from quantkit.models.loading import load_model, load_tokenizer, quantization_method, read_config_json, weights_size
+from quantkit.models.sources import resolve_source
+from quantkit.runtime.precision import float32_products, model_dtype
+from quantkit.runtime.progress import QUIET, Progress
+
+IGNORE_INDEX = -100
+
+Window = tuple[int, int, int]
+
+
+@dataclass
+class PerplexityResult:
+    perplexity: float
+    nll: float  # mean negative log-likelihood per scored token
+    tokens: int  # scored tokens
+    seconds: float
+    tokens_per_second: float  # tokens fed through the model (context included) per wall second
+    seq_len: int = 0  # effective window length, after clipping to the model's max_position_embeddings
+
+
+@dataclass
+class ModelReport:
+    path: str
+    label: str
+    recipe: str | None
+    format: str | None
+    size_bytes: int | None  # None for an in-memory preview (nothing written)
+    perplexity: PerplexityResult
+    tasks: dict[str, TaskResult] = field(default_factory=dict)  # by task name; empty without --tasks
+    peak_rss_per_rank: list[int] = field(default_factory=list)  # bytes, while this model was loaded and measured
+    weight_bytes_per_rank: list[int] = field(default_factory=list)  # parameters and buffers each rank held, as computed
+    tensor_parallel: int = 1  # ranks the model was sharded over (`eval --tp`)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def effective_seq_len(model, seq_len: int) -> int:
+    """`seq_len`, clipped to the model's max_position_embeddings when it has a smaller one."""
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    return min(seq_len, limit) if limit else seq_len
+
+
+def perplexity(
+    model,
+    ids: torch.Tensor,
+    seq_len: int = 512,
+    stride: int | None = None,
+    batch_size: int = 1,
+    max_samples: int | None = None,
+    progress: Progress = QUIET,
+) -> PerplexityResult:
+    """exp(mean NLL) over `ids` (1-D), scored in the windows of `quantkit.data.eval_windows` (a bf16 / fp16 model's
+    Linear products in float32 on a CPU without native ones, `precision.float32_products`)."""
+    if batch_size < 1:
+        raise UsageError(f"batch_size must be at least 1 (got {batch_size})")
+    if ids.dim() != 1:
+        raise UsageError(f"ids must be a 1-D token stream (got shape {tuple(ids.shape)})")
+    seq_len, windows = _plan_windows(model, ids.numel(), seq_len, stride, max_samples)
+    device = next(model.parameters()).device
+    total_nll, scored, fed = 0.0, 0, 0
+    start = time.perf_counter()
+    with torch.inference_mode(), float32_products(model_dtype(model), device), progress.task("Perplexity", total=len(windows)) as advance:
+        for batch in _batches(windows, batch_size):
+            inputs, labels = _window_tensors(ids, batch)
+            nll, count = _sum_nll(model, inputs.to(device), labels.to(device))
+            total_nll, scored, fed = total_nll + nll, scored + count, fed + inputs.numel()
+            advance(len(batch))
+    seconds = time.perf_counter() - start
+    return PerplexityResult(
+        perplexity=math.exp(total_nll / scored), nll=total_nll / scored, tokens=scored,
+        seconds=seconds, tokens_per_second=fed / seconds if seconds > 0 else float("inf"), seq_len=seq_len,
+    )
+
+
+def _plan_windows(model, num_tokens: int, seq_len: int, stride: int | None, max_samples: int | None):
+    """(effective seq_len, windows), with seq_len and stride clipped to what the model accepts."""
+    clipped = effective_seq_len(model, seq_len)
+    if stride is not None and stride <= seq_len:  # a stride valid for the requested length stays valid
+        stride = min(stride, clipped)
+    return clipped, eval_windows(num_tokens, clipped, stride, max_samples)
+
+
+def _batches(windows: list[Window], batch_size: int) -> Iterator[list[Window]]:
+    """Consecutive windows of equal length, at most `batch_size` at a time (so no padding is needed)."""
+    batch: list[Window] = []
+    for window in windows:
+        if batch and (len(batch) == batch_size or _length(window) != _length(batch[0])):
+            yield batch
+            batch = []
+        batch.append(window)
+    if batch:
+        yield batch
+
+
+def _length(window: Window) -> int:
+    return window[1] - window[0]
+
+
+def _window_tensors(ids: torch.Tensor, batch: list[Window]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs [B, L] and labels [B, L] with IGNORE_INDEX before each window's target_begin."""
+    inputs = torch.stack([ids[begin:end] for begin, end, _ in batch])
+    labels = inputs.clone()
+    for row, (begin, _, target_begin) in enumerate(batch):
+        labels[row, : target_begin - begin] = IGNORE_INDEX
+    return inputs, labels
+
+
+def _sum_nll(model, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[float, int]:
+    """Summed NLL of the labelled tokens (position t predicts token t + 1) and how many there are."""
+    logits = model(input_ids=inputs, use_cache=False).logits[:, :-1].float()
+    targets = labels[:, 1:]
+    nll = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum")
+    return nll.item(), int((targets != IGNORE_INDEX).sum())
+
+
+def load_eval_model(
+    path: str | Path, trust_remote_code: bool = False, tokenizer_path: str | Path | None = None, dtype: str = "auto",
+    load_weights: bool = True, tensor_parallel: bool = False, device: str = "cpu",
+):
+    """(model, tokenizer) for a source or quantized model directory. Quantized directories (compressed-tensors
+    or torchao `quantization_config` in config.json) load through plain transformers. With `load_weights`
+    False only the tokenizer is loaded (model is None); with `tensor_parallel` the model is sharded over the
+    ranks of this torchrun (`quantkit.evaluation.tensor_parallel`), else it is loaded onto `device`."""
+    path = resolve_source(path)
+    _check_experts_load(path)
+    tokenizer = load_tokenizer(Path(tokenizer_path) if tokenizer_path else path, trust_remote_code)
+    if not load_weights:
+        return None, tokenizer
+    if tensor_parallel:
+        return tensor_parallel_load(path, dtype=dtype, trust_remote_code=trust_remote_code), tokenizer
+    _check_kernels_run_on(path, device)
+    placed = {} if torch.device(device).type == "cpu" else {"device_map": {"": device}}
+    model = load_model(path, dtype=dtype, trust_remote_code=trust_remote_code, **placed)
+    return model, tokenizer
+
+
+def _check_kernels_run_on(path: Path, device: str) -> None:
+    """A torchao artifact whose kernels need a CUDA GPU (FP8: torch has no per-row FP8 product on the CPU) is refused
+    on the CPU in one line, not with PyTorch's internal assertion halfway through the first forward."""
+    made = metadata.read(Path(path)) or {}
+    needs = ((made.get("recipe") or {}).get("requires") or {}).get("torchao", {}).get("cuda_capability")
+    if made.get("format") == "torchao" and needs and torch.device(device).type == "cpu":
+        from quantkit.errors import HardwareError
+
+        raise HardwareError(f"{path}: a torchao artifact whose kernels need a CUDA GPU with compute capability {needs}+; "
+                            "evaluate it on such a GPU (--device cuda), or finalize with --format compressed-tensors for the CPU")
+
+
+def _check_experts_load(path: Path) -> None:
+    from quantkit.export.compressed_tensors import experts_load_problem
+
+    problem = experts_load_problem(read_config_json(path)) if (Path(path) / "config.json").is_file() else None
+    if problem:
+        import transformers
+
+        raise UnsupportedModelError(f"{path}: transformers {transformers.__version__} cannot run this artifact's MoE experts "
+                                    f"({problem}); serve it with vLLM, or evaluate an artifact of a recipe whose experts load")
+
+
+def describe(path: str | Path) -> tuple[str | None, str | None]:
+    """(recipe name, format) from quantkit.json; the format falls back to config.json's quant_method."""
+    made = metadata.read(Path(path)) or {}
+    recipe = (made.get("recipe") or {}).get("name")
+    fmt = made.get("format")
+    if fmt is None:
+        fmt = (read_config_json(path).get("quantization_config") or {}).get("quant_method")
+    return recipe, fmt
+
+
+def make_report(
+    path: str | Path, label: str, result: PerplexityResult, recipe: str | None = None,
+    tasks: dict[str, TaskResult] | None = None, peak_rss_per_rank: list[int] | None = None,
+    weight_bytes_per_rank: list[int] | None = None, tensor_parallel: int = 1,
+) -> ModelReport:
+    """A report for the model at `path`; `recipe` (e.g. a previewed recipe) overrides quantkit.json's."""
+    found_recipe, fmt = describe(path)
+    return ModelReport(
+        path=str(path), label=label, recipe=recipe or found_recipe, format=fmt,
+        size_bytes=weights_size(Path(path)), perplexity=result, tasks=tasks or {},
+        peak_rss_per_rank=peak_rss_per_rank or [], weight_bytes_per_rank=weight_bytes_per_rank or [],
+        tensor_parallel=tensor_parallel,
+    )
+
+
+def gate(
+    reports: list[ModelReport], baseline_label: str, max_increase_pct: float | None = None,
+    max_acc_drop: float | None = None,
+) -> list[str]:
+    """One message per model whose perplexity rose more than `max_increase_pct` percent over the baseline's,
+    and one per model and task whose score fell more than `max_acc_drop` points (percentage points) below it."""
+    baseline = _find(reports, baseline_label)
+    failures = []
+    for report in reports:
+        if report is baseline:
+            continue
+        if max_increase_pct is not None:
+            failures += _perplexity_failures(report, baseline, max_increase_pct)
+        if max_acc_drop is not None:
+            failures += _task_failures(report, baseline, max_acc_drop)
+    return failures
+
+
+def _perplexity_failures(report: ModelReport, baseline: ModelReport, max_increase_pct: float) -> list[str]:
+    base, ppl = baseline.perplexity.perplexity, report.perplexity.perplexity
+    limit = base * (1.0 + max_increase_pct / 100.0)  # compared as a product: 10.5 vs 10 at 5% passes exactly
+    if ppl <= limit:  # NaN fails too
+        return []
+    return [f"{report.label}: perplexity {ppl:.4g} is {(ppl / base - 1.0) * 100.0:+.2f}% over "
+            f"{baseline.label} ({base:.4g}); the limit is +{max_increase_pct:g}%"]
+
+
+def _task_failures(report: ModelReport, baseline: ModelReport, max_drop: float) -> list[str]:
+    failures = []
+    for name, base in baseline.tasks.items():
+        score = report.tasks.get(name)
+        drop = 100.0 * (base.value - score.value) if score is not None else math.nan
+        if not drop <= max_drop + 1e-9:  # points of k/n fractions: 62.5 - 60.0 is 2.5000000000000027; NaN fails
+            got = f"{score.metric} {100 * score.value:.2f}" if score is not None else "no score"
+            failures.append(f"{report.label}: {name} {got} is {drop:.2f} points below {baseline.label} "
+                            f"({100 * base.value:.2f}); the limit is {max_drop:g} points")
+    return failures
+
+
+def _find(reports: list[ModelReport], label: str) -> ModelReport:
+    for report in reports:
+        if report.label == label:
+            return report
+    labels = ", ".join(r.label for r in reports) or "none"
+    raise UsageError(f"baseline '{label}' is not among the evaluated models ({labels})")
+
+
+def compare(
+    models: list[str],
+    data: str,
+    recipes: Sequence[str] = (),
+    seq_len: int = 512,
+    stride: int | None = None,
+    max_samples: int | None = None,
+    batch_size: int = 1,
+    tokenizer: str | Path | None = None,
+    threads: int | None = None,
+    trust_remote_code: bool = False,
+    text_field: str = "text",
+    progress: Progress = QUIET,
+    calibration=None,
+    tasks: TaskOptions | None = None,
+    tensor_parallel: int = 1,
+    device: str = "cpu",
+) -> list[ModelReport]:
+    """Each model on the same data (and `tasks`), labelled by its path as given; then, for each recipe, the
+    model quantized under it in memory (labelled "PATH+RECIPE"), as `finalize` would quantize it. With
+    `tensor_parallel` > 1 (under torchrun, one process per rank) each model is sharded over the ranks; every
+    rank returns the same reports. Otherwise the models run on `device` (cpu, cuda, cuda:N)."""
+    from quantkit.runtime import environment as runtime
+    if tensor_parallel > 1:
+        check_tensor_parallel_options(recipes, tasks)
+    runtime.set_threads(threads)
+    suite = load_tasks(tasks) if tasks else None  # a wrong task name or missing task data: before any model loads
+    texts = load_texts(data, text_field)
+    settings = dict(seq_len=seq_len, stride=stride, max_samples=max_samples, batch_size=batch_size, progress=progress)
+    reports = []
+    for label in models:
+        path = resolve_source(label)  # a directory, or a hub id from the cache
+        measure = partial(_measure, texts=texts, tokenizer=tokenizer, trust_remote_code=trust_remote_code,
+                          suite=suite, tensor_parallel=tensor_parallel > 1, device=device, **settings)
+        reset_peak_resident()
+        result, scores, held = measure(path)
+        peaks = gather_ints(peak_resident_bytes())
+        reports.append(make_report(path, label, result, tasks=scores, peak_rss_per_rank=peaks,
+                                   weight_bytes_per_rank=gather_ints(held), tensor_parallel=tensor_parallel))
+        if quantization_method(path) is None:  # recipes preview full-precision models only
+            reports += [_preview(path, label, name, measure, trust_remote_code, progress, calibration) for name in recipes]
+    return reports
+
+
+def _measure(
+    path: str | Path, texts: list[str], tokenizer, trust_remote_code: bool, model=None, suite: TaskSuite | None = None,
+    tensor_parallel: bool = False, device: str = "cpu", **settings,
+) -> tuple[PerplexityResult, dict[str, TaskResult], int]:
+    """Perplexity on `texts`, then the suite's task scores, on the model at `path` (or `model`, quantized in
+    memory: moved to `device`); and the bytes of the weights this process held while it computed (`held_bytes`)."""
+    loaded, tok = load_eval_model(path, trust_remote_code, tokenizer, load_weights=model is None,
+                                  tensor_parallel=tensor_parallel, device=device)
+    model = model.to(device) if model is not None else loaded
+    result = perplexity(model, tokenize(tok, texts), **settings)
+    scores = suite.run(model, tok, batch_size=settings["batch_size"], progress=settings["progress"]) if suite else {}
+    return result, scores, held_bytes(model)
+
+
+def held_bytes(model) -> int:
+    """Bytes of the parameters and buffers this process holds: a tensor-parallel rank's shards (DTensors' local
+    parts) and replicated tensors; compressed-tensors artifacts as computed (their dequantized weights)."""
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}.values()  # tied weights once
+    local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
+    return sum(t.numel() * t.element_size() for t in local)
+
+
+def _preview(
+    path: Path,
+    label: str,
+    recipe_name: str,
+    measure: Callable[..., tuple[PerplexityResult, dict[str, TaskResult], int]],
+    trust_remote_code: bool,
+    progress: Progress,
+    calibration=None,
+) -> ModelReport:
+    """The model quantized in memory exactly as `finalize` would, measured without writing anything.
+    Its size on disk is unknown (None) until it is written."""
+    from quantkit.finalization.checks import CalibrationOptions, prepare
+    from quantkit.finalization.finalize import quantize_model
+    from quantkit.quant.registry import resolve
+
+    recipe = resolve(recipe_name)
+    prepared = prepare(path, recipe, trust_remote_code=trust_remote_code, calibration=calibration or CalibrationOptions())
+    model = quantize_model(prepared, recipe, trust_remote_code=trust_remote_code, progress=progress, calibration=calibration)
+    result, scores, held = measure(path, model=model)
+    return ModelReport(
+        path=str(path), label=f"{label}+{recipe.name}", recipe=recipe.name, format=prepared.format.value,
+        size_bytes=None, perplexity=result, tasks=scores, weight_bytes_per_rank=[held],
+    )

@@ -1,0 +1,243 @@
+"""Every check `finalize` makes, in one pass before any weight is read (`prepare`), and what they decide.
+
+A new check goes here: `prepare` calls each in turn, cheapest first (DST, the device, the format and the hardware
+its kernels need, the source, the QAT recipe, the model's module tree, the dtype, the calibration data), and
+returns a `Prepared`: the plan, how the model will be held (streamed or whole), the dtype. `finalize`, `--dry-run`
+and `eval -q` all start with it, so the path after it reads quantize -> write.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from quantkit.errors import FormatError, HardwareError, UsageError
+from quantkit.export import atomic, check_supported, metadata
+from quantkit.models import loading as models
+from quantkit.models import moe, sources
+from quantkit.quant.plan import ModulePlan, coverage, plan_model
+from quantkit.quant.registry import Format, Recipe
+from quantkit.quant.schemes import QDtype
+from quantkit.runtime import hardware
+
+
+@dataclass(frozen=True)
+class CalibrationOptions:
+    """Where calibration samples come from; None fields take the recipe's `calibration` defaults."""
+
+    data: str | None = None
+    num_samples: int | None = None
+    seq_len: int | None = None
+    seed: int = 0
+    batch_size: int = 8
+    device: str = "cpu"
+
+
+@dataclass
+class Prepared:
+    src: Path
+    format: Format
+    plan: list[ModulePlan]
+    coverage: dict | None = None  # plan.coverage: parameters quantized, tensors left in full precision and why
+    calibration: dict | None = None  # filled by quantize_model for calibrated recipes: errors, timings, samples
+    work_dir: Path | None = None  # calibrated finalize: where each finished layer is saved (`calibration.resume`)
+    resume: bool = False  # continue the interrupted run saved in work_dir
+    resumable: object | None = None  # the run's `calibration.resume.Resumable`, once calibration starts
+    loading: str | None = None  # how finalize held the model: streamed layer by layer, or whole (and why)
+    dtype: str = "auto"  # the dtype to quantize in (`artifact_dtype`)
+    shard_bytes: int | None = None  # --max-shard-size, parsed
+    source_fingerprint: object | None = None  # SRC's sha256 (`models.fingerprint`), computing meanwhile: a Future
+
+
+def prepare(
+    src: str | Path, recipe: Recipe, fmt: Format | None = None, trust_remote_code: bool = False, force_recipe: bool = False,
+    revision: str | None = None, in_memory: bool = False, *, dst: str | Path | None = None, overwrite: bool = False,
+    resume: bool = False, max_shard_size: str | None = None, calibration: CalibrationOptions | None = None,
+    dtype: str = "auto",
+) -> Prepared:
+    """Every check of a finalize, in one pass, before any weight is read: DST (when writing), the device, the
+    format and the hardware its kernels need, the source (a directory or a hub id), the QAT recipe, the model
+    (MoE in torchao, the KV cache, the plan), the dtype, the calibration data; and the decisions they lead to:
+    the plan, whether the model streams layer by layer (`Prepared.loading`: None) or loads whole, the dtype.
+    `eval -q` and `--dry-run` call it without `dst`."""
+    fmt = fmt or recipe.format
+    options = calibration or CalibrationOptions()
+    if dst is not None:
+        atomic.check_destination(Path(dst), overwrite)
+    shard_bytes = sources.parse_size(max_shard_size) if max_shard_size else None
+    if recipe.needs_calibration:
+        hardware.check_device(options.device)
+    check_supported(recipe, fmt)
+    check_hardware(recipe, fmt)
+    src = sources.resolve_source(src, revision)
+    models.check_full_precision(src)
+    check_qat_recipe(src, recipe, fmt, force_recipe)
+    config = models.load_config(src, trust_remote_code)
+    skeleton = moe.linearize(models.meta_model(config, trust_remote_code))
+    plan = _check_model(src, skeleton, recipe, fmt)
+    report = coverage(skeleton, plan)
+    if fmt is Format.COMPRESSED_TENSORS:
+        from quantkit.export.compressed_tensors import experts_caveat, loading_caveat
+
+        report["notes"] = [note for note in [experts_caveat(skeleton, recipe), loading_caveat(recipe)] if note]
+    prepared = Prepared(src=src, format=fmt, plan=plan, coverage=report, shard_bytes=shard_bytes)
+    prepared.loading = _whole_model_reason(src, fmt, skeleton, in_memory)
+    prepared.dtype = artifact_dtype(prepared, recipe, dtype, trust_remote_code)
+    if recipe.needs_calibration and (dst is not None or calibration is not None):
+        check_calibration_data(recipe, calibration)
+    if dst is not None:
+        if recipe.needs_calibration and fmt is not Format.TORCHAO:
+            prepared.work_dir, prepared.resume = atomic.work_dir(Path(dst)), resume
+        atomic.check_work_dir(Path(dst), resume)
+    return prepared
+
+
+def _check_model(src: Path, skeleton: nn.Module, recipe: Recipe, fmt: Format) -> list[ModulePlan]:
+    """What the model's module tree allows: MoE experts in torchao, a KV cache scheme, a plan that quantizes
+    something. Returns the plan."""
+    if fmt is Format.TORCHAO and moe.experts_modules(skeleton):
+        raise FormatError(f"{src} is a mixture-of-experts model; quantkit writes MoE experts as compressed-tensors only: "
+                          "use --format compressed-tensors")
+    if recipe.kv_cache is not None:
+        from quantkit.quant import kv_cache
+        kv_cache.check_model(skeleton, models.decoder_layers(skeleton))
+    plan = plan_model(skeleton, recipe)
+    if plan and not any(entry.quantized for entry in plan):
+        raise UsageError(
+            f"recipe '{recipe.name}' quantizes none of the {len(plan)} Linear modules of {src} ({plan[0].name}: {plan[0].note}); "
+            "use a recipe with a smaller group size or per-channel weights"
+        )
+    return plan
+
+
+def check_qat_recipe(src: Path, recipe: Recipe, fmt: Format, force: bool = False) -> str | None:
+    """A QAT-trained SRC is converted with the recipe it was trained for (another recipe needs `force`), into a
+    format that keeps its trained grid exactly. Returns the QAT recipe's name, or None for a model trained
+    without QAT."""
+    trained = (metadata.read(src) or {}).get("qat")
+    if not trained:
+        return None
+    name = trained["recipe"]["name"]
+    if trained["recipe"]["scheme"] != recipe.to_dict()["scheme"] and not force:
+        raise UsageError(
+            f"{src} was trained with --qat-recipe {name}; finalize it with --quantize {name}, "
+            f"or pass --force-recipe to quantize it under {recipe.name} anyway"
+        )
+    if fmt is Format.TORCHAO:
+        from quantkit.export.torchao import qat_mismatch
+
+        if mismatch := qat_mismatch(recipe.scheme):
+            raise FormatError(f"{src} was trained with QAT on the scheme's grid, which {mismatch}: "
+                              "use --format compressed-tensors, which keeps the trained weights exactly")
+    return name
+
+
+def _whole_model_reason(src: Path, fmt: Format, skeleton: nn.Module, in_memory: bool) -> str | None:
+    """Why finalize must load this model whole instead of streaming it layer by layer, or None."""
+    from quantkit.models.streaming import checkpoint_keys, layout_mismatch
+
+    if in_memory:
+        return "whole model in memory (--in-memory)"
+    if fmt is Format.TORCHAO:
+        return "whole model in memory: transformers converts to torchao while it loads"
+    files = sources.tensor_files(src)
+    reason = layout_mismatch(skeleton, files, checkpoint_keys(skeleton, files))
+    return f"whole model in memory: {reason}" if reason else None
+
+
+def check_calibration_data(recipe: Recipe, options: CalibrationOptions | None) -> None:
+    if not ((options and options.data) or recipe.calibration.dataset):
+        if recipe.kv_cache is not None and not recipe.needs_calibration_without_kv:
+            raise UsageError("the KV cache's scales are measured on data: pass --calib-data FILE (a .txt/.jsonl/.parquet file or a datasets spec)")
+        raise UsageError(f"recipe '{recipe.name}' calibrates on data: pass --calib-data FILE (a .txt/.jsonl/.parquet file or a datasets spec)")
+
+
+def artifact_dtype(prepared: Prepared, recipe: Recipe, dtype: str, trust_remote_code: bool = False) -> str:
+    """The dtype to quantize in. FP4 and MX artifacts are 16-bit: compressed-tensors decompresses their weights to
+    bfloat16 (a float32 model then fails in plain transformers) and vLLM's FP4 / MX kernels take 16-bit activations,
+    so a float32 source becomes a bfloat16 artifact (noted in the summary); torchao's FP4 / MX tensors take bfloat16
+    only, so in that format a float16 source does too. torchao's FP8 tensors (per row, per block) take bfloat16
+    weights alone, so an FP8 torchao artifact is bfloat16 too."""
+    if prepared.format is Format.TORCHAO and recipe.scheme.weights.dtype is QDtype.FLOAT8:
+        return _torchao_float8_dtype(prepared, recipe, dtype, trust_remote_code)
+    if not recipe.scheme.weights.sixteen_bit:
+        return dtype
+    if prepared.format is Format.TORCHAO and dtype == "float16":
+        raise UsageError(f"recipe '{recipe.name}' in format torchao: torchao's FP4 / MX tensors take bfloat16 weights; "
+                         "pass --dtype bfloat16, or leave --dtype auto")
+    if dtype == "float32":
+        raise UsageError(f"recipe '{recipe.name}' writes FP4 / MX weights, which load and run in 16 bits; "
+                         "pass --dtype bfloat16 (or float16), or leave --dtype auto")
+    if dtype != "auto":
+        return dtype
+    from quantkit.models.streaming import model_dtype
+
+    source = model_dtype(prepared.src, models.load_config(prepared.src, trust_remote_code), "auto")
+    if source is torch.bfloat16 or (source is torch.float16 and prepared.format is not Format.TORCHAO):
+        return dtype
+    note = ("a float32 model: the artifact is bfloat16 (FP4 / MX weights load and run in 16 bits)" if source is torch.float32
+            else "a float16 model: the torchao artifact is bfloat16 (torchao's FP4 / MX tensors take bfloat16 weights)")
+    prepared.coverage.setdefault("notes", []).append(note)
+    return "bfloat16"
+
+
+def _torchao_float8_dtype(prepared: Prepared, recipe: Recipe, dtype: str, trust_remote_code: bool) -> str:
+    if dtype not in ("auto", "bfloat16"):
+        raise UsageError(f"recipe '{recipe.name}' in format torchao: torchao's FP8 tensors take bfloat16 weights; "
+                         "pass --dtype bfloat16, or leave --dtype auto")
+    from quantkit.models.streaming import model_dtype
+
+    source = model_dtype(prepared.src, models.load_config(prepared.src, trust_remote_code), "auto")
+    if dtype == "auto" and source is not torch.bfloat16:
+        prepared.coverage.setdefault("notes", []).append(
+            f"a {str(source).removeprefix('torch.')} model: the torchao artifact is bfloat16 (torchao's FP8 tensors take bfloat16 weights)")
+    return "bfloat16"
+
+
+# ------------------------------------------------- the hardware a recipe's kernels need in a format
+
+
+def needed_capability(recipe: Recipe, fmt: Format) -> str | None:
+    """The CUDA compute capability `recipe` needs in `fmt`: the recipe's `requires`, or what torchao's kernels need
+    for the scheme's config (so a user recipe without `requires` is checked too), whichever is higher."""
+    needs = [recipe.requirement(fmt).cuda_capability]
+    if fmt is Format.TORCHAO:
+        from quantkit.export import torchao
+
+        needs.append(torchao.cuda_capability(recipe.scheme))
+    needs = [need for need in needs if need]
+    return max(needs, key=_version) if needs else None
+
+
+def _version(capability: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in capability.split("."))
+
+
+def missing_requirement(recipe: Recipe, fmt: Format) -> str | None:
+    """What this machine lacks for `recipe` in `fmt`, or None."""
+    req = recipe.requirement(fmt)
+    need = needed_capability(recipe, fmt)
+    if need:
+        have = hardware.cuda_capability()
+        if have is None:
+            return f"a CUDA GPU with compute capability {need}+ (this machine has no CUDA GPU)"
+        if have < _version(need):
+            return f"a CUDA GPU with compute capability {need}+ (this one is {have[0]}.{have[1]})"
+    for package in req.packages:
+        if importlib.util.find_spec(package) is None:
+            return f"the '{package}' package (pip install {package})"
+    return None
+
+
+def check_hardware(recipe: Recipe, fmt: Format) -> None:
+    """The format's kernels can run here (a CUDA capability, a package), or a one-line refusal naming a format that can."""
+    missing = missing_requirement(recipe, fmt)
+    if missing is None:
+        return
+    working = [f.value for f in Format if f is not fmt and missing_requirement(recipe, f) is None]
+    hint = f"; use --format {working[0]}, which runs here" if working else ""
+    raise HardwareError(f"recipe '{recipe.name}' in format {fmt.value} needs {missing}{hint}")

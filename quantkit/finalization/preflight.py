@@ -1,0 +1,362 @@
+"""Preflight: what a finalize will need (peak RAM, device memory, disk) and give (output size), and how long its
+quantization takes, before any weight is loaded.
+
+Sizes come from the safetensors headers and the plan: every quantized Linear's bytes in the written files are
+the exporter's `weight_bytes`, every other tensor keeps its bytes. Peak RAM is this process's resident size
+(torch, transformers and the recipe's code imported: the fixed cost of any run) plus the model-dependent terms
+of the run's phases:
+
+- streamed (the default, `quantkit.models.streaming`): the larger of two phases that never overlap. The modules
+  outside the decoder layers (embeddings, final norm, lm_head) are read for the first layer's calibration inputs
+  and again at the end, when they are copied once as they are written; the decoder layers are read one at a
+  time, the largest STREAMED_LAYER_COPIES times (read, its dequantized weights, its packed tensors being
+  written) with the calibration work of a layer;
+- loaded whole (`--in-memory`, torchao, a checkpoint transformers converts): the model held once, plus a
+  transient copy of it while transformers loads it and the exporter packs it (LOAD_AND_WRITE_COPIES; torchao
+  converts while loading, so its transient is smaller);
+- calibration: (loaded whole) the grid integers of every finished layer (one byte per quantized weight, kept until written),
+  the calibration hidden states of this rank (inputs and outputs of a layer), one batch's activations inside
+  the widest layer, and the Hessian accumulators (float64) of a layer plus GPTQ's float32 work copies.
+
+LOAD_AND_WRITE_COPIES was measured with `/usr/bin/time` on Llama models of 20M (float32) to 270M parameters (bf16):
+the peak above the fixed cost was 1.8 to 2.8 times the model for compressed-tensors (allocator reuse varies from
+run to run), 1.5 to 1.8 times for torchao. `tests/integration/test_preflight.py` checks the estimate against
+measured runs. Time is measured, not
+modelled: one decoder layer of the same shape, with random weights, quantized by the recipe on this machine
+(calibrated recipes on one batch: the phases that run the samples scale to this rank's share, the quantizer's
+own work does not), times the layers.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import re
+import resource
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from quantkit.algorithms import Algorithm
+from quantkit.models import sources
+from quantkit.quant.plan import ModulePlan
+from quantkit.quant.registry import AlgorithmStep, Format, Recipe
+
+LOAD_AND_WRITE_COPIES = {Format.COMPRESSED_TENSORS: 2.3, Format.TORCHAO: 1.75}
+STREAMED_LAYER_COPIES = 3
+_LOAD_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def estimate(prepared, recipe: Recipe, options, world_size: int, dst: str | Path | None, dtype: str = "auto",
+             measure_time: bool = False, trust_remote_code: bool = False) -> dict:
+    """The preflight report (`finalize --dry-run`, and the check a real run makes before loading). A model that
+    `prepare` found streamable (`prepared.loading` is None) is estimated as streamed."""
+    from quantkit import data
+    from quantkit.export import exporter
+
+    headers = sources.tensor_headers(prepared.src)
+    size = lambda name: _LOAD_DTYPE_BYTES.get(dtype) or sources.DTYPE_BYTES[headers[name][0]]  # noqa: E731
+    numel = {name: _numel(shape) for name, (_, shape) in headers.items()}
+    quantized = _quantized_in_checkpoint(prepared, headers, trust_remote_code)
+    write = exporter(prepared.format)
+    model_bytes = sum(numel[n] * size(n) for n in headers)
+    output_bytes = sum(write.weight_bytes(quantized[n], size(n)) if n in quantized else numel[n] * size(n) for n in headers)
+    output_bytes += _other_files(prepared.src)
+    config = _config(prepared.src)
+    hidden, layers = config.get("hidden_size", 0), max(1, config.get("num_hidden_layers", 1))
+    element = max((size(n) for n in headers), default=4) if dtype == "auto" else _LOAD_DTYPE_BYTES[dtype]
+
+    _import_run_modules(recipe)
+    fixed = peak_resident_bytes()
+    streamed = prepared.loading is None
+    ram = {"fixed (this process: python, torch, transformers)": fixed}
+    outside_layers = {}  # streamed: the phase that holds the modules outside the decoder layers instead of a layer
+    if streamed:
+        per_layer = _layer_bytes(headers, numel, size)
+        rest = model_bytes - sum(per_layer.values())
+        outside_layers["embeddings, final norm and lm_head (read twice; copied once when written)"] = 2 * rest
+        ram["one decoder layer (read, quantized, packed)"] = STREAMED_LAYER_COPIES * max(per_layer.values(), default=0)
+    else:
+        ram["model and its transient copy while loading and writing"] = int(LOAD_AND_WRITE_COPIES[prepared.format] * model_bytes)
+    device = None
+    work_dir = None
+    shares = None
+    passes = None
+    if recipe.needs_calibration:
+        num_samples = options.num_samples or recipe.calibration.num_samples
+        seq_len = options.seq_len or recipe.calibration.seq_len
+        shares = [sum(map(len, data.rank_batches(num_samples, options.batch_size, r, world_size))) for r in range(world_size)]
+        calib = calibration_bytes(prepared.plan, quantized, numel, max(shares), seq_len, hidden, element, options.batch_size)
+        streams = 1  # of hidden states in the resume state
+        if recipe.quantizer.name is Algorithm.AUTOROUND:
+            passes = autoround_passes(recipe.quantizer.arguments, num_samples)
+            calib.update(autoround_bytes(prepared.plan, max(shares), seq_len, hidden, element, num_samples, world_size,
+                                         passes))
+            streams = 2  # the float model's beside the quantized ones
+        if streamed:  # each layer's grid integers are written with it
+            calib.pop("grid integers of finished layers")
+            outside_layers[_HIDDEN_STATES] = calib[_HIDDEN_STATES]
+        ram.update(calib)
+        work_dir = _work_dir_bytes(headers, numel, size, quantized, shares, seq_len, hidden, element, streams)
+        if options.device != "cpu":
+            layer = model_bytes // (layers + 2)
+            device = layer + sum(calib.values()) - calib.get("grid integers of finished layers", 0)  # grids stay in RAM
+    if sum(outside_layers.values()) > sum(ram.values()) - fixed:
+        ram = {next(iter(ram)): fixed, **outside_layers}
+    free = _free_disk(dst) if dst is not None else None
+    needed = output_bytes + (work_dir or 0)
+    report = {
+        "model_bytes": model_bytes,
+        "output_bytes": output_bytes,
+        "streamed": streamed,
+        "peak_ram_bytes": sum(ram.values()),
+        "peak_ram_breakdown": ram,
+        "peak_device_bytes": device,
+        "work_dir_bytes": work_dir,
+        "disk_needed_bytes": needed,
+        "free_disk_bytes": free,
+        "fits_on_disk": None if free is None else needed <= free,
+        "ranks": world_size,
+        "samples_per_rank": shares,
+    }
+    if passes is not None:  # AutoRound: the ranks share out a step's passes, so no more than that many tune at once
+        report["autoround_passes_per_step"] = passes
+    if measure_time:
+        report["time"] = time_estimate(prepared, recipe, options, max(shares) if shares else 0, layers,
+                                       dtype if dtype != "auto" else _stored_dtype(headers), trust_remote_code)
+    return report
+
+
+def _quantized_in_checkpoint(prepared, headers: dict, trust_remote_code: bool) -> dict[str, ModulePlan]:
+    """Each quantized Linear's weight by its name in the checkpoint: the model's name, unless transformers renames
+    it while loading (Mixtral's experts are under `block_sparse_moe` on disk; a meta skeleton says how)."""
+    from quantkit.models import loading as models
+    from quantkit.models import moe
+    by_name = {f"{e.name}.weight": e for e in prepared.plan if e.quantized}
+    if any(name not in headers for name in by_name):
+        skeleton = moe.linearize(models.meta_model(models.load_config(prepared.src, trust_remote_code), trust_remote_code))
+        by_name = {checkpoint: by_name[name] for name, checkpoint in moe.checkpoint_names(skeleton, list(by_name)).items()}
+    return {name: entry for name, entry in by_name.items() if name in headers}
+
+
+def calibration_bytes(plan: list[ModulePlan], quantized: dict[str, ModulePlan], numel: dict[str, int], samples: int,
+                      seq_len: int, hidden: int, element: int, batch_size: int) -> dict[str, int]:
+    """What calibration adds to the model in RAM (see the module docstring)."""
+    from quantkit.models.architectures import shared_input_leaders
+
+    layer = _first_layer(plan)
+    leaders = shared_input_leaders([e.name for e in layer])  # modules sharing an input share one Hessian
+    inputs = {leaders[e.name]: e.in_features for e in layer}
+    widest = max((e.in_features for e in layer), default=hidden)
+    outer = max((max(e.out_features, e.in_features) for e in layer), default=hidden)
+    return {
+        "grid integers of finished layers": sum(numel[n] for n in quantized),
+        _HIDDEN_STATES: 2 * samples * seq_len * hidden * element,
+        "one batch's activations in a layer": 3 * min(samples, batch_size) * seq_len * outer * 4,
+        "Hessians of one layer": sum(w * w * 8 for w in inputs.values()) + 3 * widest * widest * 4,
+    }
+
+
+_HIDDEN_STATES = "calibration hidden states (this rank)"
+
+
+def autoround_passes(args, num_samples: int) -> int:
+    """AutoRound's forward and backward passes a step (equal-length samples): a step's samples over samples_per_pass."""
+    return math.ceil(min(args.batch_size, num_samples) / args.samples_per_pass)
+
+
+AUTOROUND_BYTES_PER_WEIGHT = 36  # V, its gradient, the float64 step sum, the best V, the fake-quantized weight, and
+# what the step's fake-quantization keeps for its backward pass while the passes run (the clamp's input, the grid
+# values, a float32 copy of a 16-bit weight)
+
+
+def autoround_bytes(plan: list[ModulePlan], samples: int, seq_len: int, hidden: int, element: int,
+                    total: int = 0, world_size: int = 1, passes: int = 1) -> dict[str, int]:
+    """What AutoRound adds: the float model's hidden states before and after the layer (its targets) for this rank's
+    samples, the tuning state of one layer's weights and, on several ranks, every rank's samples (the layer's inputs
+    and targets) so that each step's samples are dealt out evenly."""
+    weights = sum(e.in_features * e.out_features for e in _first_layer(plan))
+    needs = {"AutoRound float model's hidden states (before and after the layer, this rank)":
+             2 * samples * seq_len * hidden * element,
+             "AutoRound tuning state of one layer": AUTOROUND_BYTES_PER_WEIGHT * weights,
+             # a step's gradient, a row a pass (float32, or bf16 under autocast), gathered from the ranks
+             "AutoRound gradients of a step's passes": 4 * passes * weights}
+    if world_size > 1:
+        needs["AutoRound every rank's samples of the layer (inputs and targets)"] = 2 * total * seq_len * hidden * element
+    return needs
+
+
+def _layer_bytes(headers, numel, size) -> dict[int, int]:
+    """Bytes of each decoder layer's tensors (in the dtype they are loaded in), by layer index."""
+    found: dict[int, int] = {}
+    for name in headers:
+        match = _LAYER.search(name)
+        if match:
+            found[int(match.group(1))] = found.get(int(match.group(1)), 0) + numel[name] * size(name)
+    return found
+
+
+_LAYER = re.compile(r"\.layers\.(\d+)\.")
+
+
+def _first_layer(plan: list[ModulePlan]) -> list[ModulePlan]:
+    quantized = [e for e in plan if e.quantized and ".0." in e.name]
+    if not quantized:
+        return []
+    prefix = quantized[0].name.split(".0.")[0] + ".0."
+    return [e for e in quantized if e.name.startswith(prefix)]
+
+
+def _work_dir_bytes(headers, numel, size, quantized, shares, seq_len, hidden, element, streams: int = 1) -> int:
+    """`--resume`'s work directory at its largest: every layer's grid integers (one byte each) and qparams, the
+    layers' other tensors, and one layer's hidden states per rank (two while the next replaces them; `streams` 2
+    where the float model's are saved beside them: AutoRound)."""
+    layer_tensors = [n for n in headers if ".layers." in n]
+    grids = sum(numel[n] + quantized[n].scheme.weights.qparam_bytes(quantized[n].out_features, quantized[n].in_features, size(n))
+                if n in quantized else numel[n] * size(n) for n in layer_tensors)
+    return grids + 2 * streams * sum(shares) * seq_len * hidden * element
+
+
+def time_estimate(prepared, recipe: Recipe, options, samples: int, layers: int, dtype: str, trust_remote_code: bool) -> dict:
+    """One decoder layer of the model's shape, random weights, quantized by the recipe here; times the layers."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from quantkit.algorithms import get_algorithm
+    from quantkit.models import loading as models
+    from quantkit.models import moe
+    from quantkit.quant.plan import plan_model
+
+    config = copy.deepcopy(models.load_config(prepared.src, trust_remote_code))
+    config.num_hidden_layers = 1
+    config.vocab_size, config.pad_token_id = 256, None
+    if getattr(config, "layer_types", None):
+        config.layer_types = config.layer_types[:1]
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code).eval()
+    plan = plan_model(moe.linearize(model), recipe)
+    if not recipe.needs_calibration:
+        rtn = get_algorithm(Algorithm.RTN)
+        started = time.perf_counter()
+        for entry in (e for e in plan if e.quantized):
+            rtn(model.get_submodule(entry.name).weight.data, entry.scheme.weights).dequantize()
+        per_layer = time.perf_counter() - started
+        return {"seconds": round(per_layer * layers, 1), "one_layer_seconds": round(per_layer, 3), "layers": layers,
+                "note": "quantization only; loading and writing the weights are not included"}
+    from quantkit.calibration import calibrate
+
+    count = min(samples, options.batch_size)  # one batch, timed by phase
+    ids = torch.randint(0, 256, (count, options.seq_len or recipe.calibration.seq_len))
+    timed, scale = _timed(recipe, samples, count)
+    started = time.perf_counter()
+    result = calibrate(model, plan, timed, ids, torch.device(options.device), options.batch_size)
+    total = time.perf_counter() - started
+    # GPTQ's solve and rounding, AutoRound's steps: the same for any number of samples
+    measured = result.seconds.get("quantize", 0.0)
+    steps = [t["seconds_per_step"] for t in result.tuning.values()]  # AutoRound: a step without the warm-up
+    fixed = sum(steps) * scale if steps else measured
+    per_layer = fixed + (total - measured) * samples / count
+    return {"seconds": round(per_layer * layers, 1), "one_layer_seconds": round(per_layer, 3), "layers": layers,
+            "measured": {"samples": count, "seconds": round(total, 3), "quantize_seconds": round(fixed, 3)},
+            "note": "calibration only; loading and writing the weights are not included"}
+
+
+TIMED_AUTOROUND_STEPS = 5
+
+
+def _timed(recipe: Recipe, samples: int, count: int) -> tuple[Recipe, float]:
+    """The recipe to time one layer with, and the factor from one of its AutoRound steps to the real run's steps:
+    TIMED_AUTOROUND_STEPS steps are timed; a real step takes min(batch_size, samples) samples, of which one rank
+    computes its share (the estimate is one rank's, as if it held every sample of the step)."""
+    import dataclasses
+
+    step = recipe.quantizer
+    if step.name is not Algorithm.AUTOROUND:
+        return recipe, 1.0
+    args = step.arguments
+    steps = min(args.iters, TIMED_AUTOROUND_STEPS)
+    timed = dataclasses.replace(recipe, steps=(*recipe.transforms, AlgorithmStep(step.name, {**step.args, "iters": steps})))
+    return timed, args.iters * min(args.batch_size, samples) / min(args.batch_size, count)
+
+
+def check_disk(report: dict, dst: str | Path) -> None:
+    """Refuse, before any work, a DST whose file system cannot hold the output (and the resume state)."""
+    from quantkit.errors import UsageError
+
+    if report["fits_on_disk"] is False:
+        raise UsageError(
+            f"{dst} needs about {_gb(report['disk_needed_bytes'])} (output"
+            f"{' and the resume state' if report['work_dir_bytes'] else ''}) but its file system has "
+            f"{_gb(report['free_disk_bytes'])} free; free some space or choose another DST"
+        )
+
+
+def _gb(size: int) -> str:
+    return f"{size / 1e9:.2f} GB" if size >= 1e8 else f"{size / 1e6:.1f} MB" if size >= 1e5 else f"{size / 1e3:.1f} kB"
+
+
+def _numel(shape: list[int]) -> int:
+    total = 1
+    for dim in shape:
+        total *= dim
+    return total
+
+
+def _other_files(src: Path) -> int:
+    """Config, tokenizer and the like: copied beside the weights."""
+    return sum(f.stat().st_size for f in Path(src).iterdir()
+               if f.is_file() and not f.name.endswith(".safetensors") and not f.name.endswith(".index.json"))
+
+
+def _config(src: Path) -> dict:
+    from quantkit.models.loading import read_config_json
+
+    config = read_config_json(src)
+    return config.get("text_config", config) if "hidden_size" not in config else config
+
+
+def _stored_dtype(headers: dict) -> str:
+    """The dtype most of the checkpoint's floating-point tensors are stored in (what `--dtype auto` loads)."""
+    kinds = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+    stored = [kinds[d] for d, _ in headers.values() if d in kinds]
+    return max(set(stored), key=stored.count) if stored else "float32"
+
+
+def _import_run_modules(recipe: Recipe) -> None:
+    """What a real run imports before its peak, so that this process's size is the run's fixed cost."""
+    import compressed_tensors  # noqa: F401
+    import safetensors.torch  # noqa: F401
+
+    if recipe.needs_calibration:
+        import quantkit.calibration  # noqa: F401
+        import quantkit.data  # noqa: F401
+
+
+def reset_peak_resident() -> None:
+    """Start `peak_resident_bytes` afresh from the current size (Linux's clear_refs; elsewhere nothing is reset),
+    so that a peak measures one piece of work."""
+    try:
+        with open("/proc/self/clear_refs", "w") as refs:
+            refs.write("5")
+    except OSError:
+        pass
+
+
+def peak_resident_bytes() -> int:
+    """This process's peak resident size so far: VmHWM on Linux (ru_maxrss would include the memory of a parent
+    that forked it, as it survives execve), else ru_maxrss (bytes on macOS)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+def _free_disk(dst: str | Path) -> int:
+    existing = next(p for p in [Path(dst).absolute(), *Path(dst).absolute().parents] if p.exists())
+    return shutil.disk_usage(existing).free

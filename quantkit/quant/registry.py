@@ -1,0 +1,390 @@
+"""The one recipe registry: every command resolves recipe names here.
+
+A recipe is a YAML file under `recipes/` (shipped inside the package as `quantkit.recipes`); its name is its
+file name. A name and a path are different inputs: a value ending in .yaml/.yml or containing a path
+separator is read as a file, anything else is looked up as a name, and a mistyped name gets close matches.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from dataclasses import asdict, dataclass, field, replace
+from enum import Enum
+from importlib import resources
+from importlib.resources.abc import Traversable
+from pathlib import Path
+from typing import Any, Iterator
+
+import yaml
+
+from quantkit.algorithms import Algorithm
+from quantkit.algorithms.arguments import ARGUMENTS, parse_arguments
+from quantkit.errors import RecipeError, RecipeNotFoundError
+from quantkit.quant.schemes import (
+    ActivationSpec,
+    Granularity,
+    KVCacheSpec,
+    QDtype,
+    QuantScheme,
+    ScaleDtype,
+    SchemeError,
+    WeightObserver,
+    WeightSpec,
+)
+
+
+class Format(str, Enum):
+    COMPRESSED_TENSORS = "compressed-tensors"
+    TORCHAO = "torchao"
+
+
+@dataclass(frozen=True)
+class AlgorithmStep:
+    name: Algorithm
+    args: dict[str, Any] = field(default_factory=dict)  # as the recipe gives them, checked
+
+    @property
+    def arguments(self):
+        """The algorithm's argument dataclass (`quantkit.algorithms.arguments`), defaults filled in."""
+        return ARGUMENTS[self.name](**self.args)
+
+
+class IndivisiblePolicy(str, Enum):
+    """What to do with a Linear whose input size the group size does not divide."""
+
+    SMALLER_GROUP = "smaller-group"  # the largest group size that divides it, halving down to 16
+    SKIP = "skip"  # leave the layer in full precision
+
+
+@dataclass(frozen=True)
+class Requirement:
+    """What a format's kernels need. Checked before any weight is loaded."""
+
+    cuda_capability: str | None = None  # e.g. "8.9"
+    packages: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Calibration:
+    num_samples: int = 128
+    seq_len: int = 512
+    dataset: str | None = None
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    description: str
+    scheme: QuantScheme
+    format: Format
+    steps: tuple[AlgorithmStep, ...] = (AlgorithmStep(Algorithm.RTN),)
+    calibration: Calibration = field(default_factory=Calibration)
+    ignore: tuple[str, ...] = ("lm_head",)
+    on_indivisible: IndivisiblePolicy = IndivisiblePolicy.SMALLER_GROUP
+    requires: dict[Format, Requirement] = field(default_factory=dict)
+    hardware: str = ""  # where vLLM runs the scheme natively (`recipes show` prints it)
+    kv_cache: KVCacheSpec | None = None  # a quantized KV cache (`finalize --kv-cache fp8` sets it on any recipe)
+    source: str = ""
+
+    @property
+    def quantizer(self) -> AlgorithmStep:
+        """The last step: the algorithm that rounds the weights (rtn, gptq or autoround)."""
+        return self.steps[-1]
+
+    @property
+    def transforms(self) -> tuple[AlgorithmStep, ...]:
+        return self.steps[:-1]
+
+    @property
+    def needs_calibration(self) -> bool:
+        return self.kv_cache is not None or self.needs_calibration_without_kv
+
+    @property
+    def needs_calibration_without_kv(self) -> bool:
+        """Whether the weights or activations calibrate (not only a quantized KV cache's scales)."""
+        calibrated_acts = self.scheme.activations is not None and self.scheme.activations.calibrated
+        return calibrated_acts or any(step.name is not Algorithm.RTN for step in self.steps)
+
+    def describe_algorithm(self) -> str:
+        return " + ".join(step.name.value for step in self.steps)
+
+    def requirement(self, fmt: Format) -> Requirement:
+        return self.requires.get(fmt, Requirement())
+
+    def to_dict(self) -> dict[str, Any]:
+        """The recipe as resolved, JSON-ready (`recipes show --json` and quantkit.json)."""
+        return _plain(asdict(self))
+
+    def to_file(self) -> dict[str, Any]:
+        """The recipe as a recipe file writes it, every default spelt out (`recipes show`): a file that `resolve`
+        reads back to this recipe, under the file's own name."""
+        data = self.to_dict()
+        steps = [{"name": step["name"], **step["args"]} for step in data["steps"]]
+        data["algorithm"] = steps[0] if len(steps) == 1 else steps
+        order = ("description", "scheme", "algorithm", "calibration", "format", "ignore", "on_indivisible", "requires",
+                 "hardware", "kv_cache")
+        return {key: data[key] for key in order if data.get(key) is not None}
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Enum):
+        return value.value
+    if isinstance(value, dict):
+        return {_plain(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+# ---------------------------------------------------------------- lookup
+
+
+def _walk(folder: Traversable) -> Iterator[Traversable]:
+    for entry in folder.iterdir():
+        if entry.is_dir():
+            yield from _walk(entry)
+        elif entry.name.endswith((".yaml", ".yml")):
+            yield entry
+
+
+def _recipe_files() -> dict[str, Traversable]:
+    """Every shipped recipe, found recursively in the installed package (wheel or source checkout)."""
+    entries = sorted(_walk(resources.files("quantkit.recipes")), key=lambda e: e.name.rsplit(".", 1)[0])
+    return {entry.name.rsplit(".", 1)[0]: entry for entry in entries}
+
+
+def list_recipes() -> list[Recipe]:
+    return [load_recipe_file(path) for path in _recipe_files().values()]
+
+
+def recipe_names() -> list[str]:
+    return sorted(_recipe_files())
+
+
+def _looks_like_path(value: str) -> bool:
+    return value.endswith((".yaml", ".yml")) or os.sep in value or "/" in value
+
+
+def resolve(name_or_path: str) -> Recipe:
+    """A recipe name (`int4-weight-only`) or a path to a recipe YAML file."""
+    if _looks_like_path(name_or_path):
+        path = Path(name_or_path)
+        if not path.is_file():
+            raise RecipeNotFoundError(f"recipe file {name_or_path} does not exist; pass a recipe name or an existing .yaml file")
+        return load_recipe_file(path)
+    files = _recipe_files()
+    if name_or_path not in files:
+        close = difflib.get_close_matches(name_or_path, list(files), n=3, cutoff=0.5)
+        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        raise RecipeNotFoundError(f"unknown recipe '{name_or_path}'{hint} (see `quantkit recipes list`)")
+    return load_recipe_file(files[name_or_path])
+
+
+# ---------------------------------------------------------------- parsing
+
+_TOP_KEYS = {"description", "scheme", "algorithm", "calibration", "format", "ignore", "on_indivisible", "requires", "hardware", "kv_cache"}
+
+
+def load_recipe_file(path: Path | Traversable) -> Recipe:
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise RecipeError(f"{path}: not valid YAML ({exc.__class__.__name__}); fix the file's syntax") from exc
+    if not isinstance(data, dict):
+        raise RecipeError(f"{path}: a recipe is a mapping with keys {sorted(_TOP_KEYS)}")
+    try:
+        return parse_recipe(path.name.rsplit(".", 1)[0], data, source=str(path))
+    except SchemeError as exc:
+        raise RecipeError(f"{path}: {exc}") from exc
+
+
+def parse_recipe(name: str, data: dict[str, Any], source: str = "") -> Recipe:
+    unknown = set(data) - _TOP_KEYS
+    if unknown:
+        raise SchemeError(sorted(unknown)[0], f"unknown key; allowed keys are {sorted(_TOP_KEYS)}")
+    scheme = _parse_scheme(_mapping(data, "scheme", required=True))
+    steps = _parse_steps(data.get("algorithm", {"name": "rtn"}))
+    _check_autoround(scheme, steps[-1])
+    return Recipe(
+        name=name,
+        description=str(data.get("description", "")),
+        scheme=scheme,
+        format=_enum(data.get("format"), Format, "format", required=True),
+        steps=steps,
+        calibration=_parse_calibration(_mapping(data, "calibration") or {}),
+        ignore=tuple(_str_list(data.get("ignore", ["lm_head"]), "ignore")),
+        on_indivisible=_enum(data.get("on_indivisible", "smaller-group"), IndivisiblePolicy, "on_indivisible"),
+        requires=_parse_requires(_mapping(data, "requires") or {}),
+        hardware=str(data.get("hardware", "")),
+        kv_cache=_parse_kv_cache(data.get("kv_cache")),
+        source=source,
+    )
+
+
+def _parse_scheme(data: dict[str, Any]) -> QuantScheme:
+    try:
+        return _build_scheme(data)
+    except SchemeError as exc:
+        field_name = exc.field if exc.field.startswith("scheme.") else f"scheme.{exc.field}"
+        raise SchemeError(field_name, exc.message) from None
+
+
+def _build_scheme(data: dict[str, Any]) -> QuantScheme:
+    w = _mapping(data, "weights", required=True, where="scheme.")
+    weights = WeightSpec(
+        dtype=_enum(w.get("dtype"), QDtype, "scheme.weights.dtype", required=True),
+        granularity=_enum(w.get("granularity"), Granularity, "scheme.weights.granularity", required=True),
+        group_size=w.get("group_size"),
+        symmetric=_bool(w.get("symmetric", True), "scheme.weights.symmetric"),
+        scale_dtype=_enum(w.get("scale_dtype", "model"), ScaleDtype, "scheme.weights.scale_dtype"),
+        observer=_enum(w.get("observer", "minmax"), WeightObserver, "scheme.weights.observer"),
+        block_shape=_block_shape(w.get("block_shape")),
+        global_scale=_bool(w.get("global_scale", False), "scheme.weights.global_scale"),
+    )
+    a = _mapping(data, "activations", where="scheme.")
+    activations = None
+    if a:
+        dynamic = _bool(a.get("dynamic", True), "scheme.activations.dynamic")
+        activations = ActivationSpec(
+            dtype=_enum(a.get("dtype"), QDtype, "scheme.activations.dtype", required=True),
+            granularity=_enum(a.get("granularity", "token" if dynamic else "tensor"), Granularity, "scheme.activations.granularity"),
+            symmetric=_bool(a.get("symmetric", True), "scheme.activations.symmetric"),
+            dynamic=dynamic,
+            observer=str(a.get("observer", "static_minmax")),
+            group_size=a.get("group_size"),
+            scale_dtype=_enum(a["scale_dtype"], ScaleDtype, "scheme.activations.scale_dtype") if a.get("scale_dtype") is not None else None,
+            global_scale=_bool(a.get("global_scale", False), "scheme.activations.global_scale"),
+        )
+    return QuantScheme(weights=weights, activations=activations)
+
+
+KV_CACHE_CHOICES = {"fp8": Granularity.TENSOR, "fp8-head": Granularity.HEAD}  # `finalize --kv-cache`; "none" drops it
+
+
+def _parse_kv_cache(value: Any) -> KVCacheSpec | None:
+    """`kv_cache: fp8` (or `fp8-head`), or the mapping `{dtype, granularity, observer}`; absent or `none`: None."""
+    if value is None or value == "none":
+        return None
+    if isinstance(value, str):
+        if value not in KV_CACHE_CHOICES:
+            raise SchemeError("kv_cache", f"'{value}' is not allowed; allowed: {', '.join([*KV_CACHE_CHOICES, 'none'])}, or a mapping")
+        return KVCacheSpec(granularity=KV_CACHE_CHOICES[value])
+    if not isinstance(value, dict):
+        raise SchemeError("kv_cache", "expected fp8, fp8-head, none or a mapping {dtype, granularity, observer}")
+    unknown = set(value) - {"dtype", "granularity", "observer"}
+    if unknown:
+        raise SchemeError(f"kv_cache.{sorted(unknown)[0]}", "unknown key; allowed keys are ['dtype', 'granularity', 'observer']")
+    return KVCacheSpec(
+        dtype=_enum(value.get("dtype", "float8_e4m3fn"), QDtype, "kv_cache.dtype"),
+        granularity=_enum(value.get("granularity", "tensor"), Granularity, "kv_cache.granularity"),
+        observer=str(value.get("observer", "static_minmax")),
+    )
+
+
+def with_kv_cache(recipe: Recipe, choice: str | None) -> Recipe:
+    """The recipe with `finalize --kv-cache CHOICE` applied (fp8, fp8-head, none); None leaves it as it is."""
+    if choice is None:
+        return recipe
+    if choice not in (*KV_CACHE_CHOICES, "none"):
+        raise RecipeError(f"--kv-cache '{choice}' is not allowed; use {', '.join(KV_CACHE_CHOICES)} or none")
+    return replace(recipe, kv_cache=_parse_kv_cache(choice))
+
+
+def _block_shape(value: Any) -> tuple[int, int] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list) or len(value) != 2 or not all(isinstance(n, int) and not isinstance(n, bool) for n in value):
+        raise SchemeError("scheme.weights.block_shape", f"{value!r} is not allowed; give [rows, columns], e.g. [128, 128]")
+    return tuple(value)
+
+
+def _parse_steps(value: Any) -> tuple[AlgorithmStep, ...]:
+    """`{name: gptq, block_size: 128}` or a list of such: transforms first, then one quantizer (rtn, gptq or
+    autoround)."""
+    items = value if isinstance(value, list) else [value]
+    steps = tuple(_parse_step(item, f"algorithm[{i}]" if isinstance(value, list) else "algorithm") for i, item in enumerate(items))
+    if not steps or not steps[-1].name.is_quantizer:
+        raise SchemeError("algorithm", "the last step must be a quantizer: rtn, gptq or autoround (e.g. [{name: smoothquant}, {name: gptq}])")
+    if any(step.name.is_quantizer for step in steps[:-1]):
+        raise SchemeError("algorithm", "only the last step may be a quantizer (rtn, gptq or autoround); transforms such as smoothquant come first")
+    return steps
+
+
+def _check_autoround(scheme: QuantScheme, quantizer: AlgorithmStep) -> None:
+    """AutoRound learns integer rounding of weights on the float layer's output: no float8 grid, no static
+    activation scales."""
+    if quantizer.name is not Algorithm.AUTOROUND:
+        return
+    if scheme.weights.dtype.is_float:
+        raise SchemeError("algorithm", "autoround learns the rounding of integer weights; float8 weights use rtn")
+    if scheme.activations is not None and scheme.activations.calibrated:
+        raise SchemeError("algorithm", "autoround with static activation scales (or NVFP4's calibrated global scale) is not supported; use rtn for these recipes")
+
+
+def _parse_step(item: Any, where: str) -> AlgorithmStep:
+    if not isinstance(item, dict):
+        raise SchemeError(where, "must be a mapping such as {name: gptq}")
+    args = dict(item)
+    name = _enum(args.pop("name", None), Algorithm, f"{where}.name", required=True)
+    try:
+        args = parse_arguments(name, args)
+    except SchemeError as exc:
+        raise SchemeError(f"{where}.{exc.field}", exc.message) from None
+    return AlgorithmStep(name=name, args=args)
+
+
+def _parse_calibration(data: dict[str, Any]) -> Calibration:
+    allowed = {"num_samples": int, "seq_len": int, "dataset": str}
+    for key, value in data.items():
+        if key not in allowed:
+            raise SchemeError(f"calibration.{key}", f"unknown key; allowed keys are {sorted(allowed)}")
+        if value is not None and (not isinstance(value, allowed[key]) or isinstance(value, bool)):
+            raise SchemeError(f"calibration.{key}", f"{value!r} is not allowed; expected {allowed[key].__name__}")
+    return Calibration(**data)
+
+
+def _parse_requires(data: dict[str, Any]) -> dict[Format, Requirement]:
+    out = {}
+    for key, req in data.items():
+        fmt = _enum(key, Format, "requires")
+        req = req or {}
+        cap = req.get("cuda_capability")
+        out[fmt] = Requirement(
+            cuda_capability=str(cap) if cap is not None else None,
+            packages=tuple(_str_list(req.get("packages", []), f"requires.{key}.packages")),
+        )
+    return out
+
+
+def _mapping(data: dict[str, Any], key: str, required: bool = False, where: str = "") -> dict[str, Any] | None:
+    value = data.get(key)
+    if value is None:
+        if required:
+            raise SchemeError(where + key, "is required")
+        return None
+    if not isinstance(value, dict):
+        raise SchemeError(where + key, "must be a mapping")
+    return value
+
+
+def _enum(value: Any, enum: type[Enum], field_name: str, required: bool = False) -> Any:
+    allowed = ", ".join(e.value for e in enum)
+    if value is None and required:
+        raise SchemeError(field_name, f"is required; allowed: {allowed}")
+    try:
+        return enum(value)
+    except ValueError:
+        raise SchemeError(field_name, f"'{value}' is not allowed; allowed: {allowed}") from None
+
+
+def _bool(value: Any, field_name: str) -> bool:
+    if not isinstance(value, bool):
+        raise SchemeError(field_name, f"'{value}' is not allowed; use true or false")
+    return value
+
+
+def _str_list(value: Any, field_name: str) -> list[str]:
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise SchemeError(field_name, "must be a list of strings")
+    return value

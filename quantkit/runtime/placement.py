@@ -1,0 +1,84 @@
+"""Where tensors live: the one rule, in one place.
+
+The model stays in CPU memory (or on disk, streamed); a decoder layer, its calibration activations and its
+statistics move to the compute device for their turn; everything handed to an exporter, a resume file or disk is
+on the CPU (`HOST`). The calibration pipeline calls `offload_layer` when a layer's turn ends, and the exporters call
+`check_on_host` on what they are given, so a tensor left on a GPU is an error naming it, not a device mismatch
+deep inside a library.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterator, Mapping
+
+import torch
+from torch import nn
+
+HOST = torch.device("cpu")
+
+
+class PlacementError(RuntimeError):
+    """A tensor reached a place that takes CPU tensors only (a bug in quantkit, not a user mistake)."""
+
+
+def compute_device(name: str, ctx=None) -> torch.device:
+    """The device `--device NAME` computes on, with its index: `cuda` under torchrun is this rank's own GPU
+    (`ctx.device`), else the current one (tensors on it report `cuda:0`, which `cuda` does not equal)."""
+    device = torch.device(name)
+    if device.type != "cuda" or device.index is not None:
+        return device
+    if ctx is not None and ctx.distributed:
+        return ctx.device
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def to_host(value: Any) -> Any:
+    """`value` with every tensor inside it (tensors, lists, tuples, dicts, dataclasses such as `QuantizedWeight`)
+    on the CPU; tensors already there are returned as they are."""
+    if isinstance(value, torch.Tensor):
+        return value if value.device == HOST else value.to(HOST)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        changes = {f.name: to_host(getattr(value, f.name)) for f in dataclasses.fields(value) if f.init}
+        return dataclasses.replace(value, **changes)
+    if isinstance(value, dict):
+        return {k: to_host(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(to_host(v) for v in value)
+    return value
+
+
+def offload_layer(module: nn.Module, prefix: str, result) -> None:
+    """A decoder layer's turn is over: the layer goes back to the CPU, and so do the qparams, input scales and KV
+    cache scales its steps added to `result` (a `CalibrationResult`), ready for the exporter and the resume file."""
+    module.to(HOST)
+    for table in (result.qweights, result.input_scales, result.kv_scales):
+        for name in [n for n in table if n.startswith(f"{prefix}.")]:
+            table[name] = to_host(table[name])
+
+
+def check_on_host(where: str, **groups: Any) -> None:
+    """Raise PlacementError naming the first tensor in `groups` (name -> tensors, modules, qparams, ...) that is not
+    on the CPU: what an exporter or a file writer is handed must be."""
+    for group, value in groups.items():
+        for name, tensor in _tensors(value, group):
+            if tensor.device != HOST:
+                raise PlacementError(f"{where} was handed {name} on {tensor.device}; everything written must be on the "
+                                     "CPU (quantkit.runtime.placement): please report this as a bug")
+
+
+def _tensors(value: Any, name: str) -> Iterator[tuple[str, torch.Tensor]]:
+    if isinstance(value, torch.Tensor):
+        yield name, value
+    elif isinstance(value, nn.Module):
+        for key, tensor in value.state_dict(keep_vars=True).items():
+            yield f"{name}.{key}", tensor
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for f in dataclasses.fields(value):
+            yield from _tensors(getattr(value, f.name), f"{name}.{f.name}")
+    elif isinstance(value, Mapping):
+        for key, item in value.items():
+            yield from _tensors(item, f"{name}[{key}]")
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            yield from _tensors(item, f"{name}[{i}]")

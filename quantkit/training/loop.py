@@ -1,0 +1,297 @@
+"""`quantkit train`: training and fine-tuning, with quantization-aware training and data parallelism.
+
+One full model per rank (DDP); the global batch is `train.global_batch_size` sequences whatever the number of
+ranks (gradient accumulation adjusts); rank 0 alone logs, evaluates and writes. fp32 master weights, bf16
+autocast where the device supports it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from quantkit import data
+from quantkit.errors import UsageError
+from quantkit.export import atomic, metadata
+from quantkit.models import loading as models
+from quantkit.models import sources
+from quantkit.quant.registry import Recipe
+from quantkit.runtime import distributed
+from quantkit.runtime import environment as runtime
+from quantkit.runtime.distributed import Context
+from quantkit.runtime.progress import QUIET, Progress
+from quantkit.training import checkpoint
+from quantkit.training.config import Sources, TrainConfig, accumulation_steps, resolve_sources
+
+
+@dataclass
+class TrainResult:
+    output_dir: Path
+    final_dir: Path
+    steps: int
+    final_loss: float
+    eval_perplexity: float | None
+    seconds: float
+    tokens_per_second: float
+    history: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass
+class Run:
+    """Everything the loop needs, built once."""
+
+    config: TrainConfig
+    ctx: Context
+    model: nn.Module  # unwrapped
+    trained: nn.Module  # what forward/backward run on (the DDP wrapper when distributed)
+    tokenizer: Any
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    blocks: torch.Tensor
+    eval_ids: torch.Tensor | None
+    accum: int
+    recipe: Recipe | None
+    sources: Sources
+    start_step: int = 0
+
+
+def lr_lambda(config: TrainConfig):
+    t = config.train
+
+    def factor(step: int) -> float:
+        if step < t.warmup_steps:
+            return (step + 1) / t.warmup_steps
+        if t.schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - t.warmup_steps) / max(1, t.max_steps - t.warmup_steps))
+        return t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def autocast(config: TrainConfig, device: torch.device):
+    precision = config.train.precision
+    if precision == "auto":
+        precision = "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=torch.bfloat16)
+
+
+def build_model(config: TrainConfig, path: Path | None) -> nn.Module:
+    """fp32 master weights: from a model directory (a checkpoint being resumed, or model.path resolved), or
+    model.config (from scratch) when `path` is None."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(config.train.seed)
+    if path is not None:
+        path = sources.check_model_dir(path)
+        models.check_full_precision(path)  # QAT and other Linear transformations do not stack on a quantized model
+        return models.load_model(path, dtype="float32").train()
+    params = dict(config.model.config)
+    model_config = AutoConfig.for_model(params.pop("model_type"), **params)
+    return AutoModelForCausalLM.from_config(model_config, dtype=torch.float32).train()
+
+
+def load_blocks(config: TrainConfig, tokenizer) -> tuple[torch.Tensor, torch.Tensor | None]:
+    d = config.data
+    train_texts = data.load_texts(d.train, d.text_field, default_split="train")  # a datasets spec's train split
+    blocks = data.pack_blocks(data.tokenize(tokenizer, train_texts), d.seq_len)
+    eval_ids = data.tokenize(tokenizer, data.load_texts(d.eval, d.text_field)) if d.eval else None
+    return blocks, eval_ids
+
+
+def make_optimizer(model: nn.Module, config: TrainConfig):
+    t = config.train
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config))
+
+
+def setup(config: TrainConfig, ctx: Context, recipe: Recipe | None, resume_from: Path | None) -> Run:
+    from quantkit.quant.plan import plan_model
+    from quantkit.training import qat
+
+    found = resolve_sources(config)
+    tokenizer = models.load_tokenizer(found.tokenizer, fix="set model.tokenizer to a tokenizer directory or hub id")
+    blocks, eval_ids = load_blocks(config, tokenizer)
+    model = build_model(config, resume_from or found.model)
+    if recipe is not None:  # fake quantizers go in before the optimizer is built
+        qat.prepare(model, plan_model(model, recipe))
+    model.to(ctx.device)
+    trained = model
+    if ctx.distributed:
+        device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+        trained = nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+    optimizer, scheduler = make_optimizer(model, config)
+    run = Run(config, ctx, model, trained, tokenizer, optimizer, scheduler, blocks, eval_ids,
+              accumulation_steps(config, ctx.world_size), recipe, found)
+    if resume_from is not None:
+        restore(run, checkpoint.load_state(resume_from))
+    return run
+
+
+def restore(run: Run, state: dict[str, Any]) -> None:
+    run.optimizer.load_state_dict(state["optimizer"])
+    run.scheduler.load_state_dict(state["scheduler"])
+    checkpoint.set_rng_state(state["rng"])
+    run.start_step = int(state["step"])
+
+
+def train_step(run: Run, step: int) -> float:
+    """One optimizer step over the global batch; returns the global batch's mean loss."""
+    t, ctx = run.config.train, run.ctx
+    batches = data.micro_batches(len(run.blocks), t.global_batch_size, t.micro_batch_size, ctx.rank,
+                                 ctx.world_size, t.seed, step)
+    total = 0.0
+    for k, indices in enumerate(batches):
+        ids = run.blocks[indices].to(ctx.device)
+        last = k == len(batches) - 1
+        sync = contextlib.nullcontext() if last or not ctx.distributed else run.trained.no_sync()
+        with sync, autocast(run.config, ctx.device):
+            loss = run.trained(input_ids=ids, labels=ids).loss / len(batches)
+            loss.backward()
+        total += loss.item()
+    if t.grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(run.model.parameters(), t.grad_clip)
+    run.optimizer.step()
+    run.scheduler.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    return distributed.all_reduce_mean(total, ctx)
+
+
+def evaluate(run: Run) -> float | None:
+    """Perplexity on the eval data (rank 0 computes; the others wait)."""
+    from quantkit.evaluation.evaluate import perplexity
+
+    result = None
+    if run.ctx.is_main and run.eval_ids is not None:
+        run.model.eval()
+        seq_len = run.config.data.seq_len
+        result = perplexity(run.model, run.eval_ids.to(run.ctx.device), seq_len=seq_len,
+                            max_samples=run.config.train.eval_max_samples).perplexity
+        run.model.train()
+    distributed.barrier(run.ctx)
+    return result
+
+
+def model_info(run: Run, step: int) -> dict[str, Any]:
+    info: dict[str, Any] = {"kind": "training-checkpoint", "step": step, "world_size": run.ctx.world_size,
+                            "accumulation_steps": run.accum, "versions": metadata.versions(),
+                            "train_config": run.config.to_dict(),
+                            "sources": {"model": str(run.sources.model) if run.sources.model else None,
+                                        "tokenizer": str(run.sources.tokenizer)}}
+    if run.recipe is not None:
+        info["qat"] = {"recipe": run.recipe.to_dict(), "scheme": run.recipe.scheme.describe()}
+    return info
+
+
+def save_checkpoint(run: Run, step: int) -> None:
+    if run.ctx.is_main:
+        state = {"optimizer": run.optimizer.state_dict(), "scheduler": run.scheduler.state_dict(),
+                 "rng": checkpoint.rng_state(), "step": step, "world_size": run.ctx.world_size}
+        root = Path(run.config.output_dir)
+        checkpoint.save(root, step, run.model, run.tokenizer, state, model_info(run, step), run.config.train.keep_last)
+    distributed.barrier(run.ctx)
+
+
+def save_final(run: Run, step: int) -> Path:
+    final = Path(run.config.output_dir) / "final"
+    if run.ctx.is_main:
+        with atomic.atomic_directory(final, overwrite=True) as tmp:
+            checkpoint.save_model_dir(run.model, run.tokenizer, tmp, model_info(run, step) | {"kind": "trained-model"})
+    distributed.barrier(run.ctx)
+    return final
+
+
+class Logger:
+    """Rank 0: JSON lines in OUTPUT_DIR/log.jsonl (for CI) and the live progress line."""
+
+    def __init__(self, run: Run, update):
+        self.run, self.update = run, update
+        self.path = Path(run.config.output_dir) / "log.jsonl"
+        self.history: list[dict[str, Any]] = []
+
+    def log(self, record: dict[str, Any]) -> None:
+        if not self.run.ctx.is_main:
+            return
+        self.history.append(record)
+        with open(self.path, "a") as fh:
+            fh.write(json.dumps(record) + "\n")
+        self.update(record)
+
+
+def loop(run: Run, logger: Logger) -> tuple[int, float, float | None, float]:
+    t = run.config.train
+    tokens_per_step = t.global_batch_size * run.config.data.seq_len
+    loss, ppl, start = float("nan"), None, time.perf_counter()
+    for step in range(run.start_step, t.max_steps):
+        began = time.perf_counter()
+        loss = train_step(run, step)
+        done = step + 1
+        record = {"step": done, "loss": loss, "lr": run.scheduler.get_last_lr()[0],
+                  "tokens_per_second": tokens_per_step / (time.perf_counter() - began)}
+        if t.eval_interval and done % t.eval_interval == 0 and done < t.max_steps:
+            record["eval_perplexity"] = ppl = evaluate(run)
+        if done % t.log_interval == 0 or done == t.max_steps or "eval_perplexity" in record or done == run.start_step + 1:
+            logger.log(record)
+        if t.save_interval and done % t.save_interval == 0:
+            save_checkpoint(run, done)
+    trained_steps = t.max_steps - run.start_step
+    tps = tokens_per_step * trained_steps / max(1e-9, time.perf_counter() - start)
+    return t.max_steps, loss, ppl, tps
+
+
+def prepare_output(config: TrainConfig, resume: str | None, overwrite: bool) -> Path | None:
+    root = Path(config.output_dir)
+    if resume:
+        return checkpoint.resolve_resume(root, resume)
+    if root.exists() and any(root.iterdir()) and not overwrite:
+        raise UsageError(f"{root} already holds a run; pass --resume latest to continue it, --overwrite to start over, or another output_dir")
+    return None
+
+
+def train(config: TrainConfig, resume: str | None = None, overwrite: bool = False, threads: int | None = None,
+          progress: Progress = QUIET) -> TrainResult:
+    from quantkit.quant import registry
+    from quantkit.training import qat
+    recipe = registry.resolve(config.qat_recipe) if config.qat_recipe else None
+    if recipe is not None:
+        qat.check_recipe(recipe)
+    began = time.perf_counter()
+    root = Path(config.output_dir)
+    with distributed.process_group() as ctx:
+        accumulation_steps(config, ctx.world_size)  # a config error before any loading
+        resume_from = prepare_output(config, resume, overwrite)
+        distributed.barrier(ctx)
+        if ctx.is_main:
+            start_output(root, config, fresh=overwrite and not resume)
+        distributed.barrier(ctx)
+        runtime.set_threads(threads)
+        run = setup(config, ctx, recipe, resume_from)
+        with progress.training(config.train.max_steps, run.start_step, enabled=ctx.is_main) as update:
+            logger = Logger(run, update)
+            steps, loss, _, tps = loop(run, logger)
+        ppl = evaluate(run)
+        if ctx.is_main and ppl is not None:
+            logger.log({"step": steps, "final_eval_perplexity": ppl})
+        final = save_final(run, steps)
+    return TrainResult(root, final, steps, loss, ppl, time.perf_counter() - began, tps, logger.history)
+
+
+def start_output(root: Path, config: TrainConfig, fresh: bool) -> None:
+    """Rank 0: an output directory holding the resolved config (emptied first with --overwrite)."""
+    import shutil
+
+    if fresh and root.exists():
+        shutil.rmtree(root)
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")

@@ -1,0 +1,183 @@
+"""finalize's checks before any work: what a user gets wrong is refused at once, with what to do."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import make_text
+from quantkit.errors import FormatError, HardwareError, SourceModelError, UsageError
+from quantkit.export import check_supported
+from quantkit.finalization import checks
+from quantkit.finalization.checks import prepare
+from quantkit.finalization.finalize import round_to_nearest
+from quantkit.models.loading import load_model
+from quantkit.quant import registry
+from quantkit.quant.registry import Format
+from quantkit.runtime import hardware
+
+
+def test_a_recipe_that_quantizes_nothing_is_refused(tmp_path):
+    from quantkit.models.tiny import build_tiny_llama
+
+    odd = build_tiny_llama(tmp_path / "odd", make_text(500), hidden_size=72, intermediate_size=200)
+    with pytest.raises(UsageError, match="quantizes none of the 15 Linear modules .*group size 128 does not divide input size 72"):
+        prepare(odd, registry.resolve("int4-weight-only"))
+
+
+def test_non_finite_weights_are_refused_naming_the_tensor(tiny_model_dir):
+    model = load_model(tiny_model_dir)
+    model.model.layers[1].mlp.up_proj.weight.data[0, 0] = float("inf")
+    plan = prepare(tiny_model_dir, registry.resolve("int8-weight-only")).plan
+    with pytest.raises(SourceModelError, match=r"model.layers.1.mlp.up_proj.weight has 1 non-finite values"):
+        round_to_nearest(model, plan)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+@pytest.mark.parametrize("device, message", [("cuda", "no CUDA GPU"), ("cuda:1", "no CUDA GPU"), ("tpu", "not a device|cpu or cuda")])
+def test_a_device_this_machine_lacks_is_refused(device, message):
+    hardware.check_device("cpu")
+    with pytest.raises(HardwareError, match=message):
+        hardware.check_device(device)
+
+
+def test_a_missing_source_is_reported_before_torch_is_imported(tmp_path):
+    code = ("import sys; from quantkit.cli.main import main; "
+            f"sys.argv = ['quantkit', 'finalize', '{tmp_path / 'nope'}', '{tmp_path / 'out'}', '-q', 'int4-weight-only']\n"
+            "try:\n    main()\nexcept SystemExit as exit:\n    assert exit.code == 2, exit.code\n"
+            "assert 'torch' not in sys.modules, 'torch was imported'")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert "does not exist" in run.stderr
+
+
+def _qat_trained(tiny_model_dir, tmp_path, recipe):
+    import json
+    import shutil
+
+    src = tmp_path / f"qat-{recipe.name}"
+    shutil.copytree(tiny_model_dir, src)
+    (src / "quantkit.json").write_text(json.dumps({"qat": {"recipe": recipe.to_dict()}}))  # as `quantkit train` records it
+    return src
+
+
+def test_a_model_qat_trained_for_another_recipe_needs_force_recipe(tiny_model_dir, tmp_path):
+    src = _qat_trained(tiny_model_dir, tmp_path, registry.resolve("int4-weight-only"))
+    with pytest.raises(UsageError, match="trained with --qat-recipe int4-weight-only; finalize it with --quantize int4-weight-only"):
+        prepare(src, registry.resolve("int8-weight-only"))
+    prepare(src, registry.resolve("int8-weight-only"), force_recipe=True)
+
+
+@pytest.mark.parametrize("name, exact", [("nvfp4-a16", False), ("int4-weight-only", True)])
+def test_qat_nvfp4_in_torchao_format_is_refused_for_its_other_grid(tiny_model_dir, tmp_path, name, exact):
+    """QAT trains on the scheme's grid (NVFP4's global scale shared by q/k/v); torchao's NVFP4 has one per Linear,
+    so the torchao artifact would not hold the trained weights: refused, naming the format that does."""
+    from quantkit.errors import FormatError
+    from quantkit.quant.registry import Format
+
+    recipe = registry.resolve(name)
+    src = _qat_trained(tiny_model_dir, tmp_path, recipe)
+    if exact:
+        prepare(src, recipe, Format.TORCHAO)
+    else:
+        with pytest.raises(FormatError, match="own global scale.*use --format compressed-tensors"):
+            prepare(src, recipe, Format.TORCHAO)
+    prepare(src, recipe, Format.COMPRESSED_TENSORS)
+
+
+def test_a_torchao_fp8_artifact_is_bfloat16_whatever_the_source(tiny_model_dir):
+    """torchao's FP8 tensors take bfloat16 weights only (its per-row config asserts it mid-load): a float32 source
+    becomes a bfloat16 artifact, noted; an explicit float32 / float16 is refused in one line."""
+    import pytest
+
+    from quantkit.errors import UsageError
+    from quantkit.finalization.checks import Prepared, artifact_dtype
+    from quantkit.quant.registry import Format, resolve
+
+    for name in ("float8-dynamic-act-float8-weight", "fp8-block"):
+        recipe = resolve(name)
+        prepared = Prepared(src=tiny_model_dir, format=Format.TORCHAO, plan=[], coverage={})
+        assert artifact_dtype(prepared, recipe, "auto") == "bfloat16"
+        assert "torchao's FP8 tensors take bfloat16 weights" in prepared.coverage["notes"][0]
+        with pytest.raises(UsageError, match="pass --dtype bfloat16"):
+            artifact_dtype(prepared, recipe, "float32")
+        compressed = Prepared(src=tiny_model_dir, format=Format.COMPRESSED_TENSORS, plan=[], coverage={})
+        assert artifact_dtype(compressed, recipe, "auto") == "auto"  # compressed-tensors' FP8 takes any dtype
+
+
+# ---------------------------------------------------------------- the hardware a recipe's kernels need
+
+FP8 = "float8-dynamic-act-float8-weight"
+
+
+def test_fp8_torchao_without_gpu_names_the_working_format(monkeypatch):
+    monkeypatch.setattr(hardware, "cuda_capability", lambda: None)
+    with pytest.raises(HardwareError, match="compute capability 8.9\\+ .*use --format compressed-tensors"):
+        checks.check_hardware(registry.resolve(FP8), Format.TORCHAO)
+
+
+def test_fp8_torchao_on_an_older_gpu(monkeypatch):
+    monkeypatch.setattr(hardware, "cuda_capability", lambda: (8, 0))
+    assert "this one is 8.0" in checks.missing_requirement(registry.resolve(FP8), Format.TORCHAO)
+
+
+def test_fp8_torchao_on_a_new_gpu(monkeypatch):
+    monkeypatch.setattr(hardware, "cuda_capability", lambda: (9, 0))
+    checks.check_hardware(registry.resolve(FP8), Format.TORCHAO)
+
+
+def test_compressed_tensors_fp8_needs_nothing():
+    checks.check_hardware(registry.resolve(FP8), Format.COMPRESSED_TENSORS)
+
+
+def test_missing_package_is_named(tmp_path):
+    path = tmp_path / "needs.yaml"
+    path.write_text(
+        "scheme: {weights: {dtype: int8, granularity: channel}}\nformat: torchao\n"
+        "requires: {torchao: {packages: [surely_not_installed_pkg]}}"
+    )
+    with pytest.raises(HardwareError, match="pip install surely_not_installed_pkg.*--format compressed-tensors"):
+        checks.check_hardware(registry.resolve(str(path)), Format.TORCHAO)
+
+
+@pytest.mark.parametrize("name, reason", [
+    ("mxfp4-a16", "MX weight-only has no torchao config"),
+    ("w4a8-fp8", "mslk's CUDA kernels"),
+    ("nvfp4", "round-to-nearest recipes"),  # its activations' global scale is calibrated
+])
+def test_scheme_a_format_cannot_express_is_refused_with_the_alternative(name, reason):
+    with pytest.raises(FormatError, match=f"{reason}.*use --format compressed-tensors"):
+        check_supported(registry.resolve(name), Format.TORCHAO)
+
+
+def test_nvfp4_weight_only_in_torchao_needs_no_gpu(monkeypatch):
+    monkeypatch.setattr(hardware, "cuda_capability", lambda: None)
+    check_supported(registry.resolve("nvfp4-a16"), Format.TORCHAO)
+    checks.check_hardware(registry.resolve("nvfp4-a16"), Format.TORCHAO)
+
+
+@pytest.mark.parametrize("name, need", [("mxfp4", "10.0"), ("mxfp8", "10.0"), ("fp8-block", "8.9")])
+def test_torchao_float_grids_need_their_kernels_gpu(monkeypatch, name, need):
+    check_supported(registry.resolve(name), Format.TORCHAO)  # expressible
+    monkeypatch.setattr(hardware, "cuda_capability", lambda: None)
+    with pytest.raises(HardwareError, match=f"compute capability {need}\\+ .*use --format compressed-tensors"):
+        checks.check_hardware(registry.resolve(name), Format.TORCHAO)
+    monkeypatch.setattr(hardware, "cuda_capability", lambda: (9, 0))
+    assert (checks.missing_requirement(registry.resolve(name), Format.TORCHAO) is None) == (need == "8.9")
+    monkeypatch.setattr(hardware, "cuda_capability", lambda: (10, 0))
+    checks.check_hardware(registry.resolve(name), Format.TORCHAO)
+
+
+def test_a_user_recipe_without_requires_is_gated_by_its_torchao_config(tmp_path, monkeypatch):
+    """The capability comes from the scheme's torchao config, not only from a recipe's `requires`."""
+    path = tmp_path / "my-mx.yaml"
+    path.write_text(
+        "scheme:\n  weights: {dtype: float8_e4m3fn, granularity: group, group_size: 32, scale_dtype: float8_e8m0fnu}\n"
+        "  activations: {dtype: float8_e4m3fn, granularity: group, group_size: 32, scale_dtype: float8_e8m0fnu, dynamic: true}\n"
+        "format: torchao\non_indivisible: skip\n"
+    )
+    recipe = registry.resolve(str(path))
+    assert recipe.requirement(Format.TORCHAO).cuda_capability is None
+    monkeypatch.setattr(hardware, "cuda_capability", lambda: (9, 0))
+    assert "compute capability 10.0+ (this one is 9.0)" in checks.missing_requirement(recipe, Format.TORCHAO)

@@ -1,0 +1,50 @@
+"""The Python API (`quantkit.finalize`, `quantkit.evaluate`, `quantkit.recipes`): the commands' work without the
+shell, computing what the commands compute."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+import quantkit
+from quantkit.errors import FormatError, RecipeNotFoundError
+from quantkit.quant import registry
+
+
+def test_importing_quantkit_and_its_recipes_imports_no_torch():
+    code = "import sys, quantkit; quantkit.recipes.get('gptq-w4a16'); sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_recipes_are_the_registrys():
+    assert quantkit.recipes.names() == registry.recipe_names()
+    assert quantkit.recipes.get("gptq-w4a16") == registry.resolve("gptq-w4a16")
+    with pytest.raises(RecipeNotFoundError, match="gptq-w4a16"):
+        quantkit.recipes.get("gptq-w4a61")
+
+
+def test_a_recipe_file_by_path(tmp_path):
+    path = tmp_path / "mine.yaml"
+    path.write_text("scheme: {weights: {dtype: int8, granularity: channel}}\nformat: compressed-tensors\n")
+    assert quantkit.recipes.get(path).name == "mine"
+
+
+def test_finalize_then_evaluate_from_python_as_the_commands_do(tiny_model_dir, text_file, tmp_path):
+    dst = tmp_path / "int8"
+    result = quantkit.finalize(tiny_model_dir, dst, "int8-weight-only")
+    assert result.dst == dst and result.recipe.name == "int8-weight-only" and result.format.value == "compressed-tensors"
+    assert json.loads((dst / "quantkit.json").read_text())["recipe"]["name"] == "int8-weight-only"
+
+    reports = quantkit.evaluate([tiny_model_dir, dst], data=str(text_file), seq_len=32, max_samples=4,
+                                quantize=["int8-weight-only"])
+    assert [r.label for r in reports] == [str(tiny_model_dir), f"{tiny_model_dir}+int8-weight-only", str(dst)]
+    preview, artifact = reports[1].perplexity.perplexity, reports[2].perplexity.perplexity
+    assert artifact == pytest.approx(preview, rel=1e-6)  # the in-memory preview computes as the artifact does
+    assert reports[0].perplexity.perplexity != artifact
+
+
+def test_a_wrong_format_is_a_quantkit_error(tiny_model_dir, tmp_path):
+    with pytest.raises(FormatError, match="compressed-tensors or torchao"):
+        quantkit.finalize(tiny_model_dir, tmp_path / "out", "int8-weight-only", format="gguf")
+    assert not (tmp_path / "out").exists()

@@ -1,0 +1,318 @@
+"""QAT fake quantizers see exactly the recipe's grid (atol=0), train, strip and re-prepare in place."""
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from quantkit.export.torchao import torchao_config
+from quantkit.export.torchao import unsupported as torchao_unsupported
+from quantkit.models.architectures import kernel_fused_groups
+from quantkit.quant import registry
+from quantkit.quant.plan import plan_model
+from quantkit.quant.qparams import fake_quantize_weight, fused_global_scales
+from quantkit.quant.schemes import Granularity, QDtype, QuantScheme, ScaleDtype, WeightSpec
+from quantkit.training import qat
+
+DTYPES = [torch.float32, torch.bfloat16]
+RECIPES = [name for name in registry.recipe_names() if qat.qat_ready(registry.resolve(name))]
+TORCHAO_RECIPES = [name for name in RECIPES if torchao_unsupported(registry.resolve(name)) is None]  # a torchao PTQ config to compare with
+INT_RECIPES = [name for name in TORCHAO_RECIPES if not registry.resolve(name).scheme.weights.dtype.is_float]
+EXACT = dict(atol=0, rtol=0)
+
+
+def _weight(dtype, out=48, inp=256, seed=0, tiny_groups=True):
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(out, inp, generator=generator) * 0.05
+    if tiny_groups:
+        weight[0, :32] = 0  # an all-zero group
+        weight[1, :32] = 1e-8  # a group whose scale is clamped to eps: a different eps would show here
+    return weight.to(dtype)
+
+
+def _artifact_grid(weight, spec, global_scale=None):
+    """The weight `finalize` writes: FP4 / MX artifacts of a float32 model are bfloat16, so their grid is."""
+    if spec.sixteen_bit and weight.dtype == torch.float32:
+        return fake_quantize_weight(weight.bfloat16(), spec, global_scale).float()
+    return fake_quantize_weight(weight, spec, global_scale)
+
+
+def _linear(weight, bias=True):
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias).to(weight.dtype)
+    linear.weight.data = weight.clone()
+    return linear
+
+
+def _load(model_dir, dtype=torch.float32):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+
+
+def _loss(model, seed=0):
+    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(seed))
+    return model(input_ids=ids, labels=ids).loss
+
+
+# ---------------------------------------------------------------- the grid, module by module
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", RECIPES)
+def test_fake_quantized_weight_equals_qparams(name, dtype):
+    scheme = registry.resolve(name).scheme
+    weight = _weight(dtype)
+    module = qat.QATLinear(_linear(weight), scheme)
+    torch.testing.assert_close(module.fake_quantized_weight(), _artifact_grid(weight, scheme.weights), **EXACT)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "spec",
+    [
+        WeightSpec(QDtype.INT4, Granularity.GROUP, 32, symmetric=False),
+        WeightSpec(QDtype.INT8, Granularity.CHANNEL, symmetric=False, scale_dtype=ScaleDtype.FLOAT32),
+        WeightSpec(QDtype.INT4, Granularity.GROUP, 64, scale_dtype=ScaleDtype.FLOAT32),
+        WeightSpec(QDtype.FLOAT8, Granularity.CHANNEL, scale_dtype=ScaleDtype.MODEL),
+        WeightSpec(QDtype.INT3, Granularity.GROUP, 32),
+    ],
+    ids=["int4-asym", "int8-asym", "int4-fp32-scale", "fp8-model-scale", "int3"],
+)
+def test_grids_beyond_the_shipped_recipes_are_exact(spec, dtype):
+    weight = _weight(dtype)
+    module = qat.QATLinear(_linear(weight), QuantScheme(spec))
+    torch.testing.assert_close(module.fake_quantized_weight(), fake_quantize_weight(weight, spec), **EXACT)
+
+
+def test_configs_use_torchao_where_it_is_exact_and_quantkit_elsewhere():
+    from torchao.quantization.qat import Float8FakeQuantizeConfig, IntxFakeQuantizeConfig
+
+    def kinds(name):
+        return tuple(type(c).__name__ for c in qat.fake_quantize_configs(registry.resolve(name).scheme))
+
+    assert {name: kinds(name) for name in RECIPES} == {
+        "float8-dynamic-act-float8-weight": (Float8FakeQuantizeConfig.__name__,) * 2,
+        "fp8-block": ("GroupActivationFakeQuantizeConfig", "GridFakeQuantizeConfig"),
+        "int4-asym": ("NoneType", "GridFakeQuantizeConfig"),
+        "mxfp4": ("GroupActivationFakeQuantizeConfig", "GridFakeQuantizeConfig"),
+        "mxfp4-a16": ("NoneType", "GridFakeQuantizeConfig"),
+        "mxfp8": ("GroupActivationFakeQuantizeConfig", "GridFakeQuantizeConfig"),
+        "nvfp4-a16": ("NoneType", "GridFakeQuantizeConfig"),
+        "nvfp4": ("GroupActivationFakeQuantizeConfig", "GridFakeQuantizeConfig"),
+        "w4a8-fp8": (Float8FakeQuantizeConfig.__name__, IntxFakeQuantizeConfig.__name__),
+        "int2-weight-only": ("NoneType", IntxFakeQuantizeConfig.__name__),
+        "int4-weight-only": ("NoneType", IntxFakeQuantizeConfig.__name__),
+        "int8-dynamic-act-int4-weight": (IntxFakeQuantizeConfig.__name__,) * 2,
+        "int8-dynamic-act-int8-weight": ("Int8TokenFakeQuantizeConfig", IntxFakeQuantizeConfig.__name__),
+        "int8-weight-only": ("NoneType", IntxFakeQuantizeConfig.__name__),
+    }
+    asym = WeightSpec(QDtype.INT4, Granularity.GROUP, 32, symmetric=False)
+    assert isinstance(qat.fake_quantize_configs(QuantScheme(asym))[1], qat.GridFakeQuantizeConfig)
+
+
+def test_model_dtype_scales_follow_a_later_cast():
+    scheme = registry.resolve("int4-weight-only").scheme
+    module = qat.QATLinear(_linear(_weight(torch.float32)), scheme).to(torch.bfloat16)
+    expected = fake_quantize_weight(module.weight.data, scheme.weights)
+    torch.testing.assert_close(module.fake_quantized_weight(), expected, **EXACT)
+
+
+@pytest.mark.parametrize("name", ["grid", *RECIPES])
+def test_fake_quantizers_are_straight_through(name):
+    if name == "grid":
+        configs = [qat.GridFakeQuantizeConfig(WeightSpec(QDtype.INT4, Granularity.GROUP, 32, symmetric=False))]
+    else:
+        configs = [c for c in qat.fake_quantize_configs(registry.resolve(name).scheme) if c is not None]
+    for config in configs:
+        weight = _weight(torch.float32).requires_grad_(True)
+        grad = torch.randn_like(weight)
+        qat.fake_quantizer(config)(weight).backward(grad)
+        torch.testing.assert_close(weight.grad, grad, **EXACT)
+
+
+# ---------------------------------------------------------------- activations vs torchao's PTQ runtime
+
+# Measured max |QAT - PTQ| on this input (max|y| ~5.5): int4 recipes 0 (the runtime dequantizes and calls
+# F.linear, as QAT does). int8 recipes: float32 1.4e-6 (act) and 2.5e-6 (weight-only), i.e. 2.6e-7 and 4.6e-7
+# of max|y|; bfloat16 0.03125, one bf16 ulp (5.7e-3 of max|y|): torchao multiplies the int8 data and applies
+# the scales afterwards, a different rounding order. The bounds leave about 2x headroom.
+# No tiny groups here: torchao's intx PTQ clamps scales at float's smallest normal, not at float32 eps as
+# quantkit.quant.qparams does, so a group with max|w| < 7.5 * eps (~9e-7) gets a different grid there.
+REL_TOL = {torch.float32: 1e-6, torch.bfloat16: 2**-6}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", INT_RECIPES)
+def test_prepared_linear_matches_torchao_ptq(name, dtype):
+    from torchao.quantization import quantize_
+
+    scheme = registry.resolve(name).scheme
+    linear = _linear(_weight(dtype, out=96, tiny_groups=False))
+    x = (torch.randn(2, 7, 256, generator=torch.Generator().manual_seed(1)) * 2).to(dtype)
+    with torch.no_grad():
+        ours = qat.QATLinear(copy.deepcopy(linear), scheme)(x)
+        ptq = copy.deepcopy(linear)
+        quantize_(ptq, torchao_config(scheme))
+        theirs = ptq(x)
+    exact = scheme.weights.dtype is QDtype.INT4
+    atol = 0 if exact else REL_TOL[dtype] * theirs.abs().max().item()
+    torch.testing.assert_close(ours, theirs, atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_float8_activations_match_the_runtime_quantizer(dtype):
+    from torchao.quantization import PerRow
+    from torchao.quantization.quantize_.workflows.float8.float8_tensor import Float8Tensor
+
+    act_config, _ = qat.fake_quantize_configs(registry.resolve("float8-dynamic-act-float8-weight").scheme)
+    x = (torch.randn(2, 7, 256, generator=torch.Generator().manual_seed(1)) * 3).to(dtype)
+    theirs = Float8Tensor.from_hp(x, granularity=PerRow()).dequantize()  # the CPU ("torch") quantize kernel
+    torch.testing.assert_close(qat.fake_quantizer(act_config)(x), theirs, **EXACT)
+
+
+def _has_float8_kernels() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+
+
+@pytest.mark.skipif(not _has_float8_kernels(), reason="torchao float8 PTQ needs CUDA 8.9+")
+def test_float8_prepared_linear_matches_torchao_ptq_on_cuda():
+    # Not yet measured on a GPU; torchao's mslk kernel accumulates fast and returns bfloat16, hence the bound.
+    from torchao.quantization import quantize_
+
+    scheme = registry.resolve("float8-dynamic-act-float8-weight").scheme
+    linear = _linear(_weight(torch.bfloat16, out=96, tiny_groups=False)).cuda()
+    x = torch.randn(2, 7, 256, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        ours = qat.QATLinear(copy.deepcopy(linear), scheme)(x)
+        ptq = copy.deepcopy(linear)
+        quantize_(ptq, torchao_config(scheme))
+        theirs = ptq(x)
+    torch.testing.assert_close(ours, theirs, atol=2**-6 * theirs.abs().max().item(), rtol=0)
+
+
+# ---------------------------------------------------------------- a whole model
+
+def _recipe_with_a_skipped_module(name):
+    """The recipe with one more module left out; FP8 blocks of 16x16 and activation groups of 16 (128 fits none of
+    the tiny model's Linears)."""
+    recipe = registry.resolve(name)
+    if recipe.scheme.weights.granularity is Granularity.BLOCK:
+        recipe = dataclasses.replace(recipe, scheme=QuantScheme(
+            dataclasses.replace(recipe.scheme.weights, block_shape=(16, 16)),
+            dataclasses.replace(recipe.scheme.activations, group_size=16)))
+    return dataclasses.replace(recipe, ignore=(*recipe.ignore, "re:layers\\.1\\.mlp\\.up_proj"))
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_prepare_installs_exactly_the_plan_and_trains(name, tiny_model_dir):
+    model = _load(tiny_model_dir)
+    plan = plan_model(model, _recipe_with_a_skipped_module(name))
+    keys, params = list(model.state_dict()), {n: id(p) for n, p in model.named_parameters()}
+    qat.prepare(model, plan)
+
+    assert qat.is_prepared(model)
+    assert qat.prepared_schemes(model) == {e.name: e.scheme for e in plan if e.quantized}
+    for entry in plan:
+        assert isinstance(model.get_submodule(entry.name), qat.QATLinear) is entry.quantized
+    assert type(model.lm_head) is nn.Linear and type(model.get_submodule("model.layers.1.mlp.up_proj")) is nn.Linear
+    assert list(model.state_dict()) == keys and {n: id(p) for n, p in model.named_parameters()} == params
+
+    weights = {e.name: model.get_submodule(e.name).weight.detach() for e in plan if e.quantized}
+    schemes = qat.prepared_schemes(model)
+    nvfp4 = {name: weight.bfloat16() for name, weight in weights.items() if schemes[name].weights.global_scale}
+    global_scales = fused_global_scales(nvfp4, kernel_fused_groups(list(nvfp4)))  # NVFP4: shared by q/k/v, by gate/up
+    for module_name, seen in qat.fake_quantized_weights(model).items():
+        entry = next(e for e in plan if e.name == module_name)
+        expected = _artifact_grid(weights[module_name], entry.scheme.weights, global_scales.get(module_name))
+        torch.testing.assert_close(seen, expected, **EXACT)
+
+    _loss(model).backward()
+    prepared = [model.get_submodule(e.name).weight for e in plan if e.quantized]
+    assert all(w.requires_grad and w.grad is not None and w.grad.abs().sum() > 0 for w in prepared)
+    before = [w.detach().clone() for w in prepared]
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    assert all(not torch.equal(b, w) for b, w in zip(before, prepared))
+
+
+def test_group_size_fallbacks_are_per_module(tiny_model_dir):
+    model = qat.prepare(_load(tiny_model_dir), plan_model(_load(tiny_model_dir), registry.resolve("int4-weight-only")))
+    schemes = qat.prepared_schemes(model)
+    assert schemes["model.layers.0.self_attn.q_proj"].weights.group_size == 64  # input 64
+    assert schemes["model.layers.0.mlp.down_proj"].weights.group_size == 16  # input 176
+
+
+def test_bfloat16_model_sees_the_bfloat16_grid(tiny_model_dir):
+    model = _load(tiny_model_dir, torch.bfloat16)
+    plan = plan_model(model, registry.resolve("int8-dynamic-act-int4-weight"))
+    seen = qat.fake_quantized_weights(qat.prepare(model, plan))
+    for entry in (e for e in plan if e.quantized):
+        weight = model.get_submodule(entry.name).weight.detach()
+        torch.testing.assert_close(seen[entry.name], fake_quantize_weight(weight, entry.scheme.weights), **EXACT)
+
+
+def test_prepare_twice_is_an_error(tiny_model_dir):
+    model = _load(tiny_model_dir)
+    plan = plan_model(model, registry.resolve("int4-weight-only"))
+    qat.prepare(model, plan)
+    with pytest.raises(ValueError, match="strip"):
+        qat.prepare(model, plan)
+
+
+def test_strip_restores_plain_linears_with_the_same_weights(tiny_model_dir):
+    model = _load(tiny_model_dir)
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    qat.prepare(model, plan_model(model, registry.resolve("int8-dynamic-act-int4-weight")))
+    qat.strip(model)
+    assert not qat.is_prepared(model)
+    assert all(type(m) is nn.Linear for m in model.modules() if isinstance(m, nn.Linear))
+    assert weights.keys() == dict(model.named_parameters()).keys()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), weights[n], **EXACT)
+
+
+def test_stripped_saves_a_plain_checkpoint_and_keeps_parameter_identity(tiny_model_dir, tmp_path):
+    model = _load(tiny_model_dir)
+    qat.prepare(model, plan_model(model, registry.resolve("int8-dynamic-act-int8-weight")))
+    schemes, ids = qat.prepared_schemes(model), [id(p) for p in model.parameters()]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with qat.stripped(model):
+        assert not qat.is_prepared(model)
+        model.save_pretrained(tmp_path)
+    assert qat.prepared_schemes(model) == schemes and [id(p) for p in model.parameters()] == ids
+
+    before = model.model.layers[0].self_attn.q_proj.weight.detach().clone()
+    _loss(model).backward()
+    optimizer.step()  # built before stripped(): still updates the model's weights
+    assert not torch.equal(before, model.model.layers[0].self_attn.q_proj.weight)
+
+    reloaded = _load(tmp_path)
+    assert all(type(m) is nn.Linear for m in reloaded.modules() if isinstance(m, nn.Linear))
+    torch.testing.assert_close(reloaded.model.layers[0].self_attn.q_proj.weight, before, **EXACT)
+
+
+def test_calibrated_recipes_are_refused_for_qat():
+    from quantkit.errors import UsageError
+
+    for name in ("gptq-w4a16", "fp8-static", "smoothquant-w8a8", "awq-nvfp4-a16"):
+        with pytest.raises(UsageError, match="round-to-nearest"):
+            qat.check_recipe(registry.resolve(name))
+    qat.check_recipe(registry.resolve("int4-weight-only"))
+    qat.check_recipe(registry.resolve("nvfp4"))  # only its activations' global scale is calibrated, by finalize
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_nvfp4_activations_take_each_tensors_global_scale(dtype):
+    """NVFP4 W4A4 QAT: the activations as compressed-tensors' runtime quantizes them, under the tensor's own
+    global scale (finalize calibrates the deployed one over the calibration data), the weights on the grid."""
+    from quantkit.quant import float_grids
+    scheme = registry.resolve("nvfp4").scheme
+    linear = _linear(_weight(dtype, out=32, inp=64, tiny_groups=False))
+    x = (torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(3)) * 3).to(dtype)
+    with torch.no_grad():
+        ours = qat.QATLinear(copy.deepcopy(linear), scheme)(x)
+    acts = float_grids.fake_quantize_nvfp4(x, float_grids.global_scale(x.abs().amax()))
+    expected = F.linear(acts, _artifact_grid(linear.weight.data, scheme.weights), linear.bias)
+    torch.testing.assert_close(ours, expected, **EXACT)
+    assert not torch.equal(acts, x)
