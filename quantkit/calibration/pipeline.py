@@ -50,7 +50,7 @@ def layer_steps(recipe: Recipe) -> list[Step]:
     if static and recipe.quantizer.name is Algorithm.GPTQ:
         raise UsageError("GPTQ with calibrated activation scales (static, or NVFP4's global scale) is not supported yet; "
                          "use rtn for these recipes, or a weight-only GPTQ recipe")
-    steps = [_bound(step) for step in recipe.transforms] + ([static_scales_step] if static else [])
+    steps = [_bound(step) for step in recipe.before_quantizer] + ([static_scales_step] if static else [])
     return steps + [_bound(recipe.quantizer)] + ([kv_cache_step] if recipe.kv_cache is not None else [])
 
 

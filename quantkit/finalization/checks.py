@@ -50,6 +50,7 @@ class Prepared:
     loading: str | None = None  # how finalize held the model: streamed layer by layer, or whole (and why)
     dtype: str = "auto"  # the dtype to quantize in (`artifact_dtype`)
     shard_bytes: int | None = None  # --max-shard-size, parsed
+    rotator: object | None = None  # the recipe's fused rotations for this model (`quant.rotations.Rotator`)
     source_fingerprint: object | None = None  # SRC's sha256 (`models.fingerprint`), computing meanwhile: a Future
 
 
@@ -79,13 +80,14 @@ def prepare(
     config = models.load_config(src, trust_remote_code)
     skeleton = moe.linearize(models.meta_model(config, trust_remote_code))
     plan = _check_model(src, skeleton, recipe, fmt)
+    rotator = _check_rotations(src, skeleton, recipe, fmt)
     report = coverage(skeleton, plan)
     if fmt is Format.COMPRESSED_TENSORS:
         from quantkit.export.compressed_tensors import experts_caveat, loading_caveat
 
         report["notes"] = [note for note in [experts_caveat(skeleton, recipe), loading_caveat(recipe)] if note]
-    prepared = Prepared(src=src, format=fmt, plan=plan, coverage=report, shard_bytes=shard_bytes)
-    prepared.loading = _whole_model_reason(src, fmt, skeleton, in_memory)
+    prepared = Prepared(src=src, format=fmt, plan=plan, coverage=report, shard_bytes=shard_bytes, rotator=rotator)
+    prepared.loading = _whole_model_reason(src, fmt, skeleton, in_memory, rotator is not None)
     prepared.dtype = artifact_dtype(prepared, recipe, dtype, trust_remote_code)
     if recipe.needs_calibration and (dst is not None or calibration is not None):
         check_calibration_data(recipe, calibration)
@@ -114,6 +116,24 @@ def _check_model(src: Path, skeleton: nn.Module, recipe: Recipe, fmt: Format) ->
     return plan
 
 
+def _check_rotations(src: Path, skeleton: nn.Module, recipe: Recipe, fmt: Format):
+    """The recipe's fused rotations for this model (None without), or a refusal: the torchao format, a layer a
+    rotation would not leave computing the same, a width with no Hadamard matrix."""
+    if not recipe.fused_rotations:
+        return None
+    trained = ((metadata.read(src) or {}).get("qat") or {}).get("recipe") or {}
+    if trained.get("transforms") == recipe.to_dict()["transforms"]:
+        return None  # QAT trained the rotated model (`training.loop.setup`): its weights are rotated already
+    if fmt is Format.TORCHAO:
+        raise FormatError(f"recipe '{recipe.name}' rotates the model before quantizing it, and the torchao format converts "
+                          "the unrotated checkpoint while transformers loads it: use --format compressed-tensors")
+    from quantkit.quant.rotations import Rotator
+
+    rotator = Rotator.of(recipe, skeleton.config)
+    rotator.check(skeleton)
+    return rotator
+
+
 def check_qat_recipe(src: Path, recipe: Recipe, fmt: Format, force: bool = False) -> str | None:
     """A QAT-trained SRC is converted with the recipe it was trained for (another recipe needs `force`), into a
     format that keeps its trained grid exactly. Returns the QAT recipe's name, or None for a model trained
@@ -136,7 +156,7 @@ def check_qat_recipe(src: Path, recipe: Recipe, fmt: Format, force: bool = False
     return name
 
 
-def _whole_model_reason(src: Path, fmt: Format, skeleton: nn.Module, in_memory: bool) -> str | None:
+def _whole_model_reason(src: Path, fmt: Format, skeleton: nn.Module, in_memory: bool, rotated: bool = False) -> str | None:
     """Why finalize must load this model whole instead of streaming it layer by layer, or None."""
     from quantkit.models.streaming import checkpoint_keys, layout_mismatch
 
@@ -144,6 +164,9 @@ def _whole_model_reason(src: Path, fmt: Format, skeleton: nn.Module, in_memory: 
         return "whole model in memory (--in-memory)"
     if fmt is Format.TORCHAO:
         return "whole model in memory: transformers converts to torchao while it loads"
+    if rotated and skeleton.get_output_embeddings() is not None and \
+            skeleton.get_output_embeddings().weight is skeleton.get_input_embeddings().weight:
+        return "whole model in memory: the rotations untie the tied embeddings and lm_head"
     files = sources.tensor_files(src)
     reason = layout_mismatch(skeleton, files, checkpoint_keys(skeleton, files))
     return f"whole model in memory: {reason}" if reason else None

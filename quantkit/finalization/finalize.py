@@ -115,6 +115,8 @@ def quantize(
 
             return QuantizedModel(torchao.load_quantized(prepared.src, plan, dtype, trust_remote_code), plan, recipe)
         model = moe.linearize(models.load_model(prepared.src, dtype, trust_remote_code))
+        if prepared.rotator is not None:
+            prepared.rotator.rotate_model(model)
         if samples is None:
             return QuantizedModel(model, plan, recipe, round_to_nearest(model, plan, advance))
         result = _calibrate(model, prepared, recipe, samples, options, progress, ctx)
@@ -294,14 +296,18 @@ class _LayerIO:
     """A streamed run's `calibration.pipeline.LayerStream`: a layer is read before its turn, written (rank 0)
     and freed after it."""
 
-    def __init__(self, streamed, writer):
-        self.streamed, self.writer = streamed, writer
+    def __init__(self, streamed, writer, rotator=None):
+        self.streamed, self.writer, self.rotator = streamed, writer, rotator
 
     def load(self, module: nn.Module) -> None:
         self.streamed.load(module)
+        if self.rotator is not None:  # the recipe's rotations, as the weights are read (`quant.rotations`)
+            self.rotator.rotate_layer(module)
 
     def load_rest(self) -> None:
         self.streamed.load_rest()
+        if self.rotator is not None:
+            self.rotator.rotate_rest(self.streamed.model)
 
     def release_rest(self) -> None:
         self.streamed.release_rest()
@@ -341,7 +347,7 @@ def _stream(streamed, prepared: Prepared, recipe: Recipe, dst: Path, overwrite: 
         tmp = stack.enter_context(atomic.atomic_directory(dst, overwrite)) if ctx.is_main else None
         writer = (exporter(prepared.format).StreamWriter(streamed.model, plan, recipe, tmp, prepared.shard_bytes, expected_bytes)
                   if tmp else None)
-        layer_io = _LayerIO(streamed, writer)
+        layer_io = _LayerIO(streamed, writer, prepared.rotator)
         if samples is None:
             rest = _round_streamed(streamed, plan, recipe, prepared, layer_io, progress)
             scales = {}
@@ -366,7 +372,7 @@ def _round_streamed(streamed, plan: list[ModulePlan], recipe: Recipe, prepared: 
             layer_io.load(module)
             inside = [e for e in plan if e.name.startswith(f"{layer_prefix}{i}.")]
             layer_io.write([module], round_to_nearest(streamed.model, inside, advance), {})
-        streamed.load_rest()
+        layer_io.load_rest()
         return round_to_nearest(streamed.model, [e for e in plan if not e.name.startswith(layer_prefix)], advance)
 
 
@@ -434,4 +440,6 @@ def _write_beside(prepared: Prepared, recipe: Recipe, out: Path) -> None:
                           found.result() if found is not None else models.fingerprint(prepared.src))
     info["modules"]["coverage"] = prepared.coverage
     info["calibration"] = prepared.calibration
+    if prepared.rotator is not None:
+        info["transforms"] = {"applied": [t for t in recipe.to_dict()["transforms"]], **prepared.rotator.describe()}
     metadata.write(out, info)

@@ -276,7 +276,7 @@ def _timed(recipe: Recipe, samples: int, count: int) -> tuple[Recipe, float]:
         return recipe, 1.0
     args = step.arguments
     steps = min(args.iters, TIMED_AUTOROUND_STEPS)
-    timed = dataclasses.replace(recipe, steps=(*recipe.transforms, AlgorithmStep(step.name, {**step.args, "iters": steps})))
+    timed = dataclasses.replace(recipe, steps=(*recipe.before_quantizer, AlgorithmStep(step.name, {**step.args, "iters": steps})))
     return timed, args.iters * min(args.batch_size, samples) / min(args.batch_size, count)
 
 

@@ -288,3 +288,94 @@ def scales_fold(layer: nn.Module, call: tuple[tuple, dict], prev: str, linears: 
 
 def _hidden(output) -> torch.Tensor:
     return output[0] if isinstance(output, tuple) else output
+
+
+# ---------------------------------------------------------------- the residual stream (fused rotations)
+
+
+DOWN_LEAVES = ("down_proj", "w2", "c_proj")  # an MLP's (or an expert's) Linear writing to the residual stream
+FINAL_NORM = "norm"  # on the module holding the decoder layers: the norm before lm_head
+
+
+@dataclass(frozen=True)
+class ResidualModules:
+    """Where a pre-norm decoder layer reads and writes the residual stream, h + attention(norm(h)) +
+    mlp(norm'(h)), by names relative to the layer: what a rotation of the stream (R1) and of each head's values
+    (R2) touch (`quant.rotations`). `value_rows` is the first row of the values in `values` (fused qkv: after the
+    queries and keys)."""
+
+    attention_norm: str
+    attention_readers: tuple[str, ...]
+    attention_writer: str
+    mlp_norm: str
+    mlp_readers: tuple[str, ...]  # every weight reading the norm's output: gate/up, an MoE router, experts' w1/w3
+    mlp_writers: tuple[str, ...]  # down, every expert's down
+    values: str
+    value_rows: int
+
+
+def residual_modules(layer: nn.Module, hidden: int, value_rows: int = 0) -> ResidualModules:
+    """The layer's `ResidualModules`, or UnsupportedModelError saying why a rotation cannot keep its function:
+    a norm inside a block (Gemma2's and OLMo2's post-norms), a LayerNorm (its mean does not commute with a
+    rotation), a weight of the MLP whose role in the stream is unknown."""
+    wiring = next((w for w in WIRINGS if all(_has(layer, n) for n in (w.attention, w.q, w.k, w.v, w.o))), None)
+    what = type(layer).__name__
+    if wiring is None or not _has(layer, LLAMA.mlp):
+        raise UnsupportedModelError(f"rotations need Llama-style decoder layers (self_attn with q/k/v/o projections, an mlp); "
+                                    f"{what} has another layout")
+    norms = [name for name, module in layer.named_modules() if name and _hidden_vector(module, hidden)]
+    expected = [n for n in (wiring.input_norm, wiring.post_attention_norm) if n]
+    extra = [n for n in norms if n not in expected]
+    if extra or any(n not in norms for n in expected):
+        where = extra[0] if extra else next(n for n in expected if n not in norms)
+        raise UnsupportedModelError(f"rotations need pre-norm decoder layers (a norm before attention and one before the MLP, "
+                                    f"nothing else): {what} {'has ' + where if extra else 'lacks ' + where}")
+    for name in expected:
+        norm = layer.get_submodule(name)
+        if getattr(norm, "bias", None) is not None or isinstance(norm, nn.LayerNorm):
+            raise UnsupportedModelError(f"rotations need RMS norms; {what}.{name} is a {type(norm).__name__}, whose mean "
+                                        "subtraction a rotation does not commute with")
+    mlp = layer.get_submodule(LLAMA.mlp)
+    readers, writers = [], []
+    for name, param in mlp.named_parameters():
+        if param.dim() > 2:
+            raise UnsupportedModelError(f"rotations: {what}.{LLAMA.mlp}.{name} holds experts fused ({tuple(param.shape)}); "
+                                        "split them first (`moe.linearize`)")
+    for name, module in mlp.named_modules():
+        weight = module._parameters.get("weight") if name else None
+        if weight is None or weight.dim() != 2:
+            continue
+        qualified = f"{LLAMA.mlp}.{name}"
+        if name.rsplit(".", 1)[-1] in DOWN_LEAVES and weight.shape[0] == hidden:
+            writers.append(qualified)
+        elif weight.shape[1] == hidden:
+            readers.append(qualified)
+        else:
+            raise UnsupportedModelError(f"rotations: {what}.{qualified} ({tuple(weight.shape)}) neither reads nor writes the "
+                                        "residual stream as quantkit knows the MLP's modules")
+    if not readers or not writers:
+        raise UnsupportedModelError(f"rotations: {what}'s MLP has no Linear reading or writing the residual stream")
+    return ResidualModules(wiring.input_norm, wiring.qkv, wiring.o, wiring.post_attention_norm, tuple(readers),
+                           tuple(writers), wiring.v, value_rows if wiring.v == wiring.q else 0)
+
+
+def _has(layer: nn.Module, name: str) -> bool:
+    try:
+        layer.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
+
+
+def _hidden_vector(module: nn.Module, hidden: int) -> bool:
+    """A norm-like module of the stream: its own 1-D weight of the hidden size."""
+    weight = module._parameters.get("weight")
+    return weight is not None and weight.dim() == 1 and weight.shape[0] == hidden
+
+
+def final_norm(layers_parent: nn.Module) -> nn.Module:
+    """The norm between the last decoder layer and lm_head (Llama-style models: `model.norm`)."""
+    norm = getattr(layers_parent, FINAL_NORM, None)
+    if not isinstance(norm, nn.Module) or norm._parameters.get("weight") is None:
+        raise UnsupportedModelError(f"rotations: {type(layers_parent).__name__} has no final norm at .{FINAL_NORM}")
+    return norm

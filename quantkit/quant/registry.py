@@ -50,6 +50,27 @@ class AlgorithmStep:
         return ARGUMENTS[self.name](**self.args)
 
 
+class TransformType(str, Enum):
+    HADAMARD = "hadamard"  # the deterministic Hadamard matrix (compressed-tensors' "hadamard")
+    RANDOM_HADAMARD = "random-hadamard"  # a Hadamard matrix with random signs drawn from `seed` (QuIP's, QuaRot's)
+
+
+ROTATIONS = ("R1", "R2", "R3", "R4")
+FUSED = ("R1", "R2")  # R1: the residual stream; R2: each attention head's values, between v_proj and o_proj
+
+
+@dataclass(frozen=True)
+class Transform:
+    """Rotations of one kind (`transforms:` in a recipe): orthogonal matrices that leave the float model's function
+    unchanged and spread activation outliers over all channels before quantization (QuaRot, SpinQuant). R1 and R2
+    are fused into the weights (`quant.rotations`), so the artifact is a plain model."""
+
+    type: TransformType = TransformType.HADAMARD
+    rotations: tuple[str, ...] = FUSED
+    seed: int = 0  # random-hadamard's signs (every rank draws the same)
+    online: bool = False  # applied to activations at run time (R3, R4): not supported yet
+
+
 class IndivisiblePolicy(str, Enum):
     """What to do with a Linear whose input size the group size does not divide."""
 
@@ -85,6 +106,7 @@ class Recipe:
     requires: dict[Format, Requirement] = field(default_factory=dict)
     hardware: str = ""  # where vLLM runs the scheme natively (`recipes show` prints it)
     kv_cache: KVCacheSpec | None = None  # a quantized KV cache (`finalize --kv-cache fp8` sets it on any recipe)
+    transforms: tuple["Transform", ...] = ()  # rotations applied to the float model before it is quantized
     source: str = ""
 
     @property
@@ -93,8 +115,13 @@ class Recipe:
         return self.steps[-1]
 
     @property
-    def transforms(self) -> tuple[AlgorithmStep, ...]:
+    def before_quantizer(self) -> tuple[AlgorithmStep, ...]:
+        """The steps before the quantizer (AWQ, SmoothQuant: scales moved between activations and weights)."""
         return self.steps[:-1]
+
+    @property
+    def fused_rotations(self) -> tuple["Transform", ...]:
+        return tuple(t for t in self.transforms if not t.online)
 
     @property
     def needs_calibration(self) -> bool:
@@ -107,7 +134,8 @@ class Recipe:
         return calibrated_acts or any(step.name is not Algorithm.RTN for step in self.steps)
 
     def describe_algorithm(self) -> str:
-        return " + ".join(step.name.value for step in self.steps)
+        rotations = ["+".join(t.rotations) for t in self.transforms]  # "R1+R2": `recipes show` says which matrix
+        return " + ".join(rotations + [step.name.value for step in self.steps])
 
     def requirement(self, fmt: Format) -> Requirement:
         return self.requires.get(fmt, Requirement())
@@ -122,9 +150,9 @@ class Recipe:
         data = self.to_dict()
         steps = [{"name": step["name"], **step["args"]} for step in data["steps"]]
         data["algorithm"] = steps[0] if len(steps) == 1 else steps
-        order = ("description", "scheme", "algorithm", "calibration", "format", "ignore", "on_indivisible", "requires",
-                 "hardware", "kv_cache")
-        return {key: data[key] for key in order if data.get(key) is not None}
+        order = ("description", "scheme", "transforms", "algorithm", "calibration", "format", "ignore", "on_indivisible",
+                 "requires", "hardware", "kv_cache")
+        return {key: data[key] for key in order if data.get(key) not in (None, [])}
 
 
 def _plain(value: Any) -> Any:
@@ -183,7 +211,8 @@ def resolve(name_or_path: str) -> Recipe:
 
 # ---------------------------------------------------------------- parsing
 
-_TOP_KEYS = {"description", "scheme", "algorithm", "calibration", "format", "ignore", "on_indivisible", "requires", "hardware", "kv_cache"}
+_TOP_KEYS = {"description", "scheme", "algorithm", "calibration", "format", "ignore", "on_indivisible", "requires", "hardware",
+             "kv_cache", "transforms"}
 
 
 def load_recipe_file(path: Path | Traversable) -> Recipe:
@@ -218,8 +247,44 @@ def parse_recipe(name: str, data: dict[str, Any], source: str = "") -> Recipe:
         requires=_parse_requires(_mapping(data, "requires") or {}),
         hardware=str(data.get("hardware", "")),
         kv_cache=_parse_kv_cache(data.get("kv_cache")),
+        transforms=_parse_transforms(data.get("transforms", [])),
         source=source,
     )
+
+
+def _parse_transforms(value: Any) -> tuple[Transform, ...]:
+    if not isinstance(value, list):
+        raise SchemeError("transforms", "is a list, e.g. [{type: hadamard, rotations: [R1, R2]}]")
+    transforms, seen = [], set()
+    for i, item in enumerate(value):
+        where = f"transforms[{i}]"
+        if not isinstance(item, dict):
+            raise SchemeError(where, "is a mapping with keys type, rotations, seed, online")
+        unknown = set(item) - {"type", "rotations", "seed", "online"}
+        if unknown:
+            raise SchemeError(f"{where}.{sorted(unknown)[0]}", "unknown key; allowed keys are online, rotations, seed, type")
+        kind = _enum(item.get("type", "hadamard"), TransformType, f"{where}.type")
+        rotations = tuple(_str_list(item.get("rotations", list(FUSED)), f"{where}.rotations"))
+        for rotation in rotations:
+            if rotation not in ROTATIONS:
+                raise SchemeError(f"{where}.rotations", f"'{rotation}' is not a rotation; use {', '.join(FUSED)}")
+            if rotation in seen:
+                raise SchemeError(f"{where}.rotations", f"{rotation} is given twice")
+        seen.update(rotations)
+        online = _bool(item.get("online", False), f"{where}.online")
+        online_asked = [r for r in rotations if r not in FUSED]
+        if online or online_asked:
+            raise SchemeError(f"{where}", f"online rotations ({', '.join(online_asked) or 'online: true'}) are not "
+                              f"supported yet; use the fused ones, rotations: [{', '.join(FUSED)}]")
+        if not rotations:
+            raise SchemeError(f"{where}.rotations", f"names at least one rotation: {', '.join(FUSED)}")
+        seed = item.get("seed", 0)
+        if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+            raise SchemeError(f"{where}.seed", "is an integer >= 0")
+        if seed and kind is TransformType.HADAMARD:
+            raise SchemeError(f"{where}.seed", "is random-hadamard's (type: hadamard has no randomness)")
+        transforms.append(Transform(kind, rotations, seed, online))
+    return tuple(transforms)
 
 
 def _parse_scheme(data: dict[str, Any]) -> QuantScheme:

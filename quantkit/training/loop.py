@@ -124,6 +124,12 @@ def setup(config: TrainConfig, ctx: Context, recipe: Recipe | None, resume_from:
     tokenizer = models.load_tokenizer(found.tokenizer, fix="set model.tokenizer to a tokenizer directory or hub id")
     blocks, eval_ids = load_blocks(config, tokenizer)
     model = build_model(config, resume_from or found.model)
+    if recipe is not None and recipe.fused_rotations and resume_from is None:  # a checkpoint is rotated already
+        from quantkit.quant.rotations import Rotator
+
+        rotator = Rotator.of(recipe, model.config)  # train the model finalize will quantize: the rotated one
+        rotator.check(model)
+        rotator.rotate_model(model)
     if recipe is not None:  # fake quantizers go in before the optimizer is built
         qat.prepare(model, plan_model(model, recipe))
     model.to(ctx.device)

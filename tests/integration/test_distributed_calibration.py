@@ -55,7 +55,7 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-@pytest.mark.parametrize("recipe", ["gptq-w4a16", "fp8-static", "awq-w4a16", "smoothquant-w8a8"])
+@pytest.mark.parametrize("recipe", ["gptq-w4a16", "fp8-static", "awq-w4a16", "smoothquant-w8a8", "spinquant-gptq-w4a16"])
 def test_one_two_and_three_ranks_write_the_same_artifact(tiny_model_dir, calib_file, tmp_path, recipe):
     """Bit-identical at equal threads per process: whole batches (24 samples = 3 batches of 8) are shared out,
     so every per-batch statistic is the same tensor, and reductions are exact (MIN/MAX, float64 sums). GPTQ's

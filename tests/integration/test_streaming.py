@@ -25,7 +25,7 @@ def tensors(folder) -> dict[str, torch.Tensor]:
     return found
 
 
-@pytest.mark.parametrize("recipe", ["int4-weight-only", "gptq-w4a16", "fp8-static"])
+@pytest.mark.parametrize("recipe", ["int4-weight-only", "gptq-w4a16", "fp8-static", "quarot-w4a8-fp8", "spinquant-gptq-w4a16"])
 def test_a_streamed_artifact_equals_the_in_memory_one(tiny_model_dir, text_file, tmp_path, recipe):
     options = CalibrationOptions(data=str(text_file), num_samples=4, seq_len=32)
     runs = {}

@@ -135,7 +135,8 @@ def test_one_rank_equals_two_ranks(workspace):
         torch.testing.assert_close(one[name], two[name], atol=2e-5, rtol=1e-4, msg=name)
 
 
-@pytest.mark.parametrize("recipe", ["int8-dynamic-act-int4-weight", "int4-weight-only", "int2-weight-only", "nvfp4-a16"])
+@pytest.mark.parametrize("recipe", ["int8-dynamic-act-int4-weight", "int4-weight-only", "int2-weight-only", "nvfp4-a16",
+                                    "quarot-w4a8-fp8"])  # trained rotated; finalize does not rotate again
 def test_qat_train_finalize_reload(workspace, recipe, tmp_path):
     """The artifact's dequantized weights equal the fake-quantized weights the model trained with (a float32 model
     trains FP4 on the bfloat16 grid of the artifact it becomes)."""
@@ -149,6 +150,8 @@ def test_qat_train_finalize_reload(workspace, recipe, tmp_path):
     assert json.loads((result.final_dir / "quantkit.json").read_text())["qat"]["recipe"]["name"] == recipe
 
     trained = load_model(result.final_dir, dtype="float32")  # float weights; prepare as in training
+    if rec.fused_rotations:  # trained rotated: every norm's weight was folded into the Linears it feeds
+        assert all(bool((m.weight == 1).all()) for n, m in trained.named_modules() if n.endswith("norm"))
     qat.prepare(trained, plan_model(trained, rec))
     seen = qat.fake_quantized_weights(trained)
 

@@ -184,3 +184,36 @@ def test_a_kv_cache_is_a_recipe_field_or_a_finalize_flag(tmp_path):
     assert registry.with_kv_cache(recipe, None) is recipe
     with pytest.raises(RecipeError, match="--kv-cache 'int8' is not allowed; use fp8, fp8-head or none"):
         registry.with_kv_cache(plain, "int8")
+
+
+# ---------------------------------------------------------------- transforms: rotations before quantization
+
+
+def _with_transforms(tmp_path, transforms: str):
+    path = tmp_path / "rotated.yaml"
+    path.write_text("scheme: {weights: {dtype: int4, granularity: group, group_size: 32}}\nformat: compressed-tensors\n"
+                    f"transforms: {transforms}\n")
+    return path
+
+
+def test_transforms_parse_and_name_the_algorithm(tmp_path):
+    recipe = registry.resolve(str(_with_transforms(tmp_path, "[{type: random-hadamard, rotations: [R1], seed: 7}]")))
+    (transform,) = recipe.transforms
+    assert (transform.type.value, transform.rotations, transform.seed) == ("random-hadamard", ("R1",), 7)
+    assert recipe.describe_algorithm() == "R1 + rtn" and recipe.fused_rotations == recipe.transforms
+    assert registry.resolve("quarot-nvfp4").describe_algorithm() == "R1+R2 + rtn"
+
+
+@pytest.mark.parametrize("transforms, message", [
+    ("[{type: hadamard, rotations: [R4], online: true}]", "online rotations .* not supported yet"),
+    ("[{type: hadamard, rotations: [R3]}]", "online rotations \\(R3\\)"),
+    ("[{type: hadamard, rotations: [R5]}]", "'R5' is not a rotation"),
+    ("[{type: hadamard, rotations: [R1]}, {type: random-hadamard, rotations: [R1]}]", "R1 is given twice"),
+    ("[{type: hadamard, seed: 3}]", "random-hadamard's"),
+    ("[{type: givens}]", "transforms\\[0\\].type"),
+    ("[{type: hadamard, angle: 3}]", "unknown key"),
+    ("{type: hadamard}", "is a list"),
+])
+def test_bad_transforms_are_refused_naming_the_field(tmp_path, transforms, message):
+    with pytest.raises(RecipeError, match=message):
+        registry.resolve(str(_with_transforms(tmp_path, transforms)))
