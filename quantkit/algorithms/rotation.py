@@ -39,21 +39,21 @@ def fold_norm(norm_weight: torch.Tensor, weights: list[torch.Tensor], offset: fl
     unchanged, and the norm is now a plain RMS normalisation, which a rotation commutes with."""
     scale = norm_weight.to(compute_dtype) + offset
     for weight in weights:
-        _assign(weight, weight.to(compute_dtype) * scale.to(weight.device))
+        _by_rows(weight, lambda rows: rows * scale.to(weight.device), compute_dtype)
     norm_weight.fill_(1.0 - offset)
 
 
 @torch.no_grad()
 def rotate_input(weight: torch.Tensor, rotation: Rotation, compute_dtype: torch.dtype = torch.float64) -> None:
     """In place: W [out, in] ← W·Q, the Linear reading the rotated input x·Q computes what it computed on x."""
-    _assign(weight, _right(weight.to(compute_dtype), rotation))
+    _by_rows(weight, lambda rows: _right(rows, rotation), compute_dtype)
 
 
 @torch.no_grad()
 def rotate_output(weight: torch.Tensor, rotation: Rotation, bias: torch.Tensor | None = None,
                   compute_dtype: torch.dtype = torch.float64) -> None:
     """In place: W [out, in] ← Qᵀ·W and b ← b·Q, the Linear's output y becomes y·Q."""
-    _assign(weight, _right(weight.to(compute_dtype).T, rotation).T)
+    _by_rows(weight.T, lambda columns: _right(columns, rotation), compute_dtype)
     if bias is not None:
         _assign(bias, _right(bias.to(compute_dtype), rotation))
 
@@ -61,7 +61,7 @@ def rotate_output(weight: torch.Tensor, rotation: Rotation, bias: torch.Tensor |
 @torch.no_grad()
 def rotate_embedding(weight: torch.Tensor, rotation: Rotation, compute_dtype: torch.dtype = torch.float64) -> None:
     """In place: E [vocab, hidden] ← E·Q, each token's embedding rotated into the stream."""
-    _assign(weight, _right(weight.to(compute_dtype), rotation))
+    _by_rows(weight, lambda rows: _right(rows, rotation), compute_dtype)
 
 
 @torch.no_grad()
@@ -90,6 +90,17 @@ def _right(x: torch.Tensor, rotation: Rotation) -> torch.Tensor:
     if isinstance(rotation, torch.Tensor):
         return x @ rotation.to(device=x.device, dtype=x.dtype)
     return rotation(x)
+
+
+CHUNK_ROWS = 1024  # rows computed at once: float64 copies of a 128k-token embedding whole would take 12 GB
+
+
+def _by_rows(target: torch.Tensor, function: Callable[[torch.Tensor], torch.Tensor], compute_dtype: torch.dtype) -> None:
+    """In place, CHUNK_ROWS rows at a time (each row's result depends on that row alone): target ← function(target),
+    computed in `compute_dtype`, so what a rotation holds beside the weight is a few float64 copies of 1024 rows."""
+    for start in range(0, target.shape[0], CHUNK_ROWS):
+        rows = target[start:start + CHUNK_ROWS]
+        _assign(rows, function(rows.to(compute_dtype)))
 
 
 def _assign(target: torch.Tensor, value: torch.Tensor) -> None:

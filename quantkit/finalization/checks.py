@@ -117,17 +117,14 @@ def _check_model(src: Path, skeleton: nn.Module, recipe: Recipe, fmt: Format) ->
 
 
 def _check_rotations(src: Path, skeleton: nn.Module, recipe: Recipe, fmt: Format):
-    """The recipe's fused rotations for this model (None without), or a refusal: the torchao format, a layer a
-    rotation would not leave computing the same, a width with no Hadamard matrix."""
+    """The recipe's fused rotations for this model (None without, or where QAT trained the rotated model), or a
+    refusal: a layer a rotation would not leave computing the same, a width with no Hadamard matrix."""
     if not recipe.fused_rotations:
         return None
     trained = ((metadata.read(src) or {}).get("qat") or {}).get("recipe") or {}
     if trained.get("transforms") == recipe.to_dict()["transforms"]:
         return None  # QAT trained the rotated model (`training.loop.setup`): its weights are rotated already
-    if fmt is Format.TORCHAO:
-        raise FormatError(f"recipe '{recipe.name}' rotates the model before quantizing it, and the torchao format converts "
-                          "the unrotated checkpoint while transformers loads it: use --format compressed-tensors")
-    from quantkit.quant.rotations import Rotator
+    from quantkit.quant.rotations import Rotator  # the torchao format refused them already (`check_supported`)
 
     rotator = Rotator.of(recipe, skeleton.config)
     rotator.check(skeleton)

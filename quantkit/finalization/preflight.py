@@ -48,6 +48,9 @@ STREAMED_LAYER_COPIES = 3
 _LOAD_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
+ROTATION_COPIES = 3  # a block of rows in float64, its rotated result, the transform's intermediate
+
+
 def estimate(prepared, recipe: Recipe, options, world_size: int, dst: str | Path | None, dtype: str = "auto",
              measure_time: bool = False, trust_remote_code: bool = False) -> dict:
     """The preflight report (`finalize --dry-run`, and the check a real run makes before loading). A model that
@@ -79,6 +82,11 @@ def estimate(prepared, recipe: Recipe, options, world_size: int, dst: str | Path
         ram["one decoder layer (read, quantized, packed)"] = STREAMED_LAYER_COPIES * max(per_layer.values(), default=0)
     else:
         ram["model and its transient copy while loading and writing"] = int(LOAD_AND_WRITE_COPIES[prepared.format] * model_bytes)
+    if prepared.rotator is not None:  # float64 copies of CHUNK_ROWS rows of the widest weight (`algorithms.rotation`)
+        from quantkit.algorithms.rotation import CHUNK_ROWS
+
+        widest = max((shape[-1] for _, shape in headers.values() if len(shape) == 2), default=0)
+        ram["rotations (float64 blocks of rows)"] = ROTATION_COPIES * 8 * CHUNK_ROWS * widest
     device = None
     work_dir = None
     shares = None

@@ -122,6 +122,13 @@ def test_reloaded_weights_equal_scheme_fake_quant(artifacts, tiny_model_dir, wid
     recipe, src = registry.resolve(name), _source(name, tiny_model_dir, wide_model_dir)
     reloaded = load_file(root / f"{name}-{fmt.value}.safetensors")
     source = load_file(src / "model.safetensors")
+    if recipe.fused_rotations:  # the grid of the rotated model, rotated here whole (finalize rotates as it streams)
+        from quantkit.models.loading import load_model
+        from quantkit.quant.rotations import Rotator
+
+        model = load_model(src)
+        Rotator.of(recipe, model.config).rotate_model(model)
+        source = {key: value.detach() for key, value in model.state_dict().items()}
     plan = prepare(src, recipe, fmt).plan
     assert any(entry.quantized for entry in plan)
     dtype = getattr(torch, json.loads((root / f"{name}-{fmt.value}" / "config.json").read_text())["dtype"])

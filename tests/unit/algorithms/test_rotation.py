@@ -121,3 +121,18 @@ def test_rotations_cast_back_to_the_weight_dtype_in_place():
     rotate_input(weight, hadamard_matrix(64))
     assert weight.dtype == torch.bfloat16 and weight.data_ptr() == storage
     assert torch.equal(weight, reference.to(torch.bfloat16))  # one rounding, from float64
+
+
+def test_rotations_computed_a_block_of_rows_at_a_time_equal_the_whole_product(monkeypatch):
+    """Large weights (a 128k-token embedding) rotate CHUNK_ROWS rows at a time: the same numbers as one product."""
+    from quantkit.algorithms import rotation
+    from quantkit.algorithms.hadamard import hadamard_matrix
+
+    monkeypatch.setattr(rotation, "CHUNK_ROWS", 100)
+    q = hadamard_matrix(64)
+    weight = torch.randn(250, 64, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    reads, writes = weight.clone(), weight.T.contiguous().clone()
+    rotation.rotate_input(reads, q)
+    rotation.rotate_output(writes, q)
+    torch.testing.assert_close(reads, weight @ q, rtol=0, atol=1e-12)
+    torch.testing.assert_close(writes, q.T @ weight.T, rtol=0, atol=1e-12)
