@@ -59,6 +59,11 @@ def is_supported_width(n: int) -> bool:
     return n > 0 and (_is_pow2(n) or _divisor(n) is not None)
 
 
+def is_power_of_two(n: int) -> bool:
+    """Sizes compressed-tensors' "hadamard" type builds (Sylvester's construction)."""
+    return _is_pow2(n)
+
+
 def hadamard_matrix(n: int, *, normalize: bool = True, dtype: torch.dtype = torch.float64,
                     device: torch.device | str | None = None) -> torch.Tensor:
     """The Hadamard matrix of size n (see the module docstring for which), divided by √n unless `normalize` is

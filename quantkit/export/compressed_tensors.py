@@ -297,6 +297,9 @@ def write(quantized: QuantizedModel, out_dir: Path, max_shard_size: int | None =
     of an initialised process group (it would wait for ranks that are not there)."""
     placement.check_on_host("the compressed-tensors writer", model=quantized.model, qparams=quantized.qparams,
                             input_scales=quantized.input_scales, kv_scales=quantized.kv_scales)
+    from quantkit.quant.rotations import transform_config
+
+    transforms = transform_config(quantized.recipe, quantized.model)  # before compression replaces the weights
     model = as_loaded(quantized)
     with as_single_threaded():
         compressor = ModelCompressor.from_pretrained_model(model)
@@ -304,6 +307,7 @@ def write(quantized: QuantizedModel, out_dir: Path, max_shard_size: int | None =
         model.save_pretrained(out_dir, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
         compressor.update_config(str(out_dir))
     _declare_kv_cache(out_dir / "config.json", quantized.recipe)
+    _declare_transforms(out_dir / "config.json", transforms)
 
 
 class StreamWriter:
@@ -318,6 +322,9 @@ class StreamWriter:
         ct_compat.compute_as_newer_releases()
         self.model, self.recipe, self.out_dir = model, recipe, Path(out_dir)
         self.config = quantization_config(plan, recipe, experts_targets(model))
+        from quantkit.quant.rotations import transform_config
+
+        self.transforms = transform_config(recipe, model)  # before compression replaces the weights
         self.planned = {entry.name for entry in plan if entry.quantized}
         self.names = {module: name for name, module in model.named_modules()}
         self.stored_name = moe.checkpoint_renamer(model)  # as save_pretrained renames (Mixtral's mlp: block_sparse_moe)
@@ -368,6 +375,7 @@ class StreamWriter:
         compressor.update_config(str(self.out_dir))
         _ignore_as_stored(self.out_dir / "config.json", self.stored_name)
         _declare_kv_cache(self.out_dir / "config.json", self.recipe)
+        _declare_transforms(self.out_dir / "config.json", self.transforms)
 
 
 def _declare_kv_cache(config_file: Path, recipe: Recipe) -> None:
@@ -381,6 +389,18 @@ def _declare_kv_cache(config_file: Path, recipe: Recipe) -> None:
     if not config["quantization_config"].get("kv_cache_scheme"):
         config["quantization_config"]["kv_cache_scheme"] = _kv_cache_args(recipe.kv_cache).model_dump(mode="json")
         config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def _declare_transforms(config_file: Path, found: dict | None) -> None:
+    """The fused rotations as the quantization config's `transform_config`, where llm-compressor writes them
+    (`quant.rotations.transform_config`)."""
+    import json
+
+    if found is None:
+        return
+    config = json.loads(config_file.read_text())
+    config["quantization_config"]["transform_config"] = found
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def _ignore_as_stored(config_file: Path, stored_name) -> None:

@@ -148,3 +148,45 @@ def is_tied(config) -> bool:
 
 
 __all__ = ["Rotator", "is_tied", "untie"]
+
+
+def transform_config(recipe: Recipe, model: nn.Module) -> dict | None:
+    """compressed-tensors' `transform_config` for the recipe's fused rotations of `model`, laid out as llm-compressor's
+    SpinQuantModifier writes it (groups "R1", "R2": `weight_output` on the Linears writing the rotated tensor,
+    `weight_input` with `inverse` on those reading it; targets as `re:.*<name>$` patterns). The weights hold the
+    rotations already, so runtimes ignore these (vLLM applies online locations only; transformers none): the config
+    says what was done to the weights, in the place where compressed-tensors' tools look. A rotation it cannot
+    state is left out (quantkit.json records every one): R2 on values fused into one qkv projection, whose rows
+    a target cannot single out, and a "hadamard" of a size that is not a power of two, which compressed-tensors'
+    "hadamard" type cannot build."""
+    if not recipe.fused_rotations:
+        return None
+    rotator = Rotator(recipe.fused_rotations, model.config)
+    layers = models.decoder_layers(model)
+    wirings = [residual_modules(layer, rotator.hidden, rotator._value_rows()) for layer in layers]
+    leaf = lambda name: f"re:.*{name.rsplit('.', 1)[-1]}$"  # noqa: E731
+    unique = lambda names: list(dict.fromkeys(names))  # noqa: E731
+    groups = {}
+    kinds = {rotation: transform for transform in recipe.fused_rotations for rotation in transform.rotations}
+
+    def group(rotation: str, size: int, head_dim: int | None, writers: list[str], readers: list[str]) -> None:
+        transform = kinds[rotation]
+        if transform.type is TransformType.HADAMARD and not hadamard.is_power_of_two(size):
+            return
+        groups[rotation] = {
+            "type": transform.type.value, "head_dim": head_dim, "precision": "torch.float64", "randomize": False,
+            "requires_grad": False,
+            "apply": [{"targets": writers, "location": "weight_output", "inverse": False, "ignore": []},
+                      {"targets": readers, "location": "weight_input", "inverse": True, "ignore": []}],
+        }
+
+    if "R1" in kinds:
+        embeddings = models.module_name(model, model.get_input_embeddings())
+        head = models.module_name(model, model.get_output_embeddings())
+        writers = unique([leaf(embeddings)] + [leaf(n) for w in wirings for n in (w.attention_writer, *w.mlp_writers)])
+        readers = unique([leaf(n) for w in wirings for n in (*w.attention_readers, *w.mlp_readers)]) + [head]
+        group("R1", rotator.hidden, None, writers, readers)
+    if "R2" in kinds and not any(w.value_rows for w in wirings):
+        group("R2", rotator.head_dim, rotator.head_dim, unique([leaf(w.values) for w in wirings]),
+              unique([leaf(w.attention_writer) for w in wirings]))
+    return {"config_groups": groups} if groups else None

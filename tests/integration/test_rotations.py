@@ -54,3 +54,39 @@ def test_a_post_norm_architecture_is_refused_before_any_weight_is_read(tmp_path)
     src = build_tiny_model(tmp_path / "gemma2", make_text(800), "gemma2", head_dim=16)
     with pytest.raises(UnsupportedModelError, match="rotations need pre-norm decoder layers"):
         prepare(src, resolve("quarot-nvfp4"))
+
+
+# llm-compressor 0.14's SpinQuantModifier(rotations=["R1", "R2"], transform_type="hadamard") on a Llama with
+# head_dim 16: its config.json's quantization_config.transform_config (R1 and R2 groups, as it writes them)
+LLMC_SPINQUANT = {"config_groups": {
+    "R1": {"apply": [
+        {"ignore": [], "inverse": False, "location": "weight_output",
+         "targets": ["re:.*embed_tokens$", "re:.*o_proj$", "re:.*down_proj$"]},
+        {"ignore": [], "inverse": True, "location": "weight_input",
+         "targets": ["re:.*q_proj$", "re:.*k_proj$", "re:.*v_proj$", "re:.*up_proj$", "re:.*gate_proj$", "lm_head"]}],
+        "head_dim": None, "precision": "torch.float64", "randomize": False, "requires_grad": False, "type": "hadamard"},
+    "R2": {"apply": [
+        {"ignore": [], "inverse": False, "location": "weight_output", "targets": ["re:.*v_proj$"]},
+        {"ignore": [], "inverse": True, "location": "weight_input", "targets": ["re:.*o_proj$"]}],
+        "head_dim": 16, "precision": "torch.float64", "randomize": False, "requires_grad": False, "type": "hadamard"}}}
+
+
+def _sorted_targets(config):
+    for group in config["config_groups"].values():
+        for apply in group["apply"]:
+            apply["targets"] = sorted(apply["targets"])
+    return config
+
+
+def test_the_transform_config_validates_and_is_llm_compressors_layout(tiny_model_dir, text_file, tmp_path):
+    from compressed_tensors.transform import TransformConfig
+
+    from quantkit.finalization.checks import CalibrationOptions
+
+    options = CalibrationOptions(data=str(text_file), num_samples=4, seq_len=32)
+    for in_memory in (False, True):  # the streamed writer and the whole-model one
+        dst = finalize(tiny_model_dir, tmp_path / str(in_memory), resolve("spinquant-gptq-w4a16"), calibration=options,
+                       in_memory=in_memory).dst
+        written = json.loads((dst / "config.json").read_text())["quantization_config"]["transform_config"]
+        TransformConfig.model_validate(written)
+        assert _sorted_targets(written) == _sorted_targets(json.loads(json.dumps(LLMC_SPINQUANT)))
