@@ -318,9 +318,9 @@ def residual_modules(layer: nn.Module, hidden: int, value_rows: int = 0) -> Resi
     """The layer's `ResidualModules`, or UnsupportedModelError saying why a rotation cannot keep its function:
     a norm inside a block (Gemma2's and OLMo2's post-norms), a LayerNorm (its mean does not commute with a
     rotation), a weight of the MLP whose role in the stream is unknown."""
-    wiring = next((w for w in WIRINGS if all(_has(layer, n) for n in (w.attention, w.q, w.k, w.v, w.o))), None)
+    wiring = next((w for w in WIRINGS if all(has_submodule(layer, n) for n in (w.attention, w.q, w.k, w.v, w.o))), None)
     what = type(layer).__name__
-    if wiring is None or not _has(layer, LLAMA.mlp):
+    if wiring is None or not has_submodule(layer, LLAMA.mlp):
         raise UnsupportedModelError(f"rotations need Llama-style decoder layers (self_attn with q/k/v/o projections, an mlp); "
                                     f"{what} has another layout")
     norms = [name for name, module in layer.named_modules() if name and _hidden_vector(module, hidden)]
@@ -359,7 +359,7 @@ def residual_modules(layer: nn.Module, hidden: int, value_rows: int = 0) -> Resi
                            tuple(writers), wiring.v, value_rows if wiring.v == wiring.q else 0)
 
 
-def _has(layer: nn.Module, name: str) -> bool:
+def has_submodule(layer: nn.Module, name: str) -> bool:
     try:
         layer.get_submodule(name)
     except AttributeError:

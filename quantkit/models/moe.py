@@ -27,7 +27,7 @@ from torch import nn
 
 from quantkit.errors import UnsupportedModelError
 from quantkit.models import compat
-from quantkit.models.architectures import LLAMA, WIRINGS, LayerWiring, feeding_modules
+from quantkit.models.architectures import LLAMA, WIRINGS, LayerWiring, feeding_modules, has_submodule
 
 GATE_NOTE = "an MoE router or gate (kept in full precision; vLLM serves them unquantized)"
 # What `use_experts_implementation` must say of a fused experts class for `LinearExperts` to compute the same:
@@ -269,7 +269,7 @@ def is_moe_layer(layer: nn.Module) -> bool:
 def traced_moe_wiring(layer: nn.Module, call: tuple[tuple, dict]) -> MoEWiring:
     """The MoE layer's wiring, with the norms its attention and its MoE block really read (from one run of the
     layer on a captured call, as `architectures.traced_wiring` finds them for dense layers)."""
-    attention = next((w for w in WIRINGS if all(_has(layer, n) for n in (w.attention, *w.qkv, w.o))), None)
+    attention = next((w for w in WIRINGS if all(has_submodule(layer, n) for n in (w.attention, *w.qkv, w.o))), None)
     (experts_name, experts), *more = experts_modules(layer).items()
     if attention is None or more:
         raise UnsupportedModelError(f"{type(layer).__name__}: calibration knows MoE layers with Llama-style attention "
@@ -300,14 +300,6 @@ def _shared_experts(layer: nn.Module, block: str) -> list[tuple[str, str, str]]:
         if not isinstance(module, LinearExperts) and all(isinstance(getattr(module, n, None), nn.Linear) for n in relative):
             found.append(tuple(f"{block}.{child}.{n}" for n in relative))
     return found
-
-
-def _has(layer: nn.Module, name: str) -> bool:
-    try:
-        layer.get_submodule(name)
-    except AttributeError:
-        return False
-    return True
 
 
 def _is_norm(module: nn.Module, reader: nn.Module) -> bool:
