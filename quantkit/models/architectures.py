@@ -125,6 +125,23 @@ def _unique(*names: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(names))
 
 
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder layers at model.<base_model_prefix>.layers (Llama-, Qwen2-, Mistral-style models)."""
+    prefix = getattr(model, "base_model_prefix", "model")
+    layers = getattr(getattr(model, prefix, None), "layers", None)
+    if not isinstance(layers, nn.ModuleList) or not len(layers):
+        raise UnsupportedModelError(
+            f"{type(model).__name__}: calibration needs decoder layers at model.{prefix}"
+            ".layers (Llama-, Qwen2-, Mistral-style models); this architecture has none there"
+        )
+    return layers
+
+
+def module_name(model: nn.Module, module: nn.Module) -> str:
+    """The qualified name of `module` inside `model` (e.g. "model.layers" for the decoder layers)."""
+    return next(name for name, candidate in model.named_modules() if candidate is module)
+
+
 def find_wiring(layer: nn.Module) -> LayerWiring | None:
     """The first known wiring whose every part `layer` has."""
     return next((wiring for wiring in WIRINGS if wiring.missing(layer) is None), None)

@@ -11,7 +11,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from quantkit.errors import SourceModelError, UnsupportedModelError
+from quantkit.errors import SourceModelError
+from quantkit.models.architectures import decoder_layers, module_name  # noqa: F401  (where callers find them)
 
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -130,23 +131,6 @@ def check_finite(name: str, weight: torch.Tensor) -> None:
             f"{name}.weight has {bad} non-finite values (NaN or Inf) in the source model; fix the checkpoint, or leave "
             "the module out of the recipe (`ignore`)"
         )
-
-
-def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The decoder layers at model.<base_model_prefix>.layers (Llama-, Qwen2-, Mistral-style models)."""
-    prefix = getattr(model, "base_model_prefix", "model")
-    layers = getattr(getattr(model, prefix, None), "layers", None)
-    if not isinstance(layers, nn.ModuleList) or not len(layers):
-        raise UnsupportedModelError(
-            f"{type(model).__name__}: calibration needs decoder layers at model.{prefix}"
-            ".layers (Llama-, Qwen2-, Mistral-style models); this architecture has none there"
-        )
-    return layers
-
-
-def module_name(model: nn.Module, module: nn.Module) -> str:
-    """The qualified name of `module` inside `model` (e.g. "model.layers" for the decoder layers)."""
-    return next(name for name, candidate in model.named_modules() if candidate is module)
 
 
 def copy_tokenizer(src: Path, dst: Path) -> list[str]:

@@ -31,7 +31,7 @@ from quantkit.algorithms.rotation import (
     rotate_output,
 )
 from quantkit.errors import UnsupportedModelError
-from quantkit.models import loading as models
+from quantkit.models import architectures
 from quantkit.models.architectures import final_norm, norm_weight_offset, residual_modules
 from quantkit.quant.registry import Recipe, Transform, TransformType
 
@@ -61,7 +61,7 @@ class Rotator:
     def check(self, model: nn.Module) -> None:
         """Refuse, before any weight is read, a model the rotations would not leave computing the same
         (`model` may be the meta skeleton)."""
-        layers = models.decoder_layers(model)
+        layers = architectures.decoder_layers(model)
         final_norm(layers_parent(model, layers))
         for layer in layers:
             residual_modules(layer, self.hidden, self._value_rows())
@@ -77,7 +77,7 @@ class Rotator:
         embeddings, head = model.get_input_embeddings(), model.get_output_embeddings()
         if head.weight is embeddings.weight:
             untie(model)
-        norm = final_norm(layers_parent(model, models.decoder_layers(model)))
+        norm = final_norm(layers_parent(model, architectures.decoder_layers(model)))
         rotate_embedding(embeddings.weight.data, self.r1)
         fold_norm(norm.weight.data, [head.weight.data], norm_weight_offset(norm))
         rotate_input(head.weight.data, self.r1)
@@ -110,7 +110,7 @@ class Rotator:
     def rotate_model(self, model: nn.Module) -> None:
         """The whole model in memory."""
         self.rotate_rest(model)
-        for layer in models.decoder_layers(model):
+        for layer in architectures.decoder_layers(model):
             self.rotate_layer(layer)
 
     def _value_rows(self) -> int:
@@ -130,7 +130,7 @@ def _rotation(size: int, seed: int | None, what: str):
 
 
 def layers_parent(model: nn.Module, layers: nn.ModuleList) -> nn.Module:
-    return model.get_submodule(models.module_name(model, layers).rpartition(".")[0])
+    return model.get_submodule(architectures.module_name(model, layers).rpartition(".")[0])
 
 
 def untie(model: nn.Module) -> None:
@@ -162,7 +162,7 @@ def transform_config(recipe: Recipe, model: nn.Module) -> dict | None:
     if not recipe.fused_rotations:
         return None
     rotator = Rotator(recipe.fused_rotations, model.config)
-    layers = models.decoder_layers(model)
+    layers = architectures.decoder_layers(model)
     wirings = [residual_modules(layer, rotator.hidden, rotator._value_rows()) for layer in layers]
     leaf = lambda name: f"re:.*{name.rsplit('.', 1)[-1]}$"  # noqa: E731
     unique = lambda names: list(dict.fromkeys(names))  # noqa: E731
@@ -181,8 +181,8 @@ def transform_config(recipe: Recipe, model: nn.Module) -> dict | None:
         }
 
     if "R1" in kinds:
-        embeddings = models.module_name(model, model.get_input_embeddings())
-        head = models.module_name(model, model.get_output_embeddings())
+        embeddings = architectures.module_name(model, model.get_input_embeddings())
+        head = architectures.module_name(model, model.get_output_embeddings())
         writers = unique([leaf(embeddings)] + [leaf(n) for w in wirings for n in (w.attention_writer, *w.mlp_writers)])
         readers = unique([leaf(n) for w in wirings for n in (*w.attention_readers, *w.mlp_readers)]) + [head]
         group("R1", rotator.hidden, None, writers, readers)
