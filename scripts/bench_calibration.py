@@ -132,6 +132,15 @@ def train_config(init: Path, text: Path, steps: int, output: Path, batch: int = 
     }
 
 
+def benchmark_model(args) -> Path:
+    """`--model`, or the trained benchmark model (built once in `--workdir`): what every benchmark of this family
+    runs on."""
+    if args.model:
+        return args.model.resolve()
+    init = build_init(args.workdir, args.train_text, args.hidden, getattr(args, "intermediate", None))
+    return train_model(args.workdir, init, args.train_text, args.train_steps, args.threads, args.train_batch)
+
+
 def train_model(workdir: Path, init: Path, text: Path, steps: int, threads: int, batch: int = 16) -> Path:
     """`quantkit train` on the built model, once; returns OUTPUT/final."""
     output = workdir / (f"{init.name.removesuffix('-init')}-trained{steps}" + (f"-b{batch}" if batch != 16 else ""))
@@ -530,12 +539,9 @@ def main(argv: list[str] | None = None) -> None:
     args.workdir.mkdir(parents=True, exist_ok=True)
     if not args.llmc_python:
         print("note: no --llmc-python given; skipping the llm-compressor side (see this script's docstring)", file=sys.stderr)
+    src = benchmark_model(args)
     if args.model:
-        src = args.model.resolve()
         args.hidden = json.loads((src / "config.json").read_text())["hidden_size"]
-    else:
-        init = build_init(args.workdir, args.train_text, args.hidden, args.intermediate)
-        src = train_model(args.workdir, init, args.train_text, args.train_steps, args.threads, args.train_batch)
     calib = harness.write_calibration(src, args.calib_data, args.num_samples, args.seq_len, args.workdir)
     if args.prepare_only:
         return print(f"model {src}, calibration tokens {calib}")

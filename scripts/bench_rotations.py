@@ -710,11 +710,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     args.workdir.mkdir(parents=True, exist_ok=True)
-    if args.model:
-        src = args.model.resolve()
-    else:
-        init = bench.build_init(args.workdir, args.train_text, args.hidden)
-        src = bench.train_model(args.workdir, init, args.train_text, args.train_steps, args.threads, args.train_batch)
+    src = bench.benchmark_model(args)
     models = {"plain": src, "outlier": outlier_model(src, args.workdir, args)}
     if "folded" in args.models:
         models["folded"] = folded_model(models["outlier"], args.workdir, args)
