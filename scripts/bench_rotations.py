@@ -586,6 +586,8 @@ def print_report(facts: dict, rows: list[Row], float_ppl: dict, chosen: dict, er
     print("- quantkit's rotated recipes: " + "; ".join(f"{k}: {v}" for k, v in chosen.items()))
     print()
     print(table(rows, float_ppl))
+    print("\nllm-compressor's wall time includes its in-process perplexity and its save (the JSON's reported "
+          "oneshot_s / eval_s / save_s split it); quantkit's is `quantkit finalize` alone.")
     print()
     for entry in comparisons(rows, float_ppl):
         parts = []
