@@ -132,6 +132,16 @@ def train_config(init: Path, text: Path, steps: int, output: Path, batch: int = 
     }
 
 
+def add_model_arguments(p) -> None:
+    """The arguments `benchmark_model` reads, for the benchmarks that share this one's model (`--workdir`)."""
+    p.add_argument("--workdir", type=Path, default=Path("/tmp/quantkit-bench-calib"), help="shared with bench_calibration.py")
+    p.add_argument("--model", type=Path, help="this model directory instead of bench_calibration.py's trained one")
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--train-steps", type=int, default=150)
+    p.add_argument("--train-batch", type=int, default=16)
+    p.add_argument("--train-text", type=Path, default=WIKITEXT / "valid.txt")
+
+
 def benchmark_model(args) -> Path:
     """`--model`, or the trained benchmark model (built once in `--workdir`): what every benchmark of this family
     runs on."""

@@ -681,9 +681,8 @@ def machine_facts(models: dict[str, Path], args: argparse.Namespace) -> dict:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    bench.add_model_arguments(p)  # --workdir, --model, and the trained model's --hidden, --train-*
     p.add_argument("--llmc-python", type=Path, help="python of a venv with llmcompressor 0.14; without it only quantkit runs")
-    p.add_argument("--workdir", type=Path, default=Path("/tmp/quantkit-bench-calib"), help="shared with bench_calibration.py")
-    p.add_argument("--model", type=Path, help="this model directory instead of bench_calibration.py's trained one")
     p.add_argument("--only", nargs="+", metavar="RECIPE", help="only these unrotated quantkit recipes (and their rows): "
                    + " ".join(s.recipe for s in SCHEMES))
     p.add_argument("--models", nargs="+", choices=["plain", "outlier", "folded"], default=["plain", "outlier", "folded"],
@@ -694,10 +693,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="also run the peer's SpinQuant with center_embeddings patched out (default: yes)")
     p.add_argument("--random-hadamard", action="store_true",
                    help="also quantkit's rows with `type: random-hadamard, seed: 0` (a user recipe file)")
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--train-steps", type=int, default=150)
-    p.add_argument("--train-batch", type=int, default=16)
-    p.add_argument("--train-text", type=Path, default=harness.WIKITEXT / "valid.txt")
     p.add_argument("--calib-data", type=Path, default=harness.WIKITEXT / "valid.txt")
     p.add_argument("--num-samples", type=int, default=64)
     p.add_argument("--seq-len", type=int, default=256)

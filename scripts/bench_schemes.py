@@ -114,14 +114,9 @@ def targets(jobs: list[bench.Job], float_ppl: float | None) -> dict:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    bench.add_model_arguments(p)  # --workdir, --model, and the trained model's --hidden, --train-*
     p.add_argument("--llmc-python", type=Path, help="python of a venv with llmcompressor; without it only quantkit runs")
-    p.add_argument("--workdir", type=Path, default=Path("/tmp/quantkit-bench-calib"), help="shared with bench_calibration.py")
-    p.add_argument("--model", type=Path, help="this model directory instead of bench_calibration.py's trained one")
     p.add_argument("--only", nargs="+", metavar="RECIPE", help="only these quantkit recipes (and their peers)")
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--train-steps", type=int, default=150)
-    p.add_argument("--train-batch", type=int, default=16)
-    p.add_argument("--train-text", type=Path, default=harness.WIKITEXT / "valid.txt")
     p.add_argument("--calib-data", type=Path, default=harness.WIKITEXT / "valid.txt")
     p.add_argument("--num-samples", type=int, default=64)
     p.add_argument("--seq-len", type=int, default=256)

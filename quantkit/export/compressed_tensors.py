@@ -32,6 +32,7 @@ from quantkit.quant.plan import ModulePlan
 from quantkit.quant.qparams import QParams
 from quantkit.quant.quantized_model import QuantizedModel
 from quantkit.quant.registry import Recipe
+from quantkit.quant.rotations import transform_config
 from quantkit.quant.schemes import ActivationSpec, Granularity, KVCacheSpec, QDtype, QuantScheme, ScaleDtype, WeightSpec
 from quantkit.runtime import placement
 
@@ -297,8 +298,6 @@ def write(quantized: QuantizedModel, out_dir: Path, max_shard_size: int | None =
     of an initialised process group (it would wait for ranks that are not there)."""
     placement.check_on_host("the compressed-tensors writer", model=quantized.model, qparams=quantized.qparams,
                             input_scales=quantized.input_scales, kv_scales=quantized.kv_scales)
-    from quantkit.quant.rotations import transform_config
-
     transforms = transform_config(quantized.recipe, quantized.model)  # before compression replaces the weights
     model = as_loaded(quantized)
     with as_single_threaded():
@@ -322,8 +321,6 @@ class StreamWriter:
         ct_compat.compute_as_newer_releases()
         self.model, self.recipe, self.out_dir = model, recipe, Path(out_dir)
         self.config = quantization_config(plan, recipe, experts_targets(model))
-        from quantkit.quant.rotations import transform_config
-
         self.transforms = transform_config(recipe, model)  # before compression replaces the weights
         self.planned = {entry.name for entry in plan if entry.quantized}
         self.names = {module: name for name, module in model.named_modules()}

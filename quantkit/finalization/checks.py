@@ -76,11 +76,11 @@ def prepare(
     check_hardware(recipe, fmt)
     src = sources.resolve_source(src, revision)
     models.check_full_precision(src)
-    check_qat_recipe(src, recipe, fmt, force_recipe)
+    trained = check_qat_recipe(src, recipe, fmt, force_recipe)
     config = models.load_config(src, trust_remote_code)
     skeleton = moe.linearize(models.meta_model(config, trust_remote_code))
     plan = _check_model(src, skeleton, recipe, fmt)
-    rotator = _check_rotations(src, skeleton, recipe, fmt)
+    rotator = _check_rotations(skeleton, recipe, trained)
     report = coverage(skeleton, plan)
     if fmt is Format.COMPRESSED_TENSORS:
         from quantkit.export.compressed_tensors import experts_caveat, loading_caveat
@@ -116,13 +116,13 @@ def _check_model(src: Path, skeleton: nn.Module, recipe: Recipe, fmt: Format) ->
     return plan
 
 
-def _check_rotations(src: Path, skeleton: nn.Module, recipe: Recipe, fmt: Format):
-    """The recipe's fused rotations for this model (None without, or where QAT trained the rotated model), or a
-    refusal: a layer a rotation would not leave computing the same, a width with no Hadamard matrix."""
+def _check_rotations(skeleton: nn.Module, recipe: Recipe, trained: dict | None):
+    """The recipe's fused rotations for this model (None without, or where QAT trained the rotated model: `trained`
+    is its recipe), or a refusal: a layer a rotation would not leave computing the same, a width with no Hadamard
+    matrix."""
     if not recipe.fused_rotations:
         return None
-    trained = ((metadata.read(src) or {}).get("qat") or {}).get("recipe") or {}
-    if trained.get("transforms") == recipe.to_dict()["transforms"]:
+    if (trained or {}).get("transforms") == recipe.to_dict()["transforms"]:
         return None  # QAT trained the rotated model (`training.loop.setup`): its weights are rotated already
     from quantkit.quant.rotations import Rotator  # the torchao format refused them already (`check_supported`)
 
@@ -131,10 +131,10 @@ def _check_rotations(src: Path, skeleton: nn.Module, recipe: Recipe, fmt: Format
     return rotator
 
 
-def check_qat_recipe(src: Path, recipe: Recipe, fmt: Format, force: bool = False) -> str | None:
+def check_qat_recipe(src: Path, recipe: Recipe, fmt: Format, force: bool = False) -> dict | None:
     """A QAT-trained SRC is converted with the recipe it was trained for (another recipe needs `force`), into a
-    format that keeps its trained grid exactly. Returns the QAT recipe's name, or None for a model trained
-    without QAT."""
+    format that keeps its trained grid exactly. Returns the QAT recipe (as quantkit.json holds it), or None for a
+    model trained without QAT."""
     trained = (metadata.read(src) or {}).get("qat")
     if not trained:
         return None
@@ -150,7 +150,7 @@ def check_qat_recipe(src: Path, recipe: Recipe, fmt: Format, force: bool = False
         if mismatch := qat_mismatch(recipe.scheme):
             raise FormatError(f"{src} was trained with QAT on the scheme's grid, which {mismatch}: "
                               "use --format compressed-tensors, which keeps the trained weights exactly")
-    return name
+    return trained["recipe"]
 
 
 def _whole_model_reason(src: Path, fmt: Format, skeleton: nn.Module, in_memory: bool, rotated: bool = False) -> str | None:

@@ -142,12 +142,7 @@ def untie(model: nn.Module) -> None:
         model.config.get_text_config().tie_word_embeddings = False
 
 
-def is_tied(config) -> bool:
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return bool(getattr(text, "tie_word_embeddings", False))
-
-
-__all__ = ["Rotator", "is_tied", "untie"]
+__all__ = ["Rotator", "untie"]
 
 
 def transform_config(recipe: Recipe, model: nn.Module) -> dict | None:
