@@ -32,13 +32,17 @@ status=0
 # quantkit (the checkout's quantkit/ lacks quantkit.cli, which the wheel maps from cli/)
 mkdir -p /tmp/run && cd /tmp/run
 if [[ " $STEPS " == *" tests "* ]]; then
+    # bit-identity across processes, with every core of this machine visible (16 here, 2 in CI): CPU work, run
+    # beside the GPU suite
+    timeout ${THREAD_TIMEOUT:-150} python3 -m pytest -c "$REPO/pyproject.toml" --rootdir "$REPO" -q -p no:cacheprovider -rfE \
+        "$REPO/tests/unit/runtime/test_distributed.py" "$REPO/tests/unit/calibration/test_autoround_step.py" \
+        > "$OUT/thread-tests.txt" 2>&1 &
+    threads=$!
     timeout ${TESTS_TIMEOUT:-170} python3 -m pytest -c "$REPO/pyproject.toml" --rootdir "$REPO" -q -m gpu "$REPO/tests/gpu" \
-        -p no:cacheprovider -n 4 --timeout 150 -rfEs --junitxml="$OUT/gpu-tests.xml" 2>&1 | tail -80 \
-        | tee "$OUT/gpu-tests.txt" || status=1
-    # bit-identity across processes, with every core of this machine visible (16 here, 2 in CI)
-    timeout ${THREAD_TIMEOUT:-120} python3 -m pytest -c "$REPO/pyproject.toml" --rootdir "$REPO" -q -p no:cacheprovider -rfE \
-        "$REPO/tests/unit/test_distributed.py" "$REPO/tests/unit/calibration/test_autoround_step.py" 2>&1 | tail -60 \
-        | tee "$OUT/thread-tests.txt" || status=1
+        -p no:cacheprovider -n ${GPU_WORKERS:-6} --timeout 150 -rfEs --durations 15 --junitxml="$OUT/gpu-tests.xml" 2>&1 \
+        | tail -100 | tee "$OUT/gpu-tests.txt" || status=1
+    wait $threads || status=1
+    tail -40 "$OUT/thread-tests.txt"
 fi
 if [[ " $STEPS " == *" bench "* ]]; then
     data=$REPO/.whl/data/wikitext-2

@@ -25,7 +25,7 @@ download() {
 PYDANTIC=(pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5)
 # datasets 4.8: pyarrow >= 21 (5.x wants 24, newer than some images hold); inside quantkit's datasets range
 download .whl/quantkit torchao==0.18.0 compressed-tensors==0.20.0 datasets==4.8.4 dill==0.4.1 multiprocess==0.70.19 \
-    loguru==0.7.3 "${PYDANTIC[@]}"
+    loguru==0.7.3 typer==0.29.2 "${PYDANTIC[@]}"
 download .whl/llmc llmcompressor==0.14.0.1 compressed-tensors==0.19.0 auto-round==0.15.1 torchao==0.18.0 \
     datasets==4.8.4 dill==0.4.1 multiprocess==0.70.19 loguru==0.7.3 "${PYDANTIC[@]}"
 "$PY" -m pip wheel -q --no-deps --no-build-isolation -w .whl/quantkit .
