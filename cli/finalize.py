@@ -87,6 +87,11 @@ def finalize(
     resume: Annotated[
         bool, typer.Option("--resume", help="Continue an interrupted calibrated run from its last finished layer (saved in DST.partial).")
     ] = False,
+    checkpoint_every: Annotated[
+        Optional[float], typer.Option("--checkpoint-every", metavar="SECONDS", min=0, show_default=False,
+                                      help="Save the resume state (the next layer's inputs) at most every SECONDS (default 600); "
+                                           "0 saves it after every layer. Ctrl-C saves the last finished layer in any case.")
+    ] = None,
     in_memory: Annotated[
         bool, typer.Option("--in-memory", help="Load the whole model instead of streaming it one decoder layer at a time (needs RAM for about twice the model).")
     ] = False,
@@ -113,7 +118,8 @@ def finalize(
     from quantkit.finalization.finalize import CalibrationOptions
     from quantkit.runtime.progress import Progress
 
-    options = CalibrationOptions(data=calib_data, num_samples=num_samples, seq_len=seq_len, device=device)
+    every = {} if checkpoint_every is None else {"checkpoint_every": checkpoint_every}
+    options = CalibrationOptions(data=calib_data, num_samples=num_samples, seq_len=seq_len, device=device, **every)
     if dry_run:
         plan = library.dry_run(src, recipe, fmt, options, launch.world_size, trust_remote_code, revision, dst, dtype.value,
                                in_memory)

@@ -46,7 +46,7 @@ if [[ " $STEPS " == *" tests "* ]]; then
 fi
 if [[ " $STEPS " == *" bench "* ]]; then
     data=$REPO/.whl/data/wikitext-2
-    timeout ${BENCH_TIMEOUT:-330} python3 "$REPO/scripts/bench_gpu.py" --llmc-python /tmp/llmc-python --workdir /tmp/bench-gpu \
+    timeout ${BENCH_TIMEOUT:-450} python3 "$REPO/scripts/bench_gpu.py" --llmc-python /tmp/llmc-python --workdir /tmp/bench-gpu \
         --train-text "$data/valid.txt" --calib-data "$data/valid.txt" --eval-data "$data/test.txt" \
         --train-steps 200 --json "$OUT/bench-gpu.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench-gpu.txt" || status=1
     tar czf "$OUT/bench-logs.tgz" -C /tmp/bench-gpu logs 2>/dev/null || true

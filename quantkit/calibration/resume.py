@@ -1,4 +1,4 @@
-"""Resumable calibration: the state of a calibrated `finalize`, saved after every decoder layer.
+"""Resumable calibration: the state of a calibrated `finalize`, saved as its decoder layers finish.
 
     DST.partial/
       state.json                          the run's fingerprint, the layers finished, the summary so far
@@ -8,10 +8,13 @@
       hidden-00004-rank0.safetensors      the next layer's input hidden states for rank 0's calibration batches,
                                           and rank 0's RNG state (one file per rank)
 
-After layer i: rank 0 writes layer i, every rank writes its hidden states for layer i + 1, and after a barrier
-rank 0 replaces state.json (so state.json never names a layer whose files are incomplete) and deletes the hidden
-states for layer i. A rank on another machine whose DST.partial is its own (no shared file system) deletes its
-own copy a layer later, once state.json no longer names it, and the rest when the run ends. Every file is
+After layer i rank 0 writes layer i. The hidden states are the large part (64 x 2048 tokens of a 2048-wide model:
+512 MiB a layer), so they are checkpointed at most every `every` seconds (`finalize --checkpoint-every`), after
+the last layer, and when the run is interrupted (Ctrl-C, one process): every rank writes its hidden states for
+layer i + 1, and after a barrier rank 0 replaces state.json (so state.json never names a layer whose files are
+incomplete) and deletes the older hidden states. A rank on another machine whose DST.partial is its own (no shared
+file system) deletes its own copies a checkpoint later, once state.json no longer names them, and the rest when
+the run ends. Every file is
 written to a temporary name and renamed. `--resume` checks the fingerprint field by field, restores the finished
 layers into the freshly loaded model, recomputes the first layer's other inputs (attention mask, rotary
 embeddings: they are the same for every layer) and goes on with the saved hidden states, so the artifact is
@@ -21,11 +24,13 @@ identical to an uninterrupted run's. The work directory is removed when the arti
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import json
 import os
 import shutil
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -60,13 +65,17 @@ def samples_identity(samples: torch.Tensor) -> str:
 
 @dataclass
 class Resumable:
-    """One calibrated run's work directory. `fingerprint`: what must match for `--resume` (name -> value)."""
+    """One calibrated run's work directory. `fingerprint`: what must match for `--resume` (name -> value);
+    `every`: the seconds between checkpoints of the hidden states (0: after every layer)."""
 
     path: Path
     fingerprint: dict[str, str]
     resume: bool
     ctx: distributed.Context | None = None
     completed: int = 0
+    every: float = 0.0
+    _last: float = field(default_factory=time.monotonic)  # when the last checkpoint was written (or the run began)
+    _pending: tuple | None = None  # the last finished layer's checkpoint, not written yet: `_checkpoint`'s arguments
 
     @property
     def rank(self) -> int:
@@ -87,6 +96,7 @@ class Resumable:
         if state is None and self.is_main and self.path.exists():
             shutil.rmtree(self.path)
         distributed.barrier(self.ctx)
+        self._last = time.monotonic()
         return state
 
     def _read_state(self) -> dict:
@@ -107,25 +117,56 @@ class Resumable:
 
     def save_layer(self, index: int, module: nn.Module, prefix: str, result: CalibrationResult,
                    hidden: list[torch.Tensor], num_layers: int, float_hidden: list[torch.Tensor] | None = None) -> None:
-        """Layer `index` is finished: its tensors (rank 0), this rank's hidden states for the next layer (and the
-        float model's, for a recipe tuned against them), then (after every rank has written) the state file."""
+        """Layer `index` is finished: rank 0 writes its tensors; when a checkpoint is due (`every` seconds since the
+        last, or the last layer), every rank writes its hidden states for the next layer (and the float model's,
+        for a recipe tuned against them), then the state file. Otherwise the checkpoint waits in memory (the
+        tensors are the next layer's inputs, held anyway) for the next one due, or for `save_pending`."""
         self.path.mkdir(parents=True, exist_ok=True)
         if self.is_main:
             _save(self.path / f"layer-{index:05d}.safetensors", layer_tensors(module, prefix, result))
-        if index + 1 < num_layers:  # the next layer's inputs (none after the last)
-            tensors = {"rng": torch.get_rng_state(), **{f"h.{b}": h for b, h in enumerate(hidden)},
-                       **{f"f.{b}": h for b, h in enumerate(float_hidden or [])}}
-            _save(self._hidden_file(index + 1, self.rank), tensors)
+        self._pending = (index + 1, num_layers, hidden, float_hidden or [], torch.get_rng_state(),
+                         copy.deepcopy(_result_dict(result)))
+        if index + 1 == num_layers or self._due():
+            self._checkpoint(*self._pending)
+
+    def save_pending(self) -> None:
+        """Write the checkpoint of the last finished layer that the interval held back (an interrupted run, one
+        process: the other ranks of a distributed run are not there to write theirs)."""
+        if self._pending is not None and (self.ctx is None or self.ctx.world_size == 1):
+            self._checkpoint(*self._pending)
+
+    def _due(self) -> bool:
+        """Whether `every` seconds have passed since the last checkpoint; rank 0's clock decides for every rank."""
+        due = self.every <= 0 or time.monotonic() - self._last >= self.every
+        if self.ctx is not None and self.ctx.distributed:
+            flag = torch.tensor([float(due)], device=self.ctx.device)
+            distributed.broadcast_(flag, 0, self.ctx)
+            due = bool(flag.item())
+        return due
+
+    def _checkpoint(self, completed: int, num_layers: int, hidden: list[torch.Tensor], float_hidden: list[torch.Tensor],
+                    rng: torch.Tensor, result: dict) -> None:
+        """Layers before `completed` are finished and on disk: save the inputs of layer `completed` (none after the
+        last), then (after every rank has written) the state file naming them; older inputs are removed."""
+        if completed < num_layers:
+            tensors = {"rng": rng, **{f"h.{b}": h for b, h in enumerate(hidden)},
+                       **{f"f.{b}": h for b, h in enumerate(float_hidden)}}
+            _save(self._hidden_file(completed, self.rank), tensors)
         distributed.barrier(self.ctx)
         if self.is_main:
-            state = {"fingerprint": self.fingerprint, "completed": index + 1, "layers": num_layers,
-                     "result": _result_dict(result)}
+            state = {"fingerprint": self.fingerprint, "completed": completed, "layers": num_layers, "result": result}
             _write_atomic(self.path / STATE, json.dumps(state, indent=1).encode())
-            for old in self.path.glob(f"hidden-{index:05d}-rank*.safetensors"):
-                old.unlink()
-        elif index > 0:  # rank 0 replaced the state (completed = index) before this barrier: layer index - 1's inputs are stale
-            self._hidden_file(index - 1, self.rank).unlink(missing_ok=True)  # gone already where the directory is shared
-        self.completed = index + 1
+            stale = self._stale("*", completed)
+        else:  # rank 0 may not have replaced the state yet: it names the previous checkpoint's inputs until it does
+            stale = self._stale(str(self.rank), self.completed)
+        for old in stale:
+            old.unlink(missing_ok=True)  # gone already where the directory is shared
+        self.completed, self._last, self._pending = completed, time.monotonic(), None
+
+    def _stale(self, rank: str, before: int) -> list[Path]:
+        """The hidden-state files of `rank` ("*": every rank) for the layers before `before`."""
+        found = self.path.glob(f"hidden-*-rank{rank}.safetensors")
+        return [path for path in found if int(path.name.split("-")[1]) < before]
 
     def _hidden_file(self, layer: int, rank: int) -> Path:
         return self.path / f"hidden-{layer:05d}-rank{rank}.safetensors"

@@ -8,9 +8,9 @@ A decoder layer with a known wiring (`quantkit.models.architectures.LayerWiring`
 `run_stages` walks the calibration batches through the layer in the wiring's four stages: q/k/v (input: the
 normed h), o, gate/up (the normed h after attention) and down. Each stage's inputs come from the stages before
 it, already quantized, and `quantize(stage, inputs)` quantizes the stage's modules before the next one runs.
-Every Linear thus runs once, on its quantized weights, and the layer's output is the quantized layer's
-output: one forward pass per layer where observing the float layer and then propagating through the quantized
-one takes two. This is GPTQ's "true sequential" order (the GPTQ reference code and AutoGPTQ default to it):
+Every Linear thus runs on its quantized weights, and the layer's output is the quantized layer's output: one
+staged pass per layer (attention and the gate/up projections run twice in it, `run_stages` says why) where
+observing the float layer and then propagating through the quantized one takes two. This is GPTQ's "true sequential" order (the GPTQ reference code and AutoGPTQ default to it):
 each module's Hessian sees the quantization error of the modules upstream in its own layer.
 
 `matches_layer` checks on one sample that the staged computation with the layer's own weights reproduces
@@ -19,7 +19,7 @@ the layer's forward bit for bit; the pipeline uses stages only when it does.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -39,27 +39,56 @@ def split_call(args: tuple, kwargs: dict) -> tuple[torch.Tensor, dict] | None:
 
 
 def run_stages(layer: nn.Module, wiring: LayerWiring, calls: list[tuple[torch.Tensor, dict]],
-               quantize: Callable[[tuple[str, ...], list[torch.Tensor]], None]) -> list[torch.Tensor]:
+               quantize: Callable[[tuple[str, ...], Iterable[torch.Tensor]], None], hold: bool = True) -> list[torch.Tensor]:
     """The layer's outputs for each (hidden states, kwargs) call, quantizing stage by stage (see the module
-    docstring). `quantize(stage, inputs)` gets the stage's module names and their input for every batch."""
+    docstring). `quantize(stage, inputs)` gets the stage's module names and its input for every batch, which the
+    next stage then runs through the stage's quantized modules. With `hold` (`runtime.placement.holds_stage_inputs`)
+    the o and down projections' inputs are computed once and held for all batches; without it each batch's is
+    computed when it is reached, twice (attention and the gate/up projections run again), so that they are never
+    all in memory at once: the down projection's, 2.75x the hidden states, are the layer's largest tensors. The
+    norms' outputs are always computed batch by batch. Either way the layer's inputs and the residual stream after
+    attention (which becomes the layer's output, in place) are held across the stages."""
     part = layer.get_submodule
     attn, mlp, o, down = part(wiring.attention), part(wiring.mlp), part(wiring.o), part(wiring.down)
+    input_norm, post_attention_norm = part(wiring.input_norm), part(wiring.post_attention_norm)
     qkv, _, gate_up, _ = wiring.stages
+
+    def attended(call: tuple[torch.Tensor, dict]) -> torch.Tensor:  # o's input
+        h, kwargs = call
+        return _input_of(o, lambda: attn(hidden_states=input_norm(h), **kwargs))
+
+    def activated(h: torch.Tensor) -> torch.Tensor:  # down's input
+        return _input_of(down, lambda: mlp(post_attention_norm(h)))
+
     with torch.no_grad():
-        hidden = [h for h, _ in calls]
-        normed = [part(wiring.input_norm)(h) for h in hidden]
-        quantize(qkv, normed)
-        attended = [_input_of(o, lambda x=x, kw=kw: attn(hidden_states=x, **kw)) for x, (_, kw) in zip(normed, calls)]
-        del normed
-        quantize((wiring.o,), attended)
-        hidden = [h + o(a) for h, a in zip(hidden, attended)]
-        del attended
-        normed = [part(wiring.post_attention_norm)(h) for h in hidden]
-        quantize(gate_up, normed)
-        activated = [_input_of(down, lambda x=x: mlp(x)) for x in normed]
-        del normed
-        quantize((wiring.down,), activated)
-        return [h + down(a) for h, a in zip(hidden, activated)]
+        quantize(qkv, StageInputs(lambda call: input_norm(call[0]), calls))
+        o_inputs = StageInputs(attended, calls, hold)
+        quantize((wiring.o,), o_inputs)
+        residual = [h + o(a) for (h, _), a in zip(calls, o_inputs)]
+        del o_inputs
+        quantize(gate_up, StageInputs(post_attention_norm, residual))
+        down_inputs = StageInputs(activated, residual, hold)
+        quantize((wiring.down,), down_inputs)
+        for h, a in zip(residual, down_inputs):  # in place: the residual stream is this function's own
+            h += down(a)
+        return residual
+
+
+class StageInputs:
+    """A stage's input for each batch, `compute(item)` for each of `items`: with `hold`, computed once and held;
+    otherwise computed again each time it is iterated, one batch at a time."""
+
+    def __init__(self, compute: Callable[[object], torch.Tensor], items: list, hold: bool = False):
+        self.compute, self.items = compute, items
+        self.held = [compute(item) for item in items] if hold else None
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        if self.held is not None:
+            return iter(self.held)
+        return (self.compute(item) for item in self.items)
+
+    def __len__(self) -> int:
+        return len(self.items)
 
 
 def matches_layer(layer: nn.Module, wiring: LayerWiring, call: tuple[torch.Tensor, dict]) -> bool:

@@ -43,7 +43,9 @@ def check_work_dir(dst: str | Path, resume: bool, ranks: int | None = None) -> N
     path = work_dir(dst)
     found = (path / STATE).is_file()
     if resume and not found:
-        raise UsageError(f"--resume: there is no interrupted run of {dst} ({path} does not exist); run without --resume")
+        why = (f"{path} holds no checkpoint: the run stopped before its first (finalize --checkpoint-every)"
+               if path.is_dir() else f"{path} does not exist")
+        raise UsageError(f"--resume: there is no interrupted run of {dst} ({why}); run without --resume")
     if resume and ranks is not None:
         saved = _read_state(path).get("fingerprint", {}).get("ranks")
         if saved is not None and saved != str(ranks):

@@ -24,6 +24,8 @@ from quantkit.quant.registry import Format, Recipe
 from quantkit.quant.schemes import QDtype
 from quantkit.runtime import hardware
 
+CHECKPOINT_EVERY = 600.0  # seconds between the resume state's checkpoints, by default: at most this much work is lost
+
 
 @dataclass(frozen=True)
 class CalibrationOptions:
@@ -35,6 +37,7 @@ class CalibrationOptions:
     seed: int = 0
     batch_size: int = 8
     device: str = "cpu"
+    checkpoint_every: float = CHECKPOINT_EVERY  # seconds between the resume state's checkpoints (0: every layer)
 
 
 @dataclass

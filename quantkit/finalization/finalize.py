@@ -78,8 +78,7 @@ def calibration_summary(result, samples, options: CalibrationOptions, recipe: Re
         "seed": options.seed,
         "device": options.device,
         "seconds": {phase: round(value, 3) for phase, value in result.seconds.items()},
-        "gptq_order": ("true-sequential (one staged pass per layer)" if result.true_sequential else "layer-wise")
-        if recipe.quantizer.name is Algorithm.GPTQ else None,
+        "gptq_order": _gptq_order(result, options) if recipe.quantizer.name is Algorithm.GPTQ else None,
         "peak_device_bytes": result.peak_device_bytes,
         "skipped": result.skipped,
         "routed_tokens": result.routed_tokens or None,  # MoE: tokens the router sent to each expert, all ranks
@@ -155,6 +154,14 @@ def _calibrate(model: nn.Module, prepared: Prepared, recipe: Recipe, samples, op
     return result
 
 
+def _gptq_order(result, options: CalibrationOptions) -> str:
+    if not result.true_sequential:
+        return "layer-wise"
+    held = placement.holds_stage_inputs(torch.device(options.device))
+    return ("true-sequential (one staged pass per layer, stage inputs " +
+            ("held)" if held else "recomputed batch by batch to save device memory)"))
+
+
 def _resumable(prepared: Prepared, recipe: Recipe, samples, options: CalibrationOptions, ctx):
     """The run's work directory, fingerprinted by everything that decides its result."""
     import hashlib
@@ -175,7 +182,7 @@ def _resumable(prepared: Prepared, recipe: Recipe, samples, options: Calibration
         "dtype": prepared.dtype,
         "device": options.device,
     }
-    return resume.Resumable(prepared.work_dir, fingerprint, prepared.resume, ctx)
+    return resume.Resumable(prepared.work_dir, fingerprint, prepared.resume, ctx, every=options.checkpoint_every)
 
 
 def quantize_model(
@@ -258,6 +265,9 @@ def _resumable_errors(prepared: Prepared):
         yield
     except KeyboardInterrupt:
         work = prepared.resumable
+        if work is not None:
+            with contextlib.suppress(Exception):  # the last finished layer's checkpoint, if the interval held it back
+                work.save_pending()
         if work is None or not work.completed:
             raise
         raise InterruptedRunError(

@@ -69,6 +69,17 @@ def test_finalize_passes_calibration_options(fake_finalize):
     assert (options.data, options.num_samples, options.seq_len, options.device) == ("c.txt", 16, 64, "cuda:1")
 
 
+def test_finalize_passes_the_checkpoint_interval_and_its_help_states_the_default(fake_finalize):
+    from quantkit.finalization.checks import CHECKPOINT_EVERY
+
+    assert invoke("finalize", "src", "dst", "-q", "gptq-w4a16", "--checkpoint-every", "0", "--quiet").exit_code == 0
+    assert invoke("finalize", "src", "dst", "-q", "gptq-w4a16", "--quiet").exit_code == 0
+    assert [call.calibration.checkpoint_every for call in fake_finalize] == [0.0, CHECKPOINT_EVERY]
+    assert f"(default {CHECKPOINT_EVERY:g})" in invoke("finalize", "--help", env={"COLUMNS": "400"}).output
+    refused = invoke("finalize", "src", "dst", "-q", "gptq-w4a16", "--checkpoint-every", "-1")
+    assert refused.exit_code == 2
+
+
 def test_finalize_defaults_to_the_recipes_format(fake_finalize):
     assert invoke("finalize", "src", "dst", "-q", "int8-weight-only", "--quiet").exit_code == 0
     assert fake_finalize[0].fmt is None and fake_finalize[0].dtype == "auto"

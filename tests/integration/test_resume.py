@@ -42,6 +42,8 @@ def run(src, dst, recipe, calib, *extra, nproc=1, kill_layer=None, kill_rank=0, 
     env["QUANTKIT_DIST_TIMEOUT"] = "60"
     args = ["finalize", str(src), str(dst), "-q", recipe, "--calib-data", str(calib), "--num-samples", "16",
             "--seq-len", "32", "--threads", "1", "--quiet", *extra]
+    if kill_layer is not None and signal == "SIGKILL" and "--checkpoint-every" not in extra:
+        args += ["--checkpoint-every", "0"]  # a kill loses what was not checkpointed: checkpoint every layer
     if kill_layer is None:
         cmd = [sys.executable, "-m", "quantkit.cli.main", *args] + (["--nproc-per-node", str(nproc)] if nproc > 1 else [])
     else:
@@ -86,16 +88,36 @@ def test_a_run_killed_after_a_random_layer_resumes_to_the_same_artifact(model_di
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "whole"]
 
 
-def test_ctrl_c_keeps_the_finished_layers_and_says_how_to_resume(model_dir, calib, tmp_path):
-    stopped = run(model_dir, tmp_path / "out", "gptq-w4a16", calib, kill_layer=1, signal="SIGINT")
+@pytest.mark.parametrize("recipe", ["gptq-w4a16", "autoround-w4a16"])
+def test_ctrl_c_keeps_the_finished_layers_and_says_how_to_resume(model_dir, calib, tmp_path, recipe):
+    """With the default interval no checkpoint is due yet: Ctrl-C saves the last finished layer's (AutoRound: with
+    the float model's hidden states), and the resumed artifact is the uninterrupted one."""
+    whole = run(model_dir, tmp_path / "whole", recipe, calib)
+    assert whole.returncode == 0, whole.stderr[-2000:]
+    stopped = run(model_dir, tmp_path / "out", recipe, calib, kill_layer=1, signal="SIGINT")
     assert stopped.returncode == 130
     assert stopped.stderr.strip().splitlines() == [
         f"error: interrupted after 2 finished layers, saved in {tmp_path / 'out.partial'}; "
         "run the same command with --resume to continue from there"
     ]
     assert not (tmp_path / "out").exists() and not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
-    resumed = run(model_dir, tmp_path / "out", "gptq-w4a16", calib, "--resume")
+    resumed = run(model_dir, tmp_path / "out", recipe, calib, "--resume")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert_same_artifact(tmp_path / "whole", tmp_path / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "whole"]
+
+
+def test_a_killed_run_before_its_first_checkpoint_starts_over(model_dir, calib, tmp_path):
+    """SIGKILL with the default interval: the finished layers were written, no checkpoint named them; --resume
+    says so in one line and a plain rerun starts over (no "pass --resume")."""
+    killed = run(model_dir, tmp_path / "out", "gptq-w4a16", calib, "--checkpoint-every", "600", kill_layer=2)
+    assert killed.returncode != 0 and not (tmp_path / "out.partial" / "state.json").exists()
+    assert (tmp_path / "out.partial" / "layer-00002.safetensors").is_file()
+    refused = run(model_dir, tmp_path / "out", "gptq-w4a16", calib, "--resume")
+    assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1
+    assert "holds no checkpoint" in refused.stderr
+    again = run(model_dir, tmp_path / "out", "gptq-w4a16", calib)
+    assert again.returncode == 0, again.stderr[-2000:]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 

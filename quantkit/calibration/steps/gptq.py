@@ -18,6 +18,7 @@ run, bit for bit.
 from __future__ import annotations
 
 import time
+from typing import Iterable
 
 import torch
 from torch import nn
@@ -35,7 +36,7 @@ from quantkit.models.architectures import find_wiring
 from quantkit.quant.observers import HessianObserver
 from quantkit.quant.qparams import QuantizedWeight, empty_quantized
 from quantkit.quant.schemes import WeightSpec
-from quantkit.runtime import distributed
+from quantkit.runtime import distributed, placement
 from quantkit.runtime.memory import return_freed_memory
 
 
@@ -64,7 +65,7 @@ def _staged(layer: Layer, args: GPTQArgs) -> list[torch.Tensor]:
     started = time.perf_counter()
     spent = {"observe": 0.0, "quantize": 0.0}
 
-    def quantize(stage: tuple[str, ...], stage_inputs: list[torch.Tensor]) -> None:
+    def quantize(stage: tuple[str, ...], stage_inputs: Iterable[torch.Tensor]) -> None:
         names = [f"{layer.prefix}.{n}" for n in stage if f"{layer.prefix}.{n}" in layer.linears]
         if not names:
             return
@@ -80,7 +81,8 @@ def _staged(layer: Layer, args: GPTQArgs) -> list[torch.Tensor]:
         spent["quantize"] += time.perf_counter() - mid
 
     calls = [true_sequential.split_call(a, k) for a, k in layer.inputs]
-    outputs = true_sequential.run_stages(layer.module, layer.wiring, calls, quantize)
+    hold = placement.holds_stage_inputs(calls[0][0].device)
+    outputs = true_sequential.run_stages(layer.module, layer.wiring, calls, quantize, hold)
     seconds = layer.result.seconds
     seconds["observe"] += spent["observe"]
     seconds["quantize"] += spent["quantize"]

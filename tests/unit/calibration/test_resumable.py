@@ -1,6 +1,7 @@
 """The work directory's hidden-state files, rank by rank: what a resume needs is always there, a rank on another
 machine (its own DST.partial, no shared file system) keeps two layers' inputs at most, and a finished run leaves
-nothing. Ranks are played in turn in one process (barriers are no-ops at world size 1)."""
+nothing. Checkpoints of the hidden states come at most every `every` seconds, and an interrupted run saves the
+one held back. Ranks are played in turn in one process (barriers are no-ops at world size 1)."""
 
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ from quantkit.runtime.distributed import Context
 LAYERS = 4
 
 
-def rank(path, index: int) -> Resumable:
-    return Resumable(path, {"ranks": "2"}, resume=False, ctx=Context(index, 1, 0, torch.device("cpu")))
+def rank(path, index: int, every: float = 0.0) -> Resumable:
+    return Resumable(path, {"ranks": "2"}, resume=False, ctx=Context(index, 1, 0, torch.device("cpu")), every=every)
 
 
 def save(work: Resumable, index: int) -> None:
@@ -83,3 +84,47 @@ def test_the_float_models_hidden_states_are_saved_and_restored_beside_the_layers
     resumed = Resumable(work.path, {"ranks": "2"}, resume=True, ctx=ctx)
     got_hidden, got_floats = resumed.restore(resumed.open(), CalibrationResult(), LAYERS)
     assert len(got_hidden) == 1 and got_floats == []
+
+
+def test_checkpoints_wait_for_the_interval_and_the_last_layer(tmp_path, monkeypatch):
+    """Layer files after every layer; the hidden states and the state file only once `every` seconds have passed
+    since the last checkpoint (a fake clock here), and after the last layer."""
+    from quantkit.calibration import resume
+
+    clock = [0.0]
+    monkeypatch.setattr(resume.time, "monotonic", lambda: clock[0])
+    work = rank(tmp_path / "out.partial", 0, every=10.0)
+    work.open()
+    state = lambda: json.loads((work.path / "state.json").read_text())["completed"]
+    for index, now in enumerate([3.0, 6.0, 11.0]):  # due at 11 s: 10 s after the run began
+        clock[0] = now
+        save(work, index)
+        assert (work.path / f"layer-{index:05d}.safetensors").is_file()
+    assert state() == 3 and hidden_files(work.path) == ["hidden-00003-rank0.safetensors"]
+    assert work.completed == 3
+    clock[0] = 12.0
+    save(work, 3)  # the last layer: its state is saved whatever the clock says
+    assert state() == LAYERS and hidden_files(work.path) == []
+
+
+def test_an_interrupted_run_saves_the_checkpoint_the_interval_held_back(tmp_path):
+    hidden = [torch.randn(2, 4, 8)]
+    work = rank(tmp_path / "out.partial", 0, every=3600.0)
+    work.open()
+    save(work, 0)
+    work.save_layer(1, nn.Linear(8, 8), "model.layers.1", CalibrationResult(), hidden, LAYERS)
+    assert not (work.path / "state.json").exists() and hidden_files(work.path) == []
+    work.save_pending()  # what finalize does on Ctrl-C
+    resumed = Resumable(work.path, {"ranks": "2"}, resume=True, ctx=Context(0, 1, 0, torch.device("cpu")))
+    got, _ = resumed.restore(resumed.open(), CalibrationResult(), LAYERS)
+    assert resumed.completed == 2 and torch.equal(got[0], hidden[0])
+    assert hidden_files(work.path) == ["hidden-00002-rank0.safetensors"]
+
+
+def test_ranks_of_a_distributed_run_do_not_save_alone_when_interrupted(tmp_path):
+    """The other ranks are not there to write their hidden states: the last checkpoint written stands."""
+    work = Resumable(tmp_path / "out.partial", {"ranks": "2"}, resume=False,
+                     ctx=Context(0, 2, 0, torch.device("cpu"), grouped=True), every=3600.0)
+    work._pending = (1, LAYERS, [torch.randn(2, 4, 8)], [], torch.get_rng_state(), {})
+    work.save_pending()
+    assert not work.path.exists()

@@ -30,20 +30,22 @@ def _inputs(model):
     return layers, capture_inputs(model, layers, list(ids.split(3)), torch.device("cpu"))
 
 
+@pytest.mark.parametrize("hold", [True, False])
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_staged_pass_is_the_layers_forward(arch):
+def test_staged_pass_is_the_layers_forward(arch, hold):
     model = _model(arch)
     layers, inputs = _inputs(model)
     calls = [true_sequential.split_call(a, k) for a, k in inputs]
     assert find_wiring(layers[0]) is LLAMA and true_sequential.matches_layer(layers[0], LLAMA, calls[0])
     assert can_stage(layers[0], inputs)
-    staged = true_sequential.run_stages(layers[0], LLAMA, calls, lambda stage, xs: None)
+    staged = true_sequential.run_stages(layers[0], LLAMA, calls, lambda stage, xs: None, hold)
     for ours, reference in zip(staged, run_layer(layers[0], inputs)):
         assert torch.equal(ours, reference)
 
 
+@pytest.mark.parametrize("hold", [True, False])
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_each_stage_is_quantized_before_the_next_one_runs(arch):
+def test_each_stage_is_quantized_before_the_next_one_runs(arch, hold):
     """The staged outputs equal the fully quantized layer's forward: every stage's inputs were computed with the
     stages before it already quantized (a wrong order would leave float upstream in the outputs)."""
     model = _model(arch)
@@ -52,15 +54,38 @@ def test_each_stage_is_quantized_before_the_next_one_runs(arch):
     seen = []
 
     def quantize(stage, xs):
-        seen.append((stage, len(xs)))
+        seen.append((stage, len(list(xs))))
         for name in stage:
             module = layer.get_submodule(name)
             module.weight.data = fake_quantize_weight(module.weight.data, spec)
 
-    staged = true_sequential.run_stages(layer, LLAMA, [true_sequential.split_call(a, k) for a, k in inputs], quantize)
+    staged = true_sequential.run_stages(layer, LLAMA, [true_sequential.split_call(a, k) for a, k in inputs], quantize, hold)
     assert [s for s, _ in seen] == list(LLAMA.stages) and all(n == len(inputs) for _, n in seen)
     for ours, reference in zip(staged, run_layer(layer, inputs)):
         assert torch.equal(ours, reference)
+
+
+def test_a_stages_inputs_come_one_batch_at_a_time():
+    """A stage's inputs are computed as they are reached and none is held after its turn: the down projection's
+    (2.75x the hidden states) are never all in memory at once."""
+    import weakref
+
+    model = _model("llama")
+    layers, inputs = _inputs(model)
+    assert len(inputs) >= 2
+    alive = {}
+
+    def quantize(stage, xs):
+        assert not isinstance(xs, (list, tuple)), stage
+        refs = []
+        for x in xs:
+            refs.append(weakref.ref(x))
+            del x
+            alive[stage] = sum(ref() is not None for ref in refs)
+
+    true_sequential.run_stages(layers[0], LLAMA, [true_sequential.split_call(a, k) for a, k in inputs], quantize,
+                               hold=False)
+    assert alive and all(count == 0 for count in alive.values()), alive
 
 
 def test_a_layer_the_stages_do_not_reproduce_falls_back_to_two_passes():
@@ -82,3 +107,22 @@ def test_a_layer_the_stages_do_not_reproduce_falls_back_to_two_passes():
     result = calibrate(model, plan, recipe, samples, torch.device("cpu"), batch_size=3)
     assert not result.true_sequential and result.seconds["propagate"] > 0
     assert result.qweights  # quantized all the same, the two-pass way
+
+
+def test_gptq_computes_the_same_qparams_whether_stage_inputs_are_held_or_recomputed(monkeypatch):
+    """The GPU's way (inputs recomputed batch by batch) and the CPU's (held) give the same integers and scales."""
+    from quantkit.runtime import placement
+
+    recipe = resolve("gptq-w4a16")
+    samples = torch.randint(0, 300, (6, 16), generator=torch.Generator().manual_seed(1))
+    found = {}
+    for hold in (True, False):
+        monkeypatch.setattr(placement, "holds_stage_inputs", lambda device, hold=hold: hold)
+        model = _model("llama")
+        result = calibrate(model, plan_model(model, recipe), recipe, samples, torch.device("cpu"), batch_size=3)
+        assert result.true_sequential
+        found[hold] = result.qweights
+    assert found[True].keys() == found[False].keys()
+    for name, held in found[True].items():
+        again = found[False][name]
+        assert torch.equal(held.qdata, again.qdata) and torch.equal(held.scale, again.scale), name
