@@ -4,9 +4,11 @@
 #   1. installs .whl/quantkit (quantkit's wheel + what the image lacks) and .whl/llmc (llm-compressor 0.14 with
 #      the compressed-tensors 0.19 it pins) into two separate target folders;
 #   2. runs the GPU suite (pytest -m gpu) and the tests that compare runs of different thread counts;
-#   3. runs scripts/bench_gpu.py, both tools side by side on this GPU.
+#   3. runs scripts/bench_gpu.py, both tools side by side on this GPU;
+#   4. (step "profile", not by default) profiles quantkit's GPTQ of the benchmark's 0.84B model (scripts/profile_cli.py).
 # Usage, from the repository root:  bash scripts/gpu_check.sh [OUT_DIR] [STEPS]
-#   STEPS: any of "tests bench" (default both); logs, JUnit XML and the benchmark's JSON land in OUT_DIR.
+#   STEPS: any of "tests bench profile" (default "tests bench": about 9 minutes on an H100); logs, JUnit XML, the
+#   benchmark's JSON and the profile land in OUT_DIR.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 REPO=$PWD
@@ -50,5 +52,12 @@ if [[ " $STEPS " == *" bench "* ]]; then
         --train-text "$data/valid.txt" --calib-data "$data/valid.txt" --eval-data "$data/test.txt" \
         --train-steps 200 --json "$OUT/bench-gpu.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench-gpu.txt" || status=1
     tar czf "$OUT/bench-logs.tgz" -C /tmp/bench-gpu logs 2>/dev/null || true
+fi
+if [[ " $STEPS " == *" profile "* ]]; then
+    data=$REPO/.whl/data/wikitext-2
+    python3 -c "import sys; sys.path.insert(0, '$REPO/scripts'); from pathlib import Path; import bench_gpu; bench_gpu.big_model(Path('/tmp/bench-gpu'), Path('$data/valid.txt'), 16)"
+    OMP_NUM_THREADS=8 timeout ${PROFILE_TIMEOUT:-150} python3 "$REPO/scripts/profile_cli.py" "$OUT/gptq-big.prof" finalize \
+        /tmp/bench-gpu/llama-h2048-l16-bf16 /tmp/profiled -q gptq-w4a16 --calib-data "$data/valid.txt" --num-samples 64 \
+        --seq-len 2048 --device cuda --threads 8 --overwrite 2>&1 | tail -25 | tee "$OUT/profile.txt" || status=1
 fi
 exit $status
