@@ -16,7 +16,8 @@ of the run's phases:
   converts while loading, so its transient is smaller);
 - calibration: (loaded whole) the grid integers of every finished layer (one byte per quantized weight, kept until written),
   the calibration hidden states of this rank (inputs and outputs of a layer), one batch's activations inside
-  the widest layer, and the Hessian accumulators (float64) of a layer plus GPTQ's float32 work copies.
+  the widest layer, and the Hessian accumulators (float64) of a layer plus GPTQ's float32 work copies; GPTQ on the
+  CPU also holds o_proj's and down_proj's inputs for every batch (`runtime.placement.holds_stage_inputs`).
 
 LOAD_AND_WRITE_COPIES was measured with `/usr/bin/time` on Llama models of 20M (float32) to 270M parameters (bf16):
 the peak above the fixed cost was 1.8 to 2.8 times the model for compressed-tensors (allocator reuse varies from
@@ -96,6 +97,8 @@ def estimate(prepared, recipe: Recipe, options, world_size: int, dst: str | Path
         seq_len = options.seq_len or recipe.calibration.seq_len
         shares = [sum(map(len, data.rank_batches(num_samples, options.batch_size, r, world_size))) for r in range(world_size)]
         calib = calibration_bytes(prepared.plan, quantized, numel, max(shares), seq_len, hidden, element, options.batch_size)
+        if recipe.quantizer.name is Algorithm.GPTQ and _holds_stage_inputs(options.device):
+            calib[_HELD_STAGE_INPUTS] = max(shares) * seq_len * (hidden + max(e.in_features for e in _first_layer(prepared.plan))) * element
         streams = 1  # of hidden states in the resume state
         if recipe.quantizer.name is Algorithm.AUTOROUND:
             passes = autoround_passes(recipe.quantizer.arguments, num_samples)
@@ -167,6 +170,15 @@ def calibration_bytes(plan: list[ModulePlan], quantized: dict[str, ModulePlan], 
 
 
 _HIDDEN_STATES = "calibration hidden states (this rank)"
+_HELD_STAGE_INPUTS = "GPTQ's stage inputs (attention output, MLP down projection), held for every batch on the CPU"
+
+
+def _holds_stage_inputs(device: str) -> bool:
+    import torch
+
+    from quantkit.runtime import placement
+
+    return placement.holds_stage_inputs(torch.device(device))
 
 
 def autoround_passes(args, num_samples: int) -> int:
