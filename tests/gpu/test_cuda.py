@@ -210,3 +210,16 @@ def test_staged_gptq_on_cuda_holds_less_than_with_every_stage_input_held(work, m
     assert peaks[False] < peaks[True], peaks
     for name, held in qweights[True].items():
         assert torch.equal(held.qdata, qweights[False][name].qdata), name
+
+
+def test_the_inverse_hessian_factor_on_cuda_is_the_cpus():
+    """On a GPU `factor_` takes the whole-matrix path (`_factor_dense_`); it gives the CPU's blocked factor to
+    float32 rounding."""
+    from quantkit.algorithms.factor import factor_
+
+    x = torch.randn(4096, 2048, generator=torch.Generator().manual_seed(0))
+    hessian = (x.T @ x / 4096).double()
+    damped = (hessian + 0.01 * hessian.diagonal().mean() * torch.eye(2048, dtype=torch.float64)).flip(0, 1).float()
+    on_cpu, on_gpu = damped.clone(), damped.cuda()
+    assert factor_(on_cpu) and factor_(on_gpu)
+    torch.testing.assert_close(on_gpu.cpu(), on_cpu, atol=1e-5 * on_cpu.abs().max().item(), rtol=1e-4)

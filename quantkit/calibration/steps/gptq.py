@@ -8,8 +8,8 @@ Two ways through a layer, chosen once per run (every rank the same):
   quantized layer to make the next layer's inputs.
 
 Distributed: every rank needs each Hessian (all-reduced, in one collective) and its inverse factor, which the
-ranks compute together (`algorithms.factor`: the Cholesky's row blocks dealt out, each panel broadcast; the
-triangular inverse's rows shared out and exchanged). Each rank then solves its share of the weight rows (`algorithms.gptq.row_share`: whole
+ranks compute together on CPUs (`algorithms.factor`: the Cholesky's row blocks dealt out, each panel broadcast;
+the triangular inverse's rows shared out and exchanged) and each rank whole on GPUs. Each rank then solves its share of the weight rows (`algorithms.gptq.row_share`: whole
 blocks of ROW_BLOCK rows); the shares' qdata, scale and zero point are gathered (one broadcast per rank). Every
 block's arithmetic has the same shapes on any number of ranks, so every rank installs the weights of a one-rank
 run, bit for bit.

@@ -384,3 +384,22 @@ def test_the_sub_block_path_cuda_replays_as_a_graph_is_the_column_loop_bit_for_b
     (q1, s1, z1, e1), (q2, s2, z2, e2) = results
     assert torch.equal(q1, q2) and torch.equal(s1, s2) and torch.equal(e1, e2)
     assert (z1 is None and z2 is None) or torch.equal(z1, z2)
+
+
+@pytest.mark.parametrize("size", [64, 700, 2100])
+def test_the_gpus_dense_factor_is_the_blocked_factor(size):
+    """On a GPU the factor is computed with whole-matrix calls (`factor._factor_dense_`, run here on the CPU): the
+    same upper factor of the damped inverse as the blocked computation, to float32 rounding; False when the
+    matrix is not positive definite."""
+    from quantkit.algorithms.factor import _factor_dense_, factor_
+
+    hessian = _hessian(_inputs(tokens=2 * size, inp=size)).double()
+    damped = hessian + 0.01 * hessian.diagonal().mean() * torch.eye(size, dtype=torch.float64)
+    blocked, dense = damped.flip(0, 1).float(), damped.flip(0, 1).float()
+    assert factor_(blocked) and _factor_dense_(dense)
+    assert torch.equal(dense, dense.triu())
+    torch.testing.assert_close(dense, blocked, atol=1e-5 * blocked.abs().max().item(), rtol=1e-4)
+    torch.testing.assert_close(dense.double().T @ dense.double() @ damped, torch.eye(size, dtype=torch.float64),
+                               atol=2e-3, rtol=0)
+    not_positive = -torch.eye(size)
+    assert not _factor_dense_(not_positive)
