@@ -14,11 +14,11 @@ the last layer, and when the run is interrupted (Ctrl-C, one process): every ran
 layer i + 1, and after a barrier rank 0 replaces state.json (so state.json never names a layer whose files are
 incomplete) and deletes the older hidden states. A rank on another machine whose DST.partial is its own (no shared
 file system) deletes its own copies a checkpoint later, once state.json no longer names them, and the rest when
-the run ends. Every file is
-written to a temporary name and renamed. `--resume` checks the fingerprint field by field, restores the finished
-layers into the freshly loaded model, recomputes the first layer's other inputs (attention mask, rotary
-embeddings: they are the same for every layer) and goes on with the saved hidden states, so the artifact is
-identical to an uninterrupted run's. The work directory is removed when the artifact is written.
+the run ends. Every file is written to a temporary name and renamed. `--resume` checks the fingerprint field by
+field, restores the finished layers into the freshly loaded model, recomputes the first layer's other inputs
+(attention mask, rotary embeddings: they are the same for every layer) and goes on with the saved hidden states,
+so the artifact is identical to an uninterrupted run's. The work directory is removed when the artifact is
+written.
 """
 
 from __future__ import annotations
