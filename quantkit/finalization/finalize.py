@@ -7,6 +7,7 @@ write (the format's exporter, atomically, with quantkit.json).
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import errno
 import time
@@ -304,10 +305,15 @@ STREAMED = "streamed: one decoder layer in memory at a time"
 
 class _LayerIO:
     """A streamed run's `calibration.pipeline.LayerStream`: a layer is read before its turn, written (rank 0)
-    and freed after it."""
+    and freed after it. With `background` (`runtime.placement.writes_in_background`), a finished layer is packed
+    and written in a worker thread while the next one calibrates: one layer at most in flight (the next waits for
+    it), written in order, and the first error raised in the calling thread at the next write or at `flush`."""
 
-    def __init__(self, streamed, writer, rotator=None):
+    def __init__(self, streamed, writer, rotator=None, background: bool = False):
         self.streamed, self.writer, self.rotator = streamed, writer, rotator
+        self._worker = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="quantkit-writer")
+                        if background and writer is not None else None)
+        self._in_flight: concurrent.futures.Future | None = None
 
     def load(self, module: nn.Module) -> None:
         self.streamed.load(module)
@@ -327,9 +333,29 @@ class _LayerIO:
         qparams = {n: result.qweights.pop(n).qparams for n in _under(prefix, result.qweights)}
         scales = {n: result.input_scales.pop(n) for n in _under(prefix, result.input_scales)}
         kv_scales = {n: result.kv_scales.pop(n) for n in _under(prefix, result.kv_scales)}
-        self.write([module], qparams, scales, kv_scales)
+        if self._worker is None:
+            self.write([module], qparams, scales, kv_scales)
+            return
+        self.flush()
+        self._in_flight = self._worker.submit(self._write_now, [module], qparams, scales, kv_scales)
 
     def write(self, modules: list[nn.Module], qparams: dict[str, QParams], scales: dict, kv_scales: dict | None = None) -> None:
+        """Write `modules` now, after any layer still being written."""
+        self.flush()
+        self._write_now(modules, qparams, scales, kv_scales)
+
+    def flush(self) -> None:
+        """Wait for the layer being written in the background, if any; raise its error."""
+        if self._in_flight is not None:
+            in_flight, self._in_flight = self._in_flight, None
+            in_flight.result()
+
+    def close(self) -> None:
+        """Stop the worker once what it is writing is done (an error then is the caller's to have raised)."""
+        if self._worker is not None:
+            self._worker.shutdown(wait=True, cancel_futures=True)
+
+    def _write_now(self, modules: list[nn.Module], qparams: dict[str, QParams], scales: dict, kv_scales: dict | None) -> None:
         if self.writer is not None:
             self.writer.add(modules, qparams, scales, kv_scales or {})
         for module in modules:
@@ -357,7 +383,9 @@ def _stream(streamed, prepared: Prepared, recipe: Recipe, dst: Path, overwrite: 
         tmp = stack.enter_context(atomic.atomic_directory(dst, overwrite)) if ctx.is_main else None
         writer = (exporter(prepared.format).StreamWriter(streamed.model, plan, recipe, tmp, prepared.shard_bytes, expected_bytes)
                   if tmp else None)
-        layer_io = _LayerIO(streamed, writer, prepared.rotator)
+        background = samples is not None and placement.writes_in_background(torch.device(options.device))
+        layer_io = _LayerIO(streamed, writer, prepared.rotator, background)
+        stack.callback(layer_io.close)  # before the output directory's own exit: nothing writes into a removed one
         if samples is None:
             rest = _round_streamed(streamed, plan, recipe, prepared, layer_io, progress)
             scales = {}

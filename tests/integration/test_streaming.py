@@ -45,6 +45,45 @@ def test_a_streamed_artifact_equals_the_in_memory_one(tiny_model_dir, text_file,
     assert set(index["weight_map"]) == set(a)
 
 
+@pytest.mark.parametrize("recipe", ["gptq-w4a16", "awq-w4a16", "smoothquant-w8a8"])
+def test_layers_written_in_the_background_give_the_same_artifact(tiny_model_dir, text_file, tmp_path, recipe, monkeypatch):
+    """On a GPU each finished layer is packed and written in a worker thread while the next one calibrates
+    (`placement.writes_in_background`, forced here on the CPU): the files are the ones written in line."""
+    from quantkit.runtime import placement
+
+    options = CalibrationOptions(data=str(text_file), num_samples=4, seq_len=32)
+    for background in (False, True):
+        monkeypatch.setattr(placement, "writes_in_background", lambda device, background=background: background)
+        finalize(tiny_model_dir, tmp_path / str(background), resolve(recipe), calibration=options, max_shard_size="60KB")
+    a, b = tensors(tmp_path / "False"), tensors(tmp_path / "True")
+    assert a.keys() == b.keys() and all(torch.equal(a[key], b[key]) for key in a)
+    for name in ("config.json", "model.safetensors.index.json"):
+        assert (tmp_path / "False" / name).read_text() == (tmp_path / "True" / name).read_text()
+
+
+def test_a_background_write_that_fails_stops_the_run_and_leaves_no_output(tiny_model_dir, text_file, tmp_path, monkeypatch):
+    from quantkit.errors import ExportError
+    from quantkit.export import compressed_tensors
+    from quantkit.runtime import placement
+
+    monkeypatch.setattr(placement, "writes_in_background", lambda device: True)
+    calls = []
+    original = compressed_tensors.StreamWriter.add
+
+    def failing_add(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise ExportError("disk full (a test)")
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(compressed_tensors.StreamWriter, "add", failing_add)
+    options = CalibrationOptions(data=str(text_file), num_samples=4, seq_len=32)
+    with pytest.raises(ExportError, match="disk full"):
+        finalize(tiny_model_dir, tmp_path / "out", resolve("gptq-w4a16"), calibration=options)
+    assert not (tmp_path / "out").exists()
+    assert list(tmp_path.iterdir()) == []  # no output, no temporary directory, no resume state
+
+
 @pytest.fixture(scope="module", params=["mixtral", "qwen2_moe"])
 def moe_model_dir(request, tmp_path_factory):
     """A tiny MoE model: Mixtral's checkpoint names its block `block_sparse_moe` (the model's `mlp`); Qwen2-MoE

@@ -80,3 +80,13 @@ def test_compute_device_is_the_ranks_own_gpu_under_torchrun(monkeypatch):
     assert placement.compute_device("cuda:0", None) == torch.device("cuda", 0)
     one = Context(rank=0, world_size=1, local_rank=0, device=torch.device("cuda", 0), grouped=True)
     assert placement.compute_device("cuda", one) == torch.device("cuda", 0)
+
+
+def test_layers_are_written_in_the_background_on_a_gpu_only(monkeypatch):
+    from quantkit.runtime.placement import holds_stage_inputs, writes_in_background
+
+    monkeypatch.delenv("QUANTKIT_BACKGROUND_WRITES", raising=False)
+    assert writes_in_background(torch.device("cuda", 0)) and not writes_in_background(torch.device("cpu"))
+    monkeypatch.setenv("QUANTKIT_BACKGROUND_WRITES", "0")
+    assert not writes_in_background(torch.device("cuda", 0))
+    assert holds_stage_inputs(torch.device("cpu")) and not holds_stage_inputs(torch.device("cuda", 0))
