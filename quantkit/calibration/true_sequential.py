@@ -87,9 +87,6 @@ class StageInputs:
             return iter(self.held)
         return (self.compute(item) for item in self.items)
 
-    def __len__(self) -> int:
-        return len(self.items)
-
 
 def matches_layer(layer: nn.Module, wiring: LayerWiring, call: tuple[torch.Tensor, dict]) -> bool:
     """Whether the staged computation (nothing quantized) equals the layer's own forward, bit for bit, on the
