@@ -106,10 +106,10 @@ class Resumable:
             raise UsageError(f"--resume: cannot read {self.path / STATE} ({exc}); delete {self.path} and run without --resume") from None
 
     def _check(self, saved: dict[str, str]) -> None:
-        for field, value in self.fingerprint.items():
-            if saved.get(field) != value:
+        for name, value in self.fingerprint.items():
+            if saved.get(name) != value:
                 raise UsageError(
-                    f"--resume: the interrupted run in {self.path} had {field} {saved.get(field)}, this one has {value}; "
+                    f"--resume: the interrupted run in {self.path} had {name} {saved.get(name)}, this one has {value}; "
                     f"rerun with the same settings, or delete {self.path} and run without --resume"
                 )
 
