@@ -142,6 +142,17 @@ def add_model_arguments(p) -> None:
     p.add_argument("--train-text", type=Path, default=WIKITEXT / "valid.txt")
 
 
+def add_run_arguments(p) -> None:
+    """The calibration and evaluation data, threads and repeats, as this family of benchmarks takes them."""
+    p.add_argument("--calib-data", type=Path, default=WIKITEXT / "valid.txt")
+    p.add_argument("--num-samples", type=int, default=64)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--eval-data", type=Path, default=WIKITEXT / "test.txt")
+    p.add_argument("--eval-samples", type=int, default=64, help="perplexity windows of 256 tokens")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=1, help="timed runs of every job (the table shows medians)")
+
+
 def benchmark_model(args) -> Path:
     """`--model`, or the trained benchmark model (built once in `--workdir`): what every benchmark of this family
     runs on."""
@@ -521,15 +532,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--train-steps", type=int, default=150)
     p.add_argument("--train-batch", type=int, default=16, help="sequences of 256 tokens a training step")
     p.add_argument("--train-text", type=Path, default=WIKITEXT / "valid.txt", help="tokenizer and training text")
-    p.add_argument("--calib-data", type=Path, default=WIKITEXT / "valid.txt")
-    p.add_argument("--num-samples", type=int, default=64)
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--eval-data", type=Path, default=WIKITEXT / "test.txt")
-    p.add_argument("--eval-samples", type=int, default=64, help="perplexity windows of 256 tokens")
-    p.add_argument("--threads", type=int, default=2)
+    add_run_arguments(p)
     p.add_argument("--quantkit-ranks", type=int, default=1, help="quantkit's calibrated recipes on this many ranks "
                    "(--nproc-per-node), each with --threads / ranks threads: the same cores as llm-compressor's one process")
-    p.add_argument("--repeats", type=int, default=1, help="timed runs of every job (the table shows medians)")
     p.add_argument("--awq", action="store_true", help="also run llm-compressor's AWQ W4A16 (slow on CPU)")
     p.add_argument("--llmc-actorder", choices=["default", "none"], default="default",
                    help="llm-compressor GPTQ column order: its default (static) or none (as quantkit's recipes)")

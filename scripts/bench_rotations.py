@@ -693,13 +693,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="also run the peer's SpinQuant with center_embeddings patched out (default: yes)")
     p.add_argument("--random-hadamard", action="store_true",
                    help="also quantkit's rows with `type: random-hadamard, seed: 0` (a user recipe file)")
-    p.add_argument("--calib-data", type=Path, default=harness.WIKITEXT / "valid.txt")
-    p.add_argument("--num-samples", type=int, default=64)
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--eval-data", type=Path, default=harness.WIKITEXT / "test.txt")
-    p.add_argument("--eval-samples", type=int, default=64, help="perplexity windows of 256 tokens")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=1)
+    bench.add_run_arguments(p)  # --calib-data, --num-samples, --seq-len, --eval-*, --threads, --repeats
     p.add_argument("--json", type=Path)
     return p.parse_args(argv)
 

@@ -117,13 +117,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     bench.add_model_arguments(p)  # --workdir, --model, and the trained model's --hidden, --train-*
     p.add_argument("--llmc-python", type=Path, help="python of a venv with llmcompressor; without it only quantkit runs")
     p.add_argument("--only", nargs="+", metavar="RECIPE", help="only these quantkit recipes (and their peers)")
-    p.add_argument("--calib-data", type=Path, default=harness.WIKITEXT / "valid.txt")
-    p.add_argument("--num-samples", type=int, default=64)
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--eval-data", type=Path, default=harness.WIKITEXT / "test.txt")
-    p.add_argument("--eval-samples", type=int, default=64)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=1)
+    bench.add_run_arguments(p)  # --calib-data, --num-samples, --seq-len, --eval-*, --threads, --repeats
     p.add_argument("--awq", action="store_true", help="also run llm-compressor's AWQ rows (slow on CPU)")
     p.add_argument("--llmc-actorder", choices=["default", "none"], default="none",
                    help="llm-compressor GPTQ column order (none: as quantkit's recipes, the same algorithm)")

@@ -55,9 +55,9 @@ if [[ " $STEPS " == *" bench "* ]]; then
 fi
 if [[ " $STEPS " == *" profile "* ]]; then
     data=$REPO/.whl/data/wikitext-2
-    python3 -c "import sys; sys.path.insert(0, '$REPO/scripts'); from pathlib import Path; import bench_gpu; bench_gpu.big_model(Path('/tmp/bench-gpu'), Path('$data/valid.txt'), 16)"
+    src=$(python3 -c "import sys; sys.path.insert(0, '$REPO/scripts'); from pathlib import Path; import bench_gpu; print(bench_gpu.big_model(Path('/tmp/bench-gpu'), Path('$data/valid.txt'), 16))" | tail -1)
     OMP_NUM_THREADS=8 timeout ${PROFILE_TIMEOUT:-150} python3 "$REPO/scripts/profile_cli.py" "$OUT/gptq-big.prof" finalize \
-        /tmp/bench-gpu/llama-h2048-l16-bf16 /tmp/profiled -q gptq-w4a16 --calib-data "$data/valid.txt" --num-samples 64 \
+        "$src" /tmp/profiled -q gptq-w4a16 --calib-data "$data/valid.txt" --num-samples 64 \
         --seq-len 2048 --device cuda --threads 8 --overwrite 2>&1 | tail -25 | tee "$OUT/profile.txt" || status=1
 fi
 exit $status

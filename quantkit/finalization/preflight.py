@@ -96,9 +96,9 @@ def estimate(prepared, recipe: Recipe, options, world_size: int, dst: str | Path
         num_samples = options.num_samples or recipe.calibration.num_samples
         seq_len = options.seq_len or recipe.calibration.seq_len
         shares = [sum(map(len, data.rank_batches(num_samples, options.batch_size, r, world_size))) for r in range(world_size)]
-        calib = calibration_bytes(prepared.plan, quantized, numel, max(shares), seq_len, hidden, element, options.batch_size)
-        if recipe.quantizer.name is Algorithm.GPTQ and _holds_stage_inputs(options.device):
-            calib[_HELD_STAGE_INPUTS] = max(shares) * seq_len * (hidden + max(e.in_features for e in _first_layer(prepared.plan))) * element
+        held = recipe.quantizer.name is Algorithm.GPTQ and _holds_stage_inputs(options.device)
+        calib = calibration_bytes(prepared.plan, quantized, numel, max(shares), seq_len, hidden, element, options.batch_size,
+                                  held)
         streams = 1  # of hidden states in the resume state
         if recipe.quantizer.name is Algorithm.AUTOROUND:
             passes = autoround_passes(recipe.quantizer.arguments, num_samples)
@@ -152,8 +152,10 @@ def _quantized_in_checkpoint(prepared, headers: dict, trust_remote_code: bool) -
 
 
 def calibration_bytes(plan: list[ModulePlan], quantized: dict[str, ModulePlan], numel: dict[str, int], samples: int,
-                      seq_len: int, hidden: int, element: int, batch_size: int) -> dict[str, int]:
-    """What calibration adds to the model in RAM (see the module docstring)."""
+                      seq_len: int, hidden: int, element: int, batch_size: int,
+                      held_stage_inputs: bool = False) -> dict[str, int]:
+    """What calibration adds to the model in RAM (see the module docstring); with `held_stage_inputs`, GPTQ's
+    attention-output and down-projection inputs for every sample (`runtime.placement.holds_stage_inputs`)."""
     from quantkit.models.architectures import shared_input_leaders
 
     layer = _first_layer(plan)
@@ -161,12 +163,15 @@ def calibration_bytes(plan: list[ModulePlan], quantized: dict[str, ModulePlan], 
     inputs = {leaders[e.name]: e.in_features for e in layer}
     widest = max((e.in_features for e in layer), default=hidden)
     outer = max((max(e.out_features, e.in_features) for e in layer), default=hidden)
-    return {
+    found = {
         "grid integers of finished layers": sum(numel[n] for n in quantized),
         _HIDDEN_STATES: 2 * samples * seq_len * hidden * element,
         "one batch's activations in a layer": 3 * min(samples, batch_size) * seq_len * outer * 4,
         "Hessians of one layer": sum(w * w * 8 for w in inputs.values()) + 3 * widest * widest * 4,
     }
+    if held_stage_inputs:
+        found[_HELD_STAGE_INPUTS] = samples * seq_len * (hidden + widest) * element
+    return found
 
 
 _HIDDEN_STATES = "calibration hidden states (this rank)"
