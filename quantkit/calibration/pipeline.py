@@ -65,9 +65,13 @@ def _bound(step: AlgorithmStep) -> Step:
 
 class LayerStream(Protocol):
     """Where decoder layers come from and go to when the model is streamed (`finalize`): `load` reads a layer's
-    weights before its turn, `done` writes the finished layer and frees it (taking its qparams out of the result)."""
+    weights before its turn (`prefetch` may have started reading it during the previous turn), `done` writes the
+    finished layer and frees it (taking its qparams out of the result)."""
 
     def load(self, module: nn.Module) -> None: ...
+
+    def prefetch(self, module: nn.Module) -> None:
+        """Start reading `module` (the next layer) while the current one calibrates, where the stream can."""
 
     def done(self, module: nn.Module, prefix: str, result: CalibrationResult) -> None: ...
 
@@ -124,6 +128,8 @@ def _calibrate(model: nn.Module, plan: list[ModulePlan], recipe: Recipe, samples
         for i, module in enumerate(layers):
             if stream is not None:
                 stream.load(module)
+                if i + 1 < len(layers):
+                    stream.prefetch(layers[i + 1])
             if i < done:
                 resumable.restore_layer(i, module, f"{prefix}.{i}", by_name, result)
             else:
@@ -146,7 +152,7 @@ def _calibrate_one(i: int, module: nn.Module, prefix: str, inputs: list[tuple], 
                    num_layers: int) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
     """Run the steps on decoder layer `i`; return its outputs (the next layer's inputs) and, when the recipe tunes
     against the float model, the float model's hidden states after it."""
-    module.to(device)
+    module.to(device, non_blocking=True)  # from pinned memory where the stream read it ahead (`LayerStream.prefetch`)
     layer = Layer(module, prefix, i, inputs, by_name, recipe, result, ctx, float_hidden)
     for name, linear in layer.linears.items():
         models.check_finite(name, linear.weight.data)

@@ -305,20 +305,42 @@ STREAMED = "streamed: one decoder layer in memory at a time"
 
 class _LayerIO:
     """A streamed run's `calibration.pipeline.LayerStream`: a layer is read before its turn, written (rank 0)
-    and freed after it. With `background` (`runtime.placement.writes_in_background`), a finished layer is packed
-    and written in a worker thread while the next one calibrates: one layer at most in flight (the next waits for
-    it), written in order, and the first error raised in the calling thread at the next write or at `flush`."""
+    and freed after it. With `background` (`runtime.placement.overlaps_io`), disk work runs in two worker threads
+    while a layer calibrates: the next layer is read ahead (`prefetch`) into pinned memory, so that its copy to
+    the GPU does not block, and a finished layer is packed and written, one layer at most in flight (the next
+    waits for it), in order. A worker's first error is raised in the calling thread, at the layer's `load`, the
+    next write or `flush`."""
 
     def __init__(self, streamed, writer, rotator=None, background: bool = False):
         self.streamed, self.writer, self.rotator = streamed, writer, rotator
         self._worker = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="quantkit-writer")
                         if background and writer is not None else None)
+        self._reader = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="quantkit-reader")
+                        if background else None)
+        self._pin = background and torch.cuda.is_available()
         self._in_flight: concurrent.futures.Future | None = None
+        self._reading: dict[int, concurrent.futures.Future] = {}  # id(module) -> its read ahead
+
+    def prefetch(self, module: nn.Module) -> None:
+        """Start reading `module` (the next layer) in the background, when this run overlaps its disk work."""
+        if self._reader is not None and id(module) not in self._reading:
+            self._reading[id(module)] = self._reader.submit(self._read, module)
 
     def load(self, module: nn.Module) -> None:
+        """`module`'s weights, read (or the read ahead waited for) and rotated by the recipe's rotations."""
+        ahead = self._reading.pop(id(module), None)
+        if ahead is not None:
+            ahead.result()
+        else:
+            self._read(module)
+
+    def _read(self, module: nn.Module) -> None:
         self.streamed.load(module)
         if self.rotator is not None:  # the recipe's rotations, as the weights are read (`quant.rotations`)
             self.rotator.rotate_layer(module)
+        if self._pin:
+            for tensor in [*module.parameters(), *module.buffers()]:
+                tensor.data = tensor.data.pin_memory()
 
     def load_rest(self) -> None:
         self.streamed.load_rest()
@@ -351,9 +373,11 @@ class _LayerIO:
             in_flight.result()
 
     def close(self) -> None:
-        """Stop the worker once what it is writing is done (an error then is the caller's to have raised)."""
-        if self._worker is not None:
-            self._worker.shutdown(wait=True, cancel_futures=True)
+        """Stop the workers once what they are reading and writing is done (an error then is the caller's to have
+        raised)."""
+        for worker in (self._reader, self._worker):
+            if worker is not None:
+                worker.shutdown(wait=True, cancel_futures=True)
 
     def _write_now(self, modules: list[nn.Module], qparams: dict[str, QParams], scales: dict, kv_scales: dict | None) -> None:
         if self.writer is not None:
@@ -383,7 +407,7 @@ def _stream(streamed, prepared: Prepared, recipe: Recipe, dst: Path, overwrite: 
         tmp = stack.enter_context(atomic.atomic_directory(dst, overwrite)) if ctx.is_main else None
         writer = (exporter(prepared.format).StreamWriter(streamed.model, plan, recipe, tmp, prepared.shard_bytes, expected_bytes)
                   if tmp else None)
-        background = samples is not None and placement.writes_in_background(torch.device(options.device))
+        background = samples is not None and placement.overlaps_io(torch.device(options.device))
         layer_io = _LayerIO(streamed, writer, prepared.rotator, background)
         stack.callback(layer_io.close)  # before the output directory's own exit: nothing writes into a removed one
         if samples is None:

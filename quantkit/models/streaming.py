@@ -107,7 +107,7 @@ class StreamedModel:
         """Read the modules outside the decoder layers (tied weights are read once, under their stored name)."""
         self.model.tie_weights()
         in_layers = {id(t) for t in [*self.layers.parameters(), *self.layers.buffers()]}
-        self._load_where(lambda key, value: id(value) not in in_layers)
+        self._load_entries([(key, value) for key, value in _state(self.model) if id(value) not in in_layers])
         self.model.tie_weights()
 
     def release_rest(self) -> None:
@@ -115,9 +115,11 @@ class StreamedModel:
             self.release(module)
 
     def load(self, module: nn.Module) -> None:
-        """Read `module`'s parameters and persistent buffers from the checkpoint (cast to the model's dtypes)."""
-        inside = {id(t) for t in [*module.parameters(), *module.buffers()]}
-        self._load_where(lambda key, value: id(value) in inside)
+        """Read `module`'s parameters and persistent buffers from the checkpoint (cast to the model's dtypes). Only
+        `module`'s own tensors are touched: a decoder layer can be read in one thread while others are computed on
+        or released in another (`finalization.finalize._LayerIO`)."""
+        prefix = self.names[module]
+        self._load_entries([(f"{prefix}.{key}", value) for key, value in _state(module)])
 
     def release(self, module: nn.Module) -> None:
         """Put `module`'s parameters and persistent buffers back on the meta device (their memory is freed)."""
@@ -130,10 +132,9 @@ class StreamedModel:
                     owner._buffers[name] = buffer.to("meta")
         return_freed_memory()
 
-    def _load_where(self, wanted) -> None:
+    def _load_entries(self, targets: list[tuple[str, torch.Tensor]]) -> None:
         from safetensors import safe_open
 
-        targets = [(key, value) for key, value in _state(self.model) if wanted(key, value)]
         by_file: dict[Path, list[tuple[str, torch.Tensor]]] = {}
         for key, value in targets:
             by_file.setdefault(self.files[self.stored.get(key, key)], []).append((key, value))

@@ -43,12 +43,13 @@ def holds_stage_inputs(device: torch.device) -> bool:
     return device.type == "cpu"
 
 
-def writes_in_background(device: torch.device) -> bool:
-    """Whether a streamed finalize packs and writes each finished decoder layer in a background thread while the
-    next layer calibrates: on a GPU, whose work leaves the CPU idle (the 0.84B GPTQ benchmark spent 2.6 s of an
-    H100 run packing and writing); not on the CPU, where both would compete for the same cores.
-    `QUANTKIT_BACKGROUND_WRITES=0` turns it off."""
-    return device.type == "cuda" and os.environ.get("QUANTKIT_BACKGROUND_WRITES", "1") != "0"
+def overlaps_io(device: torch.device) -> bool:
+    """Whether a streamed calibrated finalize overlaps its disk work with the GPU's: the next decoder layer is read
+    (into pinned memory, copied to the GPU without blocking at its turn) and the finished one packed and written,
+    each in a worker thread, while a layer calibrates. On a GPU, whose work leaves the CPU idle (the 0.84B GPTQ
+    benchmark spent 2.6 s of an H100 run packing and writing); not on the CPU, where both would compete for the
+    same cores. `QUANTKIT_OVERLAP_IO=0` turns it off."""
+    return device.type == "cuda" and os.environ.get("QUANTKIT_OVERLAP_IO", "1") != "0"
 
 
 def to_host(value: Any) -> Any:

@@ -48,12 +48,12 @@ def test_a_streamed_artifact_equals_the_in_memory_one(tiny_model_dir, text_file,
 @pytest.mark.parametrize("recipe", ["gptq-w4a16", "awq-w4a16", "smoothquant-w8a8"])
 def test_layers_written_in_the_background_give_the_same_artifact(tiny_model_dir, text_file, tmp_path, recipe, monkeypatch):
     """On a GPU each finished layer is packed and written in a worker thread while the next one calibrates
-    (`placement.writes_in_background`, forced here on the CPU): the files are the ones written in line."""
+    (`placement.overlaps_io`, forced here on the CPU): the files are the ones written in line."""
     from quantkit.runtime import placement
 
     options = CalibrationOptions(data=str(text_file), num_samples=4, seq_len=32)
     for background in (False, True):
-        monkeypatch.setattr(placement, "writes_in_background", lambda device, background=background: background)
+        monkeypatch.setattr(placement, "overlaps_io", lambda device, background=background: background)
         finalize(tiny_model_dir, tmp_path / str(background), resolve(recipe), calibration=options, max_shard_size="60KB")
     a, b = tensors(tmp_path / "False"), tensors(tmp_path / "True")
     assert a.keys() == b.keys() and all(torch.equal(a[key], b[key]) for key in a)
@@ -66,7 +66,7 @@ def test_a_background_write_that_fails_stops_the_run_and_leaves_no_output(tiny_m
     from quantkit.export import compressed_tensors
     from quantkit.runtime import placement
 
-    monkeypatch.setattr(placement, "writes_in_background", lambda device: True)
+    monkeypatch.setattr(placement, "overlaps_io", lambda device: True)
     calls = []
     original = compressed_tensors.StreamWriter.add
 
@@ -82,6 +82,48 @@ def test_a_background_write_that_fails_stops_the_run_and_leaves_no_output(tiny_m
         finalize(tiny_model_dir, tmp_path / "out", resolve("gptq-w4a16"), calibration=options)
     assert not (tmp_path / "out").exists()
     assert list(tmp_path.iterdir()) == []  # no output, no temporary directory, no resume state
+
+
+def test_the_next_layer_is_read_ahead_while_one_calibrates(tiny_model_dir, text_file, tmp_path, monkeypatch):
+    """With overlapped disk work (`placement.overlaps_io`, forced here on the CPU), every decoder layer after the
+    first is read by the reader thread, started before the previous layer's turn ends."""
+    import threading
+
+    from quantkit.models.streaming import StreamedModel
+    from quantkit.runtime import placement
+
+    monkeypatch.setattr(placement, "overlaps_io", lambda device: True)
+    readers, original = {}, StreamedModel.load
+
+    def load(self, module):
+        readers[self.names[module]] = threading.current_thread().name
+        return original(self, module)
+
+    monkeypatch.setattr(StreamedModel, "load", load)
+    options = CalibrationOptions(data=str(text_file), num_samples=4, seq_len=32)
+    finalize(tiny_model_dir, tmp_path / "out", resolve("gptq-w4a16"), calibration=options)
+    layers = sorted(readers)
+    assert len(layers) >= 2 and readers[layers[0]] == "MainThread"
+    assert all(readers[name].startswith("quantkit-reader") for name in layers[1:])
+
+
+def test_a_read_ahead_that_fails_stops_the_run_and_leaves_no_output(tiny_model_dir, text_file, tmp_path, monkeypatch):
+    from quantkit.models.streaming import StreamedModel
+    from quantkit.runtime import placement
+
+    monkeypatch.setattr(placement, "overlaps_io", lambda device: True)
+    original = StreamedModel.load
+
+    def load(self, module):
+        if self.names[module].endswith(".1"):
+            raise OSError("read error (a test)")
+        return original(self, module)
+
+    monkeypatch.setattr(StreamedModel, "load", load)
+    options = CalibrationOptions(data=str(text_file), num_samples=4, seq_len=32)
+    with pytest.raises(OSError, match="read error"):
+        finalize(tiny_model_dir, tmp_path / "out", resolve("gptq-w4a16"), calibration=options)
+    assert [p.name for p in tmp_path.iterdir()] == ["out.partial"]  # no output; the first layer kept for --resume
 
 
 @pytest.fixture(scope="module", params=["mixtral", "qwen2_moe"])

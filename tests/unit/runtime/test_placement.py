@@ -83,10 +83,10 @@ def test_compute_device_is_the_ranks_own_gpu_under_torchrun(monkeypatch):
 
 
 def test_layers_are_written_in_the_background_on_a_gpu_only(monkeypatch):
-    from quantkit.runtime.placement import holds_stage_inputs, writes_in_background
+    from quantkit.runtime.placement import holds_stage_inputs, overlaps_io
 
-    monkeypatch.delenv("QUANTKIT_BACKGROUND_WRITES", raising=False)
-    assert writes_in_background(torch.device("cuda", 0)) and not writes_in_background(torch.device("cpu"))
-    monkeypatch.setenv("QUANTKIT_BACKGROUND_WRITES", "0")
-    assert not writes_in_background(torch.device("cuda", 0))
+    monkeypatch.delenv("QUANTKIT_OVERLAP_IO", raising=False)
+    assert overlaps_io(torch.device("cuda", 0)) and not overlaps_io(torch.device("cpu"))
+    monkeypatch.setenv("QUANTKIT_OVERLAP_IO", "0")
+    assert not overlaps_io(torch.device("cuda", 0))
     assert holds_stage_inputs(torch.device("cpu")) and not holds_stage_inputs(torch.device("cuda", 0))
