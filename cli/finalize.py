@@ -282,6 +282,9 @@ def print_summary(result) -> None:
             table.add_row("  peak RAM per rank", " / ".join(human_bytes(b) for b in calib["peak_rss_per_rank"]))
         if calib.get("gptq_rows_per_rank"):
             table.add_row("  GPTQ rows per rank", " / ".join(map(str, calib["gptq_rows_per_rank"])))
+    if result.recipe.online_rotations:
+        from quantkit.quant.rotations import ONLINE_RUNTIMES
+        table.add_row("online rotation", ONLINE_RUNTIMES)
     table.add_row("time", f"{result.seconds:.1f} s on {result.threads} threads")
     if result.loading:
         table.add_row("model held", result.loading)

@@ -79,4 +79,7 @@ def show(name: Annotated[str, typer.Argument(help="Recipe name or path to a reci
         write_json(json_path, "recipes show", {"recipe": recipe.to_dict()})
         return
     header = f"# quantkit recipe {recipe.name}: saved as FILE.yaml and passed as -q FILE.yaml, it is this recipe, named FILE\n"
+    if recipe.online_rotations:
+        from quantkit.quant.rotations import ONLINE_RUNTIMES
+        header += f"# {ONLINE_RUNTIMES}\n"
     typer.echo(header + yaml.safe_dump(recipe.to_file(), sort_keys=False, width=10_000), nl=False)  # plain: no wrapping

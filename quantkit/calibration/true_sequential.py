@@ -64,13 +64,13 @@ def run_stages(layer: nn.Module, wiring: LayerWiring, calls: list[tuple[torch.Te
         quantize(qkv, StageInputs(lambda call: input_norm(call[0]), calls))
         o_inputs = StageInputs(attended, calls, hold)
         quantize((wiring.o,), o_inputs)
-        residual = [h + o(a) for (h, _), a in zip(calls, o_inputs)]
+        residual = [h + o.forward(a) for (h, _), a in zip(calls, o_inputs)]  # `a` has been through o's pre-hooks
         del o_inputs
         quantize(gate_up, StageInputs(post_attention_norm, residual))
         down_inputs = StageInputs(activated, residual, hold)
         quantize((wiring.down,), down_inputs)
         for h, a in zip(residual, down_inputs):  # in place: the residual stream is this function's own
-            h += down(a)
+            h += down.forward(a)  # not down(a): `a` is down's input after its pre-hooks (R4's online rotation)
         return residual
 
 
@@ -104,7 +104,8 @@ def matches_layer(layer: nn.Module, wiring: LayerWiring, call: tuple[torch.Tenso
 
 
 def _input_of(module: nn.Module, run: Callable[[], object]) -> torch.Tensor:
-    """The input `module` receives when `run()` runs; `run` stops right there (the module never computes)."""
+    """The input `module`'s forward receives when `run()` runs, after the module's own pre-hooks (an online
+    rotation: `quant.rotations.OnlineRotation`); `run` stops right there (the module never computes)."""
     captured: list[torch.Tensor] = []
 
     def hook(_, args):

@@ -118,6 +118,14 @@ def check(path: str | Path, ranks: int, trust_remote_code: bool = False) -> None
         raise UnsupportedModelError(
             f"{path}: {method} artifacts do not shard (their quantized tensors lack the operations transformers' "
             "tensor parallelism splits them with); evaluate it without --tp, or finalize with --format compressed-tensors")
+    from quantkit.models.loading import read_config_json
+    from quantkit.quant.rotations import online_groups
+
+    online = online_groups(read_config_json(path)) if Path(path, "config.json").is_file() else {}
+    if online:
+        raise UnsupportedModelError(
+            f"{path}: its online transforms ({', '.join(online)}) rotate whole activations, which a rank's shard of a "
+            "Linear does not hold; evaluate it without --tp")
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     config = getattr(config, "get_text_config", lambda: config)()
     if not plan_of(config):

@@ -32,7 +32,7 @@ from quantkit.quant.plan import ModulePlan
 from quantkit.quant.qparams import QParams
 from quantkit.quant.quantized_model import QuantizedModel
 from quantkit.quant.registry import Recipe
-from quantkit.quant.rotations import transform_config
+from quantkit.quant.rotations import online_tensors, transform_config
 from quantkit.quant.schemes import ActivationSpec, Granularity, KVCacheSpec, QDtype, QuantScheme, ScaleDtype, WeightSpec
 from quantkit.runtime import placement
 
@@ -299,11 +299,13 @@ def write(quantized: QuantizedModel, out_dir: Path, max_shard_size: int | None =
     placement.check_on_host("the compressed-tensors writer", model=quantized.model, qparams=quantized.qparams,
                             input_scales=quantized.input_scales, kv_scales=quantized.kv_scales)
     transforms = transform_config(quantized.recipe, quantized.model)  # before compression replaces the weights
+    online = online_tensors(quantized.recipe, quantized.model)
     model = as_loaded(quantized)
     with as_single_threaded():
         compressor = ModelCompressor.from_pretrained_model(model)
         compressor.compress_model(model)
-        model.save_pretrained(out_dir, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
+        with _holding(model, online):
+            model.save_pretrained(out_dir, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
         compressor.update_config(str(out_dir))
     _declare_kv_cache(out_dir / "config.json", quantized.recipe)
     _declare_transforms(out_dir / "config.json", transforms)
@@ -322,6 +324,7 @@ class StreamWriter:
         self.model, self.recipe, self.out_dir = model, recipe, Path(out_dir)
         self.config = quantization_config(plan, recipe, experts_targets(model))
         self.transforms = transform_config(recipe, model)  # before compression replaces the weights
+        self.online = online_tensors(recipe, model)  # written with the layer they belong to
         self.planned = {entry.name for entry in plan if entry.quantized}
         self.names = {module: name for name, module in model.named_modules()}
         self.stored_name = moe.checkpoint_renamer(model)  # as save_pretrained renames (Mixtral's mlp: block_sparse_moe)
@@ -359,6 +362,7 @@ class StreamWriter:
                 if id(value) not in seen:
                     seen.add(id(value))
                     tensors[key] = value.detach()
+            tensors.update({key: value for key, value in self.online.items() if key.startswith(f"{prefix}.")})
         self.shards.add({self.stored_name(key): value for key, value in tensors.items()})
 
     def finish(self) -> None:
@@ -373,6 +377,25 @@ class StreamWriter:
         _ignore_as_stored(self.out_dir / "config.json", self.stored_name)
         _declare_kv_cache(self.out_dir / "config.json", self.recipe)
         _declare_transforms(self.out_dir / "config.json", self.transforms)
+
+
+@contextmanager
+def _holding(model: nn.Module, tensors: dict[str, torch.Tensor]):
+    """`model` with each of `tensors` (`<module>.<child>.weight`) held as a buffer of a child module, so that
+    save_pretrained writes it under that name (the online rotations' matrices), and without them afterwards."""
+    added = []
+    for key, tensor in tensors.items():
+        owner_name, child, attr = key.rsplit(".", 2)
+        holder = nn.Module()
+        holder.register_buffer(attr, tensor)
+        owner = model.get_submodule(owner_name)
+        owner.add_module(child, holder)
+        added.append((owner, child))
+    try:
+        yield
+    finally:
+        for owner, child in added:
+            delattr(owner, child)
 
 
 def _declare_kv_cache(config_file: Path, recipe: Recipe) -> None:

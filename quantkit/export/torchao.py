@@ -31,7 +31,7 @@ def unsupported(recipe: Recipe) -> str | None:
         return "torchao artifacts carry no KV cache scales (--kv-cache); they are compressed-tensors' kv_cache_scheme"
     if recipe.needs_calibration:
         return "the torchao format takes round-to-nearest recipes with dynamic activations (it quantizes while loading)"
-    if recipe.fused_rotations:
+    if recipe.transforms:
         return ("the recipe rotates the model before quantizing it, and transformers converts the unrotated checkpoint "
                 "to torchao while it loads")
     if recipe.scheme.weights.observer is not WeightObserver.MINMAX:

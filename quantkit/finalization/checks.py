@@ -123,7 +123,7 @@ def _check_rotations(skeleton: nn.Module, recipe: Recipe, trained: dict | None):
     """The recipe's fused rotations for this model (None without, or where QAT trained the rotated model: `trained`
     is its recipe), or a refusal: a layer a rotation would not leave computing the same, a width with no Hadamard
     matrix."""
-    if not recipe.fused_rotations:
+    if not recipe.transforms:
         return None
     if (trained or {}).get("transforms") == recipe.to_dict()["transforms"]:
         return None  # QAT trained the rotated model (`training.loop.setup`): its weights are rotated already

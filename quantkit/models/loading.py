@@ -66,7 +66,8 @@ def meta_model(config, trust_remote_code: bool = False) -> nn.Module:
 
 def load_model(path: Path, dtype: str = "auto", trust_remote_code: bool = False, **kwargs) -> nn.Module:
     """A model directory through plain transformers; asymmetric compressed-tensors artifacts too, which plain
-    transformers 5.x cannot load (`export.compressed_tensors.packed_zero_points_on_load`)."""
+    transformers 5.x cannot load (`export.compressed_tensors.packed_zero_points_on_load`), and the online
+    transforms of a `transform_config` (R4), which it ignores (`quant.rotations.apply_online_transforms`)."""
     from transformers import AutoModelForCausalLM
 
     from quantkit.export.compressed_tensors import packed_zero_points_on_load
@@ -81,9 +82,13 @@ def load_model(path: Path, dtype: str = "auto", trust_remote_code: bool = False,
         )
     if hasattr(model, "ct_decompress_hook"):
         _match_dequantized_dtype(model)
-    if (read_config_json(path).get("quantization_config") or {}).get("kv_cache_scheme"):
+    config = read_config_json(path)
+    if (config.get("quantization_config") or {}).get("kv_cache_scheme"):
         from quantkit.quant import kv_cache
         kv_cache.load_scales(model, Path(path))
+    from quantkit.quant.rotations import apply_online_transforms
+
+    apply_online_transforms(model, Path(path), config)  # R4 and the like: transformers ignores transform_config
     return model.eval()
 
 

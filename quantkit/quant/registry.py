@@ -57,18 +57,21 @@ class TransformType(str, Enum):
 
 ROTATIONS = ("R1", "R2", "R3", "R4")
 FUSED = ("R1", "R2")  # R1: the residual stream; R2: each attention head's values, between v_proj and o_proj
+ONLINE = ("R4",)  # R4: the down projections' inputs, rotated at run time (R3, the keys and queries, is not supported)
 
 
 @dataclass(frozen=True)
 class Transform:
     """Rotations of one kind (`transforms:` in a recipe): orthogonal matrices that leave the float model's function
     unchanged and spread activation outliers over all channels before quantization (QuaRot, SpinQuant). R1 and R2
-    are fused into the weights (`quant.rotations`), so the artifact is a plain model."""
+    are fused into the weights (`quant.rotations`), so the artifact is a plain model; R4 (`online`) is fused into
+    the down projections' weights and applied to their inputs at run time, by the runtimes that read
+    compressed-tensors' `transform_config` (compressed-tensors, vLLM, `quantkit eval`)."""
 
     type: TransformType = TransformType.HADAMARD
     rotations: tuple[str, ...] = FUSED
     seed: int = 0  # random-hadamard's signs (every rank draws the same)
-    online: bool = False  # applied to activations at run time (R3, R4): not supported yet
+    online: bool = False  # applied to activations at run time (R4)
 
 
 class IndivisiblePolicy(str, Enum):
@@ -124,6 +127,10 @@ class Recipe:
         return tuple(t for t in self.transforms if not t.online)
 
     @property
+    def online_rotations(self) -> tuple["Transform", ...]:
+        return tuple(t for t in self.transforms if t.online)
+
+    @property
     def needs_calibration(self) -> bool:
         return self.kv_cache is not None or self.needs_calibration_without_kv
 
@@ -134,8 +141,8 @@ class Recipe:
         return calibrated_acts or any(step.name is not Algorithm.RTN for step in self.steps)
 
     def describe_algorithm(self) -> str:
-        rotations = ["+".join(t.rotations) for t in self.transforms]  # "R1+R2": `recipes show` says which matrix
-        return " + ".join(rotations + [step.name.value for step in self.steps])
+        rotations = ["+".join(r for t in self.transforms for r in t.rotations)] if self.transforms else []
+        return " + ".join(rotations + [step.name.value for step in self.steps])  # "R1+R2 + rtn": `recipes show` says which matrix
 
     def requirement(self, fmt: Format) -> Requirement:
         return self.requires.get(fmt, Requirement())
@@ -267,17 +274,23 @@ def _parse_transforms(value: Any) -> tuple[Transform, ...]:
         rotations = tuple(_str_list(item.get("rotations", list(FUSED)), f"{where}.rotations"))
         for rotation in rotations:
             if rotation not in ROTATIONS:
-                raise SchemeError(f"{where}.rotations", f"'{rotation}' is not a rotation; use {', '.join(FUSED)}")
+                raise SchemeError(f"{where}.rotations", f"'{rotation}' is not a rotation; use {', '.join(FUSED + ONLINE)}")
             if rotation in seen:
                 raise SchemeError(f"{where}.rotations", f"{rotation} is given twice")
+            if rotation not in FUSED + ONLINE:
+                raise SchemeError(f"{where}.rotations", f"{rotation} (online, inside attention) is not supported; "
+                                  f"use {', '.join(FUSED + ONLINE)}")
         seen.update(rotations)
         online = _bool(item.get("online", False), f"{where}.online")
-        online_asked = [r for r in rotations if r not in FUSED]
-        if online or online_asked:
-            raise SchemeError(f"{where}", f"online rotations ({', '.join(online_asked) or 'online: true'}) are not "
-                              f"supported yet; use the fused ones, rotations: [{', '.join(FUSED)}]")
         if not rotations:
-            raise SchemeError(f"{where}.rotations", f"names at least one rotation: {', '.join(FUSED)}")
+            raise SchemeError(f"{where}.rotations", f"names at least one rotation: {', '.join(FUSED + ONLINE)}")
+        mixed = [r for r in rotations if (r in ONLINE) != online]
+        if mixed and online:
+            raise SchemeError(f"{where}.rotations", f"{', '.join(mixed)} is fused into the weights, not online; give it "
+                              "in a transform of its own without online: true")
+        if mixed:
+            raise SchemeError(f"{where}.online", f"{', '.join(mixed)} is applied to activations at run time: give it "
+                              "with online: true, e.g. {type: hadamard, rotations: [R4], online: true}")
         seed = item.get("seed", 0)
         if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
             raise SchemeError(f"{where}.seed", "is an integer >= 0")

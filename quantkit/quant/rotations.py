@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 from functools import partial
 
+import torch
 from torch import nn
 
 from quantkit.algorithms import hadamard
@@ -45,18 +46,20 @@ class Rotator:
         self.heads = config.num_attention_heads
         self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
         self.head_dim = getattr(config, "head_dim", None) or self.hidden // self.heads
-        self.r1 = self.r2 = None
+        self.r1 = self.r2 = self.r4 = None
         for transform in transforms:
             seed = transform.seed if transform.type is TransformType.RANDOM_HADAMARD else None
             if "R1" in transform.rotations:
                 self.r1 = _rotation(self.hidden, seed, "the hidden size (R1)")
             if "R2" in transform.rotations:
                 self.r2 = _rotation(self.head_dim, seed, "the attention head size (R2)")
+            if "R4" in transform.rotations:
+                self.r4 = transform  # its size is each down projection's input width (MoE experts: theirs)
         self.seconds = 0.0
 
     @classmethod
     def of(cls, recipe: Recipe, config) -> "Rotator | None":
-        return cls(recipe.fused_rotations, config) if recipe.fused_rotations else None
+        return cls(recipe.transforms, config) if recipe.transforms else None
 
     def check(self, model: nn.Module) -> None:
         """Refuse, before any weight is read, a model the rotations would not leave computing the same
@@ -64,7 +67,10 @@ class Rotator:
         layers = architectures.decoder_layers(model)
         final_norm(layers_parent(model, layers))
         for layer in layers:
-            residual_modules(layer, self.hidden, self._value_rows())
+            wiring = residual_modules(layer, self.hidden, self._value_rows())
+            if self.r4 is not None:
+                for name in wiring.mlp_writers:
+                    _online_rotation(self.r4, layer.get_submodule(name).in_features)
         if model.get_output_embeddings() is None:
             raise UnsupportedModelError(f"rotations: {type(model).__name__} has no lm_head")
 
@@ -105,6 +111,12 @@ class Rotator:
             bias = values.bias.data[rows] if values.bias is not None else None
             rotate_heads_output(values.weight.data[rows], self.r2, self.head_dim, bias)
             rotate_heads_input(weight(wiring.attention_writer), self.r2, self.head_dim)
+        if self.r4 is not None:  # fused into each down projection's weight, its input rotated at run time
+            for name in wiring.mlp_writers:
+                down = layer.get_submodule(name)
+                hook = _online_rotation(self.r4, down.in_features)
+                rotate_input(down.weight.data, hook.rotate)
+                attach_online(down, hook)
         self.seconds += time.perf_counter() - started
 
     def rotate_model(self, model: nn.Module) -> None:
@@ -118,8 +130,48 @@ class Rotator:
 
     def describe(self) -> dict:
         """What quantkit.json records."""
-        return {"R1": self.hidden if self.r1 is not None else None, "R2": self.head_dim if self.r2 is not None else None,
-                "seconds": round(self.seconds, 3)}
+        described = {"R1": self.hidden if self.r1 is not None else None, "R2": self.head_dim if self.r2 is not None else None,
+                     "R4": "online" if self.r4 is not None else None, "seconds": round(self.seconds, 3)}
+        return {**described, "runtimes": ONLINE_RUNTIMES} if self.r4 is not None else described
+
+
+class OnlineRotation:
+    """R4 at run time: a forward pre-hook on a down projection, its input x <- x·Q (Q = H/√n, the Hadamard matrix
+    of its input width, with random-hadamard's signs from `seed`), while its weight holds W·Q (`rotate_input`):
+    the product is unchanged, but the activations quantized on the way in are the rotated ones. Computed in at
+    least float32 with the fast Walsh-Hadamard transform; the artifact states it for compressed-tensors and vLLM
+    (`transform_config`), and `quantkit eval` applies it when it loads one (`apply_online_transforms`)."""
+
+    def __init__(self, size: int, seed: int | None):
+        self.size, self.seed = size, seed
+
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        return hadamard.hadamard_transform(x, seed=self.seed, compute_dtype=torch.promote_types(x.dtype, torch.float32))
+
+    def __call__(self, module: nn.Module, args: tuple):
+        return (self.rotate(args[0]), *args[1:])
+
+
+def attach_online(module: nn.Module, hook) -> None:
+    """Register `hook` as `module`'s online rotation (once: a module read again keeps the one it has)."""
+    if getattr(module, ONLINE_ATTRIBUTE, None) is None:
+        module.register_forward_pre_hook(hook)
+        setattr(module, ONLINE_ATTRIBUTE, hook)
+
+
+ONLINE_ATTRIBUTE = "quantkit_online_rotation"
+
+
+def _online_rotation(transform: Transform, size: int) -> OnlineRotation:
+    """R4's hook for a down projection of input width `size`, or the one-line refusal of a width it cannot have."""
+    if transform.type is TransformType.HADAMARD and not hadamard.is_power_of_two(size):
+        raise UnsupportedModelError(
+            f"rotations: R4 with type: hadamard needs a power-of-two width (compressed-tensors' and vLLM's "
+            f"'hadamard' is Sylvester's matrix); the down projections' input is {size} wide: use type: random-hadamard"
+        )
+    seed = transform.seed if transform.type is TransformType.RANDOM_HADAMARD else None
+    _rotation(size, seed, "the down projections' input (R4)")
+    return OnlineRotation(size, seed)
 
 
 def _rotation(size: int, seed: int | None, what: str):
@@ -142,36 +194,39 @@ def untie(model: nn.Module) -> None:
         model.config.get_text_config().tie_word_embeddings = False
 
 
-__all__ = ["Rotator", "untie"]
+__all__ = ["Rotator", "untie", "transform_config", "online_tensors", "apply_online_transforms"]
 
 
 def transform_config(recipe: Recipe, model: nn.Module) -> dict | None:
-    """compressed-tensors' `transform_config` for the recipe's fused rotations of `model`, laid out as llm-compressor's
-    SpinQuantModifier writes it (groups "R1", "R2": `weight_output` on the Linears writing the rotated tensor,
-    `weight_input` with `inverse` on those reading it; targets as `re:.*<name>$` patterns). The weights hold the
-    rotations already, so runtimes ignore these (vLLM applies online locations only; transformers none): the config
-    says what was done to the weights, in the place where compressed-tensors' tools look. A rotation it cannot
-    state is left out (quantkit.json records every one): R2 on values fused into one qkv projection, whose rows
-    a target cannot single out, and a "hadamard" of a size that is not a power of two, which compressed-tensors'
-    "hadamard" type cannot build."""
-    if not recipe.fused_rotations:
+    """compressed-tensors' `transform_config` for the recipe's rotations of `model`, laid out as llm-compressor's
+    SpinQuantModifier writes it (targets as `re:.*<name>$` patterns):
+    - R1, R2 (fused): `weight_output` on the Linears writing the rotated tensor, `weight_input` with `inverse` on
+      those reading it. The weights hold them already, so runtimes leave them alone (vLLM applies online
+      locations only; transformers none): the config says what was done to the weights. One it cannot state is
+      left out (quantkit.json records every one): R2 on values fused into one qkv projection, whose rows a target
+      cannot single out, and a "hadamard" of a size that is not a power of two, which compressed-tensors'
+      "hadamard" type cannot build.
+    - R4 (online): `input` on the down projections, which compressed-tensors and vLLM apply at run time, and
+      `weight_input` with `inverse` (fused). Its matrix is stored beside the weights (`online_tensors`)."""
+    if not recipe.transforms:
         return None
-    rotator = Rotator(recipe.fused_rotations, model.config)
+    rotator = Rotator(recipe.transforms, model.config)
     layers = architectures.decoder_layers(model)
     wirings = [residual_modules(layer, rotator.hidden, rotator._value_rows()) for layer in layers]
     leaf = lambda name: f"re:.*{name.rsplit('.', 1)[-1]}$"  # noqa: E731
     unique = lambda names: list(dict.fromkeys(names))  # noqa: E731
     groups = {}
-    kinds = {rotation: transform for transform in recipe.fused_rotations for rotation in transform.rotations}
+    kinds = {rotation: transform for transform in recipe.transforms for rotation in transform.rotations}
 
-    def group(rotation: str, size: int, head_dim: int | None, writers: list[str], readers: list[str]) -> None:
+    def group(rotation: str, size: int | None, head_dim: int | None, writers: list[str], readers: list[str],
+              writes: str = "weight_output") -> None:
         transform = kinds[rotation]
-        if transform.type is TransformType.HADAMARD and not hadamard.is_power_of_two(size):
+        if transform.type is TransformType.HADAMARD and size is not None and not hadamard.is_power_of_two(size):
             return
         groups[rotation] = {
             "type": transform.type.value, "head_dim": head_dim, "precision": "torch.float64", "randomize": False,
             "requires_grad": False,
-            "apply": [{"targets": writers, "location": "weight_output", "inverse": False, "ignore": []},
+            "apply": [{"targets": writers, "location": writes, "inverse": False, "ignore": []},
                       {"targets": readers, "location": "weight_input", "inverse": True, "ignore": []}],
         }
 
@@ -184,4 +239,131 @@ def transform_config(recipe: Recipe, model: nn.Module) -> dict | None:
     if "R2" in kinds and not any(w.value_rows for w in wirings):
         group("R2", rotator.head_dim, rotator.head_dim, unique([leaf(w.values) for w in wirings]),
               unique([leaf(w.attention_writer) for w in wirings]))
+    if "R4" in kinds:  # every width checked already (`Rotator.check`): this one is never left out
+        downs = unique([leaf(n) for w in wirings for n in w.mlp_writers])
+        group("R4", None, None, downs, downs, writes="input")
     return {"config_groups": groups} if groups else None
+
+
+def online_tensors(recipe: Recipe, model: nn.Module) -> dict[str, torch.Tensor]:
+    """The matrices an artifact stores for its online rotation, as llm-compressor's checkpoints hold them: for each
+    input width of the down projections, the ±1 matrix (float64, not divided by √n) under the first one's name,
+    `<down projection>.R4_input.weight` (the others share it, as compressed-tensors ties them by size)."""
+    if not recipe.online_rotations:
+        return {}
+    transform = recipe.online_rotations[0]
+    rotator = Rotator(recipe.transforms, model.config)
+    tensors, widths = {}, set()
+    prefix = architectures.module_name(model, architectures.decoder_layers(model))
+    for i, layer in enumerate(architectures.decoder_layers(model)):
+        for name in residual_modules(layer, rotator.hidden, rotator._value_rows()).mlp_writers:
+            width = layer.get_submodule(name).in_features
+            if width not in widths:
+                widths.add(width)
+                tensors[f"{prefix}.{i}.{name}.R4_input.weight"] = _stored_matrix(transform, width)
+    return tensors
+
+
+def _stored_matrix(transform: Transform, size: int) -> torch.Tensor:
+    if transform.type is TransformType.RANDOM_HADAMARD:
+        return hadamard.random_hadamard_matrix(size, transform.seed, normalize=False)
+    return hadamard.hadamard_matrix(size, normalize=False)
+
+
+ONLINE_LOCATIONS = ("input", "output")
+ONLINE_RUNTIMES = ("R4 rotates the down projections' inputs at run time: compressed-tensors, vLLM and quantkit eval apply "
+                   "it; plain transformers ignores it and computes wrong outputs")
+
+
+class StoredRotation:
+    """An online transform read from an artifact: a forward pre-hook (location `input`) or forward hook (`output`)
+    computing v·M/√n in float32 (M the stored matrix, transposed with `inverse`; per head of `head_dim` columns
+    when given), as compressed-tensors' HadamardTransform does."""
+
+    def __init__(self, matrix: torch.Tensor, head_dim: int | None = None):
+        self.matrix, self.head_dim, self._on = matrix, head_dim, {}
+
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        key = x.device
+        if key not in self._on:
+            self._on[key] = (self.matrix.to(torch.float64) / self.matrix.shape[0] ** 0.5).to(device=x.device, dtype=torch.float32)
+        m = self._on[key]
+        y = x.to(torch.float32)
+        if self.head_dim is not None and self.head_dim != y.shape[-1]:
+            return (y.unflatten(-1, (-1, self.head_dim)) @ m).flatten(-2).to(x.dtype)
+        return (y @ m).to(x.dtype)
+
+    def __call__(self, module: nn.Module, args: tuple):
+        return (self.rotate(args[0]), *args[1:])
+
+    def on_output(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+        return self.rotate(output)
+
+
+def online_groups(config: dict) -> dict[str, dict]:
+    """The groups of a `config.json`'s transform_config that apply at run time (an `input` or `output` location)."""
+    groups = ((config.get("quantization_config") or {}).get("transform_config") or {}).get("config_groups") or {}
+    return {name: group for name, group in groups.items()
+            if any(a.get("location") in ONLINE_LOCATIONS for a in group.get("apply", []))}
+
+
+def apply_online_transforms(model: nn.Module, path, config: dict) -> list[str]:
+    """Install the online transforms that `config` (the artifact's config.json at `path`) states, which plain
+    transformers ignores: each `input` / `output` location's matrix on the modules it targets, read from the
+    checkpoint (`<module>.<group>_<location>.weight`, shared by size) or, for type "hadamard", built. Returns the
+    modules it hooked; UnsupportedModelError for a transform it cannot apply exactly (randomize's permutations,
+    a stored matrix it cannot find)."""
+    from safetensors import safe_open
+
+    from quantkit.models import sources
+
+    groups = online_groups(config)
+    if not groups:
+        return []
+    files = sources.tensor_files(path)
+    hooked = []
+    for group_name, group in groups.items():
+        if group.get("randomize"):
+            raise UnsupportedModelError(f"transform_config group {group_name}: randomized permutations are not applied by "
+                                        "quantkit; evaluate this artifact with compressed-tensors or vLLM")
+        for args in group.get("apply", []):
+            location = args.get("location")
+            if location not in ONLINE_LOCATIONS:
+                continue
+            targets, ignore = args.get("targets") or [], args.get("ignore") or []
+            stored = {}
+            for key in files:
+                if key.endswith(f".{group_name}_{location}.weight"):
+                    with safe_open(str(files[key]), framework="pt") as handle:
+                        matrix = handle.get_tensor(key)
+                    stored[matrix.shape[0]] = matrix
+            for name, module in model.named_modules():
+                if not _targeted(name, module, targets) or _targeted(name, module, ignore):
+                    continue
+                width = group.get("head_dim") or (module.in_features if location == "input" else module.out_features)
+                matrix = stored.get(width)
+                if matrix is None and group.get("type") == TransformType.HADAMARD.value and hadamard.is_power_of_two(width):
+                    matrix = hadamard.hadamard_matrix(width, normalize=False)
+                if matrix is None:
+                    raise UnsupportedModelError(f"transform_config group {group_name}: no stored {width}x{width} matrix for "
+                                                f"{name}'s {location}")
+                hook = StoredRotation(matrix.T if args.get("inverse") else matrix, group.get("head_dim"))
+                if location == "input":
+                    module.register_forward_pre_hook(hook)
+                else:
+                    module.register_forward_hook(hook.on_output)
+                hooked.append(name)
+    return hooked
+
+
+def _targeted(name: str, module: nn.Module, targets: list[str]) -> bool:
+    """compressed-tensors' matching: `re:` patterns on the module's name, else its name or its class name."""
+    import re
+
+    for target in targets:
+        if target.startswith("re:"):
+            if re.match(target[3:], name):
+                return True
+        elif target in (name, type(module).__name__):
+            return True
+    return False

@@ -124,12 +124,15 @@ def qat_ready(recipe: Recipe) -> bool:
     steps_rtn = all(step.name is Algorithm.RTN for step in recipe.steps)
     acts = recipe.scheme.activations
     minmax = recipe.scheme.weights.observer is WeightObserver.MINMAX
-    return steps_rtn and minmax and (acts is None or acts.dynamic) and recipe.kv_cache is None
+    return steps_rtn and minmax and (acts is None or acts.dynamic) and recipe.kv_cache is None and not recipe.online_rotations
 
 
 def check_recipe(recipe: Recipe) -> None:
     """QAT recipes round to nearest with dynamic activations: what training sees is what `finalize` writes.
     A calibrated recipe (GPTQ, SmoothQuant, static scales) would change the weights after training."""
+    if recipe.online_rotations:
+        raise UsageError(f"--qat-recipe {recipe.name}: QAT takes fused rotations (R1, R2) only; an online rotation (R4) "
+                         "would be lost with the trained checkpoint: leave it out of the QAT recipe")
     if not qat_ready(recipe):
         usable = [n for n in recipe_names() if qat_ready(resolve(n))]
         raise UsageError(f"--qat-recipe {recipe.name}: QAT takes round-to-nearest min/max recipes with dynamic activations "

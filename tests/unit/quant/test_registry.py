@@ -204,9 +204,19 @@ def test_transforms_parse_and_name_the_algorithm(tmp_path):
     assert registry.resolve("quarot-nvfp4").describe_algorithm() == "R1+R2 + rtn"
 
 
+def test_an_online_r4_is_its_own_transform_beside_the_fused_ones(tmp_path):
+    recipe = registry.resolve(str(_with_transforms(
+        tmp_path, "[{type: hadamard, rotations: [R1, R2]}, {type: random-hadamard, rotations: [R4], online: true}]")))
+    fused, online = recipe.transforms
+    assert recipe.fused_rotations == (fused,) and recipe.online_rotations == (online,)
+    assert (online.type.value, online.rotations, online.online) == ("random-hadamard", ("R4",), True)
+    assert recipe.describe_algorithm() == "R1+R2+R4 + rtn"
+
+
 @pytest.mark.parametrize("transforms, message", [
-    ("[{type: hadamard, rotations: [R4], online: true}]", "online rotations .* not supported yet"),
-    ("[{type: hadamard, rotations: [R3]}]", "online rotations \\(R3\\)"),
+    ("[{type: hadamard, rotations: [R4]}]", "R4 is applied to activations at run time: give it with online: true"),
+    ("[{type: hadamard, rotations: [R1, R4], online: true}]", "R1 is fused into the weights, not online"),
+    ("[{type: hadamard, rotations: [R3], online: true}]", "R3 \\(online, inside attention\\) is not supported"),
     ("[{type: hadamard, rotations: [R5]}]", "'R5' is not a rotation"),
     ("[{type: hadamard, rotations: [R1]}, {type: random-hadamard, rotations: [R1]}]", "R1 is given twice"),
     ("[{type: hadamard, seed: 3}]", "random-hadamard's"),

@@ -1,5 +1,6 @@
-"""Fused rotations (R1, R2) leave the float model computing what it computed, on every architecture they take;
-the others are refused before any weight is read, naming why."""
+"""Rotations (R1, R2 fused; R4 fused into the down projections with their inputs rotated online) leave the float
+model computing what it computed, on every architecture they take; the others are refused before any weight is
+read, naming why."""
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ from quantkit.errors import UnsupportedModelError
 from quantkit.models import moe
 from quantkit.models.tiny import TINY_LLAMA
 from quantkit.quant.registry import Transform, TransformType
-from quantkit.quant.rotations import Rotator
+from quantkit.quant.rotations import ONLINE_ATTRIBUTE, Rotator
 
 R1_R2 = (Transform(TransformType.HADAMARD, ("R1", "R2")),)
 TAKEN = {
@@ -57,6 +58,50 @@ def test_rotations_keep_the_float_function(model_type, kind):
     assert (after - before).abs().max() <= 1e-5 * before.abs().max()
     moved = model.get_input_embeddings().weight  # the weights did change
     assert not torch.allclose(moved, _model(model_type, **TAKEN[model_type]).get_input_embeddings().weight)
+
+
+@pytest.mark.parametrize("model_type", TAKEN)
+@pytest.mark.parametrize("kind", [TransformType.HADAMARD, TransformType.RANDOM_HADAMARD])
+def test_an_online_r4_keeps_the_float_function(model_type, kind):
+    """R4 with R1 and R2: every down projection (each MoE expert's, the shared expert's) holds W·Q and rotates its
+    input by Q at run time; the logits are the float model's."""
+    sizes = {"intermediate_size": 128} if kind is TransformType.HADAMARD else {}  # hadamard: powers of two only
+    extra = {**TAKEN[model_type], **sizes}
+    if kind is TransformType.HADAMARD and "moe_intermediate_size" in extra:
+        extra["moe_intermediate_size"] = 64
+    model = _model(model_type, **extra)
+    ids = torch.randint(0, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
+    before = _logits(model, ids)
+    seed = 5 if kind is TransformType.RANDOM_HADAMARD else 0
+    rotator = Rotator((R1_R2[0], Transform(kind, ("R4",), seed=seed, online=True)), model.config)
+    rotator.check(model)
+    rotator.rotate_model(model)
+    downs = [m for n, m in model.named_modules() if n.endswith(("down_proj", "w2"))]
+    assert downs and all(getattr(m, ONLINE_ATTRIBUTE, None) is not None for m in downs)
+    assert (_logits(model, ids) - before).abs().max() <= 1e-5 * before.abs().max()
+    assert rotator.describe()["R4"] == "online"
+
+
+def test_r4_spreads_an_outlier_in_the_down_projections_input():
+    model = _model("llama", intermediate_size=128)
+    down = model.model.layers[0].mlp.down_proj
+    seen = []
+    x = torch.randn(4, 128)
+    x[:, 7] *= 64
+    handle = down.register_forward_pre_hook(lambda m, args: seen.append(args[0]))
+    Rotator((Transform(TransformType.HADAMARD, ("R4",), online=True),), model.config).rotate_model(model)
+    handle.remove()
+    down.register_forward_pre_hook(lambda m, args: seen.append(args[0]))  # after the rotation's hook
+    down(x)
+    peak = lambda t: (t.abs().amax(-1) / t.abs().mean(-1)).mean()  # noqa: E731
+    assert peak(seen[-1]) < peak(x) / 4
+
+
+def test_r4_of_type_hadamard_refuses_a_width_that_is_not_a_power_of_two():
+    model = _model("llama")  # intermediate 176
+    r4 = Transform(TransformType.HADAMARD, ("R4",), online=True)
+    with pytest.raises(UnsupportedModelError, match="input is 176 wide: use type: random-hadamard"):
+        Rotator((r4,), model.config).check(model)
 
 
 def test_tied_embeddings_are_untied_and_keep_the_function():
