@@ -55,12 +55,22 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-@pytest.mark.parametrize("recipe", ["gptq-w4a16", "fp8-static", "awq-w4a16", "smoothquant-w8a8", "spinquant-gptq-w4a16"])
+R4_GPTQ = ("scheme: {weights: {dtype: int4, granularity: group, group_size: 32, symmetric: true}}\n"
+           "transforms: [{type: hadamard, rotations: [R1, R2]}, {type: random-hadamard, rotations: [R4], online: true}]\n"
+           "algorithm: {name: gptq}\nformat: compressed-tensors\nignore: [lm_head]\n")
+
+
+@pytest.mark.parametrize("recipe", ["gptq-w4a16", "fp8-static", "awq-w4a16", "smoothquant-w8a8", "spinquant-gptq-w4a16",
+                                    "r4-gptq.yaml"])
 def test_one_two_and_three_ranks_write_the_same_artifact(tiny_model_dir, calib_file, tmp_path, recipe):
     """Bit-identical at equal threads per process: whole batches (24 samples = 3 batches of 8) are shared out,
     so every per-batch statistic is the same tensor, and reductions are exact (MIN/MAX, float64 sums). GPTQ's
     weight rows are shared out in blocks of 128 (the tiny model stacks 64, 128 and 352 rows: not all
-    multiples of the block or of the world size)."""
+    multiples of the block or of the world size). With R4, every rank rotates the down projections' inputs the
+    same way (random-hadamard's signs from the seed)."""
+    if recipe.endswith(".yaml"):
+        (tmp_path / recipe).write_text(R4_GPTQ)
+        recipe = str(tmp_path / recipe)
     for n in (1, 2, 3):
         done = finalize(tiny_model_dir, tmp_path / f"n{n}", recipe, calib_file, n, "--num-samples", "24")
         assert done.returncode == 0, done.stderr[-3000:]
@@ -73,7 +83,7 @@ def test_one_two_and_three_ranks_write_the_same_artifact(tiny_model_dir, calib_f
     info = json.loads((tmp_path / "n3" / "quantkit.json").read_text())["calibration"]
     assert info["ranks"] == 3 and info["num_samples"] == 24
     assert len(info["peak_rss_per_rank"]) == 3 and min(info["peak_rss_per_rank"]) > 100 << 20  # each rank's own
-    if recipe.startswith("gptq"):  # the rows of the GPTQ weights were shared out (in blocks of 128: unevenly here)
+    if "gptq" in recipe:  # the rows of the GPTQ weights were shared out (in blocks of 128: unevenly here)
         rows = info["gptq_rows_per_rank"]
         assert len(rows) == 3 and min(rows) > 0, rows
 
