@@ -181,7 +181,9 @@ def print_plan(plan: dict, recipe: str, dst) -> None:
     table.add_row("disk at DST", f"{human_bytes(report['free_disk_bytes'])} free; needs {human_bytes(report['disk_needed_bytes'])}: {fits}")
     timing = report.get("time")
     if timing:
-        table.add_row("time", f"about {timing['seconds']:.0f} s: one layer {timing['one_layer_seconds']:.2f} s here x {timing['layers']} layers ({timing['note']})")
+        rotations = f", and {timing['rotations_seconds']:.1f} s of rotations" if "rotations_seconds" in timing else ""
+        table.add_row("time", f"about {timing['seconds']:.0f} s: one layer {timing['one_layer_seconds']:.2f} s here x {timing['layers']} layers"
+                      f"{rotations} ({timing['note']})")
     if plan["samples_per_rank"]:
         table.add_row("ranks", f"{plan['ranks']}: samples per rank {' / '.join(map(str, plan['samples_per_rank']))} of {plan['seq_len']} tokens")
     if report.get("autoround_passes_per_step"):

@@ -53,7 +53,7 @@ class Prepared:
     loading: str | None = None  # how finalize held the model: streamed layer by layer, or whole (and why)
     dtype: str = "auto"  # the dtype to quantize in (`artifact_dtype`)
     shard_bytes: int | None = None  # --max-shard-size, parsed
-    rotator: object | None = None  # the recipe's fused rotations for this model (`quant.rotations.Rotator`)
+    rotator: object | None = None  # the recipe's rotations for this model (`quant.rotations.Rotator`)
     source_fingerprint: object | None = None  # SRC's sha256 (`models.fingerprint`), computing meanwhile: a Future
 
 

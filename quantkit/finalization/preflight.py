@@ -255,20 +255,22 @@ def time_estimate(prepared, recipe: Recipe, options, samples: int, layers: int, 
 
     config = copy.deepcopy(models.load_config(prepared.src, trust_remote_code))
     config.num_hidden_layers = 1
+    vocab = config.vocab_size
     config.vocab_size, config.pad_token_id = 256, None
     if getattr(config, "layer_types", None):
         config.layer_types = config.layer_types[:1]
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code).eval()
     plan = plan_model(moe.linearize(model), recipe)
+    rotations = _rotation_seconds(prepared, recipe, model, layers, vocab)  # and R4's hooks in place for the timed layer
     if not recipe.needs_calibration:
         rtn = get_algorithm(Algorithm.RTN)
         started = time.perf_counter()
         for entry in (e for e in plan if e.quantized):
             rtn(model.get_submodule(entry.name).weight.data, entry.scheme.weights).dequantize()
         per_layer = time.perf_counter() - started
-        return {"seconds": round(per_layer * layers, 1), "one_layer_seconds": round(per_layer, 3), "layers": layers,
-                "note": "quantization only; loading and writing the weights are not included"}
+        return {"seconds": round(per_layer * layers + (rotations or 0.0), 1), "one_layer_seconds": round(per_layer, 3),
+                "layers": layers, **_rotated(rotations), "note": "quantization only; loading and writing the weights are not included"}
     from quantkit.calibration import calibrate
 
     count = min(samples, options.batch_size)  # one batch, timed by phase
@@ -282,9 +284,33 @@ def time_estimate(prepared, recipe: Recipe, options, samples: int, layers: int, 
     steps = [t["seconds_per_step"] for t in result.tuning.values()]  # AutoRound: a step without the warm-up
     fixed = sum(steps) * scale if steps else measured
     per_layer = fixed + (total - measured) * samples / count
-    return {"seconds": round(per_layer * layers, 1), "one_layer_seconds": round(per_layer, 3), "layers": layers,
+    return {"seconds": round(per_layer * layers + (rotations or 0.0), 1), "one_layer_seconds": round(per_layer, 3),
+            "layers": layers, **_rotated(rotations),
             "measured": {"samples": count, "seconds": round(total, 3), "quantize_seconds": round(fixed, 3)},
             "note": "calibration only; loading and writing the weights are not included"}
+
+
+def _rotation_seconds(prepared, recipe: Recipe, model, layers: int, vocab: int) -> float | None:
+    """The recipe's rotations of the one-layer `model` timed here (which leaves R4's hooks on it, so the timed
+    calibration runs them), times the layers, plus the embeddings' and lm_head's at the real vocabulary size
+    (from the rate per weight element of the layer's rotation); None without rotations."""
+    if prepared.rotator is None:
+        return None
+    from quantkit.models import architectures
+    from quantkit.quant.rotations import Rotator
+
+    rotator = Rotator.of(recipe, model.config)
+    layer = architectures.decoder_layers(model)[0]
+    started = time.perf_counter()
+    rotator.rotate_layer(layer)
+    one = time.perf_counter() - started
+    elements = sum(p.numel() for p in layer.parameters() if p.dim() == 2)
+    rest = 2 * vocab * model.config.hidden_size * one / max(1, elements) if rotator.r1 is not None else 0.0
+    return one * layers + rest
+
+
+def _rotated(rotations: float | None) -> dict:
+    return {"rotations_seconds": round(rotations, 3)} if rotations is not None else {}
 
 
 TIMED_AUTOROUND_STEPS = 5

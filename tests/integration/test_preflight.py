@@ -109,3 +109,15 @@ def test_autoround_dry_run_counts_the_float_models_hidden_states_and_every_ranks
                     "--num-samples", "16", "--seq-len", "64", "--nproc-per-node", "3", "--dry-run", "--json", "-")
     three = json.loads(done.stdout)["preflight"]
     assert (three["ranks"], three["autoround_passes_per_step"]) == (3, 2)
+
+
+def test_the_time_estimate_counts_the_rotations(model_dir, calib, tmp_path):
+    """A rotated recipe's dry run times the rotation of one layer (with R4's hooks then in place for the timed
+    calibration) and adds it for every layer, the embeddings and lm_head."""
+    done = finalize(str(model_dir), str(tmp_path / "out"), "-q", "quarot-w4a8", "--dry-run", "--json", "-")
+    assert done.returncode == 0, done.stderr[-2000:]
+    timing = json.loads(done.stdout)["preflight"]["time"]
+    assert 0 < timing["rotations_seconds"] <= timing["seconds"]
+    plain = finalize(str(model_dir), str(tmp_path / "out"), "-q", "int8-dynamic-act-int4-weight", "--format",
+                     "compressed-tensors", "--dry-run", "--json", "-")
+    assert "rotations_seconds" not in json.loads(plain.stdout)["preflight"]["time"]
