@@ -67,6 +67,8 @@ from harness import fmt, median
 
 HADAMARD_R1_R2 = "transforms: [{type: hadamard, rotations: [R1, R2]}]\n"
 RANDOM_HADAMARD_R1_R2 = "transforms: [{type: random-hadamard, rotations: [R1, R2], seed: 0}]\n"
+RANDOM_HADAMARD_R1_R2_R4 = ("transforms: [{type: random-hadamard, rotations: [R1, R2], seed: 0}, "
+                            "{type: random-hadamard, rotations: [R4], seed: 0, online: true}]\n")
 
 
 @dataclass(frozen=True)
@@ -89,7 +91,9 @@ SCHEMES = [
 PEER_TRANSFORMS = [("none", "none"), ("spinquant", "SpinQuant R1+R2 hadamard"),
                    ("spinquant-nocenter", "SpinQuant R1+R2 hadamard, embeddings not centred"),
                    ("quip", "QuIP v (online random-hadamard)")]
-LOADABLE = {"none", "spinquant", "spinquant-nocenter"}  # fused transforms only: plain transformers computes them
+LOADABLE = {"none", "spinquant", "spinquant-nocenter", "spinquant-r4"}  # what `quantkit eval` computes: fused
+# transforms (plain transformers computes them too) and SpinQuant's online R4 (quantkit's loader applies it)
+R4_PEER = ("spinquant-r4", "SpinQuant R1+R2+R4 random-hadamard, not centred")
 
 LLMC_ROTATIONS_RUNNER = '''\
 """llm-compressor side of scripts/bench_rotations.py (written there): oneshot() with a transform modifier before a
@@ -114,7 +118,7 @@ from llmcompressor import oneshot
 from llmcompressor.modifiers.quantization import QuantizationModifier
 from llmcompressor.modifiers.transform import QuIPModifier, SpinQuantModifier
 
-if args.transform == "spinquant-nocenter":  # E - mean(E) changes an RMSNorm model's function
+if args.transform in ("spinquant-nocenter", "spinquant-r4"):  # E - mean(E) changes an RMSNorm model's function
     import llmcompressor.modifiers.transform.spinquant.base as spinquant_base
     spinquant_base.center_embeddings = lambda embedding: None
 
@@ -134,6 +138,7 @@ transform = {
     "spinquant": lambda: SpinQuantModifier(rotations=["R1", "R2"], transform_type="hadamard"),
     "spinquant-nocenter": lambda: SpinQuantModifier(rotations=["R1", "R2"], transform_type="hadamard"),
     "quip": lambda: QuIPModifier(),  # rotations=["v"], random-hadamard, targets Linear, ignore lm_head
+    "spinquant-r4": lambda: SpinQuantModifier(rotations=["R1", "R2", "R4"], transform_type="random-hadamard"),
 }[args.transform]()
 recipe = [m for m in (transform, quantizer) if m is not None]
 imported = time.perf_counter()
@@ -318,7 +323,8 @@ def rotated_recipe(scheme: Scheme, folder: Path, kind: str = HADAMARD_R1_R2) -> 
         note = f"shipped {scheme.rotated} differs from {scheme.recipe} (grid or steps): a user recipe file instead"
     else:
         note = "user recipe file"
-    name = f"{scheme.recipe}-{'rh' if kind == RANDOM_HADAMARD_R1_R2 else 'hadamard'}-r1r2.yaml"
+    name = {HADAMARD_R1_R2: f"{scheme.recipe}-hadamard-r1r2.yaml", RANDOM_HADAMARD_R1_R2: f"{scheme.recipe}-rh-r1r2.yaml",
+            RANDOM_HADAMARD_R1_R2_R4: f"{scheme.recipe}-rh-r1r2r4.yaml"}[kind]
     path = folder / name
     path.write_text(Path(base.source).read_text().rstrip("\n") + "\n" + kind)
     return str(path), note
@@ -357,6 +363,9 @@ def make_rows(models: dict[str, Path], calib: Path, windows: Path, args: argpars
     runner = args.workdir / "llmc_rotations_runner.py"
     runner.write_text(LLMC_ROTATIONS_RUNNER)
     peer_transforms = [(t, label) for t, label in PEER_TRANSFORMS if t != "spinquant-nocenter" or args.spinquant_nocenter]
+    peer_transforms += [R4_PEER] if args.r4 else []
+    if args.peer_transforms:
+        peer_transforms = [(t, label) for t, label in peer_transforms if t in args.peer_transforms]
     rows, chosen = [], {}
     for model, src in models.items():
         if args.llmc_python and model != "folded":
@@ -364,7 +373,7 @@ def make_rows(models: dict[str, Path], calib: Path, windows: Path, args: argpars
             # alone (whether it keeps the float model's function: SpinQuant's centring does not)
             float_scheme = Scheme("float", "", "", "float")
             rows += [peer_row(model, src, float_scheme, t, label, out, calib, windows, runner, args)
-                     for t, label in [("none", "none"), *peer_transforms[1:]]]
+                     for t, label in [("none", "none"), *[x for x in peer_transforms if x[0] != "none"]]]
         for scheme in SCHEMES:
             if args.only and scheme.recipe not in args.only:
                 continue
@@ -373,9 +382,12 @@ def make_rows(models: dict[str, Path], calib: Path, windows: Path, args: argpars
                 continue
             rotated, chosen[scheme.recipe] = rotated_recipe(scheme, out)
             rows.append(quantkit_row(model, src, scheme, rotated, "R1+R2 hadamard", out, args))
-            if args.random_hadamard:
+            if args.random_hadamard or args.r4:
                 random_rotated, _ = rotated_recipe(scheme, out, RANDOM_HADAMARD_R1_R2)
                 rows.append(quantkit_row(model, src, scheme, random_rotated, "R1+R2 random-hadamard", out, args))
+            if args.r4:
+                r4, _ = rotated_recipe(scheme, out, RANDOM_HADAMARD_R1_R2_R4)
+                rows.append(quantkit_row(model, src, scheme, r4, "R1+R2+R4 random-hadamard", out, args))
             if args.llmc_python and scheme.peer:
                 rows += [peer_row(model, src, scheme, t, label, out, calib, windows, runner, args)
                          for t, label in peer_transforms]
@@ -694,6 +706,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--random-hadamard", action="store_true",
                    help="also quantkit's rows with `type: random-hadamard, seed: 0` (a user recipe file)")
     bench.add_run_arguments(p)  # --calib-data, --num-samples, --seq-len, --eval-*, --threads, --repeats
+    p.add_argument("--r4", action="store_true",
+                   help="add the online R4 rows: quantkit's R1+R2 and R1+R2+R4 with type random-hadamard, and "
+                        "SpinQuantModifier(rotations=[R1, R2, R4], transform_type='random-hadamard'), not centred")
+    p.add_argument("--peer-transforms", nargs="+", metavar="NAME",
+                   help="only these of the peer's transforms (none, spinquant, spinquant-nocenter, quip, spinquant-r4)")
     p.add_argument("--json", type=Path)
     return p.parse_args(argv)
 
