@@ -281,6 +281,16 @@ def test_recipes_list_and_show():
     assert invoke("recipes", "show", "nope").exit_code == 2
 
 
+def test_recipes_show_says_who_applies_an_online_rotation(tmp_path):
+    path = tmp_path / "r4.yaml"
+    path.write_text("scheme: {weights: {dtype: int4, granularity: group, group_size: 32}}\n"
+                    "transforms: [{type: random-hadamard, rotations: [R4], online: true}]\nformat: compressed-tensors\n")
+    shown = invoke("recipes", "show", str(path))
+    assert shown.exit_code == 0
+    assert "# R4 rotates the down projections' inputs at run time: compressed-tensors, vLLM and quantkit eval" in shown.output
+    assert "plain transformers ignores it" not in invoke("recipes", "show", "quarot-nvfp4").output
+
+
 def test_help_names_every_command():
     result = invoke("--help")
     assert result.exit_code == 0
