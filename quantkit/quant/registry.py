@@ -278,8 +278,8 @@ def _parse_transforms(value: Any) -> tuple[Transform, ...]:
             if rotation in seen:
                 raise SchemeError(f"{where}.rotations", f"{rotation} is given twice")
             if rotation not in FUSED + ONLINE:
-                raise SchemeError(f"{where}.rotations", f"{rotation} (online, inside attention) is not supported; "
-                                  f"use {', '.join(FUSED + ONLINE)}")
+                raise SchemeError(f"{where}.rotations", f"{rotation} (online, inside attention) is not supported: vLLM "
+                                  f"does not apply it; use {', '.join(FUSED + ONLINE)}")
         seen.update(rotations)
         online = _bool(item.get("online", False), f"{where}.online")
         if not rotations:
