@@ -16,7 +16,7 @@ from quantkit.cli import finalize as finalize_cmd
 from quantkit.cli import recipes as recipes_cmd
 from quantkit.cli import train as train_cmd
 from quantkit.cli.console import err
-from quantkit.runtime.environment import advise_huge_pages, debug_enabled
+from quantkit.runtime.environment import advise_huge_pages, configure_cuda_allocator, debug_enabled
 
 app = typer.Typer(
     name="quantkit",
@@ -73,6 +73,7 @@ def main() -> None:
     """Run the app. A usage error (unknown option, value out of range, missing argument) is one line on stderr
     and exit 2, like every other user mistake; typer's own display would be a multi-line panel."""
     advise_huge_pages()  # before torch's first CPU allocation, which reads it
+    configure_cuda_allocator()  # and its first CUDA allocation
     try:
         code = app(standalone_mode=False)
     except typer.TyperException as exc:  # typer's public base of its (vendored) click usage errors

@@ -45,6 +45,18 @@ def advise_huge_pages() -> None:
     os.environ.setdefault(HUGE_PAGES_VARIABLE, "1")
 
 
+CUDA_ALLOCATOR_VARIABLE = "PYTORCH_CUDA_ALLOC_CONF"
+
+
+def configure_cuda_allocator() -> None:
+    """Have torch's CUDA allocator grow its segments instead of caching fixed blocks (`expandable_segments:True`),
+    unless the environment already configures it: calibration allocates tensors of many sizes layer after layer
+    (hidden states, each stage's inputs, Hessians, GPTQ's work copies), which fixed blocks fragment. torch reads
+    the variable at its first CUDA allocation, so the command line calls this before anything else; torchrun's
+    ranks inherit it."""
+    os.environ.setdefault(CUDA_ALLOCATOR_VARIABLE, "expandable_segments:True")
+
+
 def debug_enabled() -> bool:
     """QUANTKIT_DEBUG=1 (or true / yes): show tracebacks instead of one-line errors."""
     return os.environ.get("QUANTKIT_DEBUG", "").strip().lower() in ("1", "true", "yes")

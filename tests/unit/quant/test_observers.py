@@ -104,6 +104,26 @@ def test_mean_minmax_reduces_exactly_and_averages_batch_ranges():
     assert whole.absmax() <= x.abs().max()
 
 
+def test_a_batch_longer_than_a_chunk_is_added_chunk_by_chunk_to_the_same_hessian(monkeypatch):
+    """A batch is added HESSIAN_CHUNK_TOKENS tokens at a time (no float32 copy of the whole batch): the Hessian is
+    the one of the tokens added one chunk at a time, and equals the whole batch's to float32 rounding."""
+    from quantkit.quant import observers
+
+    monkeypatch.setattr(observers, "HESSIAN_CHUNK_TOKENS", 5)
+    x = torch.randn(3, 7, 40)
+    chunked, by_hand = HessianObserver(), HessianObserver()
+    chunked.update(x)
+    rows = x.reshape(-1, 40)
+    monkeypatch.setattr(observers, "HESSIAN_CHUNK_TOKENS", 10**6)
+    for start in range(0, rows.shape[0], 5):
+        by_hand.update(rows[start:start + 5])
+    assert torch.equal(chunked.hessian(), by_hand.hessian())
+    whole = HessianObserver()
+    whole.update(x)
+    torch.testing.assert_close(chunked.hessian(), whole.hessian(), rtol=1e-5, atol=1e-5)
+    assert float(chunked.state["count"]) == 21
+
+
 def test_hessian_takes_16_bit_inputs_and_sums_in_float64():
     x = torch.randn(64, 32, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     observer = HessianObserver()

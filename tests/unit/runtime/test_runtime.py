@@ -47,6 +47,15 @@ def test_huge_pages_are_advised_unless_the_environment_says_otherwise(monkeypatc
     assert os.environ[runtime.HUGE_PAGES_VARIABLE] == "0"
 
 
+def test_the_cuda_allocator_grows_segments_unless_the_environment_says_otherwise(monkeypatch):
+    monkeypatch.delenv(runtime.CUDA_ALLOCATOR_VARIABLE, raising=False)
+    runtime.configure_cuda_allocator()
+    assert os.environ[runtime.CUDA_ALLOCATOR_VARIABLE] == "expandable_segments:True"
+    monkeypatch.setenv(runtime.CUDA_ALLOCATOR_VARIABLE, "max_split_size_mb:128")
+    runtime.configure_cuda_allocator()
+    assert os.environ[runtime.CUDA_ALLOCATOR_VARIABLE] == "max_split_size_mb:128"
+
+
 def _thp_mode() -> str | None:
     try:
         text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
