@@ -201,3 +201,18 @@ def test_online_rotations_are_refused_where_they_would_be_lost(tiny_model_dir, t
     dst = finalize(tiny_model_dir, tmp_path / "out", _r4_recipe(tmp_path, "random-hadamard"), calibration=options).dst
     with pytest.raises(UnsupportedModelError, match="online transforms \\(R4\\).*evaluate it without --tp"):
         tensor_parallel.check(dst, 2)
+
+
+def test_awq_leaves_the_down_projections_alone_under_r4_and_says_why(tiny_model_dir, text_file, tmp_path):
+    """AWQ's scale cannot pass the online rotation between up_proj and down_proj: that group is left alone (the
+    float function kept), the others are smoothed."""
+    from quantkit.finalization.checks import CalibrationOptions
+
+    path = tmp_path / "awq-r4.yaml"
+    path.write_text("scheme: {weights: {dtype: int4, granularity: group, group_size: 32, symmetric: false}}\n"
+                    "transforms: [{type: random-hadamard, rotations: [R4], online: true}]\n"
+                    "algorithm: [{name: awq}, {name: rtn}]\nformat: compressed-tensors\nignore: [lm_head]\n")
+    options = CalibrationOptions(data=str(text_file), num_samples=4, seq_len=32)
+    dst = finalize(tiny_model_dir, tmp_path / "out", resolve(str(path)), calibration=options).dst
+    skipped = json.loads((dst / "quantkit.json").read_text())["calibration"]["skipped"]
+    assert "the online rotation R4" in skipped["awq: mlp.down_proj"]

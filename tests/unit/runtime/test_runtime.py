@@ -38,22 +38,18 @@ def test_set_threads_sets_torch_threads():
         torch.set_num_threads(before)
 
 
-def test_huge_pages_are_advised_unless_the_environment_says_otherwise(monkeypatch):
-    monkeypatch.delenv(runtime.HUGE_PAGES_VARIABLE, raising=False)
-    runtime.advise_huge_pages()
-    assert os.environ[runtime.HUGE_PAGES_VARIABLE] == "1"
-    monkeypatch.setenv(runtime.HUGE_PAGES_VARIABLE, "0")
-    runtime.advise_huge_pages()
-    assert os.environ[runtime.HUGE_PAGES_VARIABLE] == "0"
-
-
-def test_the_cuda_allocator_grows_segments_unless_the_environment_says_otherwise(monkeypatch):
-    monkeypatch.delenv(runtime.CUDA_ALLOCATOR_VARIABLE, raising=False)
-    runtime.configure_cuda_allocator()
-    assert os.environ[runtime.CUDA_ALLOCATOR_VARIABLE] == "expandable_segments:True"
-    monkeypatch.setenv(runtime.CUDA_ALLOCATOR_VARIABLE, "max_split_size_mb:128")
-    runtime.configure_cuda_allocator()
-    assert os.environ[runtime.CUDA_ALLOCATOR_VARIABLE] == "max_split_size_mb:128"
+@pytest.mark.parametrize("configure, variable, default, theirs", [
+    (runtime.advise_huge_pages, runtime.HUGE_PAGES_VARIABLE, "1", "0"),
+    (runtime.configure_cuda_allocator, runtime.CUDA_ALLOCATOR_VARIABLE, "expandable_segments:True", "max_split_size_mb:128"),
+])
+def test_torch_settings_are_made_unless_the_environment_says_otherwise(monkeypatch, configure, variable, default, theirs):
+    """Transparent huge pages for large CPU tensors; CUDA segments that grow instead of fragmenting."""
+    monkeypatch.delenv(variable, raising=False)
+    configure()
+    assert os.environ[variable] == default
+    monkeypatch.setenv(variable, theirs)
+    configure()
+    assert os.environ[variable] == theirs
 
 
 def _thp_mode() -> str | None:
