@@ -69,6 +69,10 @@ class Rotator:
         for layer in layers:
             wiring = residual_modules(layer, self.hidden, self._value_rows())
             if self.r4 is not None:
+                if len(wiring.mlp_writers) > 1:
+                    raise UnsupportedModelError(
+                        f"rotations: R4 on MoE experts is not supported: transformers loads {type(model).__name__}'s "
+                        "experts fused, where no hook on a down projection reaches them; leave R4 out")
                 for name in wiring.mlp_writers:
                     _online_rotation(self.r4, layer.get_submodule(name).in_features)
         if model.get_output_embeddings() is None:
@@ -320,6 +324,10 @@ def apply_online_transforms(model: nn.Module, path, config: dict) -> list[str]:
     groups = online_groups(config)
     if not groups:
         return []
+    fused = next((name for name, param in model.named_parameters() if param.dim() > 2), None)
+    if fused is not None:  # MoE experts as transformers loads them: one parameter, no module a hook could sit on
+        raise UnsupportedModelError(f"this artifact's online transforms ({', '.join(groups)}) cannot be applied: "
+                                    f"transformers loads its experts fused ({fused}); evaluate it with vLLM")
     files = sources.tensor_files(path)
     hooked = []
     for group_name, group in groups.items():

@@ -94,3 +94,16 @@ def test_a_stored_rotation_computes_in_float32_and_returns_the_input_dtype():
     y = rotation.rotate(x)
     assert y.dtype == torch.bfloat16
     torch.testing.assert_close(y, (x.float() @ hadamard.hadamard_matrix(8).float()).to(torch.bfloat16))
+
+
+def test_online_transforms_on_experts_loaded_fused_are_refused(tmp_path):
+    """transformers loads MoE experts as one fused parameter: no hook on a down projection reaches them, so the
+    artifact is refused rather than evaluated without its transform."""
+    from transformers import AutoModelForCausalLM
+
+    src = build_tiny_model(tmp_path / "mixtral", make_text(800), "mixtral", num_local_experts=4, num_experts_per_tok=2,
+                           num_hidden_layers=1)
+    model = AutoModelForCausalLM.from_pretrained(src).eval()
+    config = _with_groups(src, {"R4": _group("input", ["re:.*down_proj$", "re:.*w2$"])})
+    with pytest.raises(UnsupportedModelError, match="transformers loads its experts fused"):
+        apply_online_transforms(model, src, config)

@@ -74,7 +74,11 @@ def test_an_online_r4_keeps_the_float_function(model_type, kind):
     before = _logits(model, ids)
     seed = 5 if kind is TransformType.RANDOM_HADAMARD else 0
     rotator = Rotator((R1_R2[0], Transform(kind, ("R4",), seed=seed, online=True)), model.config)
-    rotator.check(model)
+    if "moe" in model_type or model_type == "mixtral":  # the math holds; the artifact's runtimes could not apply it
+        with pytest.raises(UnsupportedModelError, match="R4 on MoE experts is not supported"):
+            rotator.check(model)
+    else:
+        rotator.check(model)
     rotator.rotate_model(model)
     downs = [m for n, m in model.named_modules() if n.endswith(("down_proj", "w2"))]
     assert downs and all(getattr(m, ONLINE_ATTRIBUTE, None) is not None for m in downs)
