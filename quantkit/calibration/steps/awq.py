@@ -68,8 +68,7 @@ def _mappings(layer: Layer) -> list[tuple[nn.Module, nn.Module, list[nn.Module],
         if isinstance(prev, nn.Linear) and prev.out_features != linears[0].in_features:
             continue  # e.g. v -> o under grouped-query attention
         if isinstance(prev, nn.Linear) and not _scales_fold(layer, prev_name, linear_names):
-            layer.skip("awq", linear_names, f"{prev_name} feeds them through an op that mixes or bends channels ("
-                       f"{_between(linears)}): no scale folds between them")
+            layer.skip("awq", linear_names, f"{prev_name} feeds them through {_between(linears)}: no scale folds between them")
             continue
         along = [part(name) for name in linear_names if name not in quantized]
         mappings.append((prev, block, linears, [entries[n].scheme.weights for n in quantized], along))
@@ -83,7 +82,7 @@ def _between(linears: list[nn.Module]) -> str:
 
     if any(getattr(linear, ONLINE_ATTRIBUTE, None) is not None for linear in linears):
         return "the online rotation R4"
-    return "an activation"
+    return "a non-linear op (an activation)"
 
 
 def _scales_fold(layer: Layer, prev: str, linears: tuple[str, ...]) -> bool:
