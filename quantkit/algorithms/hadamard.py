@@ -90,21 +90,31 @@ def hadamard_transform(x: torch.Tensor, *, seed: int | None = None, normalize: b
     H_m on blocks of n/m, then a fast Walsh-Hadamard transform (log2(n/m) butterflies). Equal to
     `x @ hadamard_matrix(n)` up to rounding in `compute_dtype`."""
     n = x.shape[-1]
+    signs, m, h = _operands(n, seed, x.device, compute_dtype)
     y = x.to(compute_dtype)
-    if seed is not None:
-        y = y * random_signs(n, seed).to(device=x.device, dtype=compute_dtype)
-    m = 1 if seed is None and _is_pow2(n) else _divisor(n)
-    if m is None:
-        raise UnsupportedWidthError(n)
+    if signs is not None:
+        y = y * signs
     y = y.unflatten(-1, (m, n // m))
-    if m > 1:  # x·(H_mᵀ ⊗ S) reshaped to [m, n/m] is H_m·X·S; H_m·X for every row as one product (Xᵀ·H_mᵀ), not
-        # one tiny [m, m] x [m, n/m] product per row (8x slower for 512-wide rows, whose n/m is 2)
-        h = _stored()[m].to(device=x.device, dtype=compute_dtype)
+    if h is not None:  # x·(H_mᵀ ⊗ S) reshaped to [m, n/m] is H_m·X·S; H_m·X for every row as one product (Xᵀ·H_mᵀ),
+        # not one tiny [m, m] x [m, n/m] product per row (8x slower for 512-wide rows, whose n/m is 2)
         y = (y.transpose(-1, -2) @ h.T).transpose(-1, -2).contiguous()
     y = _fwht(y).flatten(-2)
     if normalize:
         y = y / math.sqrt(n)
     return y.to(x.dtype)
+
+
+@functools.lru_cache(maxsize=16)
+def _operands(n: int, seed: int | None, device: torch.device, dtype: torch.dtype):
+    """(the signs or None, m, H_m or None) of `hadamard_transform` at width n, on `device` in `dtype`: made once,
+    not on every call (an online rotation runs on every forward of a down projection: drawing the signs and
+    copying them and H_m to a GPU each time would synchronise the host every time)."""
+    m = 1 if seed is None and _is_pow2(n) else _divisor(n)
+    if m is None:
+        raise UnsupportedWidthError(n)
+    signs = random_signs(n, seed).to(device=device, dtype=dtype) if seed is not None else None
+    h = _stored()[m].to(device=device, dtype=dtype) if m > 1 else None
+    return signs, m, h
 
 
 def _finish(matrix: torch.Tensor, normalize: bool, dtype: torch.dtype, device) -> torch.Tensor:

@@ -156,14 +156,14 @@ class OnlineRotation:
         return (self.rotate(args[0]), *args[1:])
 
 
+ONLINE_ATTRIBUTE = "quantkit_online_rotation"
+
+
 def attach_online(module: nn.Module, hook) -> None:
     """Register `hook` as `module`'s online rotation (once: a module read again keeps the one it has)."""
     if getattr(module, ONLINE_ATTRIBUTE, None) is None:
         module.register_forward_pre_hook(hook)
         setattr(module, ONLINE_ATTRIBUTE, hook)
-
-
-ONLINE_ATTRIBUTE = "quantkit_online_rotation"
 
 
 def _online_rotation(transform: Transform, size: int) -> OnlineRotation:
