@@ -153,6 +153,15 @@ def announce(report: dict) -> None:
         out.print(f"note: {idle}", highlight=False, soft_wrap=True)
 
 
+def learned_line(learned: dict) -> str:
+    """The summary's line for learned rotations (quantkit.json's `transforms.learned`)."""
+    if learned.get("restored"):
+        return f"{learned['steps']} steps, restored from the interrupted run (its layers were quantized with them)"
+    return (f"{learned['steps']} Cayley SGD steps of {learned['samples_per_step']} samples: quantized loss "
+            f"{learned['loss_first_steps']:.4f} -> {learned['loss_last_steps']:.4f} (first and last steps), "
+            f"{learned['seconds']:.1f} s")
+
+
 def _autoround_idle(report: dict) -> str | None:
     """What to say where AutoRound has fewer passes a step than there are ranks (the others wait while it tunes)."""
     passes, ranks = report.get("autoround_passes_per_step"), report["ranks"]
@@ -284,6 +293,9 @@ def print_summary(result) -> None:
             table.add_row("  peak RAM per rank", " / ".join(human_bytes(b) for b in calib["peak_rss_per_rank"]))
         if calib.get("gptq_rows_per_rank"):
             table.add_row("  GPTQ rows per rank", " / ".join(map(str, calib["gptq_rows_per_rank"])))
+    learned = (result.transforms or {}).get("learned")
+    if learned:
+        table.add_row("rotations learned", learned_line(learned))
     if result.recipe.online_rotations:
         from quantkit.quant.rotations import ONLINE_RUNTIMES
         table.add_row("online rotation", ONLINE_RUNTIMES)

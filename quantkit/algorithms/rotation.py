@@ -26,7 +26,7 @@ from typing import Callable, Union
 import torch
 
 __all__ = ["Rotation", "fold_norm", "rotate_input", "rotate_output", "rotate_embedding", "rotate_heads_output",
-           "rotate_heads_input"]
+           "rotate_heads_input", "heads_output", "heads_input"]
 
 Rotation = Union[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]
 
@@ -70,8 +70,7 @@ def rotate_heads_output(weight: torch.Tensor, rotation: Rotation, head_dim: int,
     """In place: the same Q [head_dim, head_dim] on each head's rows of W [heads·head_dim, in] (v_proj, R2): each
     head's value vector v becomes v·Q. With grouped-query attention `heads` are the key-value heads; every query
     head reads one of them, so its attention output, a mix of rotated values, is rotated by the same Q."""
-    rows = weight.to(compute_dtype).unflatten(0, (-1, head_dim))  # [heads, head_dim, in]
-    _assign(weight, _right(rows.transpose(1, 2), rotation).transpose(1, 2).flatten(0, 1))
+    _assign(weight, heads_output(weight.to(compute_dtype), rotation, head_dim))
     if bias is not None:
         _assign(bias, _right(bias.to(compute_dtype).unflatten(0, (-1, head_dim)), rotation).flatten())
 
@@ -81,8 +80,19 @@ def rotate_heads_input(weight: torch.Tensor, rotation: Rotation, head_dim: int,
                        compute_dtype: torch.dtype = torch.float64) -> None:
     """In place: the same Q on each head's columns of W [out, heads·head_dim] (o_proj, R2, `heads` the query
     heads): it reads each head's attention output o·Q and computes what it computed on o."""
-    columns = weight.to(compute_dtype).unflatten(1, (-1, head_dim))  # [out, heads, head_dim]
-    _assign(weight, _right(columns, rotation).flatten(1))
+    _assign(weight, heads_input(weight.to(compute_dtype), rotation, head_dim))
+
+
+def heads_output(weight: torch.Tensor, rotation: Rotation, head_dim: int) -> torch.Tensor:
+    """`rotate_heads_output`'s result as a new tensor, differentiable in `rotation` (a matrix): learned rotations
+    (`calibration.learned_rotations`) compute with it."""
+    rows = weight.unflatten(0, (-1, head_dim))  # [heads, head_dim, in]
+    return _right(rows.transpose(1, 2), rotation).transpose(1, 2).flatten(0, 1)
+
+
+def heads_input(weight: torch.Tensor, rotation: Rotation, head_dim: int) -> torch.Tensor:
+    """`rotate_heads_input`'s result as a new tensor, differentiable in `rotation` (a matrix)."""
+    return _right(weight.unflatten(1, (-1, head_dim)), rotation).flatten(1)  # [out, heads, head_dim] · Q
 
 
 def _right(x: torch.Tensor, rotation: Rotation) -> torch.Tensor:

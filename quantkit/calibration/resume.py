@@ -7,6 +7,7 @@
                                           static input scales
       hidden-00004-rank0.safetensors      the next layer's input hidden states for rank 0's calibration batches,
                                           and rank 0's RNG state (one file per rank)
+      learned-rotations-rank0.safetensors learned rotations (`finalize._learn_rotations`), one copy per rank
 
 After layer i rank 0 writes layer i. The hidden states are the large part (64 x 2048 tokens of a 2048-wide model:
 512 MiB a layer), so they are checkpointed at most every `every` seconds (`finalize --checkpoint-every`), after
@@ -44,6 +45,9 @@ from quantkit.quant.plan import ModulePlan
 from quantkit.quant.qparams import QuantizedWeight
 from quantkit.runtime import distributed
 
+
+
+LEARNED_ROTATIONS = "learned-rotations-rank*.safetensors"
 
 
 def source_identity(src: Path) -> str:
@@ -86,15 +90,19 @@ class Resumable:
         return self.rank == 0
 
     def open(self) -> dict | None:
-        """The saved state when resuming (fingerprint checked), else None. A directory without a state file
-        (a run killed while saving its first layer) is discarded."""
+        """The saved state when resuming (fingerprint checked), else None. What a directory without a state file
+        holds (a run killed while saving its first layer) is discarded, except the learned rotations this run has
+        just written (`finalize._learn_rotations`: they are learned before calibration opens the directory)."""
         state = self._read_state() if self.resume else None
         if state is not None:
             self._check(state["fingerprint"])
             self.completed = state["completed"]
         distributed.barrier(self.ctx)  # every rank has read the state before rank 0 touches the directory
         if state is None and self.is_main and self.path.exists():
-            shutil.rmtree(self.path)
+            kept = set(self.path.glob(LEARNED_ROTATIONS))
+            for entry in self.path.iterdir():
+                if entry not in kept:
+                    shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
         distributed.barrier(self.ctx)
         self._last = time.monotonic()
         return state
@@ -197,7 +205,7 @@ class Resumable:
             shutil.rmtree(self.path, ignore_errors=True)
             return
         with contextlib.suppress(FileNotFoundError):  # rank 0 removed the shared directory first: nothing left
-            for leftover in list(self.path.glob(f"hidden-*-rank{self.rank}.safetensors")):
+            for leftover in list(self.path.glob(f"*-rank{self.rank}.safetensors")):  # hidden states, learned rotations
                 leftover.unlink(missing_ok=True)
         with contextlib.suppress(OSError):  # not empty, or already gone: rank 0's to remove
             self.path.rmdir()

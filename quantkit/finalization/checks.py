@@ -73,7 +73,7 @@ def prepare(
     if dst is not None:
         atomic.check_destination(Path(dst), overwrite)
     shard_bytes = sources.parse_size(max_shard_size) if max_shard_size else None
-    if recipe.needs_calibration:
+    if recipe.needs_samples:
         hardware.check_device(options.device)
     check_supported(recipe, fmt)
     check_hardware(recipe, fmt)
@@ -90,9 +90,10 @@ def prepare(
 
         report["notes"] = [note for note in [experts_caveat(skeleton, recipe), loading_caveat(recipe)] if note]
     prepared = Prepared(src=src, format=fmt, plan=plan, coverage=report, shard_bytes=shard_bytes, rotator=rotator)
-    prepared.loading = _whole_model_reason(src, fmt, skeleton, in_memory, rotator is not None)
+    prepared.loading = _whole_model_reason(src, fmt, skeleton, in_memory, rotator is not None,
+                                           rotator is not None and rotator.learning is not None)
     prepared.dtype = artifact_dtype(prepared, recipe, dtype, trust_remote_code)
-    if recipe.needs_calibration and (dst is not None or calibration is not None):
+    if recipe.needs_samples and (dst is not None or calibration is not None):
         check_calibration_data(recipe, calibration)
     if dst is not None:
         if recipe.needs_calibration and fmt is not Format.TORCHAO:
@@ -131,6 +132,10 @@ def _check_rotations(skeleton: nn.Module, recipe: Recipe, trained: dict | None):
 
     rotator = Rotator.of(recipe, skeleton.config)
     rotator.check(skeleton)
+    activations = recipe.scheme.activations
+    if rotator.learning is not None and activations is not None and not activations.dynamic:
+        raise UsageError(f"recipe '{recipe.name}': learned rotations train against dynamic activations, and this scheme's "
+                         "are static (calibrated scales); learn them with a dynamic-activation scheme, or drop `learn`")
     return rotator
 
 
@@ -156,12 +161,15 @@ def check_qat_recipe(src: Path, recipe: Recipe, fmt: Format, force: bool = False
     return trained["recipe"]
 
 
-def _whole_model_reason(src: Path, fmt: Format, skeleton: nn.Module, in_memory: bool, rotated: bool = False) -> str | None:
+def _whole_model_reason(src: Path, fmt: Format, skeleton: nn.Module, in_memory: bool, rotated: bool = False,
+                        learned: bool = False) -> str | None:
     """Why finalize must load this model whole instead of streaming it layer by layer, or None."""
     from quantkit.models.streaming import checkpoint_keys, layout_mismatch
 
     if in_memory:
         return "whole model in memory (--in-memory)"
+    if learned:
+        return "whole model in memory: the rotations are learned on the whole model"
     if fmt is Format.TORCHAO:
         return "whole model in memory: transformers converts to torchao while it loads"
     if rotated and skeleton.get_output_embeddings() is not None and \

@@ -48,6 +48,7 @@ class FinalizeResult:
     preflight: dict | None = None  # the estimate made before loading (`preflight.estimate`)
     peak_ram_bytes: int | None = None  # measured: this process's peak resident size
     loading: str | None = None  # streamed layer by layer, or the whole model in memory (and why)
+    transforms: dict | None = None  # the rotations applied (`Rotator.describe`), as quantkit.json records them
 
 
 def calibration_samples(src: Path, recipe: Recipe, options: CalibrationOptions, trust_remote_code: bool = False):
@@ -107,7 +108,7 @@ def quantize(
     """Load SRC and quantize it: calibrated layer by layer, or rounded to nearest module by module. With a
     distributed `ctx` (`distributed.Context`), calibration is data-parallel and every rank ends with the same model."""
     options = calibration or CalibrationOptions()
-    samples = calibration_samples(prepared.src, recipe, options, trust_remote_code) if recipe.needs_calibration else None
+    samples = calibration_samples(prepared.src, recipe, options, trust_remote_code) if recipe.needs_samples else None
     plan, dtype = prepared.plan, prepared.dtype
     with progress.task(f"Quantizing ({recipe.name}, {prepared.format.value})", total=sum(e.quantized for e in plan)) as advance:
         if prepared.format is Format.TORCHAO:  # torchao converts while transformers loads: its load is the quantization
@@ -116,12 +117,36 @@ def quantize(
             return QuantizedModel(torchao.load_quantized(prepared.src, plan, dtype, trust_remote_code), plan, recipe)
         model = moe.linearize(models.load_model(prepared.src, dtype, trust_remote_code))
         if prepared.rotator is not None:
+            if prepared.rotator.learning is not None:
+                _learn_rotations(model, prepared, recipe, samples, options, progress, ctx)
             prepared.rotator.rotate_model(model)
-        if samples is None:
+        if not recipe.needs_calibration:
             return QuantizedModel(model, plan, recipe, round_to_nearest(model, plan, advance))
         result = _calibrate(model, prepared, recipe, samples, options, progress, ctx)
         qparams = {name: qweight.qparams for name, qweight in result.qweights.items()}
         return QuantizedModel(model, plan, recipe, qparams, result.input_scales, result.kv_scales)
+
+
+def _learn_rotations(model: nn.Module, prepared: Prepared, recipe: Recipe, samples, options: CalibrationOptions,
+                     progress: Progress, ctx) -> None:
+    """The recipe's rotations learned on the calibration data (`calibration.learned_rotations`), or, resuming, the
+    ones the interrupted run learned: its finished layers were quantized with those. Every rank keeps its own copy
+    in the work directory (`learned-rotations-rank<r>.safetensors`: ranks on other machines may not share it), and
+    all ranks restore, or all learn again."""
+    from quantkit.calibration import learned_rotations
+    from quantkit.runtime import distributed
+
+    rank = ctx.rank if ctx is not None and ctx.distributed else 0
+    saved = prepared.work_dir / f"learned-rotations-rank{rank}.safetensors" if prepared.work_dir is not None else None
+    found = saved is not None and prepared.resume and saved.is_file()
+    if all(distributed.all_gather_int(int(found), ctx)):
+        learned_rotations.restore(saved, prepared.rotator)
+        return
+    device = placement.compute_device(options.device, ctx)
+    learned_rotations.learn_rotations(model, prepared.rotator, prepared.plan, recipe, samples, device, options.batch_size,
+                                      progress, ctx)
+    if saved is not None:
+        learned_rotations.save(saved, prepared.rotator)
 
 
 def round_to_nearest(model: nn.Module, plan: list[ModulePlan], advance=lambda: None) -> dict[str, QParams]:
@@ -255,6 +280,7 @@ def finalize(
         source_bytes=models.weights_size(prepared.src), output_bytes=models.weights_size(dst), threads=used_threads,
         calibration=prepared.calibration, coverage=prepared.coverage, preflight=estimate,
         peak_ram_bytes=preflight.peak_resident_bytes(), loading=prepared.loading,
+        transforms=prepared.rotator.describe() if prepared.rotator is not None else None,
     )
 
 
@@ -399,7 +425,7 @@ def _stream(streamed, prepared: Prepared, recipe: Recipe, dst: Path, overwrite: 
     from quantkit.runtime.memory import map_large_allocations
 
     options = calibration or CalibrationOptions()
-    samples = calibration_samples(prepared.src, recipe, options, trust_remote_code) if recipe.needs_calibration else None
+    samples = calibration_samples(prepared.src, recipe, options, trust_remote_code) if recipe.needs_samples else None
     if samples is not None:
         map_large_allocations()
     plan = prepared.plan

@@ -92,6 +92,12 @@ def estimate(prepared, recipe: Recipe, options, world_size: int, dst: str | Path
     work_dir = None
     shares = None
     passes = None
+    learning = None
+    if prepared.rotator is not None and prepared.rotator.learning is not None:
+        count = min(options.batch_size, options.num_samples or recipe.calibration.num_samples)
+        learning = learning_bytes(config, -(-count // world_size), options.seq_len or recipe.calibration.seq_len,
+                                  model_bytes)
+        ram["learning the rotations (activations for the backward pass, rotated weights)"] = learning
     if recipe.needs_calibration:
         num_samples = options.num_samples or recipe.calibration.num_samples
         seq_len = options.seq_len or recipe.calibration.seq_len
@@ -113,6 +119,8 @@ def estimate(prepared, recipe: Recipe, options, world_size: int, dst: str | Path
         if options.device != "cpu":
             layer = model_bytes // (layers + 2)
             device = layer + sum(calib.values()) - calib.get("grid integers of finished layers", 0)  # grids stay in RAM
+    if learning is not None and options.device != "cpu":  # the whole model on the device while it learns
+        device = max(device or 0, model_bytes + learning)
     if sum(outside_layers.values()) > sum(ram.values()) - fixed:
         ram = {next(iter(ram)): fixed, **outside_layers}
     free = _free_disk(dst) if dst is not None else None
@@ -176,6 +184,17 @@ def calibration_bytes(plan: list[ModulePlan], quantized: dict[str, ModulePlan], 
 
 _HIDDEN_STATES = "calibration hidden states (this rank)"
 _HELD_STAGE_INPUTS = "GPTQ's stage inputs (attention output, MLP down projection), held for every batch on the CPU"
+
+
+def learning_bytes(config: dict, samples: int, seq_len: int, model_bytes: int) -> int:
+    """Learning rotations (`calibration.learned_rotations`), one step of `samples` x `seq_len` tokens per rank: per
+    decoder layer and token the float32 activations autograd keeps (about 12 of the hidden size, 5 of the MLP's,
+    and a row of attention weights per head), the logits three times (with their float copy and gradient), and two
+    copies of the weights (rotated, fake-quantized)."""
+    hidden, layers = config.get("hidden_size", 0), max(1, config.get("num_hidden_layers", 1))
+    mlp = config.get("intermediate_size") or 4 * hidden
+    per_token = 12 * hidden + 5 * mlp + config.get("num_attention_heads", 1) * seq_len
+    return 4 * samples * seq_len * (layers * per_token + 3 * config.get("vocab_size", 0)) + 2 * model_bytes
 
 
 def _holds_stage_inputs(device: str) -> bool:
@@ -262,7 +281,8 @@ def time_estimate(prepared, recipe: Recipe, options, samples: int, layers: int, 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code).eval()
     plan = plan_model(moe.linearize(model), recipe)
-    rotations = _rotation_seconds(prepared, recipe, model, layers, vocab)  # and R4's hooks in place for the timed layer
+    # and R4's hooks in place for the timed layer
+    rotations = _rotation_seconds(prepared, recipe, model, layers, vocab, plan, options)
     if not recipe.needs_calibration:
         rtn = get_algorithm(Algorithm.RTN)
         started = time.perf_counter()
@@ -290,10 +310,11 @@ def time_estimate(prepared, recipe: Recipe, options, samples: int, layers: int, 
             "note": "calibration only; loading and writing the weights are not included"}
 
 
-def _rotation_seconds(prepared, recipe: Recipe, model, layers: int, vocab: int) -> float | None:
+def _rotation_seconds(prepared, recipe: Recipe, model, layers: int, vocab: int, plan, options) -> float | None:
     """The recipe's rotations of the one-layer `model` timed here (which leaves R4's hooks on it, so the timed
     calibration runs them), times the layers, plus the embeddings' and lm_head's at the real vocabulary size
-    (from the rate per weight element of the layer's rotation); None without rotations."""
+    (from the rate per weight element of the layer's rotation); learned ones, their learning too
+    (`_learning_seconds`); None without rotations."""
     if prepared.rotator is None:
         return None
     from quantkit.models import architectures
@@ -301,12 +322,36 @@ def _rotation_seconds(prepared, recipe: Recipe, model, layers: int, vocab: int) 
 
     rotator = Rotator.of(recipe, model.config)
     layer = architectures.decoder_layers(model)[0]
-    started = time.perf_counter()
-    rotator.rotate_layer(layer)
-    one = time.perf_counter() - started
     elements = sum(p.numel() for p in layer.parameters() if p.dim() == 2)
-    rest = 2 * vocab * model.config.hidden_size * one / max(1, elements) if rotator.r1 is not None else 0.0
-    return one * layers + rest
+    head_share = 2 * vocab * model.config.hidden_size / max(1, elements)  # the embeddings and lm_head, in layers
+    learning = _learning_seconds(rotator, model, plan, recipe, options) if rotator.learning is not None else 0.0
+    started = time.perf_counter()
+    rotator.rotate_layer(layer, 0)
+    one = time.perf_counter() - started
+    rest = head_share * one if rotator.r1 is not None else 0.0
+    return one * layers + rest + learning * (layers + head_share / 2)  # a learning step computes lm_head, not the embeddings
+
+
+TIMED_LEARNING_STEPS = 3
+
+
+def _learning_seconds(rotator, model, plan, recipe: Recipe, options) -> float:
+    """One decoder layer's share of learning the rotations: TIMED_LEARNING_STEPS steps of one batch on the one-layer
+    `model` (the first a warm-up), times the recipe's steps; `rotator` then has the learned matrices."""
+    import dataclasses
+
+    import torch
+
+    from quantkit.calibration.learned_rotations import learn_rotations
+    from quantkit.quant.registry import Learning
+
+    transform = rotator.learning
+    timed = dataclasses.replace(transform, learn=Learning(TIMED_LEARNING_STEPS, transform.learn.learning_rate))
+    rotator.learning = timed
+    count = min(options.batch_size, options.num_samples or recipe.calibration.num_samples)  # a step's batch
+    ids = torch.randint(0, model.config.vocab_size, (count, options.seq_len or recipe.calibration.seq_len))
+    summary = learn_rotations(model, rotator, plan, recipe, ids, torch.device(options.device), options.batch_size)
+    return summary["seconds_per_step"] * transform.learn.steps  # the median step after the first
 
 
 def _rotated(rotations: float | None) -> dict:

@@ -61,6 +61,16 @@ ONLINE = ("R4",)  # R4: the down projections' inputs, rotated at run time (R3, t
 
 
 @dataclass(frozen=True)
+class Learning:
+    """Learned rotations (SpinQuant): R1 and R2 start from the transform's Hadamard matrices and are optimized by
+    Cayley SGD (`algorithms.cayley`) for the causal-LM loss of the model quantized with the recipe's scheme, on
+    the calibration data (`calibration.learned_rotations`); the learned matrices are fused as the Hadamard ones are."""
+
+    steps: int = 100  # optimizer steps, one calibration batch each
+    learning_rate: float = 1.5  # SpinQuant's, decayed by a cosine to zero
+
+
+@dataclass(frozen=True)
 class Transform:
     """Rotations of one kind (`transforms:` in a recipe): orthogonal matrices that leave the float model's function
     unchanged and spread activation outliers over all channels before quantization (QuaRot, SpinQuant). R1 and R2
@@ -72,6 +82,7 @@ class Transform:
     rotations: tuple[str, ...] = FUSED
     seed: int = 0  # random-hadamard's signs (every rank draws the same)
     online: bool = False  # applied to activations at run time (R4)
+    learn: Learning | None = None  # R1 / R2 learned on the calibration data, from this type's matrices
 
 
 class IndivisiblePolicy(str, Enum):
@@ -131,6 +142,15 @@ class Recipe:
         return tuple(t for t in self.transforms if t.online)
 
     @property
+    def learned_rotations(self) -> "Transform | None":
+        return next((t for t in self.transforms if t.learn is not None), None)
+
+    @property
+    def needs_samples(self) -> bool:
+        """Whether finalize reads calibration data: to calibrate, or to learn the rotations."""
+        return self.needs_calibration or self.learned_rotations is not None
+
+    @property
     def needs_calibration(self) -> bool:
         return self.kv_cache is not None or self.needs_calibration_without_kv
 
@@ -141,15 +161,19 @@ class Recipe:
         return calibrated_acts or any(step.name is not Algorithm.RTN for step in self.steps)
 
     def describe_algorithm(self) -> str:
-        rotations = ["+".join(r for t in self.transforms for r in t.rotations)] if self.transforms else []
+        parts = ["+".join(t.rotations) + (" (learned)" if t.learn is not None else "") for t in self.transforms]
+        rotations = ["+".join(parts)] if parts else []
         return " + ".join(rotations + [step.name.value for step in self.steps])  # "R1+R2 + rtn": `recipes show` says which matrix
 
     def requirement(self, fmt: Format) -> Requirement:
         return self.requires.get(fmt, Requirement())
 
     def to_dict(self) -> dict[str, Any]:
-        """The recipe as resolved, JSON-ready (`recipes show --json` and quantkit.json)."""
-        return _plain(asdict(self))
+        """The recipe as resolved, JSON-ready (`recipes show --json` and quantkit.json). A transform's `learn` is
+        given only where it learns (so recipes, QAT checkpoints and resume fingerprints from before it read the same)."""
+        data = _plain(asdict(self))
+        data["transforms"] = [{k: v for k, v in t.items() if k != "learn" or v is not None} for t in data["transforms"]]
+        return data
 
     def to_file(self) -> dict[str, Any]:
         """The recipe as a recipe file writes it, every default spelt out (`recipes show`): a file that `resolve`
@@ -266,10 +290,11 @@ def _parse_transforms(value: Any) -> tuple[Transform, ...]:
     for i, item in enumerate(value):
         where = f"transforms[{i}]"
         if not isinstance(item, dict):
-            raise SchemeError(where, "is a mapping with keys type, rotations, seed, online")
-        unknown = set(item) - {"type", "rotations", "seed", "online"}
+            raise SchemeError(where, "is a mapping with keys type, rotations, seed, online, learn")
+        unknown = set(item) - {"type", "rotations", "seed", "online", "learn"}
         if unknown:
-            raise SchemeError(f"{where}.{sorted(unknown)[0]}", "unknown key; allowed keys are online, rotations, seed, type")
+            raise SchemeError(f"{where}.{sorted(unknown)[0]}",
+                              "unknown key; allowed keys are learn, online, rotations, seed, type")
         kind = _enum(item.get("type", "hadamard"), TransformType, f"{where}.type")
         rotations = tuple(_str_list(item.get("rotations", list(FUSED)), f"{where}.rotations"))
         for rotation in rotations:
@@ -296,8 +321,30 @@ def _parse_transforms(value: Any) -> tuple[Transform, ...]:
             raise SchemeError(f"{where}.seed", "is an integer >= 0")
         if seed and kind is TransformType.HADAMARD:
             raise SchemeError(f"{where}.seed", "is random-hadamard's (type: hadamard has no randomness)")
-        transforms.append(Transform(kind, rotations, seed, online))
+        learn = _parse_learning(item["learn"], f"{where}.learn", online) if "learn" in item else None
+        if learn is not None and any(t.learn is not None for t in transforms):
+            raise SchemeError(f"{where}.learn", "is given once: put the rotations to learn (R1, R2) in one transform")
+        transforms.append(Transform(kind, rotations, seed, online, learn))
     return tuple(transforms)
+
+
+def _parse_learning(value: Any, where: str, online: bool) -> Learning:
+    if online:
+        raise SchemeError(where, "learns fused rotations (R1, R2) only; an online rotation is the Hadamard matrix its "
+                          "runtimes build")
+    if value is None:
+        value = {}
+    if not isinstance(value, dict):
+        raise SchemeError(where, "is a mapping, e.g. {steps: 100, learning_rate: 1.5} ({} for the defaults)")
+    unknown = set(value) - {"steps", "learning_rate"}
+    if unknown:
+        raise SchemeError(f"{where}.{sorted(unknown)[0]}", "unknown key; allowed keys are learning_rate, steps")
+    steps, rate = value.get("steps", Learning.steps), value.get("learning_rate", Learning.learning_rate)
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+        raise SchemeError(f"{where}.steps", "is an integer >= 1")
+    if not isinstance(rate, (int, float)) or isinstance(rate, bool) or not 0 < rate < float("inf"):
+        raise SchemeError(f"{where}.learning_rate", "is a number > 0")
+    return Learning(steps, float(rate))
 
 
 def _parse_scheme(data: dict[str, Any]) -> QuantScheme:

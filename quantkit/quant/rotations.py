@@ -47,6 +47,9 @@ class Rotator:
         self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
         self.head_dim = getattr(config, "head_dim", None) or self.hidden // self.heads
         self.r1 = self.r2 = self.r4 = None
+        self.r2_per_layer: list[torch.Tensor] | None = None  # learned: one R2 per decoder layer (`learned`)
+        self.learning = next((t for t in transforms if t.learn is not None), None)  # R1 / R2 still to be learned
+        self.learned_summary: dict | None = None
         for transform in transforms:
             seed = transform.seed if transform.type is TransformType.RANDOM_HADAMARD else None
             if "R1" in transform.rotations:
@@ -93,10 +96,36 @@ class Rotator:
         rotate_input(head.weight.data, self.r1)
         self.seconds += time.perf_counter() - started
 
-    def rotate_layer(self, layer: nn.Module) -> None:
-        """One decoder layer: its norms folded into the Linears they feed, the stream's readers and writers
-        rotated by R1, the values and o_proj's inputs by R2."""
+    def learned(self, r1: torch.Tensor | None, r2_per_layer: list[torch.Tensor] | None, summary: dict) -> None:
+        """Take the learned matrices (`calibration.learned_rotations`) in place of the Hadamard ones: R1 for the
+        stream, one R2 per decoder layer."""
+        self.r1 = r1 if r1 is not None else self.r1
+        self.r2_per_layer = r2_per_layer
+        self.learning, self.learned_summary = None, summary
+
+    def fold(self, model: nn.Module) -> None:
+        """Every norm folded into the Linears it feeds (tied embeddings untied first), nothing rotated: the model
+        the rotations are learned on. Folding again (`rotate_model`) changes nothing: the norms compute x̂·1 now."""
+        embeddings, head = model.get_input_embeddings(), model.get_output_embeddings()
+        if head.weight is embeddings.weight:
+            untie(model)
+        layers = architectures.decoder_layers(model)
+        norm = final_norm(layers_parent(model, layers))
+        fold_norm(norm.weight.data, [head.weight.data], norm_weight_offset(norm))
+        for layer in layers:
+            wiring = residual_modules(layer, self.hidden, self._value_rows())
+            for norm_name, readers in ((wiring.attention_norm, wiring.attention_readers),
+                                       (wiring.mlp_norm, wiring.mlp_readers)):
+                norm = layer.get_submodule(norm_name)
+                fold_norm(norm.weight.data, [layer.get_submodule(n).weight.data for n in readers], norm_weight_offset(norm))
+
+    def rotate_layer(self, layer: nn.Module, index: int | None = None) -> None:
+        """One decoder layer (the `index`-th: learned R2s are per layer): its norms folded into the Linears they
+        feed, the stream's readers and writers rotated by R1, the values and o_proj's inputs by R2."""
+        if self.learning is not None:
+            raise RuntimeError("learned rotations are used after `learned` has given them")
         started = time.perf_counter()
+        r2 = self.r2_per_layer[index] if self.r2_per_layer is not None else self.r2
         wiring = residual_modules(layer, self.hidden, self._value_rows())
         weight = lambda name: layer.get_submodule(name).weight.data  # noqa: E731
         if self.r1 is not None:
@@ -109,12 +138,12 @@ class Rotator:
             for name in (wiring.attention_writer, *wiring.mlp_writers):
                 bias = layer.get_submodule(name).bias
                 rotate_output(weight(name), self.r1, bias.data if bias is not None else None)
-        if self.r2 is not None:
+        if r2 is not None:
             values = layer.get_submodule(wiring.values)
             rows = slice(wiring.value_rows, wiring.value_rows + self.kv_heads * self.head_dim)
             bias = values.bias.data[rows] if values.bias is not None else None
-            rotate_heads_output(values.weight.data[rows], self.r2, self.head_dim, bias)
-            rotate_heads_input(weight(wiring.attention_writer), self.r2, self.head_dim)
+            rotate_heads_output(values.weight.data[rows], r2, self.head_dim, bias)
+            rotate_heads_input(weight(wiring.attention_writer), r2, self.head_dim)
         if self.r4 is not None:  # fused into each down projection's weight, its input rotated at run time
             for name in wiring.mlp_writers:
                 down = layer.get_submodule(name)
@@ -126,8 +155,8 @@ class Rotator:
     def rotate_model(self, model: nn.Module) -> None:
         """The whole model in memory."""
         self.rotate_rest(model)
-        for layer in architectures.decoder_layers(model):
-            self.rotate_layer(layer)
+        for i, layer in enumerate(architectures.decoder_layers(model)):
+            self.rotate_layer(layer, i)
 
     def _value_rows(self) -> int:
         return (self.heads + self.kv_heads) * self.head_dim  # in a fused qkv projection: after queries and keys
@@ -136,6 +165,8 @@ class Rotator:
         """What quantkit.json records."""
         described = {"R1": self.hidden if self.r1 is not None else None, "R2": self.head_dim if self.r2 is not None else None,
                      "R4": "online" if self.r4 is not None else None, "seconds": round(self.seconds, 3)}
+        if self.learned_summary is not None:
+            described["learned"] = self.learned_summary
         return {**described, "runtimes": ONLINE_RUNTIMES} if self.r4 is not None else described
 
 
@@ -208,8 +239,8 @@ def transform_config(recipe: Recipe, model: nn.Module) -> dict | None:
       those reading it. The weights hold them already, so runtimes leave them alone (vLLM applies online
       locations only; transformers none): the config says what was done to the weights. One it cannot state is
       left out (quantkit.json records every one): R2 on values fused into one qkv projection, whose rows a target
-      cannot single out, and a "hadamard" of a size that is not a power of two, which compressed-tensors'
-      "hadamard" type cannot build.
+      cannot single out, a "hadamard" of a size that is not a power of two, which compressed-tensors'
+      "hadamard" type cannot build, and a learned rotation, which no type describes.
     - R4 (online): `input` on the down projections, which compressed-tensors and vLLM apply at run time, and
       `weight_input` with `inverse` (fused). Its matrix is stored beside the weights (`online_tensors`)."""
     if not recipe.transforms:
@@ -225,6 +256,8 @@ def transform_config(recipe: Recipe, model: nn.Module) -> dict | None:
     def group(rotation: str, size: int | None, head_dim: int | None, writers: list[str], readers: list[str],
               writes: str = "weight_output") -> None:
         transform = kinds[rotation]
+        if transform.learn is not None:  # a learned matrix is no compressed-tensors type: quantkit.json records it
+            return
         if transform.type is TransformType.HADAMARD and size is not None and not hadamard.is_power_of_two(size):
             return
         groups[rotation] = {

@@ -133,6 +133,9 @@ def check_recipe(recipe: Recipe) -> None:
     if recipe.online_rotations:
         raise UsageError(f"--qat-recipe {recipe.name}: QAT takes fused rotations (R1, R2) only; an online rotation (R4) "
                          "would be lost with the trained checkpoint: leave it out of the QAT recipe")
+    if recipe.learned_rotations is not None:
+        raise UsageError(f"--qat-recipe {recipe.name}: its rotations are learned by `finalize` on calibration data; in QAT "
+                         "the weights themselves train: drop `learn` from the transform")
     if not qat_ready(recipe):
         usable = [n for n in recipe_names() if qat_ready(resolve(n))]
         raise UsageError(f"--qat-recipe {recipe.name}: QAT takes round-to-nearest min/max recipes with dynamic activations "

@@ -44,7 +44,7 @@ def fake_finalize(monkeypatch):
         calls.append(SimpleNamespace(src=src, dst=dst, recipe=recipe, fmt=fmt, **kwargs))
         return SimpleNamespace(
             dst=Path(dst), recipe=recipe, format=fmt or recipe.format, plan=[], seconds=1.0,
-            source_bytes=100, output_bytes=50, threads=2, calibration=None, coverage=None, preflight=None, peak_ram_bytes=None, loading=None,
+            source_bytes=100, output_bytes=50, threads=2, calibration=None, coverage=None, preflight=None, peak_ram_bytes=None, loading=None, transforms=None,
         )
 
     monkeypatch.setattr(quantkit.finalization.finalize, "finalize", fake)

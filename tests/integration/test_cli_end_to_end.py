@@ -101,3 +101,20 @@ def test_interrupted_finalize_leaves_no_output(tiny_model_dir, tmp_path):
     assert proc.returncode == 130, stderr
     assert list(tmp_path.iterdir()) == []
     shutil.rmtree(dst, ignore_errors=True)
+
+
+def test_learned_rotations_are_estimated_then_reported(tiny_model_dir, text_file, tmp_path):
+    """The preflight counts learning's memory and time; the summary says what learning did."""
+    recipe = tmp_path / "learned.yaml"
+    recipe.write_text("scheme:\n  weights: {dtype: int4, granularity: group, group_size: 32}\n"
+                      "  activations: {dtype: int8, granularity: token, dynamic: true, symmetric: false}\n"
+                      "transforms: [{type: random-hadamard, rotations: [R1, R2], learn: {steps: 4}}]\n"
+                      "format: compressed-tensors\nignore: [lm_head]\n")
+    common = ["-q", recipe, "--calib-data", text_file, "--num-samples", "4", "--seq-len", "32"]
+    dry = run("finalize", tiny_model_dir, tmp_path / "out", *common, "--dry-run")
+    assert dry.returncode == 0, dry.stderr
+    assert "learning the rotations" in dry.stdout and "s of rotations" in dry.stdout
+    done = run("finalize", tiny_model_dir, tmp_path / "out", *common)
+    assert done.returncode == 0, done.stderr
+    assert "rotations learned" in done.stdout and "4 Cayley SGD steps of 4 samples" in done.stdout
+    assert "the rotations are learned on the whole model" in done.stdout

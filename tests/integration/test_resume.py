@@ -144,3 +144,24 @@ def test_resume_without_an_interrupted_run_is_one_line(model_dir, calib, tmp_pat
     assert done.stderr.strip().startswith("error: --resume: there is no interrupted run")
     assert len(done.stderr.strip().splitlines()) == 1
     assert not list(tmp_path.iterdir())
+
+
+def test_a_resumed_run_fuses_the_rotations_the_interrupted_run_learned(model_dir, calib, tmp_path):
+    """The finished layers were quantized with the learned matrices: a resumed run restores them (it does not learn
+    again) and writes the uninterrupted run's artifact."""
+    from quantkit.quant.registry import resolve
+
+    recipe = tmp_path.parent / f"{tmp_path.name}-gptq-learned.yaml"  # beside tmp_path, whose listing is checked
+    recipe.write_text(Path(resolve("gptq-w4a16").source).read_text() +
+                      "transforms: [{type: random-hadamard, rotations: [R1, R2], learn: {steps: 3}}]\n")
+    whole = run(model_dir, tmp_path / "whole", str(recipe), calib)
+    assert whole.returncode == 0, whole.stderr[-2000:]
+    killed = run(model_dir, tmp_path / "out", str(recipe), calib, kill_layer=1)
+    assert killed.returncode != 0
+    assert (tmp_path / "out.partial" / "learned-rotations-rank0.safetensors").is_file()
+    resumed = run(model_dir, tmp_path / "out", str(recipe), calib, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert_same_artifact(tmp_path / "whole", tmp_path / "out")
+    learned = json.loads((tmp_path / "out" / "quantkit.json").read_text())["transforms"]["learned"]
+    assert learned["restored"] is True and learned["steps"] == 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "whole"]

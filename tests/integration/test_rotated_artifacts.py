@@ -2,6 +2,7 @@
 computes), a tied model is untied, and what a rotation cannot take is refused before any weight is read."""
 
 import json
+from pathlib import Path
 import subprocess
 import sys
 
@@ -216,3 +217,54 @@ def test_awq_leaves_the_down_projections_alone_under_r4_and_says_why(tiny_model_
     dst = finalize(tiny_model_dir, tmp_path / "out", resolve(str(path)), calibration=options).dst
     skipped = json.loads((dst / "quantkit.json").read_text())["calibration"]["skipped"]
     assert "the online rotation R4" in skipped["awq: mlp.down_proj"]
+
+
+def _learned_recipe(tmp_path, base: str = "quarot-w4a8", steps: int = 3):
+    """`base`'s recipe file with its rotations learned."""
+    path = tmp_path / f"{base}-learned.yaml"
+    text = Path(resolve(base).source).read_text()
+    lines = [line for line in text.splitlines() if not line.startswith("transforms:")]
+    path.write_text("\n".join(lines) + f"\ntransforms: [{{type: random-hadamard, rotations: [R1, R2], learn: {{steps: {steps}}}}}]\n")
+    return resolve(str(path))
+
+
+def test_a_learned_rotation_artifact_loads_in_plain_transformers_as_eval_q_computes(tiny_model_dir, text_file, tmp_path):
+    """Learned on the calibration data, fused, and a plain model: transformers computes what `eval -q` does;
+    quantkit.json records the learning, the transform_config states nothing it cannot describe."""
+    from quantkit.finalization.checks import CalibrationOptions
+
+    recipe = _learned_recipe(tmp_path)
+    options = CalibrationOptions(data=str(text_file), num_samples=4, seq_len=32, batch_size=2)
+    prepared = prepare(tiny_model_dir, recipe, calibration=options)
+    assert prepared.loading == "whole model in memory: the rotations are learned on the whole model"
+    preview = quantize_model(prepared, recipe, calibration=options)
+    result = finalize(tiny_model_dir, tmp_path / "out", recipe, calibration=options)
+    info = json.loads((result.dst / "quantkit.json").read_text())["transforms"]
+    assert info["learned"]["steps"] == 3 and info["learned"]["samples_per_step"] == 2
+    assert info["applied"][0]["learn"] == {"steps": 3, "learning_rate": 1.5}
+    assert not json.loads((result.dst / "config.json").read_text())["quantization_config"].get("transform_config")
+
+    ids = torch.randint(3, 300, (1, 16), generator=torch.Generator().manual_seed(0))
+    code = ("import sys, torch; from transformers import AutoModelForCausalLM; "
+            f"m = AutoModelForCausalLM.from_pretrained(sys.argv[1]); ids = torch.tensor({ids.tolist()}); "
+            "torch.save(m(ids).logits, sys.argv[2])")
+    out = tmp_path / "logits.pt"
+    subprocess.run([sys.executable, "-c", code, str(result.dst), str(out)], check=True, capture_output=True)
+    with torch.no_grad():
+        expected = preview(ids).logits
+    torch.testing.assert_close(torch.load(out, weights_only=True), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_learned_rotations_are_refused_where_they_cannot_train(tiny_model_dir, text_file, tmp_path):
+    """Static activation scales have no value before calibration; QAT trains the weights, not the rotations;
+    learning needs data."""
+    from quantkit.errors import UsageError
+    from quantkit.training import qat
+
+    with pytest.raises(UsageError, match="learned rotations train against dynamic activations"):
+        prepare(tiny_model_dir, _learned_recipe(tmp_path, "fp8-static"))
+    with pytest.raises(UsageError, match="its rotations are learned by `finalize`"):
+        qat.check_recipe(_learned_recipe(tmp_path))
+    with pytest.raises(UsageError, match="pass --calib-data"):
+        finalize(tiny_model_dir, tmp_path / "out", _learned_recipe(tmp_path))
+    assert not (tmp_path / "out").exists()

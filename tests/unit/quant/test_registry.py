@@ -1,6 +1,7 @@
 from pathlib import Path
 
 import pytest
+import yaml
 
 from quantkit.errors import RecipeError, RecipeNotFoundError
 from quantkit.quant import registry
@@ -211,6 +212,38 @@ def test_an_online_r4_is_its_own_transform_beside_the_fused_ones(tmp_path):
     assert recipe.fused_rotations == (fused,) and recipe.online_rotations == (online,)
     assert (online.type.value, online.rotations, online.online) == ("random-hadamard", ("R4",), True)
     assert recipe.describe_algorithm() == "R1+R2+R4 + rtn"
+
+
+def test_learned_rotations_parse_with_defaults_and_show_only_where_given(tmp_path):
+    recipe = registry.resolve(str(_with_transforms(
+        tmp_path, "[{type: random-hadamard, rotations: [R1, R2], learn: {steps: 20}}, "
+                  "{type: hadamard, rotations: [R4], online: true}]")))
+    learned, online = recipe.transforms
+    assert learned.learn == registry.Learning(steps=20, learning_rate=1.5) and online.learn is None
+    assert recipe.learned_rotations is learned and recipe.needs_samples and not recipe.needs_calibration
+    assert recipe.describe_algorithm() == "R1+R2 (learned)+R4 + rtn"
+    shown = recipe.to_dict()["transforms"]
+    assert shown[0]["learn"] == {"steps": 20, "learning_rate": 1.5} and "learn" not in shown[1]
+    assert "learn" not in registry.resolve("quarot-nvfp4").to_dict()["transforms"][0]  # as quantkit.json had it
+    assert not registry.resolve("quarot-w4a8").needs_samples
+    again = tmp_path / "again.yaml"
+    again.write_text(yaml.safe_dump(recipe.to_file()))
+    assert registry.resolve(str(again)).transforms == recipe.transforms
+    assert registry.resolve(str(_with_transforms(tmp_path, "[{rotations: [R1], learn: {}}]"))).transforms[0].learn == \
+        registry.Learning()
+
+
+@pytest.mark.parametrize("transforms, message", [
+    ("[{type: hadamard, rotations: [R4], online: true, learn: {}}]", "learns fused rotations \\(R1, R2\\) only"),
+    ("[{rotations: [R1], learn: 100}]", "learn: is a mapping"),
+    ("[{rotations: [R1], learn: {steps: 0}}]", "learn.steps: is an integer >= 1"),
+    ("[{rotations: [R1], learn: {learning_rate: -1}}]", "learn.learning_rate: is a number > 0"),
+    ("[{rotations: [R1], learn: {epochs: 2}}]", "learn.epochs: unknown key"),
+    ("[{rotations: [R1], learn: {}}, {rotations: [R2], learn: {}}]", "learn: is given once"),
+])
+def test_bad_learned_rotations_are_refused_naming_the_field(tmp_path, transforms, message):
+    with pytest.raises(RecipeError, match=message):
+        registry.resolve(str(_with_transforms(tmp_path, transforms)))
 
 
 @pytest.mark.parametrize("transforms, message", [
