@@ -34,6 +34,7 @@ from torch.func import functional_call
 from quantkit.algorithms import Algorithm, hadamard
 from quantkit.algorithms.cayley import cayley_step, cosine_learning_rate
 from quantkit.algorithms.rotation import heads_input, heads_output
+from quantkit.errors import CalibrationError
 from quantkit.models import architectures
 from quantkit.quant.plan import ModulePlan
 from quantkit.quant.registry import Recipe, TransformType
@@ -71,6 +72,10 @@ def learn_rotations(model: nn.Module, rotator: Rotator, plan: list[ModulePlan], 
                 flat = torch.cat([loss.reshape(1)] + [g.reshape(-1) for g in grads])
                 distributed.all_reduce_(flat, ctx)  # every rank: the whole batch's loss and gradients
                 losses.append(float(flat[0]))
+                if not torch.isfinite(flat).all():  # a step would make the matrices NaN, and the artifact garbage
+                    raise CalibrationError(
+                        f"learning the rotations: the loss or its gradient is not finite at step {step + 1} (loss "
+                        f"{losses[-1]:.4g}); load the model in float32 (--dtype float32) or lower learn.learning_rate")
                 rate = cosine_learning_rate(learning.learning_rate, step, learning.steps)
                 offset = 1
                 if r1 is not None:

@@ -150,3 +150,15 @@ def test_ranks_learn_the_same_matrices_as_one_process(tmp_path):
     alone = _learn_on_rank(None, steps=4)
     torch.testing.assert_close(ranks[0]["R1"], alone["R1"], rtol=0, atol=1e-5)
     torch.testing.assert_close(ranks[0]["R2"], alone["R2"], rtol=0, atol=1e-5)
+
+
+def test_a_loss_that_is_not_finite_stops_learning_in_one_line(monkeypatch):
+    from quantkit.errors import CalibrationError
+
+    model = _model()
+    with torch.no_grad():
+        model.get_submodule("model.layers.0.mlp.down_proj").weight[0, 0] = float("inf")
+    recipe = _recipe(steps=3)
+    with pytest.raises(CalibrationError, match="not finite at step 1 .*--dtype float32"):
+        learn_rotations(model, Rotator.of(recipe, model.config), plan_model(model, recipe), recipe, _ids(model, (2, 16)),
+                        torch.device("cpu"))
