@@ -87,12 +87,8 @@ class Rotator:
         if self.r1 is None:
             return
         started = time.perf_counter()
-        embeddings, head = model.get_input_embeddings(), model.get_output_embeddings()
-        if head.weight is embeddings.weight:
-            untie(model)
-        norm = final_norm(layers_parent(model, architectures.decoder_layers(model)))
+        embeddings, head = _fold_rest(model)
         rotate_embedding(embeddings.weight.data, self.r1)
-        fold_norm(norm.weight.data, [head.weight.data], norm_weight_offset(norm))
         rotate_input(head.weight.data, self.r1)
         self.seconds += time.perf_counter() - started
 
@@ -106,18 +102,9 @@ class Rotator:
     def fold(self, model: nn.Module) -> None:
         """Every norm folded into the Linears it feeds (tied embeddings untied first), nothing rotated: the model
         the rotations are learned on. Folding again (`rotate_model`) changes nothing: the norms compute x̂·1 now."""
-        embeddings, head = model.get_input_embeddings(), model.get_output_embeddings()
-        if head.weight is embeddings.weight:
-            untie(model)
-        layers = architectures.decoder_layers(model)
-        norm = final_norm(layers_parent(model, layers))
-        fold_norm(norm.weight.data, [head.weight.data], norm_weight_offset(norm))
-        for layer in layers:
-            wiring = residual_modules(layer, self.hidden, self._value_rows())
-            for norm_name, readers in ((wiring.attention_norm, wiring.attention_readers),
-                                       (wiring.mlp_norm, wiring.mlp_readers)):
-                norm = layer.get_submodule(norm_name)
-                fold_norm(norm.weight.data, [layer.get_submodule(n).weight.data for n in readers], norm_weight_offset(norm))
+        _fold_rest(model)
+        for layer in architectures.decoder_layers(model):
+            _fold_layer(layer, residual_modules(layer, self.hidden, self._value_rows()))
 
     def rotate_layer(self, layer: nn.Module, index: int | None = None) -> None:
         """One decoder layer (the `index`-th: learned R2s are per layer): its norms folded into the Linears they
@@ -129,12 +116,9 @@ class Rotator:
         wiring = residual_modules(layer, self.hidden, self._value_rows())
         weight = lambda name: layer.get_submodule(name).weight.data  # noqa: E731
         if self.r1 is not None:
-            for norm_name, readers in ((wiring.attention_norm, wiring.attention_readers),
-                                       (wiring.mlp_norm, wiring.mlp_readers)):
-                norm = layer.get_submodule(norm_name)
-                fold_norm(norm.weight.data, [weight(n) for n in readers], norm_weight_offset(norm))
-                for name in readers:
-                    rotate_input(weight(name), self.r1)
+            _fold_layer(layer, wiring)
+            for name in (*wiring.attention_readers, *wiring.mlp_readers):
+                rotate_input(weight(name), self.r1)
             for name in (wiring.attention_writer, *wiring.mlp_writers):
                 bias = layer.get_submodule(name).bias
                 rotate_output(weight(name), self.r1, bias.data if bias is not None else None)
@@ -168,6 +152,23 @@ class Rotator:
         if self.learned_summary is not None:
             described["learned"] = self.learned_summary
         return {**described, "runtimes": ONLINE_RUNTIMES} if self.r4 is not None else described
+
+
+def _fold_rest(model: nn.Module) -> tuple[nn.Module, nn.Module]:
+    """The final norm folded into lm_head (tied embeddings untied first); returns (embeddings, lm_head)."""
+    embeddings, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if head.weight is embeddings.weight:
+        untie(model)
+    norm = final_norm(layers_parent(model, architectures.decoder_layers(model)))
+    fold_norm(norm.weight.data, [head.weight.data], norm_weight_offset(norm))
+    return embeddings, head
+
+
+def _fold_layer(layer: nn.Module, wiring) -> None:
+    """A decoder layer's two norms folded into the Linears reading them."""
+    for norm_name, readers in ((wiring.attention_norm, wiring.attention_readers), (wiring.mlp_norm, wiring.mlp_readers)):
+        norm = layer.get_submodule(norm_name)
+        fold_norm(norm.weight.data, [layer.get_submodule(n).weight.data for n in readers], norm_weight_offset(norm))
 
 
 class OnlineRotation:
