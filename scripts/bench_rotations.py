@@ -42,6 +42,10 @@ What it does (everything cached under `--workdir`):
    the targets: on the outlier model, NVFP4 rotations cut quantkit's rise by at least half, and quantkit's
    rotated rise is <= the peer's rotated rises; fused rotations take <= 10% of the run.
 
+`--learned STEPS` adds quantkit rows with R1+R2 learned from the Hadamard matrices (SpinQuant's Cayley SGD,
+`learn: {steps: STEPS, learning_rate: --learning-rate}`) on the same calibration data; llm-compressor 0.14 has
+no learned rotations, so its rows stay the Hadamard ones. A learned row takes about 200 s here (100 steps).
+
 llm-compressor's SpinQuant centres the embeddings (E - mean over hidden), which is exact for LayerNorm models but
 changes an RMSNorm model's function; its rows are reported as it ships, beside rows with `center_embeddings`
 patched out (`--no-spinquant-nocenter` leaves those out). The rotated weights of the latter are the ones quantkit
