@@ -157,9 +157,14 @@ def learned_line(learned: dict) -> str:
     """The summary's line for learned rotations (quantkit.json's `transforms.learned`)."""
     if learned.get("restored"):
         return f"{learned['steps']} steps, restored from the interrupted run (its layers were quantized with them)"
-    return (f"{learned['steps']} Cayley SGD steps of {learned['samples_per_step']} samples: quantized loss "
+    line = (f"{learned['steps']} Cayley SGD steps of {learned['samples_per_step']} samples: quantized loss "
             f"{learned['loss_first_steps']:.4f} -> {learned['loss_last_steps']:.4f} (first and last steps), "
             f"{learned['seconds']:.1f} s")
+    passes = learned.get("passes_over_samples", 1)
+    if passes > 1:  # the rotation fits the samples it sees again and again (benchmarks.md: 64 samples seen 12 times)
+        line += (f"; each calibration sample was seen {passes:g} times: pass at least steps x batch samples "
+                 "(--num-samples) so that it is seen once")
+    return line
 
 
 def _autoround_idle(report: dict) -> str | None:

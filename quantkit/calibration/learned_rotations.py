@@ -87,6 +87,7 @@ def learn_rotations(model: nn.Module, rotator: Rotator, plan: list[ModulePlan], 
                 advance(description=f"Learning rotations: step {step + 1}/{learning.steps}, loss {losses[-1]:.4f}")
     window = max(1, min(10, len(losses) // 4))
     summary = {"steps": learning.steps, "learning_rate": learning.learning_rate, "samples_per_step": count,
+               "passes_over_samples": round(learning.steps * count / samples.shape[0], 2),
                "loss_first_steps": round(sum(losses[:window]) / window, 4),
                "loss_last_steps": round(sum(losses[-window:]) / window, 4),
                "seconds": round(time.perf_counter() - started, 3),

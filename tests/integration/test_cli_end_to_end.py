@@ -117,4 +117,5 @@ def test_learned_rotations_are_estimated_then_reported(tiny_model_dir, text_file
     done = run("finalize", tiny_model_dir, tmp_path / "out", *common)
     assert done.returncode == 0, done.stderr
     assert "rotations learned" in done.stdout and "4 Cayley SGD steps of 4 samples" in done.stdout
+    assert "each calibration sample was seen 4 times" in " ".join(done.stdout.split())  # 4 samples, 4 steps of 4
     assert "the rotations are learned on the whole model" in done.stdout

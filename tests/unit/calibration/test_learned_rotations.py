@@ -79,6 +79,7 @@ def test_learning_lowers_the_quantized_loss_and_keeps_the_float_function():
     summary = learn_rotations(model, rotator, plan_model(model, recipe), recipe, samples, torch.device("cpu"), batch_size=4)
     assert summary["loss_last_steps"] < summary["loss_first_steps"]
     assert summary["steps"] == 15 and rotator.learning is None and rotator.learned_summary == summary
+    assert summary["passes_over_samples"] == 15  # one batch of all 4 samples, 15 times
     assert all(type(m) is torch.nn.Linear for n, m in model.named_modules() if n.endswith("proj"))
     assert all(p.requires_grad for p in model.parameters())
     with torch.no_grad():
