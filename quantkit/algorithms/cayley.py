@@ -1,8 +1,8 @@
 """Cayley SGD on the orthogonal group: the optimizer SpinQuant learns its rotations with.
 
 A rotation R (n x n, RᵀR = I) with a loss gradient G moves along the skew-symmetric direction
-A = ½(G·Rᵀ - R·Gᵀ) (G projected on the tangent space at R, as SpinQuant's SGDG computes it for a square
-matrix), by the Cayley transform R ← (I + α/2·A)⁻¹(I - α/2·A)·R, which is orthogonal for any α: no
+A = ½(G·Rᵀ - R·Gᵀ) (the gradient projected on the tangent space at R, the ½ as in SpinQuant's SGDG), by the
+Cayley transform R ← (I + α/2·A)⁻¹(I - α/2·A)·R, which is orthogonal for any α: no
 re-projection is needed. To first order the step is R - α·A·R, a descent direction. As in SGDG, the step size
 is capped at 1/‖A‖₁ (the matrix 1-norm), so a large learning rate (SpinQuant's 1.5) cannot overshoot when the
 gradient is large. Solved exactly in float64 (SGDG iterates a fixed-point approximation instead).
