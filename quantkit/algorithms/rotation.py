@@ -26,7 +26,7 @@ from typing import Callable, Union
 import torch
 
 __all__ = ["Rotation", "fold_norm", "rotate_input", "rotate_output", "rotate_embedding", "rotate_heads_output",
-           "rotate_heads_input", "heads_output", "heads_input"]
+           "rotate_heads_input", "heads_output", "heads_bias", "heads_input"]
 
 Rotation = Union[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]
 
@@ -72,7 +72,7 @@ def rotate_heads_output(weight: torch.Tensor, rotation: Rotation, head_dim: int,
     head reads one of them, so its attention output, a mix of rotated values, is rotated by the same Q."""
     _assign(weight, heads_output(weight.to(compute_dtype), rotation, head_dim))
     if bias is not None:
-        _assign(bias, _right(bias.to(compute_dtype).unflatten(0, (-1, head_dim)), rotation).flatten())
+        _assign(bias, heads_bias(bias.to(compute_dtype), rotation, head_dim))
 
 
 @torch.no_grad()
@@ -88,6 +88,11 @@ def heads_output(weight: torch.Tensor, rotation: Rotation, head_dim: int) -> tor
     (`calibration.learned_rotations`) compute with it."""
     rows = weight.unflatten(0, (-1, head_dim))  # [heads, head_dim, in]
     return _right(rows.transpose(1, 2), rotation).transpose(1, 2).flatten(0, 1)
+
+
+def heads_bias(bias: torch.Tensor, rotation: Rotation, head_dim: int) -> torch.Tensor:
+    """`rotate_heads_output`'s bias as a new tensor: each head's slice b·Q."""
+    return _right(bias.unflatten(0, (-1, head_dim)), rotation).flatten()
 
 
 def heads_input(weight: torch.Tensor, rotation: Rotation, head_dim: int) -> torch.Tensor:

@@ -31,14 +31,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
-from quantkit.algorithms import Algorithm, hadamard
+from quantkit.algorithms import Algorithm
 from quantkit.algorithms.cayley import cayley_step, cosine_learning_rate
-from quantkit.algorithms.rotation import heads_input, heads_output
+from quantkit.algorithms.rotation import heads_bias, heads_input, heads_output
 from quantkit.errors import CalibrationError
 from quantkit.models import architectures
 from quantkit.quant.plan import ModulePlan
-from quantkit.quant.registry import Recipe, TransformType
-from quantkit.quant.rotations import Rotator
+from quantkit.quant.registry import Recipe
+from quantkit.quant.rotations import Rotator, transform_matrix
 from quantkit.runtime import distributed
 from quantkit.runtime.progress import QUIET, Progress
 
@@ -52,12 +52,11 @@ def learn_rotations(model: nn.Module, rotator: Rotator, plan: list[ModulePlan], 
     memory, unrotated, when this returns. Returns the summary quantkit.json records."""
     transform = rotator.learning
     learning = transform.learn
-    seed = transform.seed if transform.type is TransformType.RANDOM_HADAMARD else None
     started = time.perf_counter()
     rotator.fold(model)
     weights = RotatedWeights(model, rotator)
-    r1 = _initial(rotator.hidden, seed, device) if "R1" in transform.rotations else None
-    r2 = _initial(rotator.head_dim, seed, device).expand(len(weights.wirings), -1, -1).clone() \
+    r1 = transform_matrix(transform, rotator.hidden, device=device) if "R1" in transform.rotations else None
+    r2 = transform_matrix(transform, rotator.head_dim, device=device).expand(len(weights.wirings), -1, -1).clone() \
         if "R2" in transform.rotations else None
     world, rank = (ctx.world_size, ctx.rank) if ctx is not None and ctx.distributed else (1, 0)
     count = min(batch_size, samples.shape[0])
@@ -125,13 +124,6 @@ def restore(path, rotator: Rotator) -> None:
     rotator.learned(tensors.get("R1"), list(r2) if r2 is not None else None, {**summary, "restored": True})
 
 
-def _initial(size: int, seed: int | None, device: torch.device) -> torch.Tensor:
-    """The matrix learning starts from: the transform's own (Hadamard, or random-Hadamard with its seed)."""
-    if seed is None:
-        return hadamard.hadamard_matrix(size, device=device)
-    return hadamard.random_hadamard_matrix(size, seed, device=device)
-
-
 def _share(samples: torch.Tensor, step: int, count: int, rank: int, world: int) -> torch.Tensor:
     """This rank's share of step `step`'s batch: samples step·count ... (cycling), split in rank order."""
     indices = [(step * count + j) % samples.shape[0] for j in range(count)]
@@ -192,7 +184,7 @@ class RotatedWeights:
                 q, rows = r2[i], slice(wiring.value_rows, wiring.value_rows + self.value_rows)
                 change(name(wiring.values), lambda w: _rows_replaced(w, rows, heads_output(w[rows], q, self.head_dim)))
                 change(name(wiring.values, "bias"),
-                       lambda b: _rows_replaced(b, rows, (b[rows].unflatten(0, (-1, self.head_dim)) @ q).flatten()))
+                       lambda b: _rows_replaced(b, rows, heads_bias(b[rows], q, self.head_dim)))
                 change(name(wiring.attention_writer), lambda w: heads_input(w, q, self.head_dim))
         return out
 

@@ -47,7 +47,11 @@ from quantkit.runtime import distributed
 
 
 
-LEARNED_ROTATIONS = "learned-rotations-rank*.safetensors"
+LEARNED_ROTATIONS = "learned-rotations-rank{rank}.safetensors"  # one copy per rank (`finalize._learn_rotations`)
+
+
+def learned_rotations_file(work_dir: Path, rank: int) -> Path:
+    return work_dir / LEARNED_ROTATIONS.format(rank=rank)
 
 
 def source_identity(src: Path) -> str:
@@ -99,7 +103,7 @@ class Resumable:
             self.completed = state["completed"]
         distributed.barrier(self.ctx)  # every rank has read the state before rank 0 touches the directory
         if state is None and self.is_main and self.path.exists():
-            kept = set(self.path.glob(LEARNED_ROTATIONS))
+            kept = set(self.path.glob(LEARNED_ROTATIONS.format(rank="*")))
             for entry in self.path.iterdir():
                 if entry not in kept:
                     shutil.rmtree(entry) if entry.is_dir() else entry.unlink()

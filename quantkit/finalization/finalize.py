@@ -134,10 +134,11 @@ def _learn_rotations(model: nn.Module, prepared: Prepared, recipe: Recipe, sampl
     in the work directory (`learned-rotations-rank<r>.safetensors`: ranks on other machines may not share it), and
     all ranks restore, or all learn again."""
     from quantkit.calibration import learned_rotations
+    from quantkit.calibration.resume import learned_rotations_file
     from quantkit.runtime import distributed
 
     rank = ctx.rank if ctx is not None and ctx.distributed else 0
-    saved = prepared.work_dir / f"learned-rotations-rank{rank}.safetensors" if prepared.work_dir is not None else None
+    saved = learned_rotations_file(prepared.work_dir, rank) if prepared.work_dir is not None else None
     found = saved is not None and prepared.resume and saved.is_file()
     if all(distributed.all_gather_int(int(found), ctx)):
         learned_rotations.restore(saved, prepared.rotator)

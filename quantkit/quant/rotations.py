@@ -298,14 +298,16 @@ def online_tensors(recipe: Recipe, model: nn.Module) -> dict[str, torch.Tensor]:
             width = layer.get_submodule(name).in_features
             if width not in widths:
                 widths.add(width)
-                tensors[f"{prefix}.{i}.{name}.R4_input.weight"] = _stored_matrix(transform, width)
+                tensors[f"{prefix}.{i}.{name}.R4_input.weight"] = transform_matrix(transform, width, normalize=False)
     return tensors
 
 
-def _stored_matrix(transform: Transform, size: int) -> torch.Tensor:
+def transform_matrix(transform: Transform, size: int, normalize: bool = True, device=None) -> torch.Tensor:
+    """The transform's matrix of `size` (float64): Hadamard, or random-Hadamard with its seed; the ±1 matrix with
+    `normalize` False (what an artifact stores for an online rotation)."""
     if transform.type is TransformType.RANDOM_HADAMARD:
-        return hadamard.random_hadamard_matrix(size, transform.seed, normalize=False)
-    return hadamard.hadamard_matrix(size, normalize=False)
+        return hadamard.random_hadamard_matrix(size, transform.seed, normalize=normalize, device=device)
+    return hadamard.hadamard_matrix(size, normalize=normalize, device=device)
 
 
 ONLINE_LOCATIONS = ("input", "output")
