@@ -8,6 +8,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from quantkit.calibration import offload
 from quantkit.quant.observers import Observer
 
 
@@ -15,10 +16,12 @@ class Stop(Exception):
     """Raised from a hook once it has what it came for: the rest of the forward pass never runs."""
 
 
-def capture_inputs(model: nn.Module, layers: nn.ModuleList, batches: list[torch.Tensor], device: torch.device) -> list[tuple]:
+def capture_inputs(model: nn.Module, layers: nn.ModuleList, batches: list[torch.Tensor], device: torch.device,
+                   offloaded: bool = False) -> list[tuple] | offload.HostCalls:
     """(args, kwargs) of the first decoder layer for each batch. Only the modules before the layers
-    (embeddings, rotary embedding) visit `device`; the layers stay where they are."""
-    captured: list[tuple] = []
+    (embeddings, rotary embedding) visit `device`; the layers stay where they are. `offloaded`: the hidden states
+    go to CPU memory batch by batch (`offload.HostCalls`)."""
+    captured = offload.HostCalls(device) if offloaded else []
 
     def hook(module, args, kwargs):
         captured.append((args, kwargs))
@@ -43,8 +46,8 @@ def capture_inputs(model: nn.Module, layers: nn.ModuleList, batches: list[torch.
 
 
 def run_layer(layer: nn.Module, inputs: list[tuple]) -> list[torch.Tensor]:
-    """The layer's hidden-state output for each captured call."""
-    outputs = []
+    """The layer's hidden-state output for each captured call, kept where the inputs are (`offload.collector`)."""
+    outputs = offload.collector(inputs)
     with torch.no_grad():
         for args, kwargs in inputs:
             out = layer(*args, **kwargs)
@@ -58,13 +61,13 @@ def hidden_state(args: tuple, kwargs: dict) -> torch.Tensor:
 
 
 def hidden_states(inputs: list[tuple]) -> list[torch.Tensor]:
-    """The hidden states of each captured call."""
-    return [hidden_state(args, kwargs) for args, kwargs in inputs]
+    """The hidden states of each captured call (`offload.hidden_states`)."""
+    return offload.hidden_states(inputs)
 
 
 def with_hidden(inputs: list[tuple], hidden: list[torch.Tensor]) -> list[tuple]:
-    """The captured calls with their hidden states replaced (the next layer's inputs)."""
-    return [((h, *args[1:]), kwargs) if args else ((), {**kwargs, "hidden_states": h}) for (args, kwargs), h in zip(inputs, hidden)]
+    """The captured calls with their hidden states replaced (the next layer's inputs; `offload.with_hidden`)."""
+    return offload.with_hidden(inputs, hidden)
 
 
 def observe(modules: dict[str, nn.Module], make: Callable[[], Observer], layer: nn.Module, inputs: list[tuple]) -> dict[str, Observer]:

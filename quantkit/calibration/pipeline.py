@@ -23,6 +23,7 @@ from torch import nn
 from quantkit import data
 from quantkit.algorithms import Algorithm
 from quantkit.algorithms.rtn import rtn_quantize
+from quantkit.calibration import offload
 from quantkit.calibration.experts import calibrating
 from quantkit.calibration.hooks import capture_inputs, hidden_states, run_layer, with_hidden
 from quantkit.calibration.layer import CalibrationResult, Layer, relative_error
@@ -84,7 +85,7 @@ class LayerStream(Protocol):
 def calibrate(model: nn.Module, plan: list[ModulePlan], recipe: Recipe, samples: torch.Tensor,
               device: torch.device, batch_size: int = 8, progress: Progress = QUIET,
               ctx: Context | None = None, resumable: Resumable | None = None,
-              stream: LayerStream | None = None) -> CalibrationResult:
+              stream: LayerStream | None = None, offloaded: bool = False) -> CalibrationResult:
     """Quantize `model` (in CPU memory) layer by layer on `device`; its Linear weights end up dequantized.
     With a distributed `ctx`, this rank calibrates on its share of `samples` (whole batches of the same full
     sample set on every rank, `data.rank_batches`) and statistics are merged at every layer, so every rank
@@ -92,14 +93,19 @@ def calibrate(model: nn.Module, plan: list[ModulePlan], recipe: Recipe, samples:
     resumed run starts at the first unfinished layer. With `stream`, the decoder layers are read before and
     handed over after their turn, and the modules outside them are read for the first layer's inputs and again
     at the end (in memory when this returns). On a CPU without native half-precision products, a bf16 / fp16
-    model's Linear products run in float32 (`precision.float32_products`)."""
+    model's Linear products run in float32 (`precision.float32_products`). `offloaded`: the calibration hidden
+    states wait in CPU memory and move to `device` batch by batch (`calibration.offload`), for a model whose
+    activations do not fit the device's memory budget."""
+    if offloaded and recipe.quantizer.name in FLOAT_REFERENCE:
+        raise UsageError(f"{recipe.quantizer.name.value} keeps the float model's hidden states beside the quantized "
+                         "ones on the device: give it the memory (--max-gpu-memory) or fewer samples (--num-samples)")
     with float32_products(model_dtype(model), device):
-        return _calibrate(model, plan, recipe, samples, device, batch_size, progress, ctx, resumable, stream)
+        return _calibrate(model, plan, recipe, samples, device, batch_size, progress, ctx, resumable, stream, offloaded)
 
 
 def _calibrate(model: nn.Module, plan: list[ModulePlan], recipe: Recipe, samples: torch.Tensor, device: torch.device,
                batch_size: int, progress: Progress, ctx: Context | None, resumable: Resumable | None,
-               stream: LayerStream | None) -> CalibrationResult:
+               stream: LayerStream | None, offloaded: bool) -> CalibrationResult:
     steps = layer_steps(recipe)
     result = CalibrationResult()
     by_name = {entry.name: entry for entry in plan}
@@ -110,9 +116,11 @@ def _calibrate(model: nn.Module, plan: list[ModulePlan], recipe: Recipe, samples
     rank, world = (ctx.rank, ctx.world_size) if ctx is not None and ctx.distributed else (0, 1)
     batches = [samples[i.start : i.stop] for i in data.rank_batches(samples.shape[0], batch_size, rank, world)]
     started = time.perf_counter()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     if stream is not None:
         stream.load_rest()
-    inputs = capture_inputs(model, layers, batches, device)
+    inputs = capture_inputs(model, layers, batches, device, offloaded)
     if stream is not None:  # not needed again until the end: one layer is held at a time, not the layer and these
         stream.release_rest()
     result.seconds["capture"] = time.perf_counter() - started
@@ -120,7 +128,8 @@ def _calibrate(model: nn.Module, plan: list[ModulePlan], recipe: Recipe, samples
     state = resumable.open() if resumable is not None else None
     if state is not None:
         hidden, saved_float = resumable.restore(state, result, len(layers))
-        inputs = with_hidden(inputs, [h.to(device) for h in hidden])
+        restored = offload.HostBatches(device, hidden) if offloaded else [h.to(device) for h in hidden]
+        inputs = with_hidden(inputs, restored)
         float_hidden = [h.to(device) for h in saved_float] if float_hidden is not None else None
     done = resumable.completed if resumable is not None else 0
     with progress.task(f"Calibrating {len(layers)} layers ({recipe.describe_algorithm()})", total=len(layers),
@@ -160,7 +169,7 @@ def _calibrate_one(i: int, module: nn.Module, prefix: str, inputs: list[tuple], 
     result.peak_device_bytes = max(result.peak_device_bytes, _device_bytes(module, with_hidden(inputs, outputs), device))
     placement.offload_layer(module, prefix, result)  # the layer and its qparams: on the CPU for the writer and resume
     if resumable is not None:
-        resumable.save_layer(i, module, prefix, result, outputs, num_layers, layer.float_hidden)
+        resumable.save_layer(i, module, prefix, result, offload.on_host(outputs), num_layers, layer.float_hidden)
     return outputs, layer.float_hidden
 
 
@@ -213,7 +222,11 @@ def _round_the_rest(model: nn.Module, plan: list[ModulePlan], result: Calibratio
 
 
 def _device_bytes(layer: nn.Module, inputs: list[tuple], device: torch.device) -> int:
-    """Bytes of tensors held on the compute device: the layer's parameters plus the calibration activations."""
+    """Bytes of tensors held on the compute device: on a GPU, the most torch's allocator has held since calibration
+    began (the temporaries of the layer's work included); elsewhere, the layer's parameters plus the calibration
+    activations on the device."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
     params = sum(p.numel() * p.element_size() for p in layer.parameters() if p.device == device)
     acts = sum(_tensor_bytes(item, device) for item in inputs)
     return params + acts

@@ -24,6 +24,7 @@ from typing import Callable, Iterable, Iterator
 import torch
 from torch import nn
 
+from quantkit.calibration import offload
 from quantkit.calibration.hooks import Stop
 from quantkit.models.architectures import LayerWiring
 
@@ -64,14 +65,42 @@ def run_stages(layer: nn.Module, wiring: LayerWiring, calls: list[tuple[torch.Te
         quantize(qkv, StageInputs(lambda call: input_norm(call[0]), calls))
         o_inputs = StageInputs(attended, calls, hold)
         quantize((wiring.o,), o_inputs)
-        residual = [h + o.forward(a) for (h, _), a in zip(calls, o_inputs)]  # `a` has been through o's pre-hooks
+        residual = offload.collector(calls)  # kept where the layer's inputs are (`calibration.offload`)
+        for (h, _), a in zip(calls, o_inputs):
+            residual.append(h + o.forward(a))  # `a` has been through o's pre-hooks
         del o_inputs
         quantize(gate_up, StageInputs(post_attention_norm, residual))
         down_inputs = StageInputs(activated, residual, hold)
         quantize((wiring.down,), down_inputs)
+        if offload.is_offloaded(residual):  # each batch read once: its down input is computed from it here
+            outputs = offload.collector(residual)
+            for h in residual:
+                outputs.append(h + down.forward(_input_of(down, lambda: mlp(post_attention_norm(h)))))
+            return outputs
         for h, a in zip(residual, down_inputs):  # in place: the residual stream is this function's own
             h += down.forward(a)  # not down(a): `a` is down's input after its pre-hooks (R4's online rotation)
         return residual
+
+
+class Calls:
+    """`split_call` of each of a layer's calls, made as each is read (offloaded calls are read from CPU memory)."""
+
+    def __init__(self, inputs):
+        self.inputs = inputs
+        self.offloaded = offload.is_offloaded(inputs)
+
+    @property
+    def device(self) -> torch.device:
+        return self.inputs.device
+
+    def __len__(self) -> int:
+        return len(self.inputs)
+
+    def __getitem__(self, i: int):
+        return split_call(*self.inputs[i])
+
+    def __iter__(self):
+        return (split_call(a, k) for a, k in self.inputs)
 
 
 class StageInputs:

@@ -24,6 +24,7 @@ from torch import nn
 from quantkit.algorithms import Algorithm
 from quantkit.algorithms.arguments import AWQArgs
 from quantkit.algorithms.awq import candidate_scales, fold_scales, hessian_error, least_error, scaled_candidate
+from quantkit.calibration import offload
 from quantkit.calibration.hooks import run_layer
 from quantkit.calibration.layer import Layer
 from quantkit.calibration.steps import register
@@ -100,10 +101,14 @@ def _errors(block, linears, specs, calls, hessian, ctx, candidates: list[torch.T
         weight = linears[0].weight.data
         return distributed.computed_once(
             len(candidates), lambda k: hessian_error(weight, scaled_candidate(weight, specs[0], candidates[k]), xtx), ctx)
+    mine = torch.zeros(len(candidates), len(calls), dtype=torch.float64)
     with real_routing(block):  # the block's output is all the scores need: MoE experts on their own tokens only
-        reference = run_layer(block, calls)
-        mine = torch.tensor([block_errors(block, calls, reference, linears, specs, s) for s in candidates], dtype=torch.float64)
-    return [sum(row) for row in distributed.gathered_in_order(mine.reshape(len(candidates), len(calls)), ctx).tolist()]
+        for group in offload.resident_groups(calls):  # offloaded calls: a group of batches at a time on the device
+            held = calls[group.start : group.stop] if offload.is_offloaded(calls) else calls  # a list, on the device
+            reference = run_layer(block, held)
+            for k, scales in enumerate(candidates):
+                mine[k, group.start : group.stop] = torch.tensor(block_errors(block, held, reference, linears, specs, scales))
+    return [sum(row) for row in distributed.gathered_in_order(mine, ctx).tolist()]
 
 
 def capture_blocks(layer: nn.Module, blocks: list[tuple[nn.Module, nn.Module]],
@@ -112,7 +117,8 @@ def capture_blocks(layer: nn.Module, blocks: list[tuple[nn.Module, nn.Module]],
     (none kept for a block that is that Linear: its input Hessian, accumulated instead, is all its scores need, and
     an MoE layer's every expert down projection would keep experts x tokens x intermediate values), mean |x| of
     the Linear's input, and that Hessian (None for other blocks)."""
-    captured = [([], ChannelAbsMean(), HessianObserver() if block is first else None) for block, first in blocks]
+    captured = [(offload.calls_collector(inputs), ChannelAbsMean(), HessianObserver() if block is first else None)
+                for block, first in blocks]
     handles = []
     for (block, first), (calls, act, hessian) in zip(blocks, captured):
         if hessian is None:
@@ -138,11 +144,16 @@ def block_errors(block: nn.Module, calls: list[tuple], reference: list[torch.Ten
                  specs: list[WeightSpec], scales: torch.Tensor) -> list[float]:
     """`block_error` of each call (batch) on its own."""
     originals = [m.weight.data for m in linears]
+    errors = []
     try:
         for module, weight, spec in zip(linears, originals, specs):
             module.weight.data = scaled_candidate(weight, spec, scales)
-        outputs = run_layer(block, calls)
+        with torch.no_grad():
+            for (args, kwargs), ref in zip(calls, reference):  # one batch's output at a time, never all of them
+                out = block(*args, **kwargs)
+                out = out[0] if isinstance(out, tuple) else out
+                errors.append((out.float() - ref.float()).pow(2).sum())
     finally:
         for module, weight in zip(linears, originals):
             module.weight.data = weight
-    return [float((o.float() - r.float()).pow(2).sum()) for o, r in zip(outputs, reference)]
+    return torch.stack(errors).tolist() if errors else []

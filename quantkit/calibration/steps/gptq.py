@@ -57,7 +57,7 @@ def can_stage(module: nn.Module, inputs: list[tuple]) -> bool:
     wiring = find_wiring(module)
     if wiring is None or not inputs:
         return False
-    calls = [true_sequential.split_call(a, k) for a, k in inputs]
+    calls = true_sequential.Calls(inputs)  # read one at a time: offloaded calls are not all brought back at once
     return all(c is not None for c in calls) and true_sequential.matches_layer(module, wiring, calls[0])
 
 
@@ -80,7 +80,7 @@ def _staged(layer: Layer, args: GPTQArgs) -> list[torch.Tensor]:
         spent["observe"] += mid - began
         spent["quantize"] += time.perf_counter() - mid
 
-    calls = [true_sequential.split_call(a, k) for a, k in layer.inputs]
+    calls = true_sequential.Calls(layer.inputs)
     hold = placement.holds_stage_inputs(calls[0][0].device)
     outputs = true_sequential.run_stages(layer.module, layer.wiring, calls, quantize, hold)
     seconds = layer.result.seconds
