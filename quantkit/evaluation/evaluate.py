@@ -11,10 +11,10 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from quantkit.data import eval_windows, load_texts, tokenize
 from quantkit.errors import UnsupportedModelError, UsageError
+from quantkit.evaluation.nll import IGNORE_INDEX, nll_function
 from quantkit.evaluation.tasks import TaskOptions, TaskResult, TaskSuite, load_tasks
 from quantkit.evaluation.tensor_parallel import check_options as check_tensor_parallel_options
 from quantkit.evaluation.tensor_parallel import gather_ints
@@ -25,8 +25,6 @@ from quantkit.models.loading import load_model, load_tokenizer, quantization_met
 from quantkit.models.sources import resolve_source
 from quantkit.runtime.precision import float32_products, model_dtype
 from quantkit.runtime.progress import QUIET, Progress
-
-IGNORE_INDEX = -100
 
 Window = tuple[int, int, int]
 
@@ -74,7 +72,8 @@ def perplexity(
     progress: Progress = QUIET,
 ) -> PerplexityResult:
     """exp(mean NLL) over `ids` (1-D), scored in the windows of `quantkit.data.eval_windows` (a bf16 / fp16 model's
-    Linear products in float32 on a CPU without native ones, `precision.float32_products`)."""
+    Linear products in float32 on a CPU without native ones, `precision.float32_products`), from lm_head's logits a
+    chunk of tokens at a time (`nll.nll_function`)."""
     if batch_size < 1:
         raise UsageError(f"batch_size must be at least 1 (got {batch_size})")
     if ids.dim() != 1:
@@ -84,9 +83,10 @@ def perplexity(
     total_nll, scored, fed = 0.0, 0, 0
     start = time.perf_counter()
     with torch.inference_mode(), float32_products(model_dtype(model), device), progress.task("Perplexity", total=len(windows)) as advance:
+        sum_nll = nll_function(model, ids[: windows[0][1]].to(device))  # lm_head by chunks of tokens where it can
         for batch in _batches(windows, batch_size):
             inputs, labels = _window_tensors(ids, batch)
-            nll, count = _sum_nll(model, inputs.to(device), labels.to(device))
+            nll, count = sum_nll(inputs.to(device), labels.to(device))
             total_nll, scored, fed = total_nll + nll, scored + count, fed + inputs.numel()
             advance(len(batch))
     seconds = time.perf_counter() - start
@@ -127,14 +127,6 @@ def _window_tensors(ids: torch.Tensor, batch: list[Window]) -> tuple[torch.Tenso
     for row, (begin, _, target_begin) in enumerate(batch):
         labels[row, : target_begin - begin] = IGNORE_INDEX
     return inputs, labels
-
-
-def _sum_nll(model, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[float, int]:
-    """Summed NLL of the labelled tokens (position t predicts token t + 1) and how many there are."""
-    logits = model(input_ids=inputs, use_cache=False).logits[:, :-1].float()
-    targets = labels[:, 1:]
-    nll = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum")
-    return nll.item(), int((targets != IGNORE_INDEX).sum())
 
 
 def load_eval_model(
@@ -281,6 +273,7 @@ def compare(
     runtime.set_threads(threads)
     suite = load_tasks(tasks) if tasks else None  # a wrong task name or missing task data: before any model loads
     texts = load_texts(data, text_field)
+    previews = _prepare_previews(models, recipes, trust_remote_code, calibration)  # every check before any model loads
     settings = dict(seq_len=seq_len, stride=stride, max_samples=max_samples, batch_size=batch_size, progress=progress)
     reports = []
     for label in models:
@@ -292,9 +285,28 @@ def compare(
         peaks = gather_ints(peak_resident_bytes())
         reports.append(make_report(path, label, result, tasks=scores, peak_rss_per_rank=peaks,
                                    weight_bytes_per_rank=gather_ints(held), tensor_parallel=tensor_parallel))
-        if quantization_method(path) is None:  # recipes preview full-precision models only
-            reports += [_preview(path, label, name, measure, trust_remote_code, progress, calibration) for name in recipes]
+        reports += [_preview(path, label, recipe, prepared, measure, trust_remote_code, progress, calibration)
+                    for recipe, prepared in previews.get(label, [])]
     return reports
+
+
+def _prepare_previews(models: list[str], recipe_names: Sequence[str], trust_remote_code: bool,
+                      calibration=None) -> dict[str, list]:
+    """Each full-precision model's recipes checked as `finalize` checks them (`checks.prepare`: the model, the
+    calibration data), before any model loads: (recipe, Prepared) pairs by model label."""
+    if not recipe_names:
+        return {}
+    from quantkit.finalization.checks import CalibrationOptions, prepare
+    from quantkit.quant.registry import resolve
+
+    recipes = [resolve(name) for name in recipe_names]
+    previews = {}
+    for label in models:
+        path = resolve_source(label)
+        if quantization_method(path) is None:  # recipes preview full-precision models only
+            previews[label] = [(recipe, prepare(path, recipe, trust_remote_code=trust_remote_code,
+                                                calibration=calibration or CalibrationOptions())) for recipe in recipes]
+    return previews
 
 
 def _measure(
@@ -322,20 +334,17 @@ def held_bytes(model) -> int:
 def _preview(
     path: Path,
     label: str,
-    recipe_name: str,
+    recipe,
+    prepared,
     measure: Callable[..., tuple[PerplexityResult, dict[str, TaskResult], int]],
     trust_remote_code: bool,
     progress: Progress,
     calibration=None,
 ) -> ModelReport:
-    """The model quantized in memory exactly as `finalize` would, measured without writing anything.
-    Its size on disk is unknown (None) until it is written."""
-    from quantkit.finalization.checks import CalibrationOptions, prepare
+    """The model quantized in memory exactly as `finalize` would (`prepared` by `_prepare_previews`), measured
+    without writing anything. Its size on disk is unknown (None) until it is written."""
     from quantkit.finalization.finalize import quantize_model
-    from quantkit.quant.registry import resolve
 
-    recipe = resolve(recipe_name)
-    prepared = prepare(path, recipe, trust_remote_code=trust_remote_code, calibration=calibration or CalibrationOptions())
     model = quantize_model(prepared, recipe, trust_remote_code=trust_remote_code, progress=progress, calibration=calibration)
     result, scores, held = measure(path, model=model)
     return ModelReport(
