@@ -47,7 +47,7 @@ def evaluate(
     ] = None,
     tasks: Annotated[
         Optional[str], typer.Option("--tasks", help="lm-evaluation-harness tasks, groups or tags, comma-separated (e.g. arc_easy,hellaswag); "
-                                                     "needs `pip install 'quantkit\\[tasks]'`.", show_default=False)
+                                                     "needs `pip install 'quantkit-llm\\[tasks]'`.", show_default=False)
     ] = None,
     tasks_dir: Annotated[
         Optional[list[Path]], typer.Option("--tasks-dir", help="A folder of lm-eval task YAML files whose tasks --tasks may name "

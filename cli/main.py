@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import functools
 import sys
-from typing import Callable
+from typing import Annotated, Callable
 
 import typer
 
@@ -41,7 +41,7 @@ def handle_errors(fn: Callable) -> Callable:
         except QuantkitError as exc:
             if debug_enabled():
                 raise
-            # escaped: a message's own brackets ("quantkit[tasks]", a path) are text, not rich markup
+            # escaped: a message's own brackets ("quantkit-llm[tasks]", a path) are text, not rich markup
             err.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False, markup=True, soft_wrap=True)
             raise typer.Exit(exc.exit_code) from None
         except KeyboardInterrupt:
@@ -57,6 +57,23 @@ def handle_errors(fn: Callable) -> Callable:
             raise typer.Exit(1) from None
 
     return wrapper
+
+
+def show_version(value: bool) -> None:
+    if value:
+        from quantkit.export.metadata import version_line  # no torch: versions come from package metadata
+
+        typer.echo(version_line())
+        raise typer.Exit()
+
+
+@app.callback()
+def root(
+    version: Annotated[bool, typer.Option("--version", is_eager=True, callback=show_version,
+                                          help="Print quantkit's version and the versions of the libraries it writes with "
+                                               "(as quantkit.json records them), then exit.")] = False,
+) -> None:
+    """The options of `quantkit` itself, before any command."""
 
 
 # Each command's examples end its --help (epilog) and docs/commands.md (scripts/gen_commands_doc.py)

@@ -136,6 +136,9 @@ def render() -> str:
         "(`--check` says whether the file is current; `tests/cli/test_commands_doc.py` fails while it is not). "
         "Each command's `--help` says the same.", "",
         plain(root.help or ""), "",
+        "| option of `quantkit` itself | description |", "|---|---|",
+        *(f"| {cell(names_text(param))} | {cell(plain(param.help or ''))} |" for param in root.params),
+        "",
         "| command | what it does |", "|---|---|",
     ]
     for path, command in commands:

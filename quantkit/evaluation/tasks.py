@@ -18,7 +18,7 @@ from typing import Any, Sequence
 from quantkit.errors import DataError, HardwareError, UsageError
 from quantkit.runtime.progress import QUIET, Progress
 
-INSTALL_HINT = "pip install 'quantkit[tasks]'"
+INSTALL_HINT = "pip install 'quantkit-llm[tasks]'"
 FEWSHOT_SEED = 1234  # lm-eval's default, so scores match `lm-eval run` on the same model
 _LOCAL_BUILDERS = ("json", "csv", "parquet", "text", "arrow")  # `datasets` builders that read data_files
 

@@ -6,17 +6,21 @@ import json
 import time
 from importlib import metadata as importlib_metadata
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from quantkit.quant.plan import ModulePlan
 from quantkit.quant.registry import Format, Recipe
 import quantkit
 
+if TYPE_CHECKING:  # no torch at import: `quantkit --version` and eval's reads of quantkit.json
+    from quantkit.quant.plan import ModulePlan
+
 FILENAME = "quantkit.json"
-_PACKAGES = ("torch", "torchao", "transformers", "compressed-tensors", "safetensors")
+_PACKAGES = ("torch", "transformers", "compressed-tensors", "torchao", "safetensors")
 
 
 def versions() -> dict[str, str]:
+    """quantkit's version and those of the libraries an artifact depends on, from the installed packages' metadata
+    (nothing is imported): quantkit.json's `versions`, and `quantkit --version`."""
     found = {"quantkit": quantkit.__version__}
     for name in _PACKAGES:
         try:
@@ -24,6 +28,12 @@ def versions() -> dict[str, str]:
         except importlib_metadata.PackageNotFoundError:
             found[name] = "not installed"
     return found
+
+
+def version_line() -> str:
+    """`quantkit 0.2.0 (torch 2.13.0, transformers 5.24.0, ...)`: what `quantkit --version` prints."""
+    found = versions()
+    return f"quantkit {found['quantkit']} ({', '.join(f'{name} {found[name]}' for name in _PACKAGES)})"
 
 
 def modules_summary(plan: list[ModulePlan]) -> dict[str, Any]:

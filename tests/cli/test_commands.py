@@ -266,7 +266,7 @@ def test_without_lm_eval_tasks_are_one_line_naming_the_extra(monkeypatch):
     result = invoke("eval", "a", "--data", "t.txt", "--tasks", "arc_easy")
     assert result.exit_code == 2
     (line,) = result.output.strip().splitlines()
-    assert line.startswith("error: --tasks needs lm-evaluation-harness") and "pip install 'quantkit[tasks]'" in line
+    assert line.startswith("error: --tasks needs lm-evaluation-harness") and "pip install 'quantkit-llm[tasks]'" in line
     import subprocess
 
     without = "import sys; sys.modules['lm_eval'] = None; import quantkit.evaluation.evaluate, quantkit.cli.eval"

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 pytestmark = pytest.mark.integration
-pytest.importorskip("lm_eval", reason="the `tasks` extra: pip install 'quantkit[tasks]'")
+pytest.importorskip("lm_eval", reason="the `tasks` extra: pip install 'quantkit-llm[tasks]'")
 
 QUANTKIT = [sys.executable, "-m", "quantkit.cli.main"]
 

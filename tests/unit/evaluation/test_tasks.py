@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("lm_eval", reason="the `tasks` extra: pip install 'quantkit[tasks]'")
+pytest.importorskip("lm_eval", reason="the `tasks` extra: pip install 'quantkit-llm[tasks]'")
 
 from quantkit.errors import DataError, UsageError  # noqa: E402
 from quantkit.evaluation.evaluate import ModelReport, PerplexityResult, gate, load_eval_model  # noqa: E402
