@@ -11,14 +11,19 @@ VENV := .venv
 BIN := $(VENV)/bin
 LOWEST := .venv-lowest
 
-.PHONY: install test test-lowest test-unit test-gpu demo docs bench clean
+.PHONY: install test test-lowest test-unit test-gpu demo docs bench dist wheel-smoke clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
+# The distribution was named `quantkit` before 0.2.0 (now `quantkit-llm`): a .venv made before then loses that copy
+# first, so that two distributions do not claim the same console script and package.
+FORGET_OLD_NAME := $(BIN)/python -m pip uninstall -q -y quantkit 2>/dev/null
+
 # The full install (tests, lm-eval tasks) also satisfies the demo's; the demo alone installs only the package,
 # without the test and lm-eval extras, so that a fresh clone's `make demo` stays within its three minutes.
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(FORGET_OLD_NAME)
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
 	$(BIN)/python -m pip install -q -e ".[test,tasks]"
 	touch $(VENV)/.installed-base $@
@@ -28,6 +33,7 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 # cleared for it). Measured from a fresh clone on 2 cores: 126 s to install with compilation, 47 s without. torch is
 # pinned in the same pip call as the package, so no other torch is resolved.
 $(VENV)/.installed-base: pyproject.toml | $(BIN)/python
+	$(FORGET_OLD_NAME)
 	$(BIN)/python -m pip install -q --no-compile --disable-pip-version-check "$(TORCH_SPEC)" -e .
 	touch $@
 
@@ -65,6 +71,18 @@ demo: $(VENV)/.installed-base
 
 bench: install
 	$(BIN)/python scripts/bench_finalize.py
+
+# What a user installs: the sdist and the wheel in dist/ (built from the sdist, in an isolated environment), and
+# their metadata as the package index will show it (twine check).
+dist: install
+	rm -rf dist
+	$(BIN)/python -m build --outdir dist .
+	$(BIN)/python -m twine check --strict dist/*
+
+# The wheel installed into a fresh virtual environment outside the source tree (torch first), then run there:
+# --version, recipes, a calibrated finalize of a tiny model, eval (scripts/wheel_smoke.sh; CI runs it).
+wheel-smoke: dist
+	PYTHON=$(PYTHON) TORCH_SPEC="$(TORCH_SPEC)" bash scripts/wheel_smoke.sh dist/*.whl
 
 clean:
 	rm -rf $(VENV) $(LOWEST) demo build dist *.egg-info
