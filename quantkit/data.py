@@ -7,6 +7,7 @@ User content is only ever parsed as text, JSON or parquet: no pickle, no remote 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -16,6 +17,10 @@ from quantkit.errors import DataError, UsageError
 LOCAL_SUFFIXES = (".txt", ".jsonl", ".json", ".parquet")
 DEFAULT_SPLIT = "test"
 _SPEC_HINT = "pass a .txt/.jsonl/.parquet file or a datasets spec like wikitext:wikitext-2-raw-v1:test"
+SNIFFED_CHARS = 65536  # the text check reads this many characters from the start of the data, whatever its size
+NOT_TEXT_SHARE = 0.1  # more characters than this that are not printable text: the data is not text
+# Control characters other than whitespace (Unicode's Cc) and U+FFFD, what a byte that is not UTF-8 decodes to
+_NOT_PRINTABLE = re.compile(r"[\x00-\x08\x0e-\x1f\x7f-\x9f\ufffd]")
 
 
 def load_texts(spec: str, text_field: str = "text", default_split: str = DEFAULT_SPLIT) -> list[str]:
@@ -30,7 +35,29 @@ def load_texts(spec: str, text_field: str = "text", default_split: str = DEFAULT
         texts = _load_datasets(spec, text_field, default_split)
     if not any(texts):
         raise DataError(f"{spec} has no text (every '{text_field}' value is empty)")
+    check_text(texts, spec)
     return texts
+
+
+def check_text(texts: list[str], where: str) -> None:
+    """Refuse data that is not text (random bytes, a binary file named .txt, another encoding than UTF-8): more than
+    NOT_TEXT_SHARE of its first SNIFFED_CHARS characters are control characters or bytes UTF-8 cannot decode.
+    Text in any script passes; a few stray bytes (a Latin-1 accent) do too."""
+    sample = _first_chars(texts, SNIFFED_CHARS)
+    share = len(_NOT_PRINTABLE.findall(sample)) / max(1, len(sample))
+    if share > NOT_TEXT_SHARE:
+        raise DataError(f"{where} is not text: {share:.0%} of its first {len(sample):,} characters are control characters "
+                        "or bytes that are not UTF-8; pass UTF-8 text (a .txt file, or a .jsonl/.parquet text field)")
+
+
+def _first_chars(texts: list[str], count: int) -> str:
+    sample, size = [], 0
+    for text in texts:
+        if size >= count:
+            break
+        sample.append(text[: count - size])
+        size += len(sample[-1])
+    return "".join(sample)
 
 
 def _load_local(path: Path, text_field: str) -> list[str]:
@@ -49,7 +76,7 @@ def _load_local(path: Path, text_field: str) -> list[str]:
 def _read_json_lines(path: Path, text_field: str) -> list[str]:
     """One JSON object per line; blank lines are skipped. Errors name the line number."""
     texts = []
-    with open(path, encoding="utf-8") as fh:
+    with open(path, encoding="utf-8", errors="replace") as fh:  # bytes that are not UTF-8: the text check judges them
         for number, line in enumerate(fh, start=1):
             if line.strip():
                 texts.append(_field_of(_parse_json_line(line, path, number), text_field, f"{path}:{number}"))
@@ -160,15 +187,17 @@ def _check_window_args(num_tokens: int, seq_len: int, stride: int | None, max_sa
         raise DataError(f"the dataset gives {num_tokens} token(s); perplexity needs at least 2")
 
 
-def sample_blocks(ids: torch.Tensor, num_samples: int, seq_len: int, seed: int = 0) -> torch.Tensor:
+def sample_blocks(ids: torch.Tensor, num_samples: int, seq_len: int, seed: int = 0,
+                  source: str = "the calibration data") -> torch.Tensor:
     """`num_samples` blocks of `seq_len` tokens at random offsets, [num_samples, seq_len]; the same seed
-    gives the same blocks."""
+    gives the same blocks. Refused where `ids` (from `source`, as the message names it) hold fewer than
+    num_samples x seq_len + 1 tokens."""
     if num_samples < 1 or seq_len < 1:
         raise DataError(f"num_samples and seq_len must be positive (got {num_samples}, {seq_len})")
     if ids.numel() < num_samples * seq_len + 1:  # fewer would repeat the same tokens many times over
         most = max(0, (ids.numel() - 1) // seq_len)
         raise DataError(
-            f"the calibration data gives {ids.numel()} tokens, fewer than --num-samples {num_samples} x --seq-len "
+            f"{source} gives {ids.numel()} tokens, fewer than --num-samples {num_samples} x --seq-len "
             f"{seq_len} = {num_samples * seq_len}; pass more text, or at most --num-samples {most} at this --seq-len"
         )
     generator = torch.Generator().manual_seed(seed)

@@ -38,6 +38,7 @@ class CalibrationOptions:
     batch_size: int = 8
     device: str = "cpu"
     checkpoint_every: float = CHECKPOINT_EVERY  # seconds between the resume state's checkpoints (0: every layer)
+    max_device_bytes: int | None = None  # --max-gpu-memory: the GPU memory calibration keeps within (None: what is free)
 
 
 @dataclass
@@ -55,6 +56,13 @@ class Prepared:
     shard_bytes: int | None = None  # --max-shard-size, parsed
     rotator: object | None = None  # the recipe's rotations for this model (`quant.rotations.Rotator`)
     source_fingerprint: object | None = None  # SRC's sha256 (`models.fingerprint`), computing meanwhile: a Future
+    offloaded: bool = False  # the calibration hidden states wait in CPU memory (`preflight.device_plan`)
+    samples: torch.Tensor | None = None  # the calibration blocks [num_samples, seq_len] the checks cut from the data
+    samples_options: CalibrationOptions | None = None  # ... under these options (`samples_for` reuses them for these)
+
+    def samples_for(self, options: CalibrationOptions) -> torch.Tensor | None:
+        """The calibration blocks `prepare` cut, if it cut them under `options`."""
+        return self.samples if self.samples_options == options else None
 
 
 def prepare(
@@ -94,7 +102,8 @@ def prepare(
                                            rotator is not None and rotator.learning is not None)
     prepared.dtype = artifact_dtype(prepared, recipe, dtype, trust_remote_code)
     if recipe.needs_samples and (dst is not None or calibration is not None):
-        check_calibration_data(recipe, calibration)
+        prepared.samples = calibration_samples(src, recipe, options, trust_remote_code, config)
+        prepared.samples_options = options
     if dst is not None:
         if recipe.needs_calibration and fmt is not Format.TORCHAO:
             prepared.work_dir, prepared.resume = atomic.work_dir(Path(dst)), resume
@@ -185,6 +194,34 @@ def check_calibration_data(recipe: Recipe, options: CalibrationOptions | None) -
         if recipe.kv_cache is not None and not recipe.needs_calibration_without_kv:
             raise UsageError("the KV cache's scales are measured on data: pass --calib-data FILE (a .txt/.jsonl/.parquet file or a datasets spec)")
         raise UsageError(f"recipe '{recipe.name}' calibrates on data: pass --calib-data FILE (a .txt/.jsonl/.parquet file or a datasets spec)")
+
+
+def calibration_samples(src: Path, recipe: Recipe, options: CalibrationOptions, trust_remote_code: bool = False,
+                        config=None) -> torch.Tensor:
+    """Token blocks [num_samples, seq_len], taken deterministically from the calibration data with the tokenizer
+    alone; refused in one line where there is no data, the blocks are longer than the model's positions, the data
+    is not text, or it holds fewer tokens than the blocks need (`data.sample_blocks`)."""
+    from quantkit import data
+
+    check_calibration_data(recipe, options)
+    seq_len = options.seq_len or recipe.calibration.seq_len
+    check_seq_len(src, config or models.load_config(src, trust_remote_code), seq_len,
+                  None if options.seq_len else recipe.name)
+    spec = options.data or recipe.calibration.dataset
+    ids = data.tokenize(models.load_tokenizer(src, trust_remote_code), data.load_texts(spec))
+    num_samples = options.num_samples or recipe.calibration.num_samples
+    return data.sample_blocks(ids, num_samples, seq_len, seed=options.seed, source=f"the calibration data {spec}")
+
+
+def check_seq_len(src: Path, config, seq_len: int, recipe_name: str | None = None) -> None:
+    """Calibration blocks no longer than the model's positions (config.json's max_position_embeddings): a longer
+    one computes for minutes on positions the model never learned. `recipe_name`: the length is the recipe's."""
+    limit = models.max_positions(config)
+    if limit is None or seq_len <= limit:
+        return
+    asked = f"recipe '{recipe_name}' calibrates on {seq_len}-token samples," if recipe_name else f"--seq-len {seq_len} is"
+    raise UsageError(f"{asked} longer than the {limit} positions of {src} (max_position_embeddings in config.json); "
+                     f"pass --seq-len {limit} or less")
 
 
 def artifact_dtype(prepared: Prepared, recipe: Recipe, dtype: str, trust_remote_code: bool = False) -> str:

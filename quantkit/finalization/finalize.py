@@ -20,7 +20,7 @@ from torch import nn
 from quantkit.algorithms import Algorithm, get_algorithm
 from quantkit.errors import ExportError, InterruptedRunError, QuantkitError
 from quantkit.export import atomic, exporter, metadata
-from quantkit.finalization.checks import CalibrationOptions, Prepared, check_calibration_data, prepare
+from quantkit.finalization.checks import CalibrationOptions, Prepared, calibration_samples, prepare
 from quantkit.models import loading as models
 from quantkit.models import moe
 from quantkit.models.architectures import kernel_fused_groups
@@ -51,19 +51,17 @@ class FinalizeResult:
     transforms: dict | None = None  # the rotations applied (`Rotator.describe`), as quantkit.json records them
 
 
-def calibration_samples(src: Path, recipe: Recipe, options: CalibrationOptions, trust_remote_code: bool = False):
-    """Token blocks [num_samples, seq_len], taken deterministically from the calibration data."""
-    from quantkit import data
-
-    check_calibration_data(recipe, options)
-    spec = options.data or recipe.calibration.dataset
-    num_samples = options.num_samples or recipe.calibration.num_samples
-    seq_len = options.seq_len or recipe.calibration.seq_len
-    ids = data.tokenize(models.load_tokenizer(src, trust_remote_code), data.load_texts(spec))
-    return data.sample_blocks(ids, num_samples, seq_len, seed=options.seed)
+def prepared_samples(prepared: Prepared, recipe: Recipe, options: CalibrationOptions, trust_remote_code: bool = False):
+    """The calibration blocks `prepare` cut and checked, or, where it cut none for these options (a caller of
+    `prepare` without them), the same blocks cut now; None for a recipe that reads no data."""
+    if not recipe.needs_samples:
+        return None
+    found = prepared.samples_for(options)
+    return found if found is not None else calibration_samples(prepared.src, recipe, options, trust_remote_code)
 
 
-def calibration_summary(result, samples, options: CalibrationOptions, recipe: Recipe, ctx=None) -> dict:
+def calibration_summary(result, samples, options: CalibrationOptions, recipe: Recipe, ctx=None,
+                        offloaded: bool = False) -> dict:
     """What calibration did, the same on every rank (a collective: every rank calls it)."""
     from quantkit.finalization.preflight import peak_resident_bytes
     from quantkit.runtime import distributed
@@ -82,6 +80,7 @@ def calibration_summary(result, samples, options: CalibrationOptions, recipe: Re
         "seconds": {phase: round(value, 3) for phase, value in result.seconds.items()},
         "gptq_order": _gptq_order(result, options) if recipe.quantizer.name is Algorithm.GPTQ else None,
         "peak_device_bytes": result.peak_device_bytes,
+        "hidden_states": "offloaded to CPU memory" if offloaded else "on the device",  # `preflight.device_plan`
         "skipped": result.skipped,
         "routed_tokens": result.routed_tokens or None,  # MoE: tokens the router sent to each expert, all ranks
         "autoround": result.tuning or None,  # per decoder layer: output loss with round-to-nearest and after tuning
@@ -108,7 +107,7 @@ def quantize(
     """Load SRC and quantize it: calibrated layer by layer, or rounded to nearest module by module. With a
     distributed `ctx` (`distributed.Context`), calibration is data-parallel and every rank ends with the same model."""
     options = calibration or CalibrationOptions()
-    samples = calibration_samples(prepared.src, recipe, options, trust_remote_code) if recipe.needs_samples else None
+    samples = prepared_samples(prepared, recipe, options, trust_remote_code)
     plan, dtype = prepared.plan, prepared.dtype
     with progress.task(f"Quantizing ({recipe.name}, {prepared.format.value})", total=sum(e.quantized for e in plan)) as advance:
         if prepared.format is Format.TORCHAO:  # torchao converts while transformers loads: its load is the quantization
@@ -173,11 +172,13 @@ def _calibrate(model: nn.Module, prepared: Prepared, recipe: Recipe, samples, op
     from quantkit.calibration import calibrate
 
     device = placement.compute_device(options.device, ctx)
+    if options.max_device_bytes and device.type == "cuda":
+        placement.cap_device_memory(device, options.max_device_bytes)
     if prepared.work_dir is not None:
         prepared.resumable = _resumable(prepared, recipe, samples, options, ctx)
     result = calibrate(model, prepared.plan, recipe, samples, device, options.batch_size, progress, ctx, prepared.resumable,
-                       stream)
-    prepared.calibration = calibration_summary(result, samples, options, recipe, ctx)
+                       stream, prepared.offloaded)
+    prepared.calibration = calibration_summary(result, samples, options, recipe, ctx, prepared.offloaded)
     return result
 
 
@@ -258,6 +259,8 @@ def finalize(
     world = distributed.world_from_env()[1]
     estimate = preflight.estimate(prepared, recipe, calibration or CalibrationOptions(), world, dst, prepared.dtype)
     preflight.check_disk(estimate, dst)
+    preflight.check_device_budget(estimate)
+    prepared.offloaded = (estimate.get("device_plan") or {}).get("mode") == "offloaded"
     if announce is not None:
         announce(estimate)
     used_threads = runtime.set_threads(threads)
@@ -426,7 +429,7 @@ def _stream(streamed, prepared: Prepared, recipe: Recipe, dst: Path, overwrite: 
     from quantkit.runtime.memory import map_large_allocations
 
     options = calibration or CalibrationOptions()
-    samples = calibration_samples(prepared.src, recipe, options, trust_remote_code) if recipe.needs_samples else None
+    samples = prepared_samples(prepared, recipe, options, trust_remote_code)
     if samples is not None:
         map_large_allocations()
     plan = prepared.plan
@@ -472,8 +475,9 @@ def dry_run(src: str | Path, recipe: Recipe, fmt: Format | None, calibration: Ca
     of each stacked weight sharing a Hessian), and the preflight: peak RAM and
     device memory, output and work directory size, free disk at DST, and the time one layer takes here."""
     from quantkit.finalization import preflight
-    prepared = prepare(src, recipe, fmt, trust_remote_code, revision=revision, in_memory=in_memory, dtype=dtype)
     options = calibration or CalibrationOptions()
+    prepared = prepare(src, recipe, fmt, trust_remote_code, revision=revision, in_memory=in_memory, dtype=dtype,
+                       calibration=options)  # the calibration data checked as a run checks it
     quantized = [e for e in prepared.plan if e.quantized]
     rows = None
     if recipe.quantizer.name is Algorithm.GPTQ:
@@ -490,6 +494,7 @@ def dry_run(src: str | Path, recipe: Recipe, fmt: Format | None, calibration: Ca
         rows = [sum(share.stop - share.start for share in mine) for mine in shares]
     report = preflight.estimate(prepared, recipe, options, world_size, dst, prepared.dtype, measure_time=True,
                                 trust_remote_code=trust_remote_code)
+    preflight.check_device_budget(report)
     return {
         "ranks": world_size,
         "samples_per_rank": report["samples_per_rank"],

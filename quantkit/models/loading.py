@@ -53,6 +53,17 @@ def load_config(path: Path, trust_remote_code: bool = False):
         raise SourceModelError(f"{path}: cannot read the model config ({str(exc).splitlines()[0]}){hint}") from exc
 
 
+def max_positions(config) -> int | None:
+    """The longest sequence the model's positions cover (its text config's max_position_embeddings, or GPT-2's
+    n_positions), or None where the config names no limit."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for name in ("max_position_embeddings", "n_positions"):
+        limit = getattr(text, name, None)
+        if isinstance(limit, int) and limit > 0:
+            return limit
+    return None
+
+
 def meta_model(config, trust_remote_code: bool = False) -> nn.Module:
     """The model's module tree without weights (for planning before anything is loaded)."""
     from transformers import AutoModelForCausalLM

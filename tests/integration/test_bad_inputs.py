@@ -56,6 +56,8 @@ def sources(tiny_model_dir, tmp_path_factory) -> dict[str, Path]:
     found["nan"] = nan
     found["short"] = root / "short.txt"
     found["short"].write_text("a few words only\n")
+    found["binary"] = root / "binary.txt"
+    found["binary"].write_bytes(os.urandom(20_000))  # random bytes named .txt
     found["empty"] = root / "empty.txt"
     found["empty"].write_text("")
     found["evil-recipe"] = root / "evil.yaml"
@@ -85,6 +87,22 @@ CASES = {
     "empty calibration file": (["finalize", "{model}", "{dst}", "-q", "gptq-w4a16", "--calib-data", "{empty}"], 2, "has no text"),
     "calibration file too short": (["finalize", "{model}", "{dst}", "-q", "gptq-w4a16", "--calib-data", "{short}",
                                     "--num-samples", "4", "--seq-len", "32"], 2, "tokens, fewer than --num-samples 4"),
+    "calibration file too short, dry run": (["finalize", "{model}", "{dst}", "-q", "gptq-w4a16", "--calib-data", "{short}",
+                                            "--num-samples", "4", "--seq-len", "32", "--dry-run"], 2,
+                                           "tokens, fewer than --num-samples 4"),
+    "calibration data that is not text": (["finalize", "{model}", "{dst}", "-q", "gptq-w4a16", "--calib-data", "{binary}"], 2,
+                                          "binary.txt is not text"),
+    "calibration data that is not text, dry run": (["finalize", "{model}", "{dst}", "-q", "gptq-w4a16", "--calib-data",
+                                                    "{binary}", "--dry-run"], 2, "binary.txt is not text"),
+    "--seq-len beyond the model's positions": (["finalize", "{model}", "{dst}", "-q", "gptq-w4a16", "--calib-data", "{short}",
+                                                "--seq-len", "100000"], 2,
+                                               "--seq-len 100000 is longer than the 512 positions of"),
+    "--seq-len beyond the model's positions, dry run": (["finalize", "{model}", "{dst}", "-q", "gptq-w4a16", "--calib-data",
+                                                         "{short}", "--seq-len", "100000", "--dry-run"], 2,
+                                                        "pass --seq-len 512 or less"),
+    "eval data that is not text": (["eval", "{model}", "--data", "{binary}"], 2, "binary.txt is not text"),
+    "eval -q calibration data that is not text": (["eval", "{model}", "--data", "{short}", "-q", "gptq-w4a16", "--calib-data",
+                                                   "{binary}"], 2, "binary.txt is not text"),
     "--num-samples 0": (["finalize", "{model}", "{dst}", "-q", "gptq-w4a16", "--num-samples", "0"], 2, "--num-samples"),
     "--num-samples -1": (["finalize", "{model}", "{dst}", "-q", "gptq-w4a16", "--num-samples", "-1"], 2, "--num-samples"),
     "--seq-len 0": (["finalize", "{model}", "{dst}", "-q", "gptq-w4a16", "--seq-len", "0"], 2, "--seq-len"),

@@ -105,6 +105,55 @@ def test_empty_text_is_an_error(tmp_path, name, content):
         load_texts(str(path))
 
 
+# ---------------------------------------------------------------- text, or not
+
+
+WORLD_TEXT = ("Zürich, São Paulo, Kraków: crème brûlée, naïve façade. 東京は日本の首都です。北京是中国的首都。"
+              "서울은 한국의 수도입니다. Привет, мир! Γειά σου κόσμε. مرحبا بالعالم. नमस्ते दुनिया. 🎉🚀👩‍💻 ✓ — «quotes»\n")
+
+
+@pytest.mark.parametrize("name", ["world.txt", "world.jsonl", "world.parquet"])
+def test_utf8_text_in_any_script_is_text(tmp_path, name):
+    path = tmp_path / name
+    if name.endswith(".txt"):
+        path.write_text(WORLD_TEXT * 50, encoding="utf-8")
+    elif name.endswith(".jsonl"):
+        path.write_text("\n".join(json.dumps({"text": WORLD_TEXT}) for _ in range(50)), encoding="utf-8")
+    else:
+        datasets.Dataset.from_dict({"text": [WORLD_TEXT] * 50}).to_parquet(str(path))
+    assert "".join(load_texts(str(path))).count("東京") == 50
+
+
+def test_a_few_bytes_that_are_not_utf8_still_pass(tmp_path):
+    """A Latin-1 file with an accent here and there (about 1 character in 100): decoded with replacements, as before."""
+    path = tmp_path / "latin1.txt"
+    path.write_bytes(("The café was open late that night, and the river ran high. " * 40).encode("latin-1"))
+    (text,) = load_texts(str(path))
+    assert text.count("\ufffd") == 40
+
+
+def test_random_bytes_named_txt_are_refused_naming_the_file(tmp_path):
+    path = tmp_path / "calib.txt"
+    path.write_bytes(torch.randint(0, 256, (50_000,), generator=torch.Generator().manual_seed(0), dtype=torch.uint8).numpy().tobytes())
+    with pytest.raises(DataError, match=rf"^{path} is not text: \d+% of its first [\d,]+ characters are control characters "
+                                        r"or bytes that are not UTF-8; pass UTF-8 text"):
+        load_texts(str(path))
+
+
+def test_a_text_field_of_control_characters_is_refused(tmp_path):
+    path = tmp_path / "calib.jsonl"
+    path.write_text("\n".join(json.dumps({"text": "\x00\x01\x02\x1b" * 20 + "ab"}) for _ in range(10)))
+    with pytest.raises(DataError, match=r"calib\.jsonl is not text: 98% of its first 820 characters"):
+        load_texts(str(path))
+
+
+def test_only_the_first_characters_are_judged(tmp_path):
+    """The check stays cheap on a large file: text at the start passes whatever follows it."""
+    path = tmp_path / "big.txt"
+    path.write_bytes(b"plain words " * 6000 + bytes(range(256)) * 400)
+    assert load_texts(str(path))
+
+
 # ---------------------------------------------------------------- hub specs
 
 
@@ -276,6 +325,11 @@ def test_too_little_calibration_text_is_refused_saying_how_much_there_is(tokens,
     with pytest.raises(DataError, match=f"gives {tokens} tokens, fewer than --num-samples {num_samples} x --seq-len 10 "
                                         f"= {num_samples * 10}; pass more text, or at most --num-samples {most}"):
         sample_blocks(torch.arange(tokens), num_samples=num_samples, seq_len=10)
+
+
+def test_too_little_calibration_text_names_the_data():
+    with pytest.raises(DataError, match=r"^the calibration data calib\.txt gives 40 tokens, fewer than --num-samples 4"):
+        sample_blocks(torch.arange(40), num_samples=4, seq_len=10, source="the calibration data calib.txt")
 
 
 # ---------------------------------------------------------------- rank slices

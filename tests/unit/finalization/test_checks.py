@@ -181,3 +181,71 @@ def test_a_user_recipe_without_requires_is_gated_by_its_torchao_config(tmp_path,
     assert recipe.requirement(Format.TORCHAO).cuda_capability is None
     monkeypatch.setattr(hardware, "cuda_capability", lambda: (9, 0))
     assert "compute capability 10.0+ (this one is 9.0)" in checks.missing_requirement(recipe, Format.TORCHAO)
+
+
+# ---------------------------------------------------------------- calibration data: checked with the tokenizer alone
+
+
+def _calibration(tmp_path, **options):
+    from quantkit.finalization.checks import CalibrationOptions
+
+    path = tmp_path / "calib.txt"
+    path.write_text(make_text(2000, seed=5))
+    return CalibrationOptions(data=str(path), **options)
+
+
+def test_a_seq_len_beyond_the_models_positions_is_refused_saying_what_to_pass(tiny_model_dir, tmp_path):
+    with pytest.raises(UsageError, match=r"^--seq-len 100000 is longer than the 512 positions of .*tiny-llama "
+                                         r"\(max_position_embeddings in config.json\); pass --seq-len 512 or less$"):
+        prepare(tiny_model_dir, registry.resolve("gptq-w4a16"), calibration=_calibration(tmp_path, seq_len=100_000))
+
+
+def test_a_recipes_seq_len_beyond_the_models_positions_names_the_recipe(tiny_model_dir, tmp_path):
+    import json
+    import shutil
+
+    short = shutil.copytree(tiny_model_dir, tmp_path / "short")
+    config = json.loads((short / "config.json").read_text())
+    (short / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 256}))
+    with pytest.raises(UsageError, match=r"^recipe 'gptq-w4a16' calibrates on 512-token samples, longer than the 256 "
+                                         r"positions of .*; pass --seq-len 256 or less$"):
+        prepare(short, registry.resolve("gptq-w4a16"), calibration=_calibration(tmp_path))
+    prepare(short, registry.resolve("gptq-w4a16"), calibration=_calibration(tmp_path, seq_len=256, num_samples=4))
+
+
+def test_the_checked_calibration_blocks_are_the_ones_the_run_uses(tiny_model_dir, tmp_path):
+    from quantkit.finalization.finalize import calibration_samples, prepared_samples
+
+    recipe, options = registry.resolve("gptq-w4a16"), _calibration(tmp_path, num_samples=4, seq_len=32)
+    prepared = prepare(tiny_model_dir, recipe, calibration=options)
+    assert prepared.samples.shape == (4, 32)
+    assert prepared_samples(prepared, recipe, options) is prepared.samples
+    other = _calibration(tmp_path, num_samples=4, seq_len=32, seed=1)
+    assert prepared.samples_for(other) is None
+    assert torch.equal(prepared_samples(prepared, recipe, other), calibration_samples(tiny_model_dir, recipe, other))
+
+
+@pytest.mark.parametrize("content, seq_len, message", [
+    (None, 100_000, "--seq-len 100000 is longer than the 512 positions"),
+    (bytes(range(256)) * 100, 32, "calib.txt is not text"),
+    (b"a few words only\n", 32, "tokens, fewer than --num-samples 4 x --seq-len 32"),
+])
+def test_calibration_data_is_refused_before_any_weight_is_read(tiny_model_dir, tmp_path, monkeypatch, content, seq_len,
+                                                               message):
+    from pathlib import Path
+
+    from quantkit.finalization.finalize import finalize
+    from quantkit.models import loading
+    from quantkit.models.streaming import StreamedModel
+
+    def read_weights(*args, **kwargs):
+        raise AssertionError("weights were read")
+
+    monkeypatch.setattr(loading, "load_model", read_weights)
+    monkeypatch.setattr(StreamedModel, "open", read_weights)
+    options = _calibration(tmp_path, num_samples=4, seq_len=seq_len)
+    if content is not None:
+        Path(options.data).write_bytes(content)
+    with pytest.raises(UsageError, match=message):
+        finalize(tiny_model_dir, tmp_path / "out", registry.resolve("gptq-w4a16"), calibration=options)
+    assert not (tmp_path / "out").exists()
