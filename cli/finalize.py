@@ -65,6 +65,11 @@ def finalize(
     num_samples: NumSamplesOpt = None,
     seq_len: SeqLenOpt = None,
     device: DeviceOpt = "cpu",
+    max_gpu_memory: Annotated[
+        Optional[str], typer.Option("--max-gpu-memory", metavar="SIZE", show_default=False,
+                                    help="GPU memory calibration keeps within, e.g. 22GiB on a 24 GB card (default: what the GPU has free). "
+                                         "Hidden states that do not fit wait in CPU memory and move batch by batch; the preflight says which.")
+    ] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace DST if it exists.")] = False,
     dtype: DtypeOpt = DtypeChoice.auto,
     threads: ThreadsOpt = None,
@@ -119,6 +124,8 @@ def finalize(
     from quantkit.runtime.progress import Progress
 
     every = {} if checkpoint_every is None else {"checkpoint_every": checkpoint_every}
+    if max_gpu_memory is not None:
+        every["max_device_bytes"] = gpu_budget(max_gpu_memory, device)
     options = CalibrationOptions(data=calib_data, num_samples=num_samples, seq_len=seq_len, device=device, **every)
     if dry_run:
         plan = library.dry_run(src, recipe, fmt, options, launch.world_size, trust_remote_code, revision, dst, dtype.value,
@@ -143,11 +150,35 @@ def finalize(
         write_json(json_path, "finalize", result_dict(result))
 
 
+def gpu_budget(size: str, device: str) -> int:
+    """--max-gpu-memory SIZE in bytes; refused for a run that computes on the CPU."""
+    from quantkit.errors import UsageError
+    from quantkit.models.sources import parse_size
+
+    if not device.startswith("cuda"):
+        raise UsageError("--max-gpu-memory is the budget of a GPU: pass it with --device cuda")
+    return parse_size(size, "--max-gpu-memory")
+
+
+def device_line(report: dict) -> str | None:
+    """The preflight's GPU memory: the peak, and where the calibration hidden states live (`preflight.device_plan`)."""
+    plan = report.get("device_plan")
+    if not plan:
+        return None
+    where = ("on the GPU" if plan["mode"] == "resident" else
+             f"in CPU memory, moved batch by batch (all on the GPU would need {human_bytes(plan['resident_bytes'])})")
+    budget = f" of {human_bytes(plan['budget_bytes'])}" if plan["budget_bytes"] else ""
+    return f"GPU peak about {human_bytes(plan['peak_bytes'])}{budget}, calibration hidden states {where}"
+
+
 def announce(report: dict) -> None:
     """The first line of a real run: what it will need, before any weight is loaded."""
     work = f", resume state {human_bytes(report['work_dir_bytes'])}" if report["work_dir_bytes"] else ""
     out.print(f"preflight: peak RAM about {human_bytes(report['peak_ram_bytes'])}, output {human_bytes(report['output_bytes'])}"
               f"{work}, {human_bytes(report['free_disk_bytes'])} free at DST", highlight=False, soft_wrap=True)
+    gpu = device_line(report)
+    if gpu:
+        out.print(f"preflight: {gpu}", highlight=False, soft_wrap=True)
     idle = _autoround_idle(report)
     if idle:
         out.print(f"note: {idle}", highlight=False, soft_wrap=True)
@@ -188,6 +219,8 @@ def print_plan(plan: dict, recipe: str, dst) -> None:
         table.add_row("", f"{human_bytes(size)}  {part}")
     if report["peak_device_bytes"]:
         table.add_row("peak device memory", f"about {human_bytes(report['peak_device_bytes'])} per rank")
+        if device_line(report):
+            table.add_row("", device_line(report))
     table.add_row("output", f"{human_bytes(report['output_bytes'])} (model {human_bytes(report['model_bytes'])})")
     if report["work_dir_bytes"]:
         table.add_row("resume state", f"{human_bytes(report['work_dir_bytes'])} at most, beside DST while it runs")
@@ -284,6 +317,11 @@ def print_summary(result) -> None:
         table.add_row("  relative error", f"mean {error['mean']:.4f}, worst {error['max']:.4f} ({worst})")
         phases = ", ".join(f"{phase} {sec:.1f} s" for phase, sec in calib["seconds"].items())
         table.add_row("  time per phase", phases)
+        if calib.get("peak_device_bytes") and calib["device"] != "cpu":
+            estimated = (result.preflight or {}).get("peak_device_bytes")
+            table.add_row("  GPU peak", f"{human_bytes(calib['peak_device_bytes'])} allocated by torch"
+                          + (f" (estimated {human_bytes(estimated)} with the CUDA context)" if estimated else "")
+                          + f"; hidden states {calib.get('hidden_states', 'on the device')}")
         for what, why in (calib.get("skipped") or {}).items():
             table.add_row("  not applied", f"{what} ({why})")
         if calib.get("routed_tokens"):

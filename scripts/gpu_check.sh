@@ -5,9 +5,11 @@
 #      the compressed-tensors 0.19 it pins) into two separate target folders;
 #   2. runs the GPU suite (pytest -m gpu) and the tests that compare runs of different thread counts;
 #   3. runs scripts/bench_gpu.py, both tools side by side on this GPU;
-#   4. (step "profile", not by default) profiles quantkit's GPTQ of the benchmark's 0.84B model (scripts/profile_cli.py).
+#   4. (step "scale", not by default) scripts/bench_gpu_scale.py: the 8B shape and reduced-depth copies, both tools
+#      (SCALE_JOBS: its --jobs; SCALE_DEADLINE: no job started after that many seconds);
+#   5. (step "profile", not by default) profiles quantkit's GPTQ of the benchmark's 0.84B model (scripts/profile_cli.py).
 # Usage, from the repository root:  bash scripts/gpu_check.sh [OUT_DIR] [STEPS]
-#   STEPS: any of "tests bench profile" (default "tests bench": about 9 minutes on an H100); logs, JUnit XML, the
+#   STEPS: any of "tests bench scale profile" (default "tests bench": about 9 minutes on an H100); logs, JUnit XML, the
 #   benchmark's JSON and the profile land in OUT_DIR.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -59,6 +61,19 @@ if [[ " $STEPS " == *" bench "* ]]; then
         --train-text "$data/valid.txt" --calib-data "$data/valid.txt" --eval-data "$data/test.txt" \
         --train-steps 200 --json "$OUT/bench-gpu.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench-gpu.txt" || status=1
     tar czf "$OUT/bench-logs.tgz" -C /tmp/bench-gpu logs 2>/dev/null || true
+fi
+if [[ " $STEPS " == *" scale "* ]]; then
+    # real sizes (scripts/bench_gpu_scale.py): the offloaded path's GPU test first, then the jobs in SCALE_JOBS, in
+    # order, none started after SCALE_DEADLINE seconds; the models are built here, on the machine's local disk
+    data=$REPO/.whl/data
+    timeout ${OFFLOAD_TEST_TIMEOUT:-120} python3 -m pytest -c "$REPO/pyproject.toml" --rootdir "$REPO" -q -m gpu \
+        "$REPO/tests/gpu/test_cuda.py" -k offloaded -p no:cacheprovider -rfE 2>&1 | tail -15 | tee "$OUT/offload-tests.txt" || status=1
+    python3 "$REPO/scripts/bench_gpu_scale.py" --llmc-python /tmp/llmc-python --workdir /tmp/bench-scale \
+        --text "$data/wikitext-2/valid.txt" "$data/wikitext-2/test.txt" "$data/tinyshakespeare/input.txt" \
+        --deadline ${SCALE_DEADLINE:-420} --timeout ${SCALE_JOB_TIMEOUT:-300} --json "$OUT/bench-scale.json" \
+        --jobs ${SCALE_JOBS:-qk:gptq-w4a16:8b-l8:512 qk:gptq-w4a16:8b-l8:512:22GiB qk:awq-w4a16:8b-l8:512} 2>&1 \
+        | tee "$OUT/bench-scale.txt" || status=1
+    tar czf "$OUT/scale-logs.tgz" -C /tmp/bench-scale logs 2>/dev/null || true
 fi
 if [[ " $STEPS " == *" profile "* ]]; then
     data=$REPO/.whl/data/wikitext-2

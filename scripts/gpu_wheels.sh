@@ -5,7 +5,8 @@
 #   .whl/quantkit  quantkit's own wheel (built from this checkout) and the dependencies the image lacks
 #   .whl/llmc      llm-compressor 0.14 and what it pins (compressed-tensors 0.19, auto-round), for the benchmark's peer:
 #                  a second folder, because the two tools pin different compressed-tensors releases
-#   .whl/data      WikiText-2 (valid, test) from ../shared/data, the benchmark's text (../shared does not travel)
+#   .whl/data      WikiText-2 (valid, test) and Tiny Shakespeare from ../shared/data, the benchmarks' text (../shared
+#                  does not travel)
 # Usage: bash scripts/gpu_wheels.sh   (from any directory; needs PyPI; about 20 MB)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -31,5 +32,7 @@ download .whl/llmc llmcompressor==0.14.0.1 compressed-tensors==0.19.0 auto-round
 "$PY" -m pip wheel -q --no-deps --no-build-isolation -w .whl/quantkit .
 mkdir -p .whl/data/wikitext-2
 cp ../shared/data/wikitext-2/valid.txt ../shared/data/wikitext-2/test.txt .whl/data/wikitext-2/
+mkdir -p .whl/data/tinyshakespeare
+cp ../shared/data/tinyshakespeare/input.txt .whl/data/tinyshakespeare/
 ls -la .whl/quantkit .whl/llmc
 du -sh .whl

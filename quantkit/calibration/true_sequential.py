@@ -66,8 +66,12 @@ def run_stages(layer: nn.Module, wiring: LayerWiring, calls: list[tuple[torch.Te
         o_inputs = StageInputs(attended, calls, hold)
         quantize((wiring.o,), o_inputs)
         residual = offload.collector(calls)  # kept where the layer's inputs are (`calibration.offload`)
-        for (h, _), a in zip(calls, o_inputs):
-            residual.append(h + o.forward(a))  # `a` has been through o's pre-hooks
+        if offload.is_offloaded(calls):  # each call read once (o's input computed from it here), not twice
+            for call in calls:
+                residual.append(call[0] + o.forward(attended(call)))
+        else:
+            for (h, _), a in zip(calls, o_inputs):
+                residual.append(h + o.forward(a))  # `a` has been through o's pre-hooks
         del o_inputs
         quantize(gate_up, StageInputs(post_attention_norm, residual))
         down_inputs = StageInputs(activated, residual, hold)

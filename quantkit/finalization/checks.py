@@ -38,6 +38,7 @@ class CalibrationOptions:
     batch_size: int = 8
     device: str = "cpu"
     checkpoint_every: float = CHECKPOINT_EVERY  # seconds between the resume state's checkpoints (0: every layer)
+    max_device_bytes: int | None = None  # --max-gpu-memory: the GPU memory calibration keeps within (None: what is free)
 
 
 @dataclass
@@ -55,6 +56,7 @@ class Prepared:
     shard_bytes: int | None = None  # --max-shard-size, parsed
     rotator: object | None = None  # the recipe's rotations for this model (`quant.rotations.Rotator`)
     source_fingerprint: object | None = None  # SRC's sha256 (`models.fingerprint`), computing meanwhile: a Future
+    offloaded: bool = False  # the calibration hidden states wait in CPU memory (`preflight.device_plan`)
     samples: torch.Tensor | None = None  # the calibration blocks [num_samples, seq_len] the checks cut from the data
     samples_options: CalibrationOptions | None = None  # ... under these options (`samples_for` reuses them for these)
 

@@ -60,7 +60,8 @@ def prepared_samples(prepared: Prepared, recipe: Recipe, options: CalibrationOpt
     return found if found is not None else calibration_samples(prepared.src, recipe, options, trust_remote_code)
 
 
-def calibration_summary(result, samples, options: CalibrationOptions, recipe: Recipe, ctx=None) -> dict:
+def calibration_summary(result, samples, options: CalibrationOptions, recipe: Recipe, ctx=None,
+                        offloaded: bool = False) -> dict:
     """What calibration did, the same on every rank (a collective: every rank calls it)."""
     from quantkit.finalization.preflight import peak_resident_bytes
     from quantkit.runtime import distributed
@@ -79,6 +80,7 @@ def calibration_summary(result, samples, options: CalibrationOptions, recipe: Re
         "seconds": {phase: round(value, 3) for phase, value in result.seconds.items()},
         "gptq_order": _gptq_order(result, options) if recipe.quantizer.name is Algorithm.GPTQ else None,
         "peak_device_bytes": result.peak_device_bytes,
+        "hidden_states": "offloaded to CPU memory" if offloaded else "on the device",  # `preflight.device_plan`
         "skipped": result.skipped,
         "routed_tokens": result.routed_tokens or None,  # MoE: tokens the router sent to each expert, all ranks
         "autoround": result.tuning or None,  # per decoder layer: output loss with round-to-nearest and after tuning
@@ -170,11 +172,13 @@ def _calibrate(model: nn.Module, prepared: Prepared, recipe: Recipe, samples, op
     from quantkit.calibration import calibrate
 
     device = placement.compute_device(options.device, ctx)
+    if options.max_device_bytes and device.type == "cuda":
+        placement.cap_device_memory(device, options.max_device_bytes)
     if prepared.work_dir is not None:
         prepared.resumable = _resumable(prepared, recipe, samples, options, ctx)
     result = calibrate(model, prepared.plan, recipe, samples, device, options.batch_size, progress, ctx, prepared.resumable,
-                       stream)
-    prepared.calibration = calibration_summary(result, samples, options, recipe, ctx)
+                       stream, prepared.offloaded)
+    prepared.calibration = calibration_summary(result, samples, options, recipe, ctx, prepared.offloaded)
     return result
 
 
@@ -255,6 +259,8 @@ def finalize(
     world = distributed.world_from_env()[1]
     estimate = preflight.estimate(prepared, recipe, calibration or CalibrationOptions(), world, dst, prepared.dtype)
     preflight.check_disk(estimate, dst)
+    preflight.check_device_budget(estimate)
+    prepared.offloaded = (estimate.get("device_plan") or {}).get("mode") == "offloaded"
     if announce is not None:
         announce(estimate)
     used_threads = runtime.set_threads(threads)
@@ -488,6 +494,7 @@ def dry_run(src: str | Path, recipe: Recipe, fmt: Format | None, calibration: Ca
         rows = [sum(share.stop - share.start for share in mine) for mine in shares]
     report = preflight.estimate(prepared, recipe, options, world_size, dst, prepared.dtype, measure_time=True,
                                 trust_remote_code=trust_remote_code)
+    preflight.check_device_budget(report)
     return {
         "ranks": world_size,
         "samples_per_rank": report["samples_per_rank"],

@@ -7,10 +7,13 @@ the exporter's `weight_bytes`, every other tensor keeps its bytes. Peak RAM is t
 of the run's phases:
 
 - streamed (the default, `quantkit.models.streaming`): the larger of two phases that never overlap. The modules
-  outside the decoder layers (embeddings, final norm, lm_head) are read for the first layer's calibration inputs
-  and again at the end, when they are copied once as they are written; the decoder layers are read one at a
-  time, the largest STREAMED_LAYER_COPIES times (read, its dequantized weights, its packed tensors being
-  written) with the calibration work of a layer;
+  outside the decoder layers (embeddings, final norm, lm_head) are read for the first layer's calibration inputs,
+  released, and read again at the end, when they are written as they are: held once (safetensors maps them, so
+  their pages count in the resident size but are not copied; a tensor converted to another dtype or rotated has
+  its copy beside it while it is made); the decoder layers are read one at a time, the largest
+  STREAMED_LAYER_COPIES times (read, its dequantized weights, its packed tensors being written) with the
+  calibration work of a layer. On a Llama-3.1-8B-shaped checkpoint (16 GB) the measured peak of
+  round-to-nearest was the fixed cost plus the embeddings and lm_head (2.1 GB);
 - loaded whole (`--in-memory`, torchao, a checkpoint transformers converts): the model held once, plus a
   transient copy of it while transformers loads it and the exporter packs it (LOAD_AND_WRITE_COPIES; torchao
   converts while loading, so its transient is smaller);
@@ -79,7 +82,9 @@ def estimate(prepared, recipe: Recipe, options, world_size: int, dst: str | Path
     if streamed:
         per_layer = _layer_bytes(headers, numel, size)
         rest = model_bytes - sum(per_layer.values())
-        outside_layers["embeddings, final norm and lm_head (read twice; copied once when written)"] = 2 * rest
+        copied = prepared.rotator is not None or dtype not in ("auto", _stored_dtype(headers))
+        largest = max((numel[n] * size(n) for n in headers if not _LAYER.search(n)), default=0) if copied else 0
+        outside_layers["embeddings, final norm and lm_head (read at the start and at the end, held once)"] = rest + largest
         ram["one decoder layer (read, quantized, packed)"] = STREAMED_LAYER_COPIES * max(per_layer.values(), default=0)
     else:
         ram["model and its transient copy while loading and writing"] = int(LOAD_AND_WRITE_COPIES[prepared.format] * model_bytes)
@@ -89,6 +94,7 @@ def estimate(prepared, recipe: Recipe, options, world_size: int, dst: str | Path
         widest = max((shape[-1] for _, shape in headers.values() if len(shape) == 2), default=0)
         ram["rotations (float64 blocks of rows)"] = ROTATION_COPIES * 8 * CHUNK_ROWS * widest
     device = None
+    gpu = None
     work_dir = None
     shares = None
     passes = None
@@ -117,8 +123,14 @@ def estimate(prepared, recipe: Recipe, options, world_size: int, dst: str | Path
         ram.update(calib)
         work_dir = _work_dir_bytes(headers, numel, size, quantized, shares, seq_len, hidden, element, streams)
         if options.device != "cpu":
-            layer = model_bytes // (layers + 2)
-            device = layer + sum(calib.values()) - calib.get("grid integers of finished layers", 0)  # grids stay in RAM
+            per_layer = _layer_bytes(headers, numel, size)
+            gpu = device_plan(
+                layer=max(per_layer.values(), default=model_bytes // (layers + 2)),
+                copy=calib[_HIDDEN_STATES] // 2, batches=-(-max(shares) // options.batch_size), calib=calib,
+                algorithm=recipe.quantizer.name, awq=any(s.name is Algorithm.AWQ for s in recipe.before_quantizer),
+                positions=2 * max(shares) * seq_len * _head_dim(config) * element,
+                budget=options.max_device_bytes if options.max_device_bytes else free_device_bytes(options.device))
+            device = gpu["peak_bytes"]
     if learning is not None and options.device != "cpu":  # the whole model on the device while it learns
         device = max(device or 0, model_bytes + learning)
     if sum(outside_layers.values()) > sum(ram.values()) - fixed:
@@ -132,6 +144,7 @@ def estimate(prepared, recipe: Recipe, options, world_size: int, dst: str | Path
         "peak_ram_bytes": sum(ram.values()),
         "peak_ram_breakdown": ram,
         "peak_device_bytes": device,
+        "device_plan": gpu,
         "work_dir_bytes": work_dir,
         "disk_needed_bytes": needed,
         "free_disk_bytes": free,
@@ -184,6 +197,76 @@ def calibration_bytes(plan: list[ModulePlan], quantized: dict[str, ModulePlan], 
 
 _HIDDEN_STATES = "calibration hidden states (this rank)"
 _HELD_STAGE_INPUTS = "GPTQ's stage inputs (attention output, MLP down projection), held for every batch on the CPU"
+
+
+CUDA_CONTEXT_BYTES = 600 << 20  # the CUDA context and the libraries' kernels: on the GPU, outside torch's allocator
+IN_FLIGHT_BATCHES = 4  # offloaded: a batch read, the next one being copied in, an output, the one being copied out
+
+
+def device_plan(layer: int, copy: int, batches: int, calib: dict[str, int], algorithm: Algorithm, awq: bool,
+                budget: int | None, positions: int = 0) -> dict:
+    """Where the calibration hidden states live on a GPU with `budget` bytes (None: not known), and the peak that
+    follows. `copy`: one copy of this rank's hidden states (every batch); `calib`: `calibration_bytes`' terms.
+
+    - resident (the fastest): every batch's hidden states on the GPU. A layer holds its inputs and its outputs (GPTQ's
+      staged pass: the residual stream, updated in place), AWQ four copies while it searches (the inputs, the
+      attention's and the MLP's block inputs, and one block's float outputs);
+    - offloaded (`calibration.offload`): they wait in pinned CPU memory and move batch by batch, overlapped with the
+      compute; the GPU holds IN_FLIGHT_BATCHES batches (AWQ: a group of GROUP_BYTES, and its outputs, as well).
+
+    The rotary embeddings of every batch (`positions`: cos and sin) are the same for every layer and stay on the GPU.
+
+    The layer, its Hessians and work copies, and one batch's activations are on the GPU either way: with the CUDA
+    context, that is the least any budget can be: the offloaded peak."""
+    from quantkit.calibration.offload import GROUP_BYTES
+
+    fixed = layer + CUDA_CONTEXT_BYTES + calib["one batch's activations in a layer"] + calib["Hessians of one layer"] + positions
+    fixed += calib.get(_HELD_STAGE_INPUTS, 0)
+    if algorithm is Algorithm.AUTOROUND:
+        fixed += sum(v for k, v in calib.items() if k.startswith("AutoRound"))
+    batch = -(-copy // max(1, batches))
+    resident = fixed + (4 if awq else 2) * copy
+    offloaded = fixed + IN_FLIGHT_BATCHES * batch + (2 * min(GROUP_BYTES, copy) if awq else 0)
+    if algorithm is Algorithm.AUTOROUND:  # tunes against the float model's hidden states, kept beside them
+        offloaded = resident
+    mode = "resident" if budget is None or resident <= budget else "offloaded"
+    return {"mode": mode, "peak_bytes": resident if mode == "resident" else offloaded, "resident_bytes": resident,
+            "offloaded_bytes": offloaded, "budget_bytes": budget}
+
+
+def _head_dim(config: dict) -> int:
+    """The attention heads' width (the rotary embeddings' cos and sin per token)."""
+    heads = config.get("num_attention_heads") or 1
+    return config.get("head_dim") or config.get("hidden_size", 0) // heads
+
+
+def check_device_budget(report: dict) -> None:
+    """Refuse, before anything is loaded, a GPU budget below what calibrating needs at the least."""
+    from quantkit.errors import UsageError
+
+    plan = report.get("device_plan")
+    if plan is None or plan["budget_bytes"] is None or plan["peak_bytes"] <= plan["budget_bytes"]:
+        return
+    what = ("one decoder layer, its statistics and a few batches of activations" if plan["offloaded_bytes"] < plan["resident_bytes"]
+            else "every batch's hidden states, which this recipe's algorithm tunes against")
+    raise UsageError(f"calibrating needs about {_gib(plan['peak_bytes'])} of GPU memory ({what}) and the budget is "
+                     f"{_gib(plan['budget_bytes'])}: pass --max-gpu-memory {_gib(plan['peak_bytes'])} or more (a larger "
+                     "GPU), or fewer --num-samples or a shorter --seq-len")
+
+
+def _gib(size: int) -> str:
+    """Bytes as GiB, rounded up to a tenth (what to pass to --max-gpu-memory)."""
+    return f"{math.ceil(size / (1 << 30) * 10) / 10:g}GiB"
+
+
+def free_device_bytes(device: str) -> int | None:
+    """The GPU's free memory now (the default budget), or None where it cannot be known (no CUDA)."""
+    import torch
+
+    if not device.startswith("cuda") or not torch.cuda.is_available():
+        return None
+    index = torch.device(device).index
+    return torch.cuda.mem_get_info(index if index is not None else torch.cuda.current_device())[0]
 
 
 def learning_bytes(config: dict, samples: int, seq_len: int, model_bytes: int) -> int:

@@ -109,11 +109,11 @@ _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|TB|KIB|MIB|GIB|TIB)?\s*$"
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
 
-def parse_size(text: str) -> int:
-    """Bytes from "5GB", "500MB", "2GiB" or a plain number of bytes; UsageError otherwise."""
+def parse_size(text: str, option: str = "--max-shard-size") -> int:
+    """Bytes from "5GB", "500MB", "2GiB" or a plain number of bytes; UsageError (naming `option`) otherwise."""
     match = _SIZE.match(str(text))
     if not match or float(match.group(1)) <= 0:
-        raise UsageError(f"--max-shard-size {text}: not a size; write it like 5GB, 500MB or 2GiB")
+        raise UsageError(f"{option} {text}: not a size; write it like 5GB, 500MB or 2GiB")
     return int(float(match.group(1)) * _UNITS[(match.group(2) or "B").upper()])
 
 

@@ -129,15 +129,16 @@ class HessianObserver(Observer):
         """Add a batch's tokens, HESSIAN_CHUNK_TOKENS at a time: a float32 copy of a chunk, not of the batch (the
         down projection's inputs for 8 x 2048 tokens of a 5632-wide MLP would be a 352 MiB copy)."""
         tokens = x.detach().reshape(-1, x.shape[-1])
+        exact_tf32 = tokens.dtype in (torch.bfloat16, torch.float16)
         for start in range(0, tokens.shape[0], HESSIAN_CHUNK_TOKENS):
-            self._add(tokens[start:start + HESSIAN_CHUNK_TOKENS].float())
+            self._add(tokens[start:start + HESSIAN_CHUNK_TOKENS].float(), exact_tf32)
 
-    def _add(self, rows: torch.Tensor) -> None:
+    def _add(self, rows: torch.Tensor, exact_tf32: bool = False) -> None:
         if "xtx" not in self.state:
-            self.state["xtx"] = [part.double() for part in gram_blocks(rows)]
+            self.state["xtx"] = [part.double() for part in gram_blocks(rows, exact_tf32)]
             self.state["count"] = torch.tensor(float(rows.shape[0]), dtype=torch.float64, device=rows.device)
             return
-        for total, part in zip(self.state["xtx"], gram_blocks(rows)):
+        for total, part in zip(self.state["xtx"], gram_blocks(rows, exact_tf32)):
             add_into(total, part)  # float32 into the float64 sum, in place
         self.state["count"] += rows.shape[0]
 
@@ -182,15 +183,32 @@ def _gptq_scale(count: torch.Tensor) -> torch.Tensor:
     return 2.0 / count.clamp(min=1.0)
 
 
-def gram_blocks(rows: torch.Tensor) -> list[torch.Tensor]:
+def gram_blocks(rows: torch.Tensor, exact_tf32: bool = False) -> list[torch.Tensor]:
     """The upper triangle of rows^T rows (float32 rows [n, d]) in row blocks of HESSIAN_ROWS: block b is
     rows[:, bR:(b+1)R]^T rows[:, bR:]. On CPU through numpy's BLAS (whose products here ran ~2.5x faster than
-    torch.mm's); elsewhere torch."""
+    torch.mm's); elsewhere torch. `exact_tf32`: the rows are 16-bit values (a bf16 or fp16 model's activations),
+    which TF32 holds exactly, so a CUDA GPU multiplies them on its tensor cores in TF32, products summed in float32:
+    the same terms as float32's, at ~8x its rate (an 8B model's down projection Hessian for 512 x 2048 tokens is
+    0.4 PFLOP a layer)."""
     size = rows.shape[1]
+    if rows.device.type == "cuda" and exact_tf32:
+        with _tf32():
+            return [rows[:, s : s + HESSIAN_ROWS].T @ rows[:, s:] for s in range(0, size, HESSIAN_ROWS)]
     if rows.device.type != "cpu":
         return [rows[:, s : s + HESSIAN_ROWS].T @ rows[:, s:] for s in range(0, size, HESSIAN_ROWS)]
     array = rows.contiguous().numpy()
     return [torch.from_numpy(array[:, s : s + HESSIAN_ROWS].T @ array[:, s:]) for s in range(0, size, HESSIAN_ROWS)]
+
+
+class _tf32:
+    """CUDA float32 products in TF32 inside the block, as they were outside it after."""
+
+    def __enter__(self):
+        self.before = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = True
+
+    def __exit__(self, *exc) -> None:
+        torch.backends.cuda.matmul.allow_tf32 = self.before
 
 
 def add_into(total: torch.Tensor, part: torch.Tensor) -> None:

@@ -80,6 +80,18 @@ def test_finalize_passes_the_checkpoint_interval_and_its_help_states_the_default
     assert refused.exit_code == 2
 
 
+def test_max_gpu_memory_is_parsed_and_refused_off_a_gpu(fake_finalize):
+    assert invoke("finalize", "src", "dst", "-q", "gptq-w4a16", "--device", "cuda", "--max-gpu-memory", "22GiB",
+                  "--quiet").exit_code == 0
+    assert fake_finalize[0].calibration.max_device_bytes == 22 << 30
+    for args, message in ((["--device", "cpu"], "--max-gpu-memory is the budget of a GPU: pass it with --device cuda"),
+                          (["--device", "cuda:0", "--max-gpu-memory", "lots"], "--max-gpu-memory lots: not a size")):
+        extra = [] if "--max-gpu-memory" in args else ["--max-gpu-memory", "22GiB"]
+        refused = invoke("finalize", "src", "dst", "-q", "gptq-w4a16", *args, *extra)
+        assert refused.exit_code == 2 and message in refused.output and len(refused.output.strip().splitlines()) == 1
+    assert len(fake_finalize) == 1
+
+
 def test_finalize_defaults_to_the_recipes_format(fake_finalize):
     assert invoke("finalize", "src", "dst", "-q", "int8-weight-only", "--quiet").exit_code == 0
     assert fake_finalize[0].fmt is None and fake_finalize[0].dtype == "auto"

@@ -267,3 +267,46 @@ def test_learned_rotations_on_cuda_as_on_the_cpu(work):
     assert abs(gpu["loss_first_steps"] - cpu["loss_first_steps"]) <= 1e-3 * cpu["loss_first_steps"]
     gpu_ppl, cpu_ppl = _perplexity(on_gpu.dst, work), _perplexity(on_cpu.dst, work)
     assert abs(gpu_ppl / cpu_ppl - 1) <= PPL_TOLERANCE, (gpu_ppl, cpu_ppl)
+
+
+@pytest.mark.parametrize("name", ["gptq-w4a16", "awq-w4a16", "fp8-static"])
+def test_offloaded_hidden_states_on_cuda_give_the_resident_qparams_for_less_memory(work, name, monkeypatch):
+    """Hidden states in pinned CPU memory, copied on a side stream (`calibration.offload`): the same integers and
+    scales as with them on the GPU, for a lower peak (AWQ in groups of two batches)."""
+    from quantkit.calibration import calibrate, offload
+    from quantkit.models.loading import load_model
+    from quantkit.quant.plan import plan_model
+    from quantkit.quant.registry import resolve
+
+    recipe = resolve(name)
+    vocab = load_model(work / "model").config.vocab_size
+    samples = torch.randint(0, vocab, (64, 128), generator=torch.Generator().manual_seed(0))
+    monkeypatch.setattr(offload, "GROUP_BYTES", 2 * 8 * 128 * 128 * 4)
+    peaks, results = {}, {}
+    for offloaded in (False, True):
+        model = load_model(work / "model", dtype="float32")
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        results[offloaded] = calibrate(model, plan_model(model, recipe), recipe, samples, torch.device("cuda", 0),
+                                       batch_size=8, offloaded=offloaded)
+        peaks[offloaded] = torch.cuda.max_memory_allocated()
+    assert peaks[True] < peaks[False], peaks
+    for key, q in results[False].qweights.items():
+        other = results[True].qweights[key]
+        assert torch.equal(q.qdata, other.qdata) and torch.equal(q.scale, other.scale), key
+    for key, scale in results[False].input_scales.items():
+        assert torch.equal(scale, results[True].input_scales[key]), key
+
+
+def test_a_bf16_hessian_on_cuda_is_summed_in_tf32_as_in_float32():
+    """16-bit activations are exact in TF32: the tensor-core products give the float32 Hessian to summation order."""
+    from quantkit.quant.observers import HessianObserver
+
+    x = torch.randn(4096, 1024, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    found, before = {}, torch.backends.cuda.matmul.allow_tf32
+    for device in ("cpu", "cuda"):
+        observer = HessianObserver()
+        observer.update(x.to(device))
+        found[device] = observer.xtx().cpu()
+    assert torch.backends.cuda.matmul.allow_tf32 == before  # put back as it was
+    torch.testing.assert_close(found["cuda"], found["cpu"], rtol=1e-5, atol=1e-5 * found["cpu"].abs().max().item())
