@@ -67,7 +67,7 @@ if [[ " $STEPS " == *" scale "* ]]; then
     # order, none started after SCALE_DEADLINE seconds; the models are built here, on the machine's local disk
     data=$REPO/.whl/data
     timeout ${OFFLOAD_TEST_TIMEOUT:-120} python3 -m pytest -c "$REPO/pyproject.toml" --rootdir "$REPO" -q -m gpu \
-        "$REPO/tests/gpu/test_cuda.py" -k offloaded -p no:cacheprovider -rfE 2>&1 | tail -15 | tee "$OUT/offload-tests.txt" || status=1
+        "$REPO/tests/gpu/test_cuda.py" -k "offloaded or tf32" -p no:cacheprovider -rfE 2>&1 | tail -15 | tee "$OUT/offload-tests.txt" || status=1
     python3 "$REPO/scripts/bench_gpu_scale.py" --llmc-python /tmp/llmc-python --workdir /tmp/bench-scale \
         --text "$data/wikitext-2/valid.txt" "$data/wikitext-2/test.txt" "$data/tinyshakespeare/input.txt" \
         --deadline ${SCALE_DEADLINE:-420} --timeout ${SCALE_JOB_TIMEOUT:-300} --json "$OUT/bench-scale.json" \
