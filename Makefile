@@ -76,7 +76,7 @@ bench: install
 # their metadata as the package index will show it (twine check).
 dist: install
 	rm -rf dist
-	$(BIN)/python -m build --outdir dist .
+	$(BIN)/python -m build --quiet --outdir dist .
 	$(BIN)/python -m twine check --strict dist/*
 
 # The wheel installed into a fresh virtual environment outside the source tree (torch first), then run there:
