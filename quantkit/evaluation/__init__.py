@@ -1,6 +1,7 @@
 """Evaluation: `quantkit eval`.
 
 - `evaluate.py`: perplexity over strided windows, loading any model or artifact to evaluate, reports, the gate.
+- `nll.py`: the loss of a batch of windows, lm_head's logits a chunk of tokens at a time (never a batch's full logits).
 - `tasks.py`: lm-evaluation-harness tasks (`--tasks`) on an already-loaded model.
 - `tensor_parallel.py`: `--tp N`: a model sharded with transformers' tensor-parallel plan.
 

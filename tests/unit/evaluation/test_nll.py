@@ -61,6 +61,15 @@ def test_chunked_loss_equals_the_full_logits_loss(name, ids):
     assert result.nll == pytest.approx(_reference_nll(model, ids, 128, 64), rel=1e-5)
 
 
+def test_a_bfloat16_model_is_chunked_and_equal_to_its_full_logits(ids, monkeypatch):
+    """16-bit logits: the chunked ones may round a unit of the last place the other way, and still pass the probe."""
+    model = _tiny("gemma2", final_logit_softcapping=0.5, head_dim=16).to(torch.bfloat16)
+    assert _chosen(model, ids) is nll.chunked_nll
+    chunked = perplexity(model, ids, seq_len=128, stride=64)
+    monkeypatch.setattr(evaluate, "nll_function", lambda model, probe: lambda *batch: nll.full_logits_nll(model, *batch))
+    assert chunked.nll == pytest.approx(perplexity(model, ids, seq_len=128, stride=64).nll, rel=1e-3)
+
+
 def test_the_logit_transform_is_the_models(ids):
     """The soft-capping matters here (logits well beyond the cap): without it the chunked logits would differ."""
     model = _tiny("gemma2", final_logit_softcapping=0.5, head_dim=16)
