@@ -199,7 +199,6 @@ _HIDDEN_STATES = "calibration hidden states (this rank)"
 _HELD_STAGE_INPUTS = "GPTQ's stage inputs (attention output, MLP down projection), held for every batch on the CPU"
 
 
-CUDA_CONTEXT_BYTES = 600 << 20  # the CUDA context and the libraries' kernels: on the GPU, outside torch's allocator
 IN_FLIGHT_BATCHES = 4  # offloaded: a batch read, the next one being copied in, an output, the one being copied out
 
 
@@ -219,6 +218,7 @@ def device_plan(layer: int, copy: int, batches: int, calib: dict[str, int], algo
     The layer, its Hessians and work copies, and one batch's activations are on the GPU either way: with the CUDA
     context, that is the least any budget can be: the offloaded peak."""
     from quantkit.calibration.offload import GROUP_BYTES
+    from quantkit.runtime.placement import CUDA_CONTEXT_BYTES
 
     fixed = layer + CUDA_CONTEXT_BYTES + calib["one batch's activations in a layer"] + calib["Hessians of one layer"] + positions
     fixed += calib.get(_HELD_STAGE_INPUTS, 0)

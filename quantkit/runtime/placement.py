@@ -52,11 +52,12 @@ def overlaps_io(device: torch.device) -> bool:
     return device.type == "cuda" and os.environ.get("QUANTKIT_OVERLAP_IO", "1") != "0"
 
 
+CUDA_CONTEXT_BYTES = 600 << 20  # the CUDA context and the libraries' kernels: on the GPU, outside torch's allocator
+
+
 def cap_device_memory(device: torch.device, budget: int) -> None:
     """Hold torch's allocator on `device` to `budget` bytes (`--max-gpu-memory`), less the CUDA context outside it: a
     run that would need more fails there, as it would on a GPU of that size."""
-    from quantkit.finalization.preflight import CUDA_CONTEXT_BYTES
-
     total = torch.cuda.get_device_properties(device).total_memory
     torch.cuda.set_per_process_memory_fraction(min(1.0, max(budget - CUDA_CONTEXT_BYTES, 1) / total), device)
 

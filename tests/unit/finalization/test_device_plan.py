@@ -6,6 +6,7 @@ import pytest
 from quantkit.algorithms import Algorithm
 from quantkit.errors import UsageError
 from quantkit.finalization import preflight
+from quantkit.runtime.placement import CUDA_CONTEXT_BYTES
 
 GIB = 1 << 30
 CALIB = {"one batch's activations in a layer": 2 * GIB, "Hessians of one layer": 3 * GIB}
@@ -20,7 +21,7 @@ def _plan(budget, algorithm=Algorithm.GPTQ, awq=False):
 def test_hidden_states_stay_on_the_gpu_when_they_fit():
     plan = _plan(80 * GIB)
     assert plan["mode"] == "resident" and plan["peak_bytes"] == plan["resident_bytes"]
-    fixed = GIB // 2 + preflight.CUDA_CONTEXT_BYTES + 5 * GIB
+    fixed = GIB // 2 + CUDA_CONTEXT_BYTES + 5 * GIB
     assert plan["resident_bytes"] == fixed + 2 * 8 * GIB  # inputs and outputs (GPTQ: the residual stream)
 
 
