@@ -17,6 +17,7 @@ one there.
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Any, Iterator, Sequence
 
 import torch
@@ -78,11 +79,14 @@ class HostBatches(Sequence):
         if not self.host:
             return
         ahead = self._fetch(0)
+        consumed: deque = deque()  # the compute stream's position after each batch handed out
         for i in range(len(self.host)):
             current = ahead
             if i + 1 < len(self.host):
                 ahead = self._fetch(i + 1)  # copied while batch i computes
             yield self._wait(current)
+            if self._stream is not None:
+                _pace(consumed, self.device)
 
     def on_host(self) -> list[torch.Tensor]:
         """The host tensors, every copy to them complete (for the resume file)."""
@@ -90,6 +94,22 @@ class HostBatches(Sequence):
             if done is not None:
                 done.synchronize()
         return self.host
+
+
+RUN_AHEAD_BATCHES = 2  # batches the CPU may queue ahead of the GPU when it reads offloaded ones
+
+
+def _pace(consumed: deque, device: torch.device) -> None:
+    """Wait for the GPU to finish the batch RUN_AHEAD_BATCHES back. Unpaced, the CPU can queue work for dozens of
+    batches ahead of the GPU, and each batch's copy then takes fresh memory: a freed block that another stream used
+    stays reserved until the GPU passes it (torch's allocator waits on its stream events). Measured unpaced on an
+    H200 (GPTQ, 8B shape, 512 x 2048 tokens offloaded): 19.8 GB of GPU memory in use (NVML) for 4.4 GB allocated;
+    that this is the cause is likely, not yet measured."""
+    done = torch.cuda.Event()
+    done.record(torch.cuda.current_stream(device))
+    consumed.append(done)
+    if len(consumed) > RUN_AHEAD_BATCHES:
+        consumed.popleft().synchronize()
 
 
 _STREAMS: dict[torch.device, Any] = {}
