@@ -60,6 +60,22 @@ def hidden_state(args: tuple, kwargs: dict) -> torch.Tensor:
     return args[0] if args else kwargs["hidden_states"]
 
 
+def cut_rows(call: tuple, start: int, stop: int) -> tuple[tuple, dict]:
+    """Samples [start, stop) of a batched layer call: every tensor with the batch's leading size (and 2 dims or more)
+    cut to those rows; the rest (1-D cache positions, broadcast rotary tables, None masks) as it is."""
+    args, kwargs = call
+    size = hidden_state(args, kwargs).shape[0]
+
+    def cut(value):
+        if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[0] == size:
+            return value[start:stop].detach()
+        if isinstance(value, tuple):
+            return tuple(cut(v) for v in value)
+        return value
+
+    return tuple(cut(a) for a in args), {k: cut(v) for k, v in kwargs.items()}
+
+
 def hidden_states(inputs: list[tuple]) -> list[torch.Tensor]:
     """The hidden states of each captured call (`offload.hidden_states`)."""
     return offload.hidden_states(inputs)

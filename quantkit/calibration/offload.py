@@ -161,6 +161,13 @@ class HostCalls(Sequence):
         return (_with(template, hidden) for template, hidden in zip(self.templates, self.hidden))
 
 
+def batch_shapes(calls: Sequence) -> list[torch.Size]:
+    """The hidden states' shape of each call, read without copying offloaded ones to the device."""
+    if isinstance(calls, HostCalls):
+        return [hidden.shape for hidden in calls.hidden.host]
+    return [_hidden_of(call).shape for call in calls]
+
+
 def is_offloaded(values: Any) -> bool:
     """Whether `values` (per-batch tensors or calls, or a view of them) are kept in CPU memory."""
     return bool(getattr(values, "offloaded", False))

@@ -34,7 +34,7 @@ from torch.func import functional_call
 from quantkit.algorithms import Algorithm
 from quantkit.algorithms.arguments import AutoRoundArgs
 from quantkit.algorithms.autoround import Rounding, Share, quantize, tune
-from quantkit.calibration.hooks import hidden_state, hidden_states, run_layer, with_hidden
+from quantkit.calibration.hooks import cut_rows, hidden_state, hidden_states, run_layer, with_hidden
 from quantkit.calibration.layer import Layer, relative_error
 from quantkit.calibration.steps import register
 from quantkit.calibration.tuning_attention import bf16_cpu_attention
@@ -207,19 +207,8 @@ def _repeated(call: tuple, count: int) -> tuple[tuple, dict]:
 
 
 def _row_call(call: tuple, row: int) -> tuple[tuple, dict]:
-    """One sample of a batched layer call: every tensor with the batch's leading size (and 2 dims or more) cut to
-    that sample's row; the rest (1-D cache positions, broadcast rotary tables, None masks) as it is."""
-    args, kwargs = call
-    size = hidden_state(args, kwargs).shape[0]
-
-    def cut(value):
-        if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[0] == size:
-            return value[row : row + 1].detach()
-        if isinstance(value, tuple):
-            return tuple(cut(v) for v in value)
-        return value
-
-    return tuple(cut(a) for a in args), {k: cut(v) for k, v in kwargs.items()}
+    """One sample of a batched layer call (`hooks.cut_rows`)."""
+    return cut_rows(call, row, row + 1)
 
 
 def _local(layer: Layer, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -16,6 +16,7 @@ process gets, so all choose alike and as one process would:
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -25,7 +26,7 @@ from quantkit.algorithms import Algorithm
 from quantkit.algorithms.arguments import AWQArgs
 from quantkit.algorithms.awq import candidate_scales, fold_scales, hessian_error, least_error, scaled_candidate
 from quantkit.calibration import offload
-from quantkit.calibration.hooks import run_layer
+from quantkit.calibration.hooks import cut_rows, run_layer
 from quantkit.calibration.layer import Layer
 from quantkit.calibration.steps import register
 from quantkit.models.architectures import norm_weight_offset, scales_fold
@@ -43,7 +44,8 @@ def awq_step(layer: Layer, args: AWQArgs) -> None:
     for (prev, block, linears, specs, along), (calls, act, hessian) in zip(mappings, captured):
         distributed.all_reduce_observer(act, layer.ctx)
         candidates = candidate_scales(act.mean(), args)
-        scales, _ = least_error(candidates, _errors(block, linears, specs, calls, hessian, layer.ctx, candidates))
+        scored = _errors(block, linears, specs, calls, hessian, layer.ctx, candidates, args.grid_tokens)
+        scales, _ = least_error(candidates, scored)
         weights = [m.weight for m in linears + along]
         offset = 0.0 if isinstance(prev, nn.Linear) else norm_weight_offset(prev)
         fold_scales(prev.weight, getattr(prev, "bias", None), weights, scales, offset)
@@ -93,8 +95,11 @@ def _scales_fold(layer: Layer, prev: str, linears: tuple[str, ...]) -> bool:
     return distributed.all_reduce_sum(float(folds), layer.ctx) == world
 
 
-def _errors(block, linears, specs, calls, hessian, ctx, candidates: list[torch.Tensor]) -> list[float]:
-    """Each candidate's summed squared block output error over all ranks' tokens (see the module docstring)."""
+def _errors(block, linears, specs, calls, hessian, ctx, candidates: list[torch.Tensor],
+            grid_tokens: int | None = None) -> list[float]:
+    """Each candidate's summed squared block output error over all ranks' tokens (see the module docstring); a
+    block that is run on its calls is scored on the first rows of each batch, `grid_tokens` of all ranks' tokens in
+    all (`scored_rows`)."""
     if hessian is not None:  # the block is one Linear
         distributed.all_reduce_observer(hessian, ctx)  # every rank then scores any candidate the same
         xtx = hessian.xtx()
@@ -102,13 +107,26 @@ def _errors(block, linears, specs, calls, hessian, ctx, candidates: list[torch.T
         return distributed.computed_once(
             len(candidates), lambda k: hessian_error(weight, scaled_candidate(weight, specs[0], candidates[k]), xtx), ctx)
     mine = torch.zeros(len(candidates), len(calls), dtype=torch.float64)
+    rows = scored_rows(offload.batch_shapes(calls), grid_tokens, ctx)
     with real_routing(block):  # the block's output is all the scores need: MoE experts on their own tokens only
         for group in offload.resident_groups(calls):  # offloaded calls: a group of batches at a time on the device
             held = calls[group.start : group.stop] if offload.is_offloaded(calls) else calls  # a list, on the device
+            if rows is not None:
+                held = [cut_rows(call, 0, rows[b]) for b, call in zip(group, held)]
             reference = run_layer(block, held)
             for k, scales in enumerate(candidates):
                 mine[k, group.start : group.stop] = torch.tensor(block_errors(block, held, reference, linears, specs, scales))
     return [sum(row) for row in distributed.gathered_in_order(mine, ctx).tolist()]
+
+
+def scored_rows(shapes: list[torch.Size], grid_tokens: int | None, ctx) -> list[int] | None:
+    """The rows of each batch (shapes [rows, tokens, ...]) the grid scores: the same share of every batch, so that all
+    ranks' batches together hold about `grid_tokens` tokens (at least one row a batch). None: every row (no limit,
+    or no more tokens than it)."""
+    total = distributed.all_reduce_sum(float(sum(math.prod(s[:-1]) for s in shapes)), ctx)
+    if grid_tokens is None or total <= grid_tokens:
+        return None
+    return [max(1, math.ceil(s[0] * grid_tokens / total)) for s in shapes]
 
 
 def capture_blocks(layer: nn.Module, blocks: list[tuple[nn.Module, nn.Module]],
