@@ -21,7 +21,7 @@ def wheel(tmp_path_factory) -> Path:
         [sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "--no-build-isolation", "-q", "-w", str(out)],
         check=True, capture_output=True,
     )
-    (found,) = out.glob("quantkit-*.whl")
+    (found,) = out.glob("quantkit_llm-*.whl")
     return found
 
 
