@@ -32,6 +32,7 @@ class CalibrationResult:
     gptq_rows: list[int] | None = None  # distributed GPTQ: weight rows each rank solved
     skipped: dict[str, str] = field(default_factory=dict)  # transforms not applied: "smoothquant: q_proj, ..." -> why
     true_sequential: bool = False  # GPTQ ran stage by stage in one pass per layer (`true_sequential`)
+    stage_inputs_held: bool | None = None  # and held its stages' inputs (`runtime.placement.holds_stage_inputs`)
     routed_tokens: dict[str, list[int]] = field(default_factory=dict)  # MoE experts module -> tokens routed to each expert
     tuning: dict[str, dict] = field(default_factory=dict)  # AutoRound: decoder layer -> its output loss before/after tuning
 

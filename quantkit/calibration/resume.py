@@ -265,7 +265,7 @@ def restore_layer(module: nn.Module, prefix: str, plan: dict[str, ModulePlan], r
 def _result_dict(result: CalibrationResult) -> dict:
     return {"errors": result.errors, "seconds": dict(result.seconds), "peak_device_bytes": result.peak_device_bytes,
             "gptq_rows": result.gptq_rows, "skipped": result.skipped, "true_sequential": result.true_sequential,
-            "routed_tokens": result.routed_tokens, "tuning": result.tuning}
+            "stage_inputs_held": result.stage_inputs_held, "routed_tokens": result.routed_tokens, "tuning": result.tuning}
 
 
 def _restore_result(saved: dict, result: CalibrationResult) -> None:
@@ -275,6 +275,7 @@ def _restore_result(saved: dict, result: CalibrationResult) -> None:
     result.gptq_rows = saved.get("gptq_rows")
     result.skipped.update(saved["skipped"])
     result.true_sequential = saved["true_sequential"]
+    result.stage_inputs_held = saved.get("stage_inputs_held")
     result.routed_tokens.update(saved.get("routed_tokens", {}))
     result.tuning.update(saved.get("tuning", {}))
 

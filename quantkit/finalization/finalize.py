@@ -78,7 +78,7 @@ def calibration_summary(result, samples, options: CalibrationOptions, recipe: Re
         "seed": options.seed,
         "device": options.device,
         "seconds": {phase: round(value, 3) for phase, value in result.seconds.items()},
-        "gptq_order": _gptq_order(result, options) if recipe.quantizer.name is Algorithm.GPTQ else None,
+        "gptq_order": _gptq_order(result) if recipe.quantizer.name is Algorithm.GPTQ else None,
         "peak_device_bytes": result.peak_device_bytes,
         "hidden_states": "offloaded to CPU memory" if offloaded else "on the device",  # `preflight.device_plan`
         "skipped": result.skipped,
@@ -182,12 +182,11 @@ def _calibrate(model: nn.Module, prepared: Prepared, recipe: Recipe, samples, op
     return result
 
 
-def _gptq_order(result, options: CalibrationOptions) -> str:
+def _gptq_order(result) -> str:
     if not result.true_sequential:
         return "layer-wise"
-    held = placement.holds_stage_inputs(torch.device(options.device))
     return ("true-sequential (one staged pass per layer, stage inputs " +
-            ("held)" if held else "recomputed batch by batch to save device memory)"))
+            ("held)" if result.stage_inputs_held else "recomputed batch by batch to save memory)"))
 
 
 def _resumable(prepared: Prepared, recipe: Recipe, samples, options: CalibrationOptions, ctx):

@@ -20,7 +20,8 @@ of the run's phases:
 - calibration: (loaded whole) the grid integers of every finished layer (one byte per quantized weight, kept until written),
   the calibration hidden states of this rank (inputs and outputs of a layer), one batch's activations inside
   the widest layer, and the Hessian accumulators (float64) of a layer plus GPTQ's float32 work copies; GPTQ on the
-  CPU also holds o_proj's and down_proj's inputs for every batch (`runtime.placement.holds_stage_inputs`).
+  CPU also holds down_proj's inputs for every batch where they take at most a share of the machine's memory
+  (`runtime.placement.holds_stage_inputs`; else they are computed again batch by batch).
 
 LOAD_AND_WRITE_COPIES was measured with `/usr/bin/time` on Llama models of 20M (float32) to 270M parameters (bf16):
 the peak above the fixed cost was 1.8 to 2.8 times the model for compressed-tensors (allocator reuse varies from
@@ -99,6 +100,7 @@ def estimate(prepared, recipe: Recipe, options, world_size: int, dst: str | Path
     shares = None
     passes = None
     learning = None
+    recomputed = False  # GPTQ on the CPU computing its stages' inputs twice, where holding them would take too much
     if prepared.rotator is not None and prepared.rotator.learning is not None:
         count = min(options.batch_size, options.num_samples or recipe.calibration.num_samples)
         learning = learning_bytes(config, -(-count // world_size), options.seq_len or recipe.calibration.seq_len,
@@ -108,7 +110,9 @@ def estimate(prepared, recipe: Recipe, options, world_size: int, dst: str | Path
         num_samples = options.num_samples or recipe.calibration.num_samples
         seq_len = options.seq_len or recipe.calibration.seq_len
         shares = [sum(map(len, data.rank_batches(num_samples, options.batch_size, r, world_size))) for r in range(world_size)]
-        held = recipe.quantizer.name is Algorithm.GPTQ and _holds_stage_inputs(options.device)
+        held = recipe.quantizer.name is Algorithm.GPTQ and _holds_stage_inputs(
+            options.device, stage_input_bytes(prepared.plan, max(shares), seq_len, hidden, element))
+        recomputed = recipe.quantizer.name is Algorithm.GPTQ and options.device == "cpu" and not held
         calib = calibration_bytes(prepared.plan, quantized, numel, max(shares), seq_len, hidden, element, options.batch_size,
                                   held)
         streams = 1  # of hidden states in the resume state
@@ -156,7 +160,7 @@ def estimate(prepared, recipe: Recipe, options, world_size: int, dst: str | Path
         report["autoround_passes_per_step"] = passes
     if measure_time:
         report["time"] = time_estimate(prepared, recipe, options, max(shares) if shares else 0, layers,
-                                       dtype if dtype != "auto" else _stored_dtype(headers), trust_remote_code)
+                                       dtype if dtype != "auto" else _stored_dtype(headers), trust_remote_code, recomputed)
     return report
 
 
@@ -176,7 +180,7 @@ def calibration_bytes(plan: list[ModulePlan], quantized: dict[str, ModulePlan], 
                       seq_len: int, hidden: int, element: int, batch_size: int,
                       held_stage_inputs: bool = False) -> dict[str, int]:
     """What calibration adds to the model in RAM (see the module docstring); with `held_stage_inputs`, GPTQ's
-    attention-output and down-projection inputs for every sample (`runtime.placement.holds_stage_inputs`)."""
+    down-projection inputs for every sample (`stage_input_bytes`)."""
     from quantkit.models.architectures import shared_input_leaders
 
     layer = _first_layer(plan)
@@ -191,12 +195,19 @@ def calibration_bytes(plan: list[ModulePlan], quantized: dict[str, ModulePlan], 
         "Hessians of one layer": sum(w * w * 8 for w in inputs.values()) + 3 * widest * widest * 4,
     }
     if held_stage_inputs:
-        found[_HELD_STAGE_INPUTS] = samples * seq_len * (hidden + widest) * element
+        found[_HELD_STAGE_INPUTS] = stage_input_bytes(plan, samples, seq_len, hidden, element)
     return found
 
 
+def stage_input_bytes(plan: list[ModulePlan], samples: int, seq_len: int, hidden: int, element: int) -> int:
+    """What GPTQ's staged pass holds at once where it holds its stages' inputs (`runtime.placement.holds_stage_inputs`):
+    the widest Linear's (the MLP down projection's) for every sample; attention's output, held before it, is freed
+    first."""
+    return samples * seq_len * max((e.in_features for e in _first_layer(plan)), default=hidden) * element
+
+
 _HIDDEN_STATES = "calibration hidden states (this rank)"
-_HELD_STAGE_INPUTS = "GPTQ's stage inputs (attention output, MLP down projection), held for every batch on the CPU"
+_HELD_STAGE_INPUTS = "GPTQ's stage inputs (the MLP down projection's), held for every batch on the CPU"
 
 
 IN_FLIGHT_BATCHES = 4  # offloaded: a batch read, the next one being copied in, an output, the one being copied out
@@ -280,12 +291,12 @@ def learning_bytes(config: dict, samples: int, seq_len: int, model_bytes: int) -
     return 4 * samples * seq_len * (layers * per_token + 3 * config.get("vocab_size", 0)) + 2 * model_bytes
 
 
-def _holds_stage_inputs(device: str) -> bool:
+def _holds_stage_inputs(device: str, held_bytes: int) -> bool:
     import torch
 
     from quantkit.runtime import placement
 
-    return placement.holds_stage_inputs(torch.device(device))
+    return placement.holds_stage_inputs(torch.device(device), held_bytes)
 
 
 def autoround_passes(args, num_samples: int) -> int:
@@ -345,8 +356,15 @@ def _work_dir_bytes(headers, numel, size, quantized, shares, seq_len, hidden, el
     return grids + 2 * streams * sum(shares) * seq_len * hidden * element
 
 
-def time_estimate(prepared, recipe: Recipe, options, samples: int, layers: int, dtype: str, trust_remote_code: bool) -> dict:
-    """One decoder layer of the model's shape, random weights, quantized by the recipe here; times the layers."""
+RECOMPUTED_STAGE_INPUTS_COST = 1.3  # GPTQ's staged pass with its inputs computed twice, against held: forward and
+# Hessian sums of one Llama-3.1-8B layer, bf16, 2 x 2 x 2048 tokens, 2 threads (scripts/bench_large_checkpoint.py)
+
+
+def time_estimate(prepared, recipe: Recipe, options, samples: int, layers: int, dtype: str, trust_remote_code: bool,
+                  recomputed: bool = False) -> dict:
+    """One decoder layer of the model's shape, random weights, quantized by the recipe here; times the layers.
+    `recomputed`: the run computes GPTQ's stage inputs twice (its one timed batch holds them), which costs
+    RECOMPUTED_STAGE_INPUTS_COST times the phases that run the samples."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -386,7 +404,7 @@ def time_estimate(prepared, recipe: Recipe, options, samples: int, layers: int, 
     measured = result.seconds.get("quantize", 0.0)
     steps = [t["seconds_per_step"] for t in result.tuning.values()]  # AutoRound: a step without the warm-up
     fixed = sum(steps) * scale if steps else measured
-    per_layer = fixed + (total - measured) * samples / count
+    per_layer = fixed + (total - measured) * samples / count * (RECOMPUTED_STAGE_INPUTS_COST if recomputed else 1.0)
     return {"seconds": round(per_layer * layers + (rotations or 0.0), 1), "one_layer_seconds": round(per_layer, 3),
             "layers": layers, **_rotated(rotations),
             "measured": {"samples": count, "seconds": round(total, 3), "quantize_seconds": round(fixed, 3)},

@@ -44,6 +44,16 @@ def map_large_allocations(threshold: int = 4 << 20) -> None:
 _M_MMAP_THRESHOLD = -3
 
 
+def physical_bytes() -> int | None:
+    """This machine's memory (None where the system does not say)."""
+    import os
+
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
 def _glibc():
     global _LIBC
     if _LIBC is None:

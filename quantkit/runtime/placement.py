@@ -16,6 +16,8 @@ from typing import Any, Iterator, Mapping
 import torch
 from torch import nn
 
+from quantkit.runtime import memory
+
 HOST = torch.device("cpu")
 
 
@@ -34,13 +36,23 @@ def compute_device(name: str, ctx=None) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def holds_stage_inputs(device: torch.device) -> bool:
+HELD_STAGE_INPUTS_SHARE = 1 / 3  # of the machine's memory
+
+
+def holds_stage_inputs(device: torch.device, held_bytes: int = 0) -> bool:
     """Whether GPTQ's staged pass (`calibration.true_sequential.run_stages`) holds a stage's inputs for every batch
-    at once (computed once) or computes them batch by batch, twice. Held on the CPU, where memory is plentiful and
-    compute is not; recomputed on a GPU, where they would be the largest allocation (the down projection's inputs
-    for 64 x 2048 tokens of a 2048-wide model: 1.4 GiB) and attention and the gate/up projections run again in a
-    fraction of the solve's time."""
-    return device.type == "cpu"
+    at once (computed once) or computes them batch by batch, twice. `held_bytes`: the largest of them for every
+    batch (the down projection's). Held on the CPU, where compute is scarce, when they take at most
+    HELD_STAGE_INPUTS_SHARE of the machine's memory; recomputed on a GPU, where they would be the largest
+    allocation (the down projection's inputs for 64 x 2048 tokens of a 2048-wide model: 1.4 GiB) and attention
+    and the gate/up projections run again in a fraction of the solve's time, and on a CPU where they would crowd
+    out the rest of the run (about as much again: Llama-3.1-8B with 128 x 2048 tokens holds 7 GiB of them beside
+    9 GiB of hidden states, layer, Hessians and activations). Recomputing them cost 1.3x the staged pass's forward
+    and Hessian sums on one Llama-3.1-8B layer (2 CPU threads), about a quarter of a layer's time at 128 x 2048."""
+    if device.type != "cpu":
+        return False
+    machine = memory.physical_bytes()
+    return machine is None or held_bytes <= HELD_STAGE_INPUTS_SHARE * machine
 
 
 def overlaps_io(device: torch.device) -> bool:

@@ -81,13 +81,22 @@ def _staged(layer: Layer, args: GPTQArgs) -> list[torch.Tensor]:
         spent["quantize"] += time.perf_counter() - mid
 
     calls = true_sequential.Calls(layer.inputs)
-    hold = placement.holds_stage_inputs(calls[0][0].device)
+    first = calls[0][0]
+    hold = placement.holds_stage_inputs(first.device, _held_bytes(layer, first, len(calls)))
+    layer.result.stage_inputs_held = hold
     outputs = true_sequential.run_stages(layer.module, layer.wiring, calls, quantize, hold)
     seconds = layer.result.seconds
     seconds["observe"] += spent["observe"]
     seconds["quantize"] += spent["quantize"]
     seconds["forward"] += time.perf_counter() - started - spent["observe"] - spent["quantize"]
     return outputs
+
+
+def _held_bytes(layer: Layer, first: torch.Tensor, batches: int) -> int:
+    """The down projection's inputs for `batches` batches like `first` (the layer's first hidden states): the most
+    the staged pass would hold at once (attention's output, the other held input, is freed before it)."""
+    down = layer.module.get_submodule(layer.wiring.down)
+    return batches * first[..., 0].numel() * down.in_features * first.element_size()
 
 
 def _layer_wise(layer: Layer, args: GPTQArgs) -> None:

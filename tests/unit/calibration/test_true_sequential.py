@@ -117,10 +117,10 @@ def test_gptq_computes_the_same_qparams_whether_stage_inputs_are_held_or_recompu
     samples = torch.randint(0, 300, (6, 16), generator=torch.Generator().manual_seed(1))
     found = {}
     for hold in (True, False):
-        monkeypatch.setattr(placement, "holds_stage_inputs", lambda device, hold=hold: hold)
+        monkeypatch.setattr(placement, "holds_stage_inputs", lambda device, held_bytes=0, hold=hold: hold)
         model = _model("llama")
         result = calibrate(model, plan_model(model, recipe), recipe, samples, torch.device("cpu"), batch_size=3)
-        assert result.true_sequential
+        assert result.true_sequential and result.stage_inputs_held is hold
         found[hold] = result.qweights
     assert found[True].keys() == found[False].keys()
     for name, held in found[True].items():

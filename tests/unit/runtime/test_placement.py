@@ -90,3 +90,16 @@ def test_layers_are_written_in_the_background_on_a_gpu_only(monkeypatch):
     monkeypatch.setenv("QUANTKIT_OVERLAP_IO", "0")
     assert not overlaps_io(torch.device("cuda", 0))
     assert holds_stage_inputs(torch.device("cpu")) and not holds_stage_inputs(torch.device("cuda", 0))
+
+
+def test_stage_inputs_are_held_on_the_cpu_where_they_take_at_most_a_share_of_its_memory(monkeypatch):
+    from quantkit.runtime import memory, placement
+
+    monkeypatch.setattr(memory, "physical_bytes", lambda: 24 << 30)
+    cpu = torch.device("cpu")
+    assert placement.holds_stage_inputs(cpu, 7 << 30)  # Llama-3.1-8B's down_proj inputs, 128 x 2048 tokens
+    assert placement.holds_stage_inputs(cpu, 8 << 30) and not placement.holds_stage_inputs(cpu, 9 << 30)  # a third
+    monkeypatch.setattr(memory, "physical_bytes", lambda: 16 << 30)
+    assert not placement.holds_stage_inputs(cpu, 7 << 30)
+    monkeypatch.setattr(memory, "physical_bytes", lambda: None)  # unknown: held, as before
+    assert placement.holds_stage_inputs(cpu, 9 << 30)
