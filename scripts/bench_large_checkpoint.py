@@ -19,6 +19,12 @@ Run from the repository root (with the venv active):
   as measured subprocesses (wall time around each, peak RSS from `os.wait4`), quantkit first for the first
   recipe and second for the next (a slow spell of the machine hits both); the outputs are deleted after each.
 * prints a markdown table (wall s, peak RSS GiB, the preflight's peak, the output's size) and writes `--json`.
+
+With `--gptq-layers K` it checks GPTQ's preflight at 8B instead: `quantkit finalize -q gptq-w4a16 --dry-run` on
+the whole checkpoint and on a K-layer copy (`build_large_checkpoint.py --layers K`) at `--num-samples` x
+`--seq-len` tokens of `--calib-data`, then the K-layer run itself (`--checkpoint-every 0`: a resume checkpoint
+after every layer), measured: its peak RSS against the estimate, its calibration seconds per layer against the
+estimate's one layer, the resume state's size against the estimate's.
 """
 
 from __future__ import annotations
@@ -54,6 +60,8 @@ print(f"model_free_ptq: {time.perf_counter() - start:.1f} s", file=sys.stderr)
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     args.workdir.mkdir(parents=True, exist_ok=True)
+    if args.gptq_layers:
+        return gptq_check(args)
     model = build_checkpoint(args.cache, args.layers)
     runner = args.workdir / "model_free_runner.py"
     runner.write_text(MODEL_FREE_RUNNER)
@@ -87,6 +95,33 @@ def main(argv: list[str] | None = None) -> None:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
 
 
+def gptq_check(args: argparse.Namespace) -> None:
+    """GPTQ's preflight on the whole checkpoint and on a few layers, against a measured run of the few layers."""
+    env = harness.thread_env(args.threads)
+    calib = harness.calibration_options(args.calib_data, args.num_samples, args.seq_len)
+    dst = args.workdir / "out-gptq"
+    whole, few = build_checkpoint(args.cache, None), build_checkpoint(args.cache, args.gptq_layers)
+    estimates = {str(model): dry_run(model, dst, "gptq-w4a16", args.threads, env, args.workdir, *calib)
+                 for model in (whole, few)}
+    shutil.rmtree(dst, ignore_errors=True)
+    cmd = harness.finalize_command(few, dst, "gptq-w4a16", args.threads, *calib, "--checkpoint-every", 0, "--json",
+                                   args.workdir / "gptq-run.json")
+    run = harness.measure(cmd, env)
+    if run.returncode:
+        sys.exit(f"the {args.gptq_layers}-layer GPTQ run failed ({run.returncode}):\n{run.stderr_tail}")
+    done = json.loads((args.workdir / "gptq-run.json").read_text())
+    seconds = done["calibration"]["seconds"]
+    measured = {"seconds": round(run.seconds, 1), "peak_rss_gib": round(run.peak_rss_kib * 1024 / GIB, 2),
+                "calibration_seconds": seconds, "per_layer_seconds": round(sum(seconds.values()) / args.gptq_layers, 1),
+                "gptq_order": done["calibration"].get("gptq_order")}
+    shutil.rmtree(dst, ignore_errors=True)
+    report = {"samples": f"{args.num_samples} x {args.seq_len}", "threads": args.threads, "estimates": estimates,
+              "measured": measured, "host": harness.host_facts()}
+    print(json.dumps(report, indent=2))
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+
+
 def build_checkpoint(cache: Path, layers: int | None) -> Path:
     """The Llama-3.1-8B-shaped checkpoint, built once by build_large_checkpoint.py in a child process (so that
     no measured command inherits its memory)."""
@@ -95,17 +130,20 @@ def build_checkpoint(cache: Path, layers: int | None) -> Path:
     return Path(subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True).stdout.strip().splitlines()[-1])
 
 
-def dry_run(model: Path, dst: Path, recipe: str, threads: int, env: dict, workdir: Path) -> dict:
-    """quantkit's preflight for this run: peak RAM (GiB) and its parts, output bytes, time, and its own wall time."""
+def dry_run(model: Path, dst: Path, recipe: str, threads: int, env: dict, workdir: Path, *options: str) -> dict:
+    """quantkit's preflight for this run: peak RAM (GiB) and its parts, output bytes, time, resume state, and its
+    own wall time."""
     plan_file = workdir / "dry-run.json"
-    cmd = harness.quantkit_command("finalize", model, dst, "-q", recipe, "--threads", threads, "--dry-run", "--json", plan_file)
+    cmd = harness.quantkit_command("finalize", model, dst, "-q", recipe, *options, "--threads", threads, "--dry-run",
+                                   "--json", plan_file)
     run = harness.measure(cmd, env)
     if run.returncode:
         sys.exit(f"quantkit --dry-run failed ({run.returncode}):\n{run.stderr_tail}")
     report = json.loads(plan_file.read_text())["preflight"]
     return {"peak_ram_gib": round(report["peak_ram_bytes"] / GIB, 2),
             "peak_ram_breakdown_gib": {part: round(size / GIB, 2) for part, size in report["peak_ram_breakdown"].items()},
-            "output_bytes": report["output_bytes"], "time": report.get("time"), "seconds": round(run.seconds, 1)}
+            "output_bytes": report["output_bytes"], "work_dir_bytes": report["work_dir_bytes"], "time": report.get("time"),
+            "seconds": round(run.seconds, 1)}
 
 
 def print_report(report: dict) -> None:
@@ -132,6 +170,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=list(RECIPES))
     p.add_argument("--threads", type=int, default=2, help="torch threads of each tool (and OMP_NUM_THREADS)")
     p.add_argument("--workers", type=int, default=2, help="model_free_ptq's worker threads (one shard each)")
+    p.add_argument("--gptq-layers", type=int, metavar="K",
+                   help="check GPTQ's preflight at 8B against a measured run of a K-layer copy instead")
+    p.add_argument("--calib-data", type=Path, default=harness.WIKITEXT / "test.txt", help="GPTQ's calibration text")
+    p.add_argument("--num-samples", type=int, default=16)
+    p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--json", type=Path)
     return p.parse_args(argv)
 
