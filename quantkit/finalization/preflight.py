@@ -50,6 +50,11 @@ from quantkit.quant.registry import AlgorithmStep, Format, Recipe
 
 LOAD_AND_WRITE_COPIES = {Format.COMPRESSED_TENSORS: 2.3, Format.TORCHAO: 1.75}
 STREAMED_LAYER_COPIES = 3
+# float32 copies of the widest Linear that rounding it to nearest holds at once (its scales, grid values and the
+# dequantized weight), measured on a Llama-3.1-8B layer (down_proj, 14336 x 4096) by the VmHWM growth: an integer
+# grid 1.5, FP8 3.7, NVFP4 (group and global scales) 11. A streamed layer is read (mapped, 1 copy) and rounded
+# Linear by Linear: its phase is the larger of STREAMED_LAYER_COPIES layers and one layer plus this.
+ROUNDING_COPIES = {"nvfp4": 11.0, "float": 3.7, "int": 1.5}
 _LOAD_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -86,7 +91,9 @@ def estimate(prepared, recipe: Recipe, options, world_size: int, dst: str | Path
         copied = prepared.rotator is not None or dtype not in ("auto", _stored_dtype(headers))
         largest = max((numel[n] * size(n) for n in headers if not _LAYER.search(n)), default=0) if copied else 0
         outside_layers["embeddings, final norm and lm_head (read at the start and at the end, held once)"] = rest + largest
-        ram["one decoder layer (read, quantized, packed)"] = STREAMED_LAYER_COPIES * max(per_layer.values(), default=0)
+        layer = max(per_layer.values(), default=0)
+        rounding = 0 if recipe.needs_calibration else rounding_bytes(_first_layer(prepared.plan))
+        ram["one decoder layer (read, quantized, packed)"] = max(STREAMED_LAYER_COPIES * layer, layer + rounding)
     else:
         ram["model and its transient copy while loading and writing"] = int(LOAD_AND_WRITE_COPIES[prepared.format] * model_bytes)
     if prepared.rotator is not None:  # float64 copies of CHUNK_ROWS rows of the widest weight (`algorithms.rotation`)
@@ -323,6 +330,14 @@ def autoround_bytes(plan: list[ModulePlan], samples: int, seq_len: int, hidden: 
     if world_size > 1:
         needs["AutoRound every rank's samples of the layer (inputs and targets)"] = 2 * total * seq_len * hidden * element
     return needs
+
+
+def rounding_bytes(layer: list[ModulePlan]) -> int:
+    """What rounding the layer's widest Linear to nearest holds at once (ROUNDING_COPIES)."""
+    def copies(spec) -> float:
+        return ROUNDING_COPIES["nvfp4" if spec.global_scale else "float" if spec.dtype.is_float else "int"]
+
+    return int(max((copies(e.scheme.weights) * 4 * e.in_features * e.out_features for e in layer), default=0))
 
 
 def _layer_bytes(headers, numel, size) -> dict[int, int]:

@@ -43,7 +43,7 @@ def finalize(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=600)
 
 
-@pytest.mark.parametrize("recipe", ["int4-weight-only", "int8-dynamic-act-int4-weight", "gptq-w4a16"])
+@pytest.mark.parametrize("recipe", ["int4-weight-only", "int8-dynamic-act-int4-weight", "nvfp4-a16", "gptq-w4a16"])
 def test_estimates_are_within_a_quarter_of_the_measured_run(model_dir, calib, tmp_path, recipe):
     done = finalize(str(model_dir), str(tmp_path / "out"), "-q", recipe, "--calib-data", str(calib),
                     "--num-samples", "8", "--seq-len", "128", "--json", str(tmp_path / "run.json"))
