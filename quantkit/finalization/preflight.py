@@ -142,6 +142,8 @@ def estimate(prepared, recipe: Recipe, options, world_size: int, dst: str | Path
                 positions=2 * max(shares) * seq_len * _head_dim(config) * element,
                 budget=options.max_device_bytes if options.max_device_bytes else free_device_bytes(options.device))
             device = gpu["peak_bytes"]
+            if gpu["mode"] == "offloaded" and any(s.name is Algorithm.AWQ for s in recipe.before_quantizer):
+                ram["AWQ's attention and MLP inputs, offloaded to CPU memory"] = calib[_HIDDEN_STATES]
     if learning is not None and options.device != "cpu":  # the whole model on the device while it learns
         device = max(device or 0, model_bytes + learning)
     if sum(outside_layers.values()) > sum(ram.values()) - fixed:
