@@ -214,6 +214,8 @@ def print_plan(plan: dict, recipe: str, dst) -> None:
     report = plan["preflight"]
     table = Table(title=f"{recipe} -> {dst}: preflight (nothing loaded)", show_header=False)
     table.add_row("peak RAM", f"about {human_bytes(report['peak_ram_bytes'])} per rank")
+    if report.get("memory_shortfall"):
+        table.add_row("", f"DOES NOT FIT: {report['memory_shortfall']}")
     table.add_row("", "the model streamed, one decoder layer at a time" if report["streamed"] else "the whole model loaded (see `--in-memory`)")
     for part, size in report["peak_ram_breakdown"].items():
         table.add_row("", f"{human_bytes(size)}  {part}")

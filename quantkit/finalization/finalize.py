@@ -258,6 +258,7 @@ def finalize(
     world = distributed.world_from_env()[1]
     estimate = preflight.estimate(prepared, recipe, calibration or CalibrationOptions(), world, dst, prepared.dtype)
     preflight.check_disk(estimate, dst)
+    preflight.check_memory(estimate)
     preflight.check_device_budget(estimate)
     prepared.offloaded = (estimate.get("device_plan") or {}).get("mode") == "offloaded"
     if announce is not None:
@@ -494,6 +495,7 @@ def dry_run(src: str | Path, recipe: Recipe, fmt: Format | None, calibration: Ca
     report = preflight.estimate(prepared, recipe, options, world_size, dst, prepared.dtype, measure_time=True,
                                 trust_remote_code=trust_remote_code)
     preflight.check_device_budget(report)
+    report["memory_shortfall"] = preflight.memory_shortfall(report)
     return {
         "ranks": world_size,
         "samples_per_rank": report["samples_per_rank"],

@@ -143,7 +143,7 @@ def estimate(prepared, recipe: Recipe, options, world_size: int, dst: str | Path
                 budget=options.max_device_bytes if options.max_device_bytes else free_device_bytes(options.device))
             device = gpu["peak_bytes"]
             if gpu["mode"] == "offloaded" and any(s.name is Algorithm.AWQ for s in recipe.before_quantizer):
-                ram["AWQ's attention and MLP inputs, offloaded to CPU memory"] = calib[_HIDDEN_STATES]
+                ram[_AWQ_OFFLOADED] = calib[_HIDDEN_STATES]
     if learning is not None and options.device != "cpu":  # the whole model on the device while it learns
         device = max(device or 0, model_bytes + learning)
     if sum(outside_layers.values()) > sum(ram.values()) - fixed:
@@ -504,6 +504,45 @@ def check_disk(report: dict, dst: str | Path) -> None:
             f"{' and the resume state' if report['work_dir_bytes'] else ''}) but its file system has "
             f"{_gb(report['free_disk_bytes'])} free; free some space or choose another DST"
         )
+
+
+_AWQ_OFFLOADED = "AWQ's attention and MLP inputs, offloaded to CPU memory"
+# the peak RAM terms that grow with the calibration samples (`check_memory`)
+_PER_SAMPLE = (_HIDDEN_STATES, _HELD_STAGE_INPUTS, _AWQ_OFFLOADED,
+               "AutoRound float model's hidden states (before and after the layer, this rank)",
+               "AutoRound every rank's samples of the layer (inputs and targets)")
+
+
+def check_memory(report: dict, available: int | None = None) -> None:
+    """Refuse, before any weight is loaded, a calibrated run whose estimated peak RAM is more than the machine has
+    (`memory_shortfall`)."""
+    from quantkit.errors import UsageError
+
+    shortfall = memory_shortfall(report, available)
+    if shortfall:
+        raise UsageError(shortfall)
+
+
+def memory_shortfall(report: dict, available: int | None = None) -> str | None:
+    """Why a calibrated run's estimated peak RAM does not fit the machine (`available`: what the system could still
+    give, plus what this process holds already), naming the --num-samples whose calibration activations would fit;
+    None when it fits."""
+    shares = report.get("samples_per_rank")
+    if not shares:
+        return None
+    if available is None:
+        import psutil
+
+        available = psutil.virtual_memory().available + peak_resident_bytes()
+    peak = report["peak_ram_bytes"]
+    if peak <= available:
+        return None
+    growing = sum(v for k, v in report["peak_ram_breakdown"].items() if k in _PER_SAMPLE)
+    per_sample = growing / max(1, max(shares))
+    fits = int((available - (peak - growing)) // per_sample) * len(shares) if per_sample else 0
+    advice = (f"pass --num-samples {fits} or fewer (or a shorter --seq-len)" if fits >= len(shares) else
+              "even one sample does not fit: use a machine with more memory")
+    return f"calibration needs about {_gb(peak)} of RAM and this machine has {_gb(available)} available; {advice}"
 
 
 def _gb(size: int) -> str:

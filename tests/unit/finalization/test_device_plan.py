@@ -1,5 +1,5 @@
-"""The GPU memory plan of a calibrated finalize (`preflight.device_plan`): the mode a budget leads to, the peak, and
-the refusal of a budget below what calibrating needs."""
+"""The memory plans of a calibrated finalize: the GPU's (`preflight.device_plan`: the mode a budget leads to, the peak,
+the refusal of a budget below what calibrating needs) and the RAM's refusal (`preflight.check_memory`)."""
 
 import pytest
 
@@ -50,3 +50,41 @@ def test_autoround_is_never_offloaded():
     assert plan["offloaded_bytes"] == plan["resident_bytes"] > 22 * GIB
     with pytest.raises(UsageError, match="tunes against"):
         preflight.check_device_budget({"device_plan": plan})
+
+
+def _ram_report(hidden: int) -> dict:
+    return {"samples_per_rank": [64, 64], "peak_ram_bytes": 2 * GIB + hidden,
+            "peak_ram_breakdown": {"fixed (this process: python, torch, transformers)": GIB,
+                                   "one decoder layer (read, quantized, packed)": GIB,
+                                   "calibration hidden states (this rank)": hidden}}
+
+
+def test_calibration_activations_beyond_the_machine_s_memory_are_refused_naming_the_samples_that_fit():
+    preflight.check_memory(_ram_report(8 * GIB), available=12 * GIB)  # 10 GiB: fits
+    with pytest.raises(UsageError, match=r"needs about 19.33 GB of RAM .* 12.88 GB available; pass --num-samples 80 "
+                                         r"or fewer") as raised:
+        preflight.check_memory(_ram_report(16 * GIB), available=12 * GIB)  # 2 + 16 GiB: 10 GiB left for 40 of each rank's 64
+    assert "\n" not in str(raised.value)
+    assert "even one sample" in preflight.memory_shortfall(_ram_report(16 * GIB), available=2 * GIB)
+    assert preflight.memory_shortfall({"samples_per_rank": None}, available=0) is None  # round to nearest: no samples
+
+
+def test_finalize_refuses_before_reading_a_weight_when_the_activations_cannot_fit(tiny_model_dir, text_file, tmp_path,
+                                                                                   monkeypatch):
+    import psutil
+
+    from quantkit.finalization.checks import CalibrationOptions
+    from quantkit.finalization.finalize import finalize
+    from quantkit.models import loading, streaming
+    from quantkit.quant.registry import resolve
+
+    def read_weights(*args, **kwargs):
+        raise AssertionError("a weight was read")
+
+    monkeypatch.setattr(loading, "load_model", read_weights)
+    monkeypatch.setattr(streaming, "open_streamed", read_weights, raising=False)
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: type("Memory", (), {"available": 0})())
+    options = CalibrationOptions(data=str(text_file), num_samples=4, seq_len=32)
+    with pytest.raises(UsageError, match="of RAM and this machine has"):
+        finalize(tiny_model_dir, tmp_path / "out", resolve("gptq-w4a16"), calibration=options)
+    assert not (tmp_path / "out").exists()
