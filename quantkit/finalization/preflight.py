@@ -50,8 +50,8 @@ from quantkit.quant.registry import AlgorithmStep, Format, Recipe
 
 LOAD_AND_WRITE_COPIES = {Format.COMPRESSED_TENSORS: 2.3, Format.TORCHAO: 1.75}
 STREAMED_LAYER_COPIES = 3
-# float32 copies of the widest Linear that rounding it to nearest holds at once (its scales, grid values and the
-# dequantized weight), measured on a Llama-3.1-8B layer (down_proj, 14336 x 4096) by the VmHWM growth: an integer
+# float32 copies of the widest Linear that rounding it to nearest holds at once, measured on a Llama-3.1-8B layer
+# (down_proj, 14336 x 4096: the growth of VmHWM while round_to_nearest quantizes the layer): an integer
 # grid 1.5, FP8 3.7, NVFP4 (group and global scales) 11. A streamed layer is read (mapped, 1 copy) and rounded
 # Linear by Linear: its phase is the larger of STREAMED_LAYER_COPIES layers and one layer plus this.
 ROUNDING_COPIES = {"nvfp4": 11.0, "float": 3.7, "int": 1.5}
