@@ -71,7 +71,7 @@ if [[ " $STEPS " == *" scale "* ]]; then
     python3 "$REPO/scripts/bench_gpu_scale.py" --llmc-python /tmp/llmc-python --workdir /tmp/bench-scale \
         --text "$data/wikitext-2/valid.txt" "$data/wikitext-2/test.txt" "$data/tinyshakespeare/input.txt" \
         --deadline ${SCALE_DEADLINE:-420} --timeout ${SCALE_JOB_TIMEOUT:-300} --json "$OUT/bench-scale.json" \
-        --jobs ${SCALE_JOBS:-qk:gptq-w4a16:8b-l8:512 qk:gptq-w4a16:8b-l8:512:22GiB qk:awq-w4a16:8b-l8:512} 2>&1 \
+        --jobs ${SCALE_JOBS:-qk:gptq-w4a16:8b:512 qk:awq-w4a16:8b:512 qk:gptq-w4a16:8b-l4:512:22GiB} 2>&1 \
         | tee "$OUT/bench-scale.txt" || status=1
     tar czf "$OUT/scale-logs.tgz" -C /tmp/bench-scale logs 2>/dev/null || true
 fi
