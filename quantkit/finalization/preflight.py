@@ -524,9 +524,11 @@ def check_memory(report: dict, available: int | None = None) -> None:
 
 
 def memory_shortfall(report: dict, available: int | None = None) -> str | None:
-    """Why a calibrated run's estimated peak RAM does not fit the machine (`available`: what the system could still
-    give, plus what this process holds already), naming the --num-samples whose calibration activations would fit;
-    None when it fits."""
+    """Why a calibrated run cannot fit the machine (`available`: what the system could still give, plus what this
+    process holds already), naming the --num-samples whose calibration activations would fit; None when it can.
+    Judged on what the run cannot do without, the fixed cost and the terms that grow with the samples (hidden
+    states, held inputs), not on the whole estimate: its Hessian and activation terms are upper bounds (a GPTQ
+    run at 8B measured half the estimated peak), and a run that would fit must not be refused."""
     shares = report.get("samples_per_rank")
     if not shares:
         return None
@@ -534,15 +536,17 @@ def memory_shortfall(report: dict, available: int | None = None) -> str | None:
         import psutil
 
         available = psutil.virtual_memory().available + peak_resident_bytes()
-    peak = report["peak_ram_bytes"]
-    if peak <= available:
+    breakdown = report["peak_ram_breakdown"]
+    fixed = next(iter(breakdown.values()), 0)  # the process's own (python, torch, transformers): listed first
+    growing = sum(v for k, v in breakdown.items() if k in _PER_SAMPLE)
+    if fixed + growing <= available:
         return None
-    growing = sum(v for k, v in report["peak_ram_breakdown"].items() if k in _PER_SAMPLE)
     per_sample = growing / max(1, max(shares))
-    fits = int((available - (peak - growing)) // per_sample) * len(shares) if per_sample else 0
+    fits = int((available - fixed) // per_sample) * len(shares) if per_sample else 0
     advice = (f"pass --num-samples {fits} or fewer (or a shorter --seq-len)" if fits >= len(shares) else
               "even one sample does not fit: use a machine with more memory")
-    return f"calibration needs about {_gb(peak)} of RAM and this machine has {_gb(available)} available; {advice}"
+    return (f"the calibration activations alone need about {_gb(fixed + growing)} of RAM and this machine has "
+            f"{_gb(available)} available; {advice}")
 
 
 def _gb(size: int) -> str:
