@@ -18,16 +18,20 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory, tiny_model_dir) -> Path:
+    return _bf16_llama(tmp_path_factory.mktemp("preflight") / "llama136m", tiny_model_dir, hidden_size=768,
+                       intermediate_size=2048, num_hidden_layers=6, num_attention_heads=12, vocab_size=16384)
+
+
+def _bf16_llama(out: Path, tokenizer_from: Path, **shape) -> Path:
+    """A bf16 Llama of random weights (seed 0) of this shape, with the tokenizer of `tokenizer_from`."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    out = tmp_path_factory.mktemp("preflight") / "llama136m"
     torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=768, intermediate_size=2048, num_hidden_layers=6, num_attention_heads=12,
-                         num_key_value_heads=12, vocab_size=16384, max_position_embeddings=512)
+    config = LlamaConfig(num_key_value_heads=shape["num_attention_heads"], max_position_embeddings=512, **shape)
     LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(out)
     for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tiny_model_dir / name, out / name)
+        shutil.copy(tokenizer_from / name, out / name)
     return out
 
 
@@ -127,16 +131,8 @@ def test_streamed_round_to_nearest_holds_the_embeddings_and_lm_head_once(tmp_pat
     """Where the embeddings and lm_head outweigh a decoder layer (a large vocabulary, as at 8B: 2.1 GB of 16), the
     streamed peak is the fixed cost plus them, once: safetensors maps them (no copy), and they are read at the end
     and written as they are. The estimate is within 15% of the measured peak."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    src = tmp_path / "wide-vocab"
-    torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=384, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=6,
-                         num_key_value_heads=6, vocab_size=196608, max_position_embeddings=512)
-    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(src)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tiny_model_dir / name, src / name)
+    src = _bf16_llama(tmp_path / "wide-vocab", tiny_model_dir, hidden_size=384, intermediate_size=1024,
+                      num_hidden_layers=2, num_attention_heads=6, vocab_size=196608)
     done = finalize(str(src), str(tmp_path / "out"), "-q", "int4-weight-only", "--json", str(tmp_path / "run.json"))
     assert done.returncode == 0, done.stderr[-2000:]
     run = json.loads((tmp_path / "run.json").read_text())
