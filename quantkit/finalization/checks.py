@@ -208,7 +208,9 @@ def calibration_samples(src: Path, recipe: Recipe, options: CalibrationOptions, 
     check_seq_len(src, config or models.load_config(src, trust_remote_code), seq_len,
                   None if options.seq_len else recipe.name)
     spec = options.data or recipe.calibration.dataset
-    ids = data.tokenize(models.load_tokenizer(src, trust_remote_code), data.load_texts(spec))
+    tokenizer = models.load_tokenizer(src, trust_remote_code, fix="calibration tokenizes its data with the model's "
+                                      "own tokenizer: copy its tokenizer files (tokenizer.json, tokenizer_config.json) into SRC")
+    ids = data.tokenize(tokenizer, data.load_texts(spec))
     num_samples = options.num_samples or recipe.calibration.num_samples
     return data.sample_blocks(ids, num_samples, seq_len, seed=options.seed, source=f"the calibration data {spec}")
 

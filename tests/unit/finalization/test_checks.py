@@ -1,5 +1,6 @@
 """finalize's checks before any work: what a user gets wrong is refused at once, with what to do."""
 
+import shutil
 import subprocess
 import sys
 
@@ -249,3 +250,16 @@ def test_calibration_data_is_refused_before_any_weight_is_read(tiny_model_dir, t
     with pytest.raises(UsageError, match=message):
         finalize(tiny_model_dir, tmp_path / "out", registry.resolve("gptq-w4a16"), calibration=options)
     assert not (tmp_path / "out").exists()
+
+
+def test_calibration_without_a_tokenizer_says_what_to_copy(tiny_model_dir, tmp_path):
+    from quantkit.errors import SourceModelError
+    from quantkit.finalization.checks import CalibrationOptions, calibration_samples
+
+    src = tmp_path / "no-tokenizer"
+    shutil.copytree(tiny_model_dir, src, ignore=shutil.ignore_patterns("tokenizer*", "special_tokens*", "vocab*", "merges*"))
+    (tmp_path / "calib.txt").write_text("some calibration text " * 200)
+    options = CalibrationOptions(data=str(tmp_path / "calib.txt"), num_samples=2, seq_len=16)
+    with pytest.raises(SourceModelError, match="has no tokenizer files; calibration tokenizes its data with the model's "
+                                               "own tokenizer: copy its tokenizer files"):
+        calibration_samples(src, registry.resolve("gptq-w4a16"), options)
