@@ -57,7 +57,7 @@ def run_layer(layer: nn.Module, inputs: list[tuple]) -> list[torch.Tensor]:
 
 def hidden_state(args: tuple, kwargs: dict) -> torch.Tensor:
     """The hidden states of one captured call."""
-    return args[0] if args else kwargs["hidden_states"]
+    return offload.hidden_of((args, kwargs))
 
 
 def cut_rows(call: tuple, start: int, stop: int) -> tuple[tuple, dict]:

@@ -122,7 +122,8 @@ def _side_stream(device: torch.device):
     return _STREAMS[device]
 
 
-def _hidden_of(call: tuple) -> torch.Tensor:
+def hidden_of(call: tuple) -> torch.Tensor:
+    """The hidden states of one (args, kwargs) layer call."""
     args, kwargs = call
     return args[0] if args else kwargs["hidden_states"]
 
@@ -146,7 +147,7 @@ class HostCalls(Sequence):
         return self.hidden.device
 
     def append(self, call: tuple) -> None:
-        self.hidden.append(_hidden_of(call))
+        self.hidden.append(hidden_of(call))
         self.templates.append(_with(call, None))
 
     def __len__(self) -> int:
@@ -165,7 +166,7 @@ def batch_shapes(calls: Sequence) -> list[torch.Size]:
     """The hidden states' shape of each call, read without copying offloaded ones to the device."""
     if isinstance(calls, HostCalls):
         return [hidden.shape for hidden in calls.hidden.host]
-    return [_hidden_of(call).shape for call in calls]
+    return [hidden_of(call).shape for call in calls]
 
 
 def is_offloaded(values: Any) -> bool:
@@ -198,7 +199,7 @@ def hidden_states(calls: Sequence) -> Sequence:
     """The hidden states of each call: the `HostBatches` itself for offloaded calls."""
     if isinstance(calls, HostCalls):
         return calls.hidden
-    return [_hidden_of(call) for call in calls]
+    return [hidden_of(call) for call in calls]
 
 
 GROUP_BYTES = 2 << 30  # offloaded calls a step holds on the device at once (`resident_groups`), with as much again

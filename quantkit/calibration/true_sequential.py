@@ -79,7 +79,7 @@ def run_stages(layer: nn.Module, wiring: LayerWiring, calls: list[tuple[torch.Te
         if offload.is_offloaded(residual):  # each batch read once: its down input is computed from it here
             outputs = offload.collector(residual)
             for h in residual:
-                outputs.append(h + down.forward(_input_of(down, lambda: mlp(post_attention_norm(h)))))
+                outputs.append(h + down.forward(activated(h)))
             return outputs
         for h, a in zip(residual, down_inputs):  # in place: the residual stream is this function's own
             h += down.forward(a)  # not down(a): `a` is down's input after its pre-hooks (R4's online rotation)

@@ -134,15 +134,14 @@ def estimate(prepared, recipe: Recipe, options, world_size: int, dst: str | Path
         ram.update(calib)
         work_dir = _work_dir_bytes(headers, numel, size, quantized, shares, seq_len, hidden, element, streams)
         if options.device != "cpu":
-            per_layer = _layer_bytes(headers, numel, size)
+            awq = any(s.name is Algorithm.AWQ for s in recipe.before_quantizer)
             gpu = device_plan(
-                layer=max(per_layer.values(), default=model_bytes // (layers + 2)),
+                layer=max(_layer_bytes(headers, numel, size).values(), default=model_bytes // (layers + 2)),
                 copy=calib[_HIDDEN_STATES] // 2, batches=-(-max(shares) // options.batch_size), calib=calib,
-                algorithm=recipe.quantizer.name, awq=any(s.name is Algorithm.AWQ for s in recipe.before_quantizer),
-                positions=2 * max(shares) * seq_len * _head_dim(config) * element,
-                budget=options.max_device_bytes if options.max_device_bytes else free_device_bytes(options.device))
+                algorithm=recipe.quantizer.name, awq=awq, positions=2 * max(shares) * seq_len * _head_dim(config) * element,
+                budget=options.max_device_bytes or free_device_bytes(options.device))
             device = gpu["peak_bytes"]
-            if gpu["mode"] == "offloaded" and any(s.name is Algorithm.AWQ for s in recipe.before_quantizer):
+            if gpu["mode"] == "offloaded" and awq:
                 ram[_AWQ_OFFLOADED] = calib[_HIDDEN_STATES]
     if learning is not None and options.device != "cpu":  # the whole model on the device while it learns
         device = max(device or 0, model_bytes + learning)

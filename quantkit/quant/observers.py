@@ -8,6 +8,7 @@ or AVG. Reducing the partial states with the declared ops equals observing every
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
 from typing import ClassVar
 
@@ -191,11 +192,9 @@ def gram_blocks(rows: torch.Tensor, exact_tf32: bool = False) -> list[torch.Tens
     the same terms as float32's, at ~8x its rate (an 8B model's down projection Hessian for 512 x 2048 tokens is
     0.4 PFLOP a layer)."""
     size = rows.shape[1]
-    if rows.device.type == "cuda" and exact_tf32:
-        with _tf32():
-            return [rows[:, s : s + HESSIAN_ROWS].T @ rows[:, s:] for s in range(0, size, HESSIAN_ROWS)]
     if rows.device.type != "cpu":
-        return [rows[:, s : s + HESSIAN_ROWS].T @ rows[:, s:] for s in range(0, size, HESSIAN_ROWS)]
+        with _tf32() if rows.device.type == "cuda" and exact_tf32 else contextlib.nullcontext():
+            return [rows[:, s : s + HESSIAN_ROWS].T @ rows[:, s:] for s in range(0, size, HESSIAN_ROWS)]
     array = rows.contiguous().numpy()
     return [torch.from_numpy(array[:, s : s + HESSIAN_ROWS].T @ array[:, s:]) for s in range(0, size, HESSIAN_ROWS)]
 
