@@ -9,7 +9,7 @@ import typer
 
 from quantkit.cli.console import human_bytes, json_to_stdout, out, quiet_libraries, write_json
 from quantkit.cli.launch import Launch, relaunch
-from quantkit.export import atomic
+from quantkit.export import atomic, check_destination_name, single_file
 from quantkit.models import sources
 from quantkit.quant import registry
 from quantkit.runtime import hardware
@@ -111,7 +111,8 @@ def finalize(
     fmt = registry.Format(format.value) if format else None
     src = sources.resolve_source(src, revision)  # before torch loads: a wrong SRC or DST is reported at once
     if not dry_run:
-        atomic.check_destination(dst, overwrite)
+        check_destination_name(dst, fmt or recipe.format)
+        atomic.check_destination(dst, overwrite, single_file(fmt or recipe.format) is not None)
         atomic.check_work_dir(dst, resume, None if runtime.under_torchrun() else launch.world_size)
         if not runtime.under_torchrun():
             hardware.check_ranks(device, launch.nproc_per_node)  # CUDA: one GPU per rank, refused before launching

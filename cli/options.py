@@ -12,6 +12,7 @@ import typer
 class FormatChoice(str, Enum):
     compressed_tensors = "compressed-tensors"
     torchao = "torchao"
+    gguf = "gguf"
 
 
 class DtypeChoice(str, Enum):

@@ -36,9 +36,39 @@ class Exporter(Protocol):
 def exporter(fmt: Format) -> Exporter:
     if fmt is Format.COMPRESSED_TENSORS:
         from quantkit.export import compressed_tensors as module
+    elif fmt is Format.GGUF:
+        from quantkit.export import gguf as module
     else:
         from quantkit.export import torchao as module
     return module
+
+
+SINGLE_FILES = {Format.GGUF: "model.gguf"}  # formats whose artifact is one file: its name in the temporary directory
+
+
+def single_file(fmt: Format) -> str | None:
+    """The one file an artifact of this format is (its name inside the temporary directory), or None for a
+    directory of files. Read without importing the exporter (the CLI checks DST before torch is imported)."""
+    return SINGLE_FILES.get(fmt)
+
+
+def for_format(recipe: Recipe, fmt: Format) -> Recipe:
+    """The recipe as it quantizes for `fmt`: GGUF chooses integer grids' scales on fp16, the dtype it stores."""
+    if fmt is Format.GGUF:
+        from quantkit.export.gguf import for_gguf
+        return for_gguf(recipe)
+    return recipe
+
+
+def check_destination_name(dst: Path, fmt: Format) -> None:
+    """A GGUF is one file named *.gguf; a directory artifact is not named so (a user who meant GGUF forgot the
+    format)."""
+    from quantkit.errors import UsageError
+
+    if fmt is Format.GGUF and Path(dst).suffix != ".gguf":
+        raise UsageError(f"a GGUF artifact is one file: name DST with .gguf (e.g. {Path(dst).name}.gguf)")
+    if fmt is not Format.GGUF and Path(dst).suffix == ".gguf":
+        raise UsageError(f"{dst} ends in .gguf but the format is {fmt.value}: pass --format gguf (or a gguf-* recipe)")
 
 
 def check_supported(recipe: Recipe, fmt: Format) -> None:

@@ -17,12 +17,15 @@ from quantkit.errors import DestinationExistsError, UsageError
 STATE = "state.json"  # in a work directory: the interrupted run (`calibration.resume`)
 
 
-def check_destination(dst: Path, overwrite: bool) -> None:
-    """Refuse, before any work, a DST that exists (without `overwrite`), is a file, or cannot be created."""
+def check_destination(dst: Path, overwrite: bool, single_file: bool = False) -> None:
+    """Refuse, before any work, a DST that exists (without `overwrite`), is a file where a directory is written
+    (or a directory where one file is: `single_file`, GGUF), or cannot be created."""
     dst = Path(dst)
     if dst.exists() and not overwrite:
         raise DestinationExistsError(f"{dst} already exists; pass --overwrite to replace it or choose another path")
-    if dst.exists() and not dst.is_dir():
+    if dst.exists() and single_file and dst.is_dir():
+        raise DestinationExistsError(f"{dst} is a directory, and this format is one file; choose a file path")
+    if dst.exists() and not single_file and not dst.is_dir():
         raise DestinationExistsError(f"{dst} exists and is a file; choose a directory path")
     parent = next(p for p in dst.absolute().parents if p.exists())
     if not parent.is_dir():
@@ -99,16 +102,21 @@ def _alive(pid: int) -> bool:
 
 
 @contextlib.contextmanager
-def atomic_directory(dst: str | Path, overwrite: bool = False) -> Iterator[Path]:
-    """Yield a temporary directory; on success it replaces `dst`. On any failure or Ctrl-C nothing is left."""
+def atomic_directory(dst: str | Path, overwrite: bool = False, single_file: str | None = None) -> Iterator[Path]:
+    """Yield a temporary directory; on success it replaces `dst`. On any failure or Ctrl-C nothing is left.
+    `single_file`: the artifact is that one file of the directory (GGUF), which replaces `dst` alone; the rest of
+    the directory (the files it was made from) is removed."""
     dst = Path(dst)
-    check_destination(dst, overwrite)
+    check_destination(dst, overwrite, single_file is not None)
     dst.parent.mkdir(parents=True, exist_ok=True)
     remove_abandoned(dst)
     tmp = Path(tempfile.mkdtemp(prefix=f"{_tmp_prefix(dst)}{socket.gethostname()}-{os.getpid()}-", dir=dst.parent))
     try:
         yield tmp
-        if dst.exists():
+        if single_file is not None:
+            (tmp / single_file).replace(dst)
+            shutil.rmtree(tmp, ignore_errors=True)
+        elif dst.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.old-", dir=dst.parent))
             dst.rename(old / dst.name)
             tmp.rename(dst)

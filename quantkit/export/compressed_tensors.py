@@ -39,6 +39,8 @@ from quantkit.runtime import placement
 
 def unsupported(recipe: Recipe) -> str | None:
     """What the installed compressed-tensors cannot write of this recipe (a format of a newer release), or None."""
+    if recipe.scheme.weights.scale_dtype is ScaleDtype.FLOAT16:
+        return "fp16 scales are GGUF's (vLLM's kernels take scales in the model's dtype)"
     if compression_format(recipe.scheme) == "pack-quantized":
         return ct_compat.cannot_pack(recipe.scheme.weights.dtype.bits)
     return None

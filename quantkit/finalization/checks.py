@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from quantkit.errors import FormatError, HardwareError, UsageError
-from quantkit.export import atomic, check_supported, metadata
+from quantkit.export import atomic, check_destination_name, check_supported, metadata, single_file
 from quantkit.models import loading as models
 from quantkit.models import moe, sources
 from quantkit.quant.plan import ModulePlan, coverage, plan_model
@@ -79,7 +79,8 @@ def prepare(
     fmt = fmt or recipe.format
     options = calibration or CalibrationOptions()
     if dst is not None:
-        atomic.check_destination(Path(dst), overwrite)
+        check_destination_name(Path(dst), fmt)
+        atomic.check_destination(Path(dst), overwrite, single_file(fmt) is not None)
     shard_bytes = sources.parse_size(max_shard_size) if max_shard_size else None
     if recipe.needs_samples:
         hardware.check_device(options.device)
@@ -91,6 +92,9 @@ def prepare(
     config = models.load_config(src, trust_remote_code)
     skeleton = moe.linearize(models.meta_model(config, trust_remote_code))
     plan = _check_model(src, skeleton, recipe, fmt)
+    if fmt is Format.GGUF:
+        from quantkit.export.gguf import plan_for_gguf
+        plan = plan_for_gguf(plan, getattr(config, "model_type", None))
     rotator = _check_rotations(skeleton, recipe, trained)
     report = coverage(skeleton, plan)
     if fmt is Format.COMPRESSED_TENSORS:

@@ -19,7 +19,7 @@ from torch import nn
 
 from quantkit.algorithms import Algorithm, get_algorithm
 from quantkit.errors import ExportError, InterruptedRunError, QuantkitError
-from quantkit.export import atomic, exporter, metadata
+from quantkit.export import atomic, exporter, for_format, metadata, single_file
 from quantkit.finalization.checks import CalibrationOptions, Prepared, calibration_samples, prepare
 from quantkit.models import loading as models
 from quantkit.models import moe
@@ -250,6 +250,7 @@ def finalize(
 
     start = time.perf_counter()
     dst = Path(dst)
+    recipe = for_format(recipe, fmt or recipe.format)
     prepared = prepare(src, recipe, fmt, trust_remote_code, force_recipe, revision, in_memory, dst=dst, overwrite=overwrite,
                        resume=resume, max_shard_size=max_shard_size, calibration=calibration or CalibrationOptions(),
                        dtype=dtype)
@@ -281,7 +282,7 @@ def finalize(
             prepared.resumable.finish()
     return FinalizeResult(
         dst=dst, recipe=recipe, format=prepared.format, plan=prepared.plan, seconds=time.perf_counter() - start,
-        source_bytes=models.weights_size(prepared.src), output_bytes=models.weights_size(dst), threads=used_threads,
+        source_bytes=models.weights_size(prepared.src), output_bytes=_artifact_bytes(dst), threads=used_threads,
         calibration=prepared.calibration, coverage=prepared.coverage, preflight=estimate,
         peak_ram_bytes=preflight.peak_resident_bytes(), loading=prepared.loading,
         transforms=prepared.rotator.describe() if prepared.rotator is not None else None,
@@ -434,7 +435,8 @@ def _stream(streamed, prepared: Prepared, recipe: Recipe, dst: Path, overwrite: 
         map_large_allocations()
     plan = prepared.plan
     with contextlib.ExitStack() as stack:
-        tmp = stack.enter_context(atomic.atomic_directory(dst, overwrite)) if ctx.is_main else None
+        tmp = (stack.enter_context(atomic.atomic_directory(dst, overwrite, single_file(prepared.format)))
+               if ctx.is_main else None)
         writer = (exporter(prepared.format).StreamWriter(streamed.model, plan, recipe, tmp, prepared.shard_bytes, expected_bytes)
                   if tmp else None)
         background = samples is not None and placement.overlaps_io(torch.device(options.device))
@@ -450,8 +452,8 @@ def _stream(streamed, prepared: Prepared, recipe: Recipe, dst: Path, overwrite: 
         if writer is not None:
             with progress.task(f"Writing {dst}", total=None):
                 layer_io.write(streamed.rest(), rest, scales)
+                _write_beside(prepared, recipe, tmp)  # first: a one-file format (GGUF) embeds the tokenizer and record
                 writer.finish()
-                _write_beside(prepared, recipe, tmp)
 
 
 def _round_streamed(streamed, plan: list[ModulePlan], recipe: Recipe, prepared: Prepared, layer_io: _LayerIO,
@@ -476,6 +478,7 @@ def dry_run(src: str | Path, recipe: Recipe, fmt: Format | None, calibration: Ca
     device memory, output and work directory size, free disk at DST, and the time one layer takes here."""
     from quantkit.finalization import preflight
     options = calibration or CalibrationOptions()
+    recipe = for_format(recipe, fmt or recipe.format)
     prepared = prepare(src, recipe, fmt, trust_remote_code, revision=revision, in_memory=in_memory, dtype=dtype,
                        calibration=options)  # the calibration data checked as a run checks it
     quantized = [e for e in prepared.plan if e.quantized]
@@ -508,12 +511,17 @@ def dry_run(src: str | Path, recipe: Recipe, fmt: Format | None, calibration: Ca
 def write_artifact(quantized: QuantizedModel, prepared: Prepared, dst: Path, overwrite: bool, progress: Progress) -> None:
     """The format's files, the tokenizer and quantkit.json, into DST all at once (a temporary directory renamed)."""
     def write():
-        with atomic.atomic_directory(dst, overwrite) as tmp:
+        with atomic.atomic_directory(dst, overwrite, single_file(prepared.format)) as tmp:
             with progress.task(f"Writing {dst}", total=None):
+                _write_beside(prepared, quantized.recipe, tmp)  # first: a one-file format embeds them
                 exporter(prepared.format).write(quantized, tmp, prepared.shard_bytes)
-                _write_beside(prepared, quantized.recipe, tmp)
 
     _write_errors(dst, write)
+
+
+def _artifact_bytes(dst: Path) -> int:
+    """Bytes of the written weights: the safetensors files of a directory, or the one file (GGUF)."""
+    return dst.stat().st_size if dst.is_file() else models.weights_size(dst)
 
 
 def _write_errors(dst: Path, write) -> None:

@@ -108,7 +108,7 @@ def block_size(weight: torch.Tensor, spec: WeightSpec) -> tuple[int, int]:
 
 
 def scale_dtype(weight: torch.Tensor, spec: WeightSpec) -> torch.dtype:
-    return torch.float32 if spec.scale_dtype is ScaleDtype.FLOAT32 else weight.dtype
+    return {ScaleDtype.FLOAT32: torch.float32, ScaleDtype.FLOAT16: torch.float16}.get(spec.scale_dtype, weight.dtype)
 
 
 def choose_qparams(weight: torch.Tensor, spec: WeightSpec, global_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:

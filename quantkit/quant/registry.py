@@ -37,6 +37,7 @@ from quantkit.quant.schemes import (
 class Format(str, Enum):
     COMPRESSED_TENSORS = "compressed-tensors"
     TORCHAO = "torchao"
+    GGUF = "gguf"  # one file for llama.cpp (export/gguf.py)
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,7 @@ class ScaleDtype(str, Enum):
 
     FLOAT32 = "float32"
     MODEL = "model"  # the dtype of the model's weights (bf16 for a bf16 model)
+    FLOAT16 = "float16"  # integer grids whose scales GGUF stores as fp16 (Q4_0, Q8_0): the grid is exact in the file
     FLOAT8 = "float8_e4m3fn"  # NVFP4's group scales, under a per-tensor float32 global scale
     E8M0 = "float8_e8m0fnu"  # OCP microscaling (MX): a power of two, stored as its biased exponent (uint8)
 
@@ -119,6 +120,8 @@ class WeightSpec:
                 raise SchemeError("weights.scale_dtype", "float8_e8m0fnu (MX) scales are for float4/float8 weights in groups of 32")
         elif self.dtype is QDtype.FLOAT4:
             raise SchemeError("weights.scale_dtype", nvfp4)
+        elif self.scale_dtype is ScaleDtype.FLOAT16 and self.dtype.is_float:
+            raise SchemeError("weights.scale_dtype", "float16 scales are for integer weights (GGUF's Q4_0 / Q8_0 grids)")
         elif self.dtype is QDtype.FLOAT8 and self.granularity is Granularity.GROUP:
             raise SchemeError("weights.granularity", "float8_e4m3fn weights are per 'channel', per 'block', or in groups of 32 with float8_e8m0fnu scales (MXFP8)")
         if self.global_scale and self.scale_dtype is not ScaleDtype.FLOAT8:
@@ -149,7 +152,7 @@ class WeightSpec:
     def qparam_bytes(self, rows: int, cols: int, element_size: int) -> int:
         """Bytes of the scales as stored (float32, the model's `element_size`, or one byte for FP8 / E8M0 grids), the
         int8 zero points and the float32 global scale of a [rows, cols] weight."""
-        scale = {ScaleDtype.FLOAT32: 4, ScaleDtype.MODEL: element_size}.get(self.scale_dtype, 1)
+        scale = {ScaleDtype.FLOAT32: 4, ScaleDtype.MODEL: element_size, ScaleDtype.FLOAT16: 2}.get(self.scale_dtype, 1)
         return self.scale_count(rows, cols) * (scale + (0 if self.symmetric else 1)) + (4 if self.global_scale else 0)
 
     def describe(self) -> str:

@@ -92,8 +92,8 @@ def weight_fake_quantize_config(spec: WeightSpec) -> FakeQuantizeConfigBase:
         if spec.scale_dtype is ScaleDtype.FLOAT32:  # torchao's float8 scales are always float32
             return Float8FakeQuantizeConfig(torch.float8_e4m3fn, PerRow())
         return GridFakeQuantizeConfig(spec)
-    if not spec.symmetric:  # torchao's asymmetric weights: unsigned range, float zero point
-        return GridFakeQuantizeConfig(spec)
+    if not spec.symmetric or spec.scale_dtype is ScaleDtype.FLOAT16:  # torchao's asymmetric weights: unsigned range,
+        return GridFakeQuantizeConfig(spec)  # float zero point; fp16 scales (GGUF's): quantkit's own grid, exactly
     granularity = PerGroup(spec.group_size) if spec.granularity is Granularity.GROUP else PerAxis(0)
     # None: the scale takes the weight's dtype at each call, so a model cast to bf16 later stays exact
     precision = torch.float32 if spec.scale_dtype is ScaleDtype.FLOAT32 else None

@@ -1,0 +1,478 @@
+"""GGUF: one file for llama.cpp and the tools built on it (llama-cli, llama-server, Ollama, LM Studio).
+
+Written with the `gguf` package (llama.cpp's own writer, constants and tensor-name maps); quantkit packs its own
+integers and scales into GGML blocks (`ggml_blocks`), so the grid an algorithm chose reaches llama.cpp unchanged.
+A weight's GGML type follows from its scheme (`ggml_type`): a scheme no type holds exactly is refused before any
+work, never approximated.
+
+The file is written in two steps, so that a streamed finalize holds one decoder layer at a time: each tensor's
+bytes are appended to a spill file as its layer finishes (`StreamWriter.add`); `finish` writes the header (the
+architecture's metadata, the tokenizer, quantkit's record) and then the tensors, read back from the spill file
+through a memory map, into `model.gguf` (FILENAME), which the atomic write moves to DST.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from quantkit.errors import ExportError, FormatError
+from quantkit.export import SINGLE_FILES
+from quantkit.quant.plan import ModulePlan
+from quantkit.quant.qparams import QParams
+from quantkit.quant.quantized_model import QuantizedModel
+from quantkit.quant.registry import Format, Recipe
+from quantkit.quant.schemes import Granularity, QDtype, QuantScheme, ScaleDtype, WeightSpec
+
+FILENAME = SINGLE_FILES[Format.GGUF]  # the artifact inside the temporary directory; `atomic` moves it to DST
+SPILL = "tensors.spill"
+
+# Hugging Face model_type -> llama.cpp's architecture. Mistral's dense models are llama's graph in llama.cpp.
+ARCHITECTURES = {"llama": "LLAMA", "mistral": "LLAMA", "qwen2": "QWEN2", "qwen3": "QWEN3"}
+# llama.cpp's llama graph applies RoPE to interleaved pairs; Hugging Face's Llama rotates halves. Its converter
+# reorders the rows of q_proj and k_proj (`LlamaModel.permute`), and so does quantkit: a row order, so a quantized
+# weight's blocks move whole. Qwen2/Qwen3 use the halves layout (NEOX) in llama.cpp too.
+PERMUTED_ROPE = {"llama", "mistral"}
+BLOCK = 32  # the smallest GGML block: Q4_0 and Q8_0 hold groups that are a multiple of it
+
+
+def _gguf():
+    import gguf
+    return gguf
+
+
+# ---------------------------------------------------------------- which GGML type holds a scheme
+
+
+def ggml_type(spec: WeightSpec):
+    """The GGML type whose grid holds `spec`'s exactly, or None. Symmetric int8 / int4 with fp16 scales per group
+    (a multiple of 32) or per row are Q8_0 / Q4_0 blocks of 32 sharing the group's scale."""
+    t = _gguf().GGMLQuantizationType
+    if spec.dtype.is_float or not spec.symmetric or spec.scale_dtype is not ScaleDtype.FLOAT16:
+        return None
+    if spec.granularity is Granularity.GROUP and spec.group_size % BLOCK:
+        return None
+    return {QDtype.INT8: t.Q8_0, QDtype.INT4: t.Q4_0}.get(spec.dtype)
+
+
+def _nearest(spec: WeightSpec) -> str:
+    if spec.dtype.is_float:
+        return "Q8_0 (recipe gguf-q8-0)" if spec.dtype is QDtype.FLOAT8 else "Q4_0 (recipe gguf-q4-0)"
+    if not spec.symmetric:
+        return "Q4_0 (symmetric int4: recipe gguf-q4-0, or gptq-w4a16 / awq-w4a16 with --format gguf)"
+    return "Q4_0 or Q8_0 (symmetric int4 / int8 in groups of a multiple of 32: recipes gguf-q4-0, gguf-q8-0)"
+
+
+def for_gguf(recipe: Recipe) -> Recipe:
+    """The recipe as it quantizes for a GGUF file: an integer grid's scales chosen on fp16, the dtype GGUF stores
+    them in, so the grid the algorithm rounds onto is the one in the file (bf16 scales are not all fp16 values)."""
+    from dataclasses import replace
+
+    weights = recipe.scheme.weights
+    if weights.dtype.is_float or weights.scale_dtype not in (ScaleDtype.MODEL, ScaleDtype.FLOAT32):
+        return recipe
+    scheme = QuantScheme(replace(weights, scale_dtype=ScaleDtype.FLOAT16), recipe.scheme.activations)
+    return replace(recipe, scheme=scheme)
+
+
+def unsupported(recipe: Recipe) -> str | None:
+    """Why GGUF cannot hold the recipe, or None. The weights' grid must be one a GGML type holds exactly (after
+    `for_gguf`); activations and the KV cache are llama.cpp's own business; online rotations it does not apply."""
+    spec = for_gguf(recipe).scheme.weights
+    if recipe.scheme.activations is not None:
+        return ("GGUF holds weight-only schemes (llama.cpp quantizes activations its own way); "
+                f"for these weights use {_nearest(spec)}")
+    if recipe.kv_cache is not None:
+        return "a quantized KV cache is llama.cpp's run-time option (llama-cli --cache-type-k), not the file's: drop --kv-cache"
+    if recipe.online_rotations:
+        return "llama.cpp does not apply online rotations (R4); use the fused ones only (R1, R2)"
+    if ggml_type(spec) is None:
+        return f"no GGUF type holds {spec.describe()} exactly; the nearest is {_nearest(spec)}"
+    return None
+
+
+def plan_for_gguf(plan: list[ModulePlan], model_type: str | None) -> list[ModulePlan]:
+    """The plan as GGUF holds it, before any weight is read: an architecture quantkit cannot describe to llama.cpp
+    is refused; a Linear whose group the plan shrank below a GGML block (its input size is not a multiple of 32)
+    stays in full precision, reported, as llama.cpp's own quantizer leaves such tensors."""
+    from dataclasses import replace
+
+    if model_type not in ARCHITECTURES:
+        raise FormatError(f"quantkit writes GGUF for {', '.join(sorted(ARCHITECTURES))} models, not '{model_type}'; "
+                          "use --format compressed-tensors")
+    return [replace(entry, scheme=None, note=f"no GGUF block holds groups of {entry.scheme.weights.group_size} "
+                                             f"({entry.in_features} inputs are not a multiple of {BLOCK})")
+            if entry.quantized and ggml_type(entry.scheme.weights) is None else entry for entry in plan]
+
+
+def weight_bytes(entry: ModulePlan, element_size: int) -> int:
+    gguf = _gguf()
+    block, size = gguf.GGML_QUANT_SIZES[ggml_type(entry.scheme.weights)]
+    return entry.out_features * entry.in_features // block * size
+
+
+def as_loaded(quantized: QuantizedModel) -> nn.Module:
+    """The quantized model: its planned Linears hold the grid's values, which llama.cpp dequantizes the file's
+    blocks to (it computes in its own precision, and quantizes activations for its dot products)."""
+    return quantized.model
+
+
+def write(quantized: QuantizedModel, out_dir: Path, max_shard_size: int | None = None) -> None:
+    writer = StreamWriter(quantized.model, quantized.plan, quantized.recipe, out_dir)
+    writer.add([quantized.model], quantized.qparams, quantized.input_scales)
+    writer.finish()
+
+
+# ---------------------------------------------------------------- tensors
+
+
+def codes(weight: torch.Tensor, qparams: QParams) -> torch.Tensor:
+    """The integers of a Linear's weight that holds its grid's values (`weight` = code x scale, rounded to the
+    model's dtype), recovered exactly: the rounding moves a value by less than a third of a step."""
+    scale = qparams.scale.float()
+    full = scale.repeat_interleave(weight.shape[1] // scale.shape[1], dim=1)
+    exact = weight.float() / full
+    q = torch.round(exact)
+    lo, hi = qparams.spec.dtype.qrange
+    if not torch.all((exact - q).abs() < 0.3) or q.min() < lo or q.max() > hi:
+        raise ExportError("a quantized weight is not on its grid (a quantkit bug: please report it)")
+    return q.to(torch.int8)
+
+
+def pack(weight: torch.Tensor, qparams: QParams):
+    """(GGML type, the weight's block bytes [rows, bytes per row])."""
+    from quantkit.export import ggml_blocks
+
+    qtype = ggml_type(qparams.spec)
+    q = codes(weight, qparams).numpy()
+    group = weight.shape[1] // qparams.scale.shape[1]
+    d = qparams.scale.to(torch.float16).repeat_interleave(group // BLOCK, dim=1).numpy()
+    packer = {"Q8_0": ggml_blocks.pack_q8_0, "Q4_0": ggml_blocks.pack_q4_0}[qtype.name]
+    return qtype, packer(q, d)
+
+
+def float_bytes(tensor: torch.Tensor, keep_float32: bool):
+    """(GGML type, bytes [rows, bytes per row]) of an unquantized tensor: 1-D ones (norms, biases) in F32, as
+    llama.cpp requires; matrices in the artifact's dtype (BF16, F16 or F32)."""
+    t = _gguf().GGMLQuantizationType
+    tensor = tensor.detach().cpu()
+    if tensor.dim() == 1 or keep_float32 or tensor.dtype is torch.float32:
+        qtype, data = t.F32, tensor.float()
+    elif tensor.dtype is torch.bfloat16:
+        qtype, data = t.BF16, tensor
+    else:
+        qtype, data = t.F16, tensor.to(torch.float16)
+    rows = data.reshape(-1, data.shape[-1]) if data.dim() > 1 else data.reshape(1, -1)
+    raw = rows.contiguous().view(torch.uint8).numpy()
+    return qtype, raw.reshape(*data.shape[:-1], -1) if data.dim() > 1 else raw.reshape(-1)
+
+
+def permute_rows(tensor: torch.Tensor, heads: int) -> torch.Tensor:
+    """llama.cpp's row order for q_proj / k_proj (and their scales): within each head, the rows of the two
+    halves interleaved (convert_hf_to_gguf's `LlamaModel.permute`)."""
+    shape = tensor.shape
+    return tensor.reshape(heads, 2, shape[0] // heads // 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
+
+
+@dataclass
+class _Spilled:
+    name: str
+    qtype: object
+    offset: int
+    shape: tuple[int, ...]  # in bytes: [rows, bytes per row] (or [bytes] for a vector)
+
+
+class StreamWriter:
+    """The GGUF file written layer by layer (see the module's docstring); `add` takes modules whose planned
+    Linears hold their grid's values, with their qparams."""
+
+    def __init__(self, model: nn.Module, plan: list[ModulePlan], recipe: Recipe, out_dir: Path,
+                 max_shard_size: int | None = None, expected_bytes: int | None = None):
+        gguf = _gguf()
+        config = model.config
+        self.model, self.recipe, self.out_dir = model, recipe, Path(out_dir)
+        self.model_type = config.model_type
+        self.arch = gguf.MODEL_ARCH[ARCHITECTURES[self.model_type]]
+        self.names = gguf.get_tensor_name_map(self.arch, config.num_hidden_layers)
+        self.planned = {entry.name: entry for entry in plan if entry.quantized}
+        self.modules = {module: name for name, module in model.named_modules()}
+        self.heads = (config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+        self.tied = bool(getattr(config, "tie_word_embeddings", False))
+        self.spill_path = self.out_dir / SPILL
+        self.spill = open(self.spill_path, "wb")
+        self.tensors: list[_Spilled] = []
+
+    def add(self, modules: list[nn.Module], qparams: dict[str, QParams], input_scales: dict[str, torch.Tensor],
+            kv_scales: dict[str, torch.Tensor] | None = None) -> None:
+        for module in modules:
+            prefix = self.modules[module]
+            state = module.state_dict(prefix=f"{prefix}." if prefix else "", keep_vars=True)
+            for key, value in state.items():
+                self._add_tensor(key, value.detach(), qparams)
+
+    def _add_tensor(self, key: str, value: torch.Tensor, qparams: dict[str, QParams]) -> None:
+        module_name, _, leaf = key.rpartition(".")
+        if key == "lm_head.weight" and self.tied and module_name not in self.planned:
+            return  # llama.cpp reads a tied output from token_embd
+        name = self.names.get_name(key, try_suffixes=(".weight", ".bias"))
+        if name is None:
+            raise FormatError(f"{key}: llama.cpp's {self.arch.name.lower()} architecture has no tensor of that name; "
+                              "this model cannot be written as GGUF (use --format compressed-tensors)")
+        heads = self._permutation(module_name)
+        if module_name in self.planned and leaf == "weight":
+            found = qparams.get(module_name)
+            if found is None:
+                raise RuntimeError(f"{module_name} is planned for quantization but has no qparams")
+            weight, scale = value.cpu(), found.scale.cpu()
+            if heads:
+                weight, scale = permute_rows(weight, heads), permute_rows(scale, heads)
+            qtype, data = pack(weight, QParams(scale, found.zero_point, found.spec))
+        else:
+            if heads:
+                value = permute_rows(value, heads)
+            qtype, data = float_bytes(value, keep_float32=False)
+        self._spill(name, qtype, data)
+
+    def _permutation(self, module_name: str) -> int | None:
+        """The head count whose rows `module_name`'s tensors are reordered by, or None."""
+        if self.model_type not in PERMUTED_ROPE:
+            return None
+        if module_name.endswith("q_proj"):
+            return self.heads[0]
+        if module_name.endswith("k_proj"):
+            return self.heads[1]
+        return None
+
+    def _spill(self, name: str, qtype, data: np.ndarray) -> None:
+        data = np.ascontiguousarray(data)
+        self.tensors.append(_Spilled(name, qtype, self.spill.tell(), tuple(data.shape)))
+        self.spill.write(data.tobytes())
+
+    def finish(self) -> None:
+        """Header, metadata, tokenizer and tensors into FILENAME; the spill file removed."""
+        gguf = _gguf()
+        self.spill.close()
+        writer = gguf.GGUFWriter(self.out_dir / FILENAME, self.arch_name)
+        describe_model(writer, self.model.config, self.model_type, self._file_type())
+        describe_tokenizer(writer, self.out_dir, self.model.config.vocab_size)
+        describe_origin(writer, self.out_dir)
+        rope_freqs = llama3_rope_freqs(self.model.config)
+        if rope_freqs is not None:
+            writer.add_tensor(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight", rope_freqs)
+        spilled = np.memmap(self.spill_path, dtype=np.uint8, mode="r") if self.tensors else None
+        for t in sorted(self.tensors, key=lambda t: _tensor_order(t.name)):
+            size = int(np.prod(t.shape))
+            writer.add_tensor(t.name, spilled[t.offset:t.offset + size].reshape(t.shape), raw_dtype=t.qtype)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        del spilled
+        self.spill_path.unlink()
+
+    @property
+    def arch_name(self) -> str:
+        return _gguf().MODEL_ARCH_NAMES[self.arch]
+
+    def _file_type(self):
+        """llama.cpp's file type: the type most of the quantized weights are in (its `general.file_type`)."""
+        gguf = _gguf()
+        counts: dict[str, int] = {}
+        for t in self.tensors:
+            if t.name.startswith("blk."):
+                counts[t.qtype.name] = counts.get(t.qtype.name, 0) + 1
+        common = max(counts, key=counts.get) if counts else "F32"
+        return {"F32": gguf.LlamaFileType.ALL_F32}.get(common) or gguf.LlamaFileType[f"MOSTLY_{common}"]
+
+
+def _tensor_order(name: str) -> tuple:
+    """token_embd first, then the blocks in order, then the rest (as llama.cpp's converter writes them)."""
+    parts = name.split(".")
+    if parts[0] == "token_embd":
+        return (0, 0, name)
+    if parts[0] == "blk":
+        return (1, int(parts[1]), name)
+    return (2, 0, name)
+
+
+# ---------------------------------------------------------------- metadata
+
+
+def _rope(config) -> dict:
+    """The rope parameters in either of transformers' spellings (`rope_parameters` in 5.x, `rope_theta` /
+    `rope_scaling` before)."""
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    if not params:
+        params = dict(getattr(config, "rope_scaling", None) or {})
+        if getattr(config, "rope_theta", None) is not None:
+            params["rope_theta"] = config.rope_theta
+    return params
+
+
+def describe_model(writer, config, model_type: str, file_type) -> None:
+    """The hyperparameters llama.cpp reads for these architectures, as its converter writes them."""
+    gguf = _gguf()
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    writer.add_name(getattr(config, "_name_or_path", "") or model_type)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    rope = _rope(config)
+    if rope.get("rope_theta") is not None:
+        writer.add_rope_freq_base(float(rope["rope_theta"]))
+    kind = rope.get("rope_type") or rope.get("type")
+    if kind == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(float(rope["factor"]))
+    elif kind == "yarn":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(float(rope["factor"]))
+        writer.add_rope_scaling_orig_ctx_len(int(rope["original_max_position_embeddings"]))
+    elif kind not in (None, "default", "llama3"):
+        raise FormatError(f"RoPE scaling '{kind}' is not one quantkit describes to llama.cpp; use --format compressed-tensors")
+    if model_type in PERMUTED_ROPE:
+        writer.add_vocab_size(config.vocab_size)
+        writer.add_rope_dimension_count(head_dim)
+    elif head_dim != config.hidden_size // config.num_attention_heads or model_type == "qwen3":
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    writer.add_file_type(file_type)
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+
+
+def llama3_rope_freqs(config) -> np.ndarray | None:
+    """Llama 3.1's RoPE frequency factors (the `rope_freqs` tensor llama.cpp reads), as its converter computes them."""
+    import math
+
+    rope = _rope(config)
+    if (rope.get("rope_type") or rope.get("type")) != "llama3":
+        return None
+    base = float(rope.get("rope_theta", 10000.0))
+    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factor, low, high = rope.get("factor", 8.0), rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0)
+    old = rope.get("original_max_position_embeddings", 8192)
+    low_wavelen, high_wavelen = old / low, old / high
+    factors = []
+    for freq in freqs.tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_wavelen:
+            factors.append(1)
+        elif wavelen > low_wavelen:
+            factors.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
+def describe_origin(writer, out_dir: Path) -> None:
+    """quantkit's record (quantkit.json: recipe, scheme, versions, source) as `quantkit.*` keys."""
+    from quantkit.export import metadata
+
+    info = metadata.read(out_dir)
+    if info is None:
+        return
+    writer.add_string("general.quantized_by", f"quantkit {info['quantkit_version']}")
+    writer.add_string("quantkit.recipe", info["recipe"]["name"])
+    writer.add_string("quantkit.json", json.dumps(info))
+
+
+# ---------------------------------------------------------------- tokenizer
+
+# The pre-tokenizer regexes of tokenizer.json (its `Split` pattern) llama.cpp implements, by the name llama.cpp
+# gives them (llama-vocab.cpp). Used where llama.cpp's converter would hash the tokenizer's output against its
+# table of known vocabularies: naming the regex itself covers every vocabulary that splits text the same way.
+PRE_TOKENIZERS = {
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+": "llama-bpe",
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+": "qwen2",
+}
+
+
+def pre_tokenizer(tokenizer_json: dict) -> str:
+    """llama.cpp's name for the way tokenizer.json splits text before BPE, or a refusal: a GPT-2 style byte-level
+    BPE (ByteLevel with its own regex) is `gpt-2`; a Split by a known regex then ByteLevel is that regex's name."""
+    pre = tokenizer_json.get("pre_tokenizer") or {}
+    steps = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
+    kinds = [step.get("type") for step in steps]
+    if kinds == ["ByteLevel"] and steps[0].get("use_regex", True):
+        return "gpt-2"
+    if kinds == ["Split", "ByteLevel"] and not steps[1].get("use_regex", True):
+        pattern = (steps[0].get("pattern") or {}).get("Regex")
+        if pattern in PRE_TOKENIZERS:
+            return PRE_TOKENIZERS[pattern]
+    raise FormatError(f"the tokenizer's pre-tokenizer ({json.dumps(pre)[:120]}) is not one quantkit can name for "
+                      "llama.cpp; use --format compressed-tensors")
+
+
+def describe_tokenizer(writer, folder: Path, vocab_size: int) -> None:
+    """The vocabulary, as llama.cpp's converter writes a byte-level BPE (`gpt2`) one: every id up to the model's
+    vocab_size (ids the tokenizer lacks are UNUSED padding), added tokens CONTROL when special, USER_DEFINED
+    otherwise; merges, special ids and the chat template through gguf's SpecialVocab. A SentencePiece-style
+    (byte-fallback) tokenizer is written as llama.cpp's `llama` model through gguf's LlamaHfVocab."""
+    gguf = _gguf()
+    path = folder / "tokenizer.json"
+    if not path.is_file():
+        raise FormatError("GGUF embeds the tokenizer, and the model has no tokenizer.json; add one to SRC")
+    spec = json.loads(path.read_text(encoding="utf-8"))
+    model = spec.get("model") or {}
+    if model.get("type") != "BPE":
+        raise FormatError(f"the tokenizer is a {model.get('type')} model; quantkit writes BPE tokenizers to GGUF: "
+                          "use --format compressed-tensors")
+    if model.get("byte_fallback"):
+        vocab = gguf.LlamaHfVocab(folder)
+        tokens, scores, types = zip(*vocab.all_tokens())
+        tokens, scores, types = _padded(list(tokens), list(scores), list(types), vocab_size)
+        writer.add_tokenizer_model("llama")
+        writer.add_tokenizer_pre("default")
+        writer.add_token_list(tokens)
+        writer.add_token_scores(scores)
+        writer.add_token_types(types)
+        gguf.SpecialVocab(folder, n_vocab=len(tokens)).add_to_gguf(writer)
+        return
+    pre = pre_tokenizer(spec)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    reverse = {i: token for token, i in tokenizer.get_vocab().items()}
+    added = tokenizer.get_added_vocab()
+    decoder = tokenizer.added_tokens_decoder
+    if reverse and max(reverse) >= vocab_size:
+        raise FormatError(f"the tokenizer has ids up to {max(reverse)}, beyond the model's vocab_size {vocab_size}")
+    tokens, types = [], []
+    for i in range(vocab_size):
+        token = reverse.get(i)
+        if token is None:
+            tokens.append(f"[PAD{i}]")
+            types.append(gguf.TokenType.UNUSED)
+        elif token in added:
+            tokens.append(token)
+            types.append(gguf.TokenType.CONTROL if decoder[i].special else gguf.TokenType.USER_DEFINED)
+        else:
+            tokens.append(token)
+            types.append(gguf.TokenType.NORMAL)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    gguf.SpecialVocab(folder, load_merges=True, n_vocab=len(tokens)).add_to_gguf(writer)
+
+
+def _padded(tokens: list, scores: list, types: list, vocab_size: int):
+    gguf = _gguf()
+    if len(tokens) > vocab_size:
+        raise FormatError(f"the tokenizer has {len(tokens)} tokens, more than the model's vocab_size {vocab_size}")
+    for i in range(len(tokens), vocab_size):
+        tokens.append(f"[PAD{i}]".encode())
+        scores.append(-1000.0)
+        types.append(gguf.TokenType.UNUSED)
+    return tokens, scores, types
