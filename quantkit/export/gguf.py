@@ -96,15 +96,18 @@ def unsupported(recipe: Recipe) -> str | None:
     return None
 
 
-def plan_for_gguf(plan: list[ModulePlan], model_type: str | None) -> list[ModulePlan]:
-    """The plan as GGUF holds it, before any weight is read: an architecture quantkit cannot describe to llama.cpp
-    is refused; a Linear whose group the plan shrank below a GGML block (its input size is not a multiple of 32)
-    stays in full precision, reported, as llama.cpp's own quantizer leaves such tensors."""
-    from dataclasses import replace
-
+def check_architecture(model_type: str | None) -> None:
+    """Refuse, before any weight is read, an architecture quantkit cannot describe to llama.cpp."""
     if model_type not in ARCHITECTURES:
         raise FormatError(f"quantkit writes GGUF for {', '.join(sorted(ARCHITECTURES))} models, not '{model_type}'; "
                           "use --format compressed-tensors")
+
+
+def plan_for_gguf(plan: list[ModulePlan]) -> list[ModulePlan]:
+    """The plan as GGUF holds it: a Linear whose group the plan shrank below a GGML block (its input size is not a
+    multiple of 32) stays in full precision, reported, as llama.cpp's own quantizer leaves such tensors."""
+    from dataclasses import replace
+
     return [replace(entry, scheme=None, note=f"no GGUF block holds groups of {entry.scheme.weights.group_size} "
                                              f"({entry.in_features} inputs are not a multiple of {BLOCK})")
             if entry.quantized and ggml_type(entry.scheme.weights) is None else entry for entry in plan]
@@ -240,13 +243,11 @@ class StreamWriter:
 
     def _permutation(self, module_name: str) -> int | None:
         """The head count whose rows `module_name`'s tensors are reordered by, or None."""
+        from quantkit.models.architectures import rotary_projection
+
         if self.model_type not in PERMUTED_ROPE:
             return None
-        if module_name.endswith("q_proj"):
-            return self.heads[0]
-        if module_name.endswith("k_proj"):
-            return self.heads[1]
-        return None
+        return {"query": self.heads[0], "key": self.heads[1]}.get(rotary_projection(module_name))
 
     def _spill(self, name: str, qtype, data: np.ndarray) -> None:
         data = np.ascontiguousarray(data)

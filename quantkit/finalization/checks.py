@@ -90,11 +90,14 @@ def prepare(
     models.check_full_precision(src)
     trained = check_qat_recipe(src, recipe, fmt, force_recipe)
     config = models.load_config(src, trust_remote_code)
+    if fmt is Format.GGUF:
+        from quantkit.export.gguf import check_architecture
+        check_architecture(getattr(config, "model_type", None))
     skeleton = moe.linearize(models.meta_model(config, trust_remote_code))
     plan = _check_model(src, skeleton, recipe, fmt)
     if fmt is Format.GGUF:
         from quantkit.export.gguf import plan_for_gguf
-        plan = plan_for_gguf(plan, getattr(config, "model_type", None))
+        plan = plan_for_gguf(plan)
     rotator = _check_rotations(skeleton, recipe, trained)
     report = coverage(skeleton, plan)
     if fmt is Format.COMPRESSED_TENSORS:

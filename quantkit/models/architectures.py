@@ -160,6 +160,12 @@ def wiring_of(layer: nn.Module) -> LayerWiring:
 
 
 KV_CACHE_PROJECTIONS = ("k_proj", "v_proj", "qkv_proj", "kv_b_proj")
+ROTARY_PROJECTIONS = {"q_proj": "query", "k_proj": "key"}  # the Linears whose output rows RoPE rotates
+
+
+def rotary_projection(name: str) -> str | None:
+    """'query' or 'key' for a Linear whose output RoPE rotates (GGUF reorders its rows for llama.cpp), else None."""
+    return ROTARY_PROJECTIONS.get(name.rsplit(".", 1)[-1])
 """An attention module with one of these computes keys and values for a cache (compressed-tensors' names)."""
 
 

@@ -29,7 +29,7 @@ def sources_are_not_checked(monkeypatch):
     from quantkit.models import sources
 
     monkeypatch.setattr(sources, "resolve_source", lambda src, revision=None: src)
-    monkeypatch.setattr(atomic, "check_destination", lambda dst, overwrite: None)
+    monkeypatch.setattr(atomic, "check_destination", lambda dst, overwrite, single_file=False: None)
 
 
 def invoke(*args: str, env: dict | None = None):

@@ -45,6 +45,6 @@ def test_finalize_then_evaluate_from_python_as_the_commands_do(tiny_model_dir, t
 
 
 def test_a_wrong_format_is_a_quantkit_error(tiny_model_dir, tmp_path):
-    with pytest.raises(FormatError, match="compressed-tensors or torchao"):
-        quantkit.finalize(tiny_model_dir, tmp_path / "out", "int8-weight-only", format="gguf")
+    with pytest.raises(FormatError, match="compressed-tensors or torchao or gguf"):
+        quantkit.finalize(tiny_model_dir, tmp_path / "out", "int8-weight-only", format="safetensors")
     assert not (tmp_path / "out").exists()

@@ -1,0 +1,184 @@
+"""The GGUF exporter: one file whose dequantized tensors are the quantized model's, bit for bit, with llama.cpp's
+names, row order, metadata and tokenizer; and the refusals, before any work."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+
+from quantkit.errors import DestinationExistsError, FormatError, UsageError  # noqa: E402
+from quantkit.export import for_format  # noqa: E402
+from quantkit.export.gguf import PRE_TOKENIZERS, permute_rows, pre_tokenizer  # noqa: E402
+from quantkit.finalization.finalize import CalibrationOptions, finalize, prepare, quantize_model  # noqa: E402
+from quantkit.quant import registry  # noqa: E402
+from quantkit.quant.schemes import ScaleDtype  # noqa: E402
+
+GGUF = registry.Format.GGUF
+
+
+def read(path) -> tuple[dict, dict]:
+    """(metadata fields by name, tensors by name) of a GGUF file, as gguf's reader sees them."""
+    reader = gguf.GGUFReader(path)
+    return reader.fields, {t.name: t for t in reader.tensors}
+
+
+def field(fields, name):
+    return fields[name].contents()
+
+
+def dequantized(tensor) -> torch.Tensor:
+    values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    return torch.from_numpy(np.ascontiguousarray(values)).float()
+
+
+def expected_tensors(src, recipe_name: str, options=None) -> tuple[dict[str, torch.Tensor], object]:
+    """The in-memory quantized model's tensors under llama.cpp's names and row order."""
+    recipe = for_format(registry.resolve(recipe_name), GGUF)
+    model = quantize_model(prepare(src, recipe, GGUF, calibration=options), recipe, calibration=options)
+    config = model.config
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config.num_hidden_layers)
+    found = {}
+    for key, value in model.state_dict().items():
+        value = value.float()
+        if key.endswith("q_proj.weight"):
+            value = permute_rows(value, config.num_attention_heads)
+        elif key.endswith("k_proj.weight"):
+            value = permute_rows(value, config.num_key_value_heads)
+        found[names.get_name(key, try_suffixes=(".weight", ".bias"))] = value
+    return found, config
+
+
+@pytest.mark.parametrize("recipe, qtype", [("gguf-q8-0", "Q8_0"), ("gguf-q4-0", "Q4_0")])
+def test_every_tensor_dequantizes_to_the_quantized_models(wide_model_dir, tmp_path, recipe, qtype):
+    out = tmp_path / "model.gguf"
+    finalize(wide_model_dir, out, registry.resolve(recipe))
+    fields, tensors = read(out)
+    expected, config = expected_tensors(wide_model_dir, recipe)
+    assert set(tensors) == set(expected) - ({"output.weight"} if config.tie_word_embeddings else set())
+    for name, tensor in tensors.items():
+        assert torch.equal(dequantized(tensor).reshape(expected[name].shape), expected[name]), name
+    assert tensors["blk.0.attn_q.weight"].tensor_type.name == qtype
+    assert tensors["blk.1.ffn_down.weight"].tensor_type.name == qtype
+    assert tensors["blk.0.attn_norm.weight"].tensor_type.name == "F32"
+    assert tensors["token_embd.weight"].tensor_type.name == "F32"  # a float32 model's unquantized matrices stay F32
+    assert field(fields, "general.file_type") == gguf.LlamaFileType[f"MOSTLY_{qtype}"]
+
+
+def test_a_gptq_grid_reaches_the_file_unchanged(wide_model_dir, text_file, tmp_path):
+    """gptq-w4a16 with --format gguf: groups of 128 with fp16 scales are four Q4_0 blocks each, bit for bit."""
+    options = CalibrationOptions(data=str(text_file), num_samples=4, seq_len=32)
+    out = tmp_path / "gptq.gguf"
+    result = finalize(wide_model_dir, out, registry.resolve("gptq-w4a16"), GGUF, calibration=options)
+    assert result.recipe.scheme.weights.scale_dtype is ScaleDtype.FLOAT16 and result.output_bytes == out.stat().st_size
+    fields, tensors = read(out)
+    expected, _ = expected_tensors(wide_model_dir, "gptq-w4a16", options)
+    for name, tensor in tensors.items():
+        assert torch.equal(dequantized(tensor).reshape(expected[name].shape), expected[name]), name
+    assert tensors["blk.0.ffn_up.weight"].tensor_type.name == "Q4_0"
+    assert field(fields, "quantkit.recipe") == "gptq-w4a16"
+    record = json.loads(field(fields, "quantkit.json"))
+    assert record["format"] == "gguf" and record["recipe"]["scheme"]["weights"]["scale_dtype"] == "float16"
+
+
+def test_the_header_describes_the_model_and_its_tokenizer(wide_model_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    out = tmp_path / "model.gguf"
+    finalize(wide_model_dir, out, registry.resolve("gguf-q8-0"))
+    fields, _ = read(out)
+    config = json.loads((wide_model_dir / "config.json").read_text())
+    assert field(fields, "general.architecture") == "llama"
+    assert field(fields, "llama.block_count") == config["num_hidden_layers"]
+    assert field(fields, "llama.embedding_length") == config["hidden_size"]
+    assert field(fields, "llama.feed_forward_length") == config["intermediate_size"]
+    assert field(fields, "llama.attention.head_count_kv") == config["num_key_value_heads"]
+    assert field(fields, "llama.rope.dimension_count") == config["hidden_size"] // config["num_attention_heads"]
+    assert field(fields, "llama.vocab_size") == config["vocab_size"]
+    tokenizer = AutoTokenizer.from_pretrained(wide_model_dir)
+    tokens = field(fields, "tokenizer.ggml.tokens")
+    assert len(tokens) == config["vocab_size"]
+    assert all(tokens[i] == token for token, i in tokenizer.get_vocab().items())
+    assert field(fields, "tokenizer.ggml.model") == "gpt2" and field(fields, "tokenizer.ggml.pre") == "gpt-2"
+    assert field(fields, "tokenizer.ggml.bos_token_id") == tokenizer.bos_token_id
+    assert field(fields, "tokenizer.ggml.eos_token_id") == tokenizer.eos_token_id
+    assert len(field(fields, "tokenizer.ggml.merges")) > 0
+    types = field(fields, "tokenizer.ggml.token_type")
+    assert types[tokenizer.bos_token_id] == gguf.TokenType.CONTROL and types[tokenizer.vocab_size - 1] == gguf.TokenType.NORMAL
+
+
+def test_a_layer_the_block_does_not_divide_stays_in_full_precision(tiny_model_dir, tmp_path):
+    """The tiny model's MLP is 176 wide: gptq-w4a16 would shrink down_proj's group to 16, which no GGML block holds;
+    the layer is left in float, and reported, as llama.cpp's quantizer leaves such tensors."""
+    recipe = for_format(registry.resolve("int4-weight-only"), GGUF)
+    plan = {e.name: e for e in prepare(tiny_model_dir, recipe, GGUF).plan}
+    down = plan["model.layers.0.mlp.down_proj"]
+    assert not down.quantized and "no GGUF block holds groups of 16" in down.note
+    assert plan["model.layers.0.mlp.up_proj"].quantized
+    finalize(tiny_model_dir, tmp_path / "m.gguf", registry.resolve("int4-weight-only"), GGUF)
+    _, tensors = read(tmp_path / "m.gguf")
+    assert tensors["blk.0.ffn_down.weight"].tensor_type.name == "F32"
+    assert tensors["blk.0.ffn_up.weight"].tensor_type.name == "Q4_0"
+
+
+@pytest.mark.parametrize("recipe, nearest", [
+    ("int4-asym", "Q4_0"), ("nvfp4-a16", "Q4_0"), ("fp8-static", "Q8_0"), ("int8-dynamic-act-int8-weight", "Q8_0"),
+])
+def test_a_scheme_no_type_holds_is_refused_naming_the_nearest(tiny_model_dir, tmp_path, recipe, nearest):
+    with pytest.raises(FormatError, match=f"cannot be written as gguf: .*{nearest}"):
+        finalize(tiny_model_dir, tmp_path / "m.gguf", registry.resolve(recipe), GGUF)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_destination_is_one_file_named_gguf(tiny_model_dir, tmp_path):
+    with pytest.raises(UsageError, match="name DST with .gguf"):
+        finalize(tiny_model_dir, tmp_path / "out", registry.resolve("gguf-q8-0"))
+    with pytest.raises(UsageError, match="pass --format gguf"):
+        finalize(tiny_model_dir, tmp_path / "out.gguf", registry.resolve("int8-weight-only"))
+    (tmp_path / "dir.gguf").mkdir()
+    with pytest.raises(DestinationExistsError, match="is a directory"):
+        finalize(tiny_model_dir, tmp_path / "dir.gguf", registry.resolve("gguf-q8-0"), overwrite=True)
+    out = tmp_path / "m.gguf"
+    finalize(tiny_model_dir, out, registry.resolve("gguf-q8-0"))
+    with pytest.raises(DestinationExistsError, match="already exists"):
+        finalize(tiny_model_dir, out, registry.resolve("gguf-q8-0"))
+    before = out.stat().st_size
+    finalize(tiny_model_dir, out, registry.resolve("gguf-q4-0"), overwrite=True)
+    assert out.stat().st_size < before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dir.gguf", "m.gguf"]  # no temporary directory left
+
+
+def test_an_architecture_llama_cpp_is_not_told_about_is_refused(tmp_path):
+    from conftest import make_text
+    from quantkit.models.tiny import build_tiny_model
+
+    src = build_tiny_model(tmp_path / "mixtral", make_text(800), "mixtral", num_hidden_layers=1, num_local_experts=4,
+                           num_experts_per_tok=2)
+    with pytest.raises(FormatError, match="quantkit writes GGUF for llama, mistral, qwen2, qwen3 models, not 'mixtral'"):
+        finalize(src, tmp_path / "m.gguf", registry.resolve("gguf-q8-0"))
+
+
+def test_fp16_scales_are_gguf_only():
+    for fmt in (registry.Format.COMPRESSED_TENSORS, registry.Format.TORCHAO):
+        with pytest.raises(FormatError, match="fp16 scales are GGUF's"):
+            from quantkit.export import check_supported
+            check_supported(registry.resolve("gguf-q4-0"), fmt)
+
+
+def test_pre_tokenizers_are_named_from_tokenizer_json():
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
+    assert pre_tokenizer({"pre_tokenizer": byte_level}) == "gpt-2"
+    for pattern, name in PRE_TOKENIZERS.items():
+        split = {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": False}
+        sequence = {"type": "Sequence", "pretokenizers": [split, {**byte_level, "use_regex": False}]}
+        assert pre_tokenizer({"pre_tokenizer": sequence}) == name
+    with pytest.raises(FormatError, match="not one quantkit can name for llama.cpp"):
+        pre_tokenizer({"pre_tokenizer": {"type": "Whitespace"}})
+
+
+def test_llama_row_order_is_llama_cpps():
+    """Within each head, the rows of the rotary halves interleave (convert_hf_to_gguf's LlamaModel.permute)."""
+    rows = torch.arange(8).reshape(8, 1)
+    assert permute_rows(rows, 2).flatten().tolist() == [0, 2, 1, 3, 4, 6, 5, 7]
