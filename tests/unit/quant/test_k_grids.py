@@ -54,7 +54,7 @@ def test_bytes_equal_llama_cpps(qtype, weighted):
 @pytest.mark.parametrize("qtype", K_QTYPES, ids=IDS)
 @pytest.mark.parametrize("weighted", [False, True], ids=["ref", "imatrix"])
 def test_codes_in_range_and_gguf_decodes_our_values(qtype, weighted):
-    weight = torch.from_numpy(_weight(seed=5))
+    weight = torch.from_numpy(_weight(rows=16, seed=5))
     importance = torch.from_numpy(_importance()) if weighted else None
     result = quantize_k(weight, qtype, importance)
     fmt = FORMATS[qtype]
@@ -103,7 +103,7 @@ def test_choose_then_round_is_quantize(qtype):
 
 
 def test_importance_changes_the_choice():
-    weight = torch.from_numpy(_weight(seed=8))
+    weight = torch.from_numpy(_weight(rows=16, seed=8))
     importance = torch.from_numpy(_importance())
     plain, weighted = quantize_k(weight, Q.Q4_K), quantize_k(weight, Q.Q4_K, importance)
     err = lambda r: ((r.dequantize() - weight).pow(2) * importance).sum().item()  # noqa: E731
