@@ -39,6 +39,7 @@ ARCHITECTURES = {"llama": "LLAMA", "mistral": "LLAMA", "qwen2": "QWEN2", "qwen3"
 # weight's blocks move whole. Qwen2/Qwen3 use the halves layout (NEOX) in llama.cpp too.
 PERMUTED_ROPE = {"llama", "mistral"}
 BLOCK = 32  # the smallest GGML block: Q4_0 and Q8_0 hold groups that are a multiple of it
+K_SUPER_BLOCK = 256  # a K-quant row is whole super-blocks of 256 weights
 
 
 def _gguf():
@@ -51,8 +52,11 @@ def _gguf():
 
 def ggml_type(spec: WeightSpec):
     """The GGML type whose grid holds `spec`'s exactly, or None. Symmetric int8 / int4 with fp16 scales per group
-    (a multiple of 32) or per row are Q8_0 / Q4_0 blocks of 32 sharing the group's scale."""
+    (a multiple of 32) or per row are Q8_0 / Q4_0 blocks of 32 sharing the group's scale; a k_quant grid is its
+    K type."""
     t = _gguf().GGMLQuantizationType
+    if spec.k_quant_type:
+        return t[spec.k_quant_type]
     if spec.dtype.is_float or not spec.symmetric or spec.scale_dtype is not ScaleDtype.FLOAT16:
         return None
     if spec.granularity is Granularity.GROUP and spec.group_size % BLOCK:
@@ -93,6 +97,9 @@ def unsupported(recipe: Recipe) -> str | None:
         return "llama.cpp does not apply online rotations (R4); use the fused ones only (R1, R2)"
     if ggml_type(spec) is None:
         return f"no GGUF type holds {spec.describe()} exactly; the nearest is {_nearest(spec)}"
+    if spec.k_quant_type and (recipe.steps[-1].name.value != "rtn" or len(recipe.steps) > 1):
+        return (f"{spec.k_quant_type} grids are rounded by llama.cpp's own search (rtn); GPTQ, AWQ and AutoRound "
+                "calibrate Q4_0 / Q8_0 grids in GGUF so far (gptq-w4a16 --format gguf)")
     return None
 
 
@@ -108,14 +115,20 @@ def plan_for_gguf(plan: list[ModulePlan]) -> list[ModulePlan]:
     multiple of 32) stays in full precision, reported, as llama.cpp's own quantizer leaves such tensors."""
     from dataclasses import replace
 
-    return [replace(entry, scheme=None, note=f"no GGUF block holds groups of {entry.scheme.weights.group_size} "
-                                             f"({entry.in_features} inputs are not a multiple of {BLOCK})")
-            if entry.quantized and ggml_type(entry.scheme.weights) is None else entry for entry in plan]
+    def problem(entry: ModulePlan) -> str | None:
+        spec = entry.scheme.weights
+        if spec.k_quant_type and entry.in_features % K_SUPER_BLOCK:
+            return f"{spec.k_quant_type} takes rows of whole {K_SUPER_BLOCK}-weight super-blocks ({entry.in_features} inputs)"
+        if ggml_type(spec) is None:
+            return f"no GGUF block holds groups of {spec.group_size} ({entry.in_features} inputs are not a multiple of {BLOCK})"
+        return None
+
+    return [replace(entry, scheme=None, note=why) if entry.quantized and (why := problem(entry)) else entry
+            for entry in plan]
 
 
 def weight_bytes(entry: ModulePlan, element_size: int) -> int:
-    gguf = _gguf()
-    block, size = gguf.GGML_QUANT_SIZES[ggml_type(entry.scheme.weights)]
+    block, size = _gguf().GGML_QUANT_SIZES[ggml_type(entry.scheme.weights)]
     return entry.out_features * entry.in_features // block * size
 
 
@@ -147,11 +160,26 @@ def codes(weight: torch.Tensor, qparams: QParams) -> torch.Tensor:
     return q.to(torch.int8)
 
 
+def k_codes(weight: torch.Tensor, qparams: QParams):
+    """A K-quant weight (`k_grids.KQuantizedWeight`) from the grid values it holds: its codes rounded back on the
+    grid, checked to decode to the weight (to the model dtype's rounding)."""
+    from quantkit.quant.k_grids import KQuantizedWeight, round_k
+
+    k = qparams.k
+    q = round_k(weight, k)
+    decoded = k.dequantize(q)
+    if not torch.allclose(decoded.to(weight.dtype).float(), weight.float(), rtol=2 ** -7, atol=1e-6):
+        raise ExportError("a quantized weight is not on its K grid (a quantkit bug: please report it)")
+    return KQuantizedWeight(q, k.qtype, k.scales, k.d, k.mins, k.dmin)
+
+
 def pack(weight: torch.Tensor, qparams: QParams):
     """(GGML type, the weight's block bytes [rows, bytes per row])."""
     from quantkit.export import ggml_blocks
 
     qtype = ggml_type(qparams.spec)
+    if qparams.k is not None:
+        return qtype, k_codes(weight, qparams).ggml_blocks()
     q = codes(weight, qparams).numpy()
     group = weight.shape[1] // qparams.scale.shape[1]
     d = qparams.scale.to(torch.float16).repeat_interleave(group // BLOCK, dim=1).numpy()
@@ -180,6 +208,23 @@ def permute_rows(tensor: torch.Tensor, heads: int) -> torch.Tensor:
     halves interleaved (convert_hf_to_gguf's `LlamaModel.permute`)."""
     shape = tensor.shape
     return tensor.reshape(heads, 2, shape[0] // heads // 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
+
+
+def _on_cpu(qparams: QParams) -> QParams:
+    k = qparams.k
+    if k is not None:
+        from quantkit.quant.k_grids import KQParams
+        k = KQParams(k.qtype, *(None if t is None else t.cpu() for t in (k.scales, k.d, k.mins, k.dmin)))
+    return QParams(qparams.scale.cpu(), qparams.zero_point, qparams.spec, None, k)
+
+
+def _rows_permuted(qparams: QParams, heads: int) -> QParams:
+    """`qparams` of a weight whose rows `permute_rows` reorders: every per-row tensor reordered alike."""
+    k = qparams.k
+    if k is not None:
+        from quantkit.quant.k_grids import KQParams
+        k = KQParams(k.qtype, *(None if t is None else permute_rows(t, heads) for t in (k.scales, k.d, k.mins, k.dmin)))
+    return QParams(permute_rows(qparams.scale, heads), qparams.zero_point, qparams.spec, None, k)
 
 
 @dataclass
@@ -231,10 +276,10 @@ class StreamWriter:
             found = qparams.get(module_name)
             if found is None:
                 raise RuntimeError(f"{module_name} is planned for quantization but has no qparams")
-            weight, scale = value.cpu(), found.scale.cpu()
+            weight, found = value.cpu(), _on_cpu(found)
             if heads:
-                weight, scale = permute_rows(weight, heads), permute_rows(scale, heads)
-            qtype, data = pack(weight, QParams(scale, found.zero_point, found.spec))
+                weight, found = permute_rows(weight, heads), _rows_permuted(found, heads)
+            qtype, data = pack(weight, found)
         else:
             if heads:
                 value = permute_rows(value, heads)
@@ -288,7 +333,10 @@ class StreamWriter:
             if t.name.startswith("blk."):
                 counts[t.qtype.name] = counts.get(t.qtype.name, 0) + 1
         common = max(counts, key=counts.get) if counts else "F32"
-        return {"F32": gguf.LlamaFileType.ALL_F32}.get(common) or gguf.LlamaFileType[f"MOSTLY_{common}"]
+        if common == "F32":
+            return gguf.LlamaFileType.ALL_F32
+        known = gguf.LlamaFileType.__members__  # K types are named by mixture: a file all Q4_K is llama.cpp's Q4_K_S kind
+        return next((known[n] for n in (f"MOSTLY_{common}", f"MOSTLY_{common}_S") if n in known), gguf.LlamaFileType.GUESSED)
 
 
 def _tensor_order(name: str) -> tuple:

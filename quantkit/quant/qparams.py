@@ -7,6 +7,7 @@ quantizer and every exporter produce or consume the `QuantizedWeight` it returns
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torchao.quantization.quant_primitives import (
@@ -23,6 +24,9 @@ from torchao.quantization.quant_primitives import (
 from quantkit.quant import float_grids
 from quantkit.quant.schemes import Granularity, QDtype, ScaleDtype, WeightObserver, WeightSpec
 
+if TYPE_CHECKING:
+    from quantkit.quant.k_grids import KQParams
+
 _EPS = torch.finfo(torch.float32).eps
 
 
@@ -35,6 +39,7 @@ class QParams:
     zero_point: torch.Tensor | None
     spec: WeightSpec
     global_scale: torch.Tensor | None = None  # float32 [1], NVFP4
+    k: KQParams | None = None  # llama.cpp's K grid: the scale codes and fp16 super-block scales (scale: their product)
 
 
 @dataclass
@@ -48,10 +53,11 @@ class QuantizedWeight:
     zero_point: torch.Tensor | None
     spec: WeightSpec
     global_scale: torch.Tensor | None = None
+    k: KQParams | None = None  # K-quants: qdata holds llama.cpp's codes, scale each sub-block's float32 step
 
     @property
     def qparams(self) -> QParams:
-        return QParams(self.scale, self.zero_point, self.spec, self.global_scale)
+        return QParams(self.scale, self.zero_point, self.spec, self.global_scale, self.k)
 
     @property
     def group_size(self) -> int:
@@ -59,6 +65,8 @@ class QuantizedWeight:
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         dtype = dtype or self.scale.dtype
+        if self.k is not None:
+            return self.k.dequantize(self.qdata).to(dtype)
         if is_float_grid(self.spec):
             return (self.qdata.float() * element_scales(self.scale, self.spec, self.qdata.shape, self.global_scale)).to(dtype)
         if self.spec.dtype.is_float:
@@ -114,6 +122,8 @@ def scale_dtype(weight: torch.Tensor, spec: WeightSpec) -> torch.dtype:
 def choose_qparams(weight: torch.Tensor, spec: WeightSpec, global_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Scales (and integer zero points for asymmetric grids) for a 2-D weight, by the spec's weight observer.
     NVFP4's group scales lie under `global_scale` (`weight_global_scale`), which it needs."""
+    if spec.k_quant_type:
+        raise ValueError(f"{spec.k_quant_type} grids are chosen per super-block by k_grids (round to nearest only)")
     if is_float_grid(spec):
         return choose_float_scales(weight, spec, global_scale), None
     if spec.observer is WeightObserver.MSE:
@@ -232,10 +242,24 @@ def quantize_weight(weight: torch.Tensor, spec: WeightSpec, global_scale: torch.
     """Round-to-nearest quantization of a 2-D weight [out, in] on the spec's grid. NVFP4: the global scale
     shared with the weights a kernel fuses with this one, or this weight's own when None."""
     with torch.no_grad():
+        if spec.k_quant_type:
+            return quantize_k_grid(weight, spec)
         if spec.global_scale and global_scale is None:
             global_scale = weight_global_scale([weight])
         scale, zero = choose_qparams(weight, spec, global_scale)
         return quantize_with(weight, spec, scale, zero, global_scale if spec.global_scale else None)
+
+
+def quantize_k_grid(weight: torch.Tensor, spec: WeightSpec) -> QuantizedWeight:
+    """llama.cpp's own quantizer on a K grid (`k_grids.quantize_k`): its codes, and each sub-block's step as the
+    scale (the weight's columns must be whole super-blocks of 256)."""
+    from gguf import GGMLQuantizationType
+
+    from quantkit.quant.k_grids import quantize_k
+
+    found = quantize_k(weight, GGMLQuantizationType[spec.k_quant_type])
+    step, _ = found.qparams.sub_block_scales()
+    return QuantizedWeight(found.codes, step, None, spec, k=found.qparams)
 
 
 def fake_quantize_weight(weight: torch.Tensor, spec: WeightSpec, global_scale: torch.Tensor | None = None) -> torch.Tensor:

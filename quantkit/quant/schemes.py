@@ -53,8 +53,16 @@ class ScaleDtype(str, Enum):
     FLOAT32 = "float32"
     MODEL = "model"  # the dtype of the model's weights (bf16 for a bf16 model)
     FLOAT16 = "float16"  # integer grids whose scales GGUF stores as fp16 (Q4_0, Q8_0): the grid is exact in the file
+    K_QUANT = "k_quant"  # llama.cpp's K-quants: integer scale (and min) codes per sub-block under fp16 ones per 256 weights
     FLOAT8 = "float8_e4m3fn"  # NVFP4's group scales, under a per-tensor float32 global scale
     E8M0 = "float8_e8m0fnu"  # OCP microscaling (MX): a power of two, stored as its biased exponent (uint8)
+
+
+# The K-quant types by their grid: (weight dtype, sub-block size, symmetric) -> llama.cpp's type name
+K_QUANT_TYPES = {
+    (QDtype.INT2, 16, False): "Q2_K", (QDtype.INT3, 16, True): "Q3_K", (QDtype.INT4, 32, False): "Q4_K",
+    (QDtype.INT5, 32, False): "Q5_K", (QDtype.INT6, 16, True): "Q6_K",
+}
 
 
 class WeightObserver(str, Enum):
@@ -122,10 +130,21 @@ class WeightSpec:
             raise SchemeError("weights.scale_dtype", nvfp4)
         elif self.scale_dtype is ScaleDtype.FLOAT16 and self.dtype.is_float:
             raise SchemeError("weights.scale_dtype", "float16 scales are for integer weights (GGUF's Q4_0 / Q8_0 grids)")
+        elif self.scale_dtype is ScaleDtype.K_QUANT and self.k_quant_type is None:
+            kinds = ", ".join(f"{name}: {d.value} group_size {g}{'' if sym else ' asymmetric'}"
+                              for (d, g, sym), name in K_QUANT_TYPES.items())
+            raise SchemeError("weights.scale_dtype", f"k_quant scales take one of llama.cpp's K grids ({kinds})")
         elif self.dtype is QDtype.FLOAT8 and self.granularity is Granularity.GROUP:
             raise SchemeError("weights.granularity", "float8_e4m3fn weights are per 'channel', per 'block', or in groups of 32 with float8_e8m0fnu scales (MXFP8)")
         if self.global_scale and self.scale_dtype is not ScaleDtype.FLOAT8:
             raise SchemeError("weights.global_scale", "a global scale goes with float8_e4m3fn group scales (NVFP4)")
+
+    @property
+    def k_quant_type(self) -> str | None:
+        """llama.cpp's K-quant type name (Q4_K, ...) of a k_quant grid, or None."""
+        if self.scale_dtype is not ScaleDtype.K_QUANT or self.granularity is not Granularity.GROUP:
+            return None
+        return K_QUANT_TYPES.get((self.dtype, self.group_size, self.symmetric))
 
     @property
     def is_asymmetric(self) -> bool:
@@ -134,7 +153,7 @@ class WeightSpec:
     @property
     def group_size_adjustable(self) -> bool:
         """Whether a smaller group keeps the format (integer grids); NVFP4 and MX fix theirs at 16 and 32."""
-        return self.scale_dtype not in (ScaleDtype.FLOAT8, ScaleDtype.E8M0)
+        return self.scale_dtype not in (ScaleDtype.FLOAT8, ScaleDtype.E8M0, ScaleDtype.K_QUANT)
 
     @property
     def sixteen_bit(self) -> bool:
@@ -163,6 +182,8 @@ class WeightSpec:
         else:
             grain = "channel"
         scales = {ScaleDtype.FLOAT8: " fp8 scales + global", ScaleDtype.E8M0: " e8m0 scales"}.get(self.scale_dtype, "")
+        if self.k_quant_type:
+            return f"{self.k_quant_type} ({self.dtype.value} g{self.group_size}{'' if self.symmetric else ' asym'} k-quant)"
         mse = " mse" if self.observer is WeightObserver.MSE else ""
         return f"{_short(self.dtype)} {grain}{scales}{'' if self.symmetric else ' asym'}{mse}"
 

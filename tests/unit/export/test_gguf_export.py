@@ -19,6 +19,16 @@ from quantkit.quant.schemes import ScaleDtype  # noqa: E402
 GGUF = registry.Format.GGUF
 
 
+@pytest.fixture(scope="module")
+def k_model_dir(tmp_path_factory):
+    """A tiny float32 Llama whose Linears' inputs are whole K super-blocks (256, 512), with grouped KV heads."""
+    from conftest import make_text
+    from quantkit.models.tiny import build_tiny_llama
+
+    return build_tiny_llama(tmp_path_factory.mktemp("models") / "k-llama", make_text(3000), hidden_size=256,
+                            intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
+
+
 def read(path) -> tuple[dict, dict]:
     """(metadata fields by name, tensors by name) of a GGUF file, as gguf's reader sees them."""
     reader = gguf.GGUFReader(path)
@@ -65,6 +75,36 @@ def test_every_tensor_dequantizes_to_the_quantized_models(wide_model_dir, tmp_pa
     assert tensors["blk.0.attn_norm.weight"].tensor_type.name == "F32"
     assert tensors["token_embd.weight"].tensor_type.name == "F32"  # a float32 model's unquantized matrices stay F32
     assert field(fields, "general.file_type") == gguf.LlamaFileType[f"MOSTLY_{qtype}"]
+
+
+@pytest.mark.parametrize("recipe, qtype", [("gguf-q4-k", "Q4_K"), ("gguf-q6-k", "Q6_K")])
+def test_k_quants_are_llama_cpps_own_rounding_in_the_file(k_model_dir, tmp_path, recipe, qtype):
+    """K-quant recipes round with llama.cpp's own search (k_grids, held to llama.cpp's bytes by its tests); the file
+    dequantizes to the quantized model exactly, every Linear in the K type."""
+    out = tmp_path / "model.gguf"
+    finalize(k_model_dir, out, registry.resolve(recipe))
+    fields, tensors = read(out)
+    expected, _ = expected_tensors(k_model_dir, recipe)
+    for name, tensor in tensors.items():
+        assert torch.equal(dequantized(tensor).reshape(expected[name].shape), expected[name]), name
+    linears = [t for name, t in tensors.items() if name.startswith("blk.") and not name.endswith("norm.weight")]
+    assert linears and all(t.tensor_type.name == qtype for t in linears)
+
+
+def test_k_quants_leave_rows_of_part_super_blocks_in_float(wide_model_dir):
+    recipe = registry.resolve("gguf-q4-k")
+    plan = {e.name: e for e in prepare(wide_model_dir, recipe, GGUF).plan}
+    assert "Q4_K takes rows of whole 256-weight super-blocks (128 inputs)" in plan["model.layers.0.self_attn.q_proj"].note
+    assert plan["model.layers.0.mlp.down_proj"].quantized
+
+
+def test_k_quants_calibrated_by_gptq_are_refused_for_now(tiny_model_dir, tmp_path):
+    from dataclasses import replace
+
+    recipe = registry.resolve("gguf-q4-k")
+    gptq = replace(recipe, steps=registry.resolve("gptq-w4a16").steps)
+    with pytest.raises(FormatError, match="rounded by llama.cpp's own search"):
+        finalize(tiny_model_dir, tmp_path / "m.gguf", gptq)
 
 
 def test_a_gptq_grid_reaches_the_file_unchanged(wide_model_dir, text_file, tmp_path):

@@ -71,3 +71,15 @@ def test_qranges():
     assert QDtype.FLOAT8.qrange == (-448.0, 448.0) and QDtype.FLOAT4.qrange == (-6.0, 6.0)
     assert [QDtype(f"int{n}").bits for n in range(2, 9)] == list(range(2, 9)) and QDtype.FLOAT4.bits == 4
     assert [d.bits for d in QDtype] == [2, 3, 4, 5, 6, 7, 8, 8, 4]
+
+
+def test_k_quant_scales_take_llama_cpps_k_grids_only():
+    from quantkit.quant.schemes import K_QUANT_TYPES, ScaleDtype
+
+    for (dtype, group, symmetric), name in K_QUANT_TYPES.items():
+        spec = WeightSpec(dtype, Granularity.GROUP, group, symmetric=symmetric, scale_dtype=ScaleDtype.K_QUANT)
+        assert spec.k_quant_type == name and name in spec.describe() and not spec.group_size_adjustable
+    with pytest.raises(SchemeError, match="k_quant scales take one of llama.cpp's K grids"):
+        WeightSpec(QDtype.INT4, Granularity.GROUP, 32, symmetric=True, scale_dtype=ScaleDtype.K_QUANT)
+    with pytest.raises(SchemeError, match="float16 scales are for integer weights"):
+        WeightSpec(QDtype.FLOAT8, Granularity.CHANNEL, scale_dtype=ScaleDtype.FLOAT16)
