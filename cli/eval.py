@@ -11,6 +11,7 @@ from quantkit.cli.console import human_bytes, json_to_stdout, out, quiet_librari
 from quantkit.cli.launch import Launch, relaunch
 from quantkit.cli.options import CalibDataOpt, EvalDeviceOpt, JsonOpt, QuietOpt, ThreadsOpt, TrustRemoteCodeOpt
 from quantkit.errors import GateFailedError, UsageError
+from quantkit.evaluation import gguf
 from quantkit.models import sources
 from quantkit.runtime import environment as runtime
 
@@ -26,11 +27,14 @@ quantkit eval ./my-model --data test.txt -q int4-weight-only -q gptq-w4a16 \\
 
 quantkit eval ./base ./base-int4 --data test.txt \\
     --baseline ./base --max-ppl-increase 5 --json results.json
+
+quantkit eval ./base ./base-Q4_0.gguf --data test.txt
 """
 
 
 def evaluate(
-    models: Annotated[list[str], typer.Argument(help="Model directories: plain or quantized (detected from config.json / quantkit.json).")],
+    models: Annotated[list[str], typer.Argument(help="Model directories: plain or quantized (detected from config.json / quantkit.json); "
+                                                     ".gguf files run in llama.cpp (needs `pip install 'quantkit-llm\\[gguf]'`).")],
     data: Annotated[str, typer.Option("--data", help="A .txt/.jsonl/.parquet file or a datasets spec like wikitext:wikitext-2-raw-v1:test.")],
     quantize: Annotated[
         Optional[list[str]], typer.Option("--quantize", "-q", help="Also evaluate each model under this recipe, in memory (repeatable).")
@@ -70,7 +74,9 @@ def evaluate(
 ) -> None:
     """Perplexity, tokens/s and size on disk of one or more models, side by side."""
     for model in models:  # before torch loads: a wrong MODEL is reported at once
-        sources.resolve_source(model)
+        if not gguf.is_gguf(model):
+            sources.resolve_source(model)
+    gguf.check_options(models + ([baseline] if baseline else []), tp, max_acc_drop, device)
     main = runtime.is_main_process()
     quiet = quiet or not main or json_to_stdout(json_path)  # stdout holds the JSON alone; the table would follow it
     quiet_libraries()
@@ -156,6 +162,8 @@ def gate_dict(baseline: str | None, max_increase: float | None, max_drop: float 
 def print_table(reports, baseline: str | None) -> None:
     """One line per model under a short name (its directory's, or M1..Mn when two collide or the table would not
     fit the terminal), then a legend with each name's full path and how the model was made."""
+    from rich.text import Text
+
     base = next((r for r in reports if r.label == baseline), reports[0])
     names = [short_name(r) for r in reports]
     table = results_table(reports, base, names)
@@ -163,6 +171,10 @@ def print_table(reports, baseline: str | None) -> None:
         names = [f"M{i}" for i in range(1, len(reports) + 1)]
         table = results_table(reports, base, names)
     out.print(table)
+    for name, r in zip(names, reports):
+        note = window_note(r, base)
+        if note:
+            out.print(Text(f"* {name}: {note}"))
     entries = [(name, origin(r)) for name, r in zip(names, reports)]
     if any(name != text for name, text in entries):  # `quantkit eval m` needs no "m  m" under its table
         out.print(legend(entries))
@@ -172,12 +184,16 @@ def results_table(reports, base, names: list[str]):
     from rich.table import Table
     from rich.text import Text
 
+    from quantkit.evaluation.evaluate import other_windows
+
     tasks = list(base.tasks)
     metrics = sorted({score.metric for score in base.tasks.values()})
     scores = f"; task scores: {', '.join(metrics)} in %" if tasks else ""
     dequantized = ("; compressed-tensors artifacts compute with dequantized weights (transformers has no FP4 / FP8 / int4 "
                    "kernels), their activations quantized as vLLM quantizes them") if any(r.format == "compressed-tensors" for r in reports) else ""
-    table = Table(title="quantkit eval", caption=f"perplexity change is relative to {names[reports.index(base)]}{scores}{dequantized}")
+    runtimes = sorted({r.runtime for r in reports if r.runtime != "transformers"})
+    elsewhere = f"; .gguf files run in {', '.join(runtimes)}" + (", without task scores (n/a)" if tasks else "") if runtimes else ""
+    table = Table(title="quantkit eval", caption=f"perplexity change is relative to {names[reports.index(base)]}{scores}{dequantized}{elsewhere}")
     sharded = max(r.tensor_parallel for r in reports) > 1
     if sharded:
         table.caption += f"; each model sharded over {reports[0].tensor_parallel} processes (tensor parallel)"
@@ -189,12 +205,26 @@ def results_table(reports, base, names: list[str]):
     for name, r in zip(names, reports):
         delta = 100 * (r.perplexity.perplexity / base.perplexity.perplexity - 1)
         size = human_bytes(r.size_bytes) if r.size_bytes is not None else "in memory"
-        change = "baseline" if r is base else f"{delta:+.2f}%"
-        task_cells = [f"{100 * r.tasks[t].value:.1f}" if t in r.tasks else "-" for t in tasks]
+        change = "baseline" if r is base else "n/a" if other_windows(r, base) else f"{delta:+.2f}%"
+        scored = "n/a" if r.runtime != "transformers" else "-"  # lm-eval scores transformers models only
+        task_cells = [f"{100 * r.tasks[t].value:.1f}" if t in r.tasks else scored for t in tasks]
         memory = (human_bytes(max(r.weight_bytes_per_rank)), human_bytes(max(r.peak_rss_per_rank))) if sharded else ()
-        table.add_row(Text(name), size, f"{r.perplexity.perplexity:.3f}", change, f"{r.perplexity.tokens_per_second:,.0f}",
+        marker = "*" if window_note(r, base) else ""
+        table.add_row(Text(name), size, f"{r.perplexity.perplexity:.3f}{marker}", change, f"{r.perplexity.tokens_per_second:,.0f}",
                       *memory, *task_cells)
     return table
+
+
+def window_note(report, base) -> str | None:
+    """What the table says under it about the tokens a model was scored on: a .gguf's tokenization where it is not
+    simply the Hugging Face rows', and any model scored on other windows than the baseline (its change is n/a)."""
+    from quantkit.evaluation.evaluate import other_windows
+
+    notes = [report.tokens_note] if report.tokens_note else []
+    if other_windows(report, base):
+        notes.append(f"its perplexity does not compare with {base.label}'s" if notes else
+                     f"scored on other tokens than {base.label} (another tokenizer, or a shorter context): its perplexity does not compare")
+    return "; ".join(notes) or None
 
 
 def origin(report) -> str:

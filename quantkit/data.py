@@ -148,9 +148,14 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
+def joined_text(texts: list[str]) -> str:
+    """The texts as one evaluation text: joined with blank lines."""
+    return "\n\n".join(texts)
+
+
 def tokenize(tokenizer, texts: list[str]) -> torch.Tensor:
-    """The texts joined with blank lines, encoded without special tokens: a 1-D LongTensor."""
-    ids = tokenizer("\n\n".join(texts), add_special_tokens=False)["input_ids"]
+    """The texts joined with blank lines (`joined_text`), encoded without special tokens: a 1-D LongTensor."""
+    ids = tokenizer(joined_text(texts), add_special_tokens=False)["input_ids"]
     if not ids:
         raise DataError("the dataset gives no tokens; check the file or --text-field")
     return torch.tensor(ids, dtype=torch.long)

@@ -123,4 +123,12 @@ fi
 cat tasks.err
 grep -qF "pip install 'quantkit-llm[tasks]'" tasks.err
 
+step "eval of a .gguf file without the gguf extra names the extra to install"
+printf 'GGUF' > tiny.gguf  # the magic bytes: past the path check, to the missing llama-cpp-python
+if quantkit eval tiny tiny.gguf --data eval.txt 2> gguf.err; then
+  echo "wheel smoke: eval of a .gguf ran without llama-cpp-python installed" >&2; exit 1
+fi
+cat gguf.err
+grep -qF "pip install 'quantkit-llm[gguf]'" gguf.err
+
 step "wheel smoke passed: $(basename "$WHEEL") installs and runs"

@@ -3,6 +3,7 @@ accuracy gate."""
 
 from __future__ import annotations
 
+import hashlib
 import math
 import time
 from dataclasses import asdict, dataclass, field
@@ -12,9 +13,10 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from quantkit.data import eval_windows, load_texts, tokenize
+from quantkit.data import eval_windows, joined_text, load_texts, tokenize
 from quantkit.errors import UnsupportedModelError, UsageError
-from quantkit.evaluation.nll import IGNORE_INDEX, nll_function
+from quantkit.evaluation import gguf
+from quantkit.evaluation.nll import IGNORE_INDEX, LOGITS_CHUNK_BYTES, NllFunction, nll_function
 from quantkit.evaluation.tasks import TaskOptions, TaskResult, TaskSuite, load_tasks
 from quantkit.evaluation.tensor_parallel import check_options as check_tensor_parallel_options
 from quantkit.evaluation.tensor_parallel import gather_ints
@@ -37,6 +39,7 @@ class PerplexityResult:
     seconds: float
     tokens_per_second: float  # tokens fed through the model (context included) per wall second
     seq_len: int = 0  # effective window length, after clipping to the model's max_position_embeddings
+    windows_digest: str = ""  # of the token ids and windows scored: rows with equal digests scored the same tokens
 
 
 @dataclass
@@ -51,6 +54,8 @@ class ModelReport:
     peak_rss_per_rank: list[int] = field(default_factory=list)  # bytes, while this model was loaded and measured
     weight_bytes_per_rank: list[int] = field(default_factory=list)  # parameters and buffers each rank held, as computed
     tensor_parallel: int = 1  # ranks the model was sharded over (`eval --tp`)
+    runtime: str = "transformers"  # what computed it: transformers, or llama.cpp for a .gguf file
+    tokens_note: str | None = None  # a .gguf's tokenization, where it is not simply the Hugging Face rows' (`gguf.choose_ids`)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -60,6 +65,16 @@ def effective_seq_len(model, seq_len: int) -> int:
     """`seq_len`, clipped to the model's max_position_embeddings when it has a smaller one."""
     limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     return min(seq_len, limit) if limit else seq_len
+
+
+def plan_windows(num_tokens: int, seq_len: int, stride: int | None = None, max_samples: int | None = None,
+                 limit: int | None = None) -> tuple[int, list[Window]]:
+    """(effective seq_len, windows): `quantkit.data.eval_windows` with seq_len, and the stride with it, clipped to
+    `limit` (the positions the model takes) when that is smaller."""
+    clipped = min(seq_len, limit) if limit else seq_len
+    if stride is not None and stride <= seq_len:  # a stride valid for the requested length stays valid
+        stride = min(stride, clipped)
+    return clipped, eval_windows(num_tokens, clipped, stride, max_samples)
 
 
 def perplexity(
@@ -78,12 +93,20 @@ def perplexity(
         raise UsageError(f"batch_size must be at least 1 (got {batch_size})")
     if ids.dim() != 1:
         raise UsageError(f"ids must be a 1-D token stream (got shape {tuple(ids.shape)})")
-    seq_len, windows = _plan_windows(model, ids.numel(), seq_len, stride, max_samples)
+    seq_len, windows = plan_windows(ids.numel(), seq_len, stride, max_samples, effective_seq_len(model, seq_len))
     device = next(model.parameters()).device
+    with torch.inference_mode(), float32_products(model_dtype(model), device):
+        sum_nll = nll_function(model, ids[: windows[0][1]].to(device))  # lm_head by chunks of tokens where it can
+        return score_windows(sum_nll, ids, windows, seq_len, batch_size, device, progress)
+
+
+def score_windows(sum_nll: NllFunction, ids: torch.Tensor, windows: list[Window], seq_len: int, batch_size: int = 1,
+                  device: torch.device | str = "cpu", progress: Progress = QUIET) -> PerplexityResult:
+    """exp(mean NLL) of the windows' scored tokens, `sum_nll` (inputs [B, L], labels [B, L]) -> (summed NLL, count)
+    computing each batch's loss; tokens/s counts every token fed (context included) per wall second."""
     total_nll, scored, fed = 0.0, 0, 0
     start = time.perf_counter()
-    with torch.inference_mode(), float32_products(model_dtype(model), device), progress.task("Perplexity", total=len(windows)) as advance:
-        sum_nll = nll_function(model, ids[: windows[0][1]].to(device))  # lm_head by chunks of tokens where it can
+    with progress.task("Perplexity", total=len(windows)) as advance:
         for batch in _batches(windows, batch_size):
             inputs, labels = _window_tensors(ids, batch)
             nll, count = sum_nll(inputs.to(device), labels.to(device))
@@ -93,15 +116,16 @@ def perplexity(
     return PerplexityResult(
         perplexity=math.exp(total_nll / scored), nll=total_nll / scored, tokens=scored,
         seconds=seconds, tokens_per_second=fed / seconds if seconds > 0 else float("inf"), seq_len=seq_len,
+        windows_digest=windows_digest(ids, windows),
     )
 
 
-def _plan_windows(model, num_tokens: int, seq_len: int, stride: int | None, max_samples: int | None):
-    """(effective seq_len, windows), with seq_len and stride clipped to what the model accepts."""
-    clipped = effective_seq_len(model, seq_len)
-    if stride is not None and stride <= seq_len:  # a stride valid for the requested length stays valid
-        stride = min(stride, clipped)
-    return clipped, eval_windows(num_tokens, clipped, stride, max_samples)
+def windows_digest(ids: torch.Tensor, windows: list[Window]) -> str:
+    """A short sha256 of the windows and the tokens they hold: two models with the same digest were scored on the
+    same token ids in the same windows, so their perplexities compare."""
+    hashed = hashlib.sha256(repr(windows).encode())
+    hashed.update(ids[: windows[-1][1]].to(torch.int64).numpy().tobytes())
+    return hashed.hexdigest()[:16]
 
 
 def _batches(windows: list[Window], batch_size: int) -> Iterator[list[Window]]:
@@ -216,8 +240,19 @@ def gate(
     return failures
 
 
+def other_windows(report: ModelReport, baseline: ModelReport) -> bool:
+    """`report` was scored on other tokens or windows than `baseline` (another tokenizer, a shorter window): its
+    perplexity does not compare with the baseline's."""
+    digests = report.perplexity.windows_digest, baseline.perplexity.windows_digest
+    return all(digests) and digests[0] != digests[1]
+
+
 def _perplexity_failures(report: ModelReport, baseline: ModelReport, max_increase_pct: float) -> list[str]:
     base, ppl = baseline.perplexity.perplexity, report.perplexity.perplexity
+    if other_windows(report, baseline):
+        why = f": {report.tokens_note}" if report.tokens_note else " (another tokenizer, or a shorter context)"
+        return [f"{report.label}: scored on other tokens than {baseline.label}{why}; perplexities over different tokens "
+                "do not compare, so the gate cannot pass it"]
     limit = base * (1.0 + max_increase_pct / 100.0)  # compared as a product: 10.5 vs 10 at 5% passes exactly
     if ppl <= limit:  # NaN fails too
         return []
@@ -266,17 +301,23 @@ def compare(
     """Each model on the same data (and `tasks`), labelled by its path as given; then, for each recipe, the
     model quantized under it in memory (labelled "PATH+RECIPE"), as `finalize` would quantize it. With
     `tensor_parallel` > 1 (under torchrun, one process per rank) each model is sharded over the ranks; every
-    rank returns the same reports. Otherwise the models run on `device` (cpu, cuda, cuda:N)."""
+    rank returns the same reports. Otherwise the models run on `device` (cpu, cuda, cuda:N). A MODEL ending in .gguf
+    runs in llama.cpp on the Hugging Face rows' token ids (`measure_gguf`)."""
     from quantkit.runtime import environment as runtime
     if tensor_parallel > 1:
         check_tensor_parallel_options(recipes, tasks)
-    runtime.set_threads(threads)
+    threads = runtime.set_threads(threads)
     suite = load_tasks(tasks) if tasks else None  # a wrong task name or missing task data: before any model loads
     texts = load_texts(data, text_field)
     previews = _prepare_previews(models, recipes, trust_remote_code, calibration)  # every check before any model loads
     settings = dict(seq_len=seq_len, stride=stride, max_samples=max_samples, batch_size=batch_size, progress=progress)
+    reference = _reference_ids(models, tokenizer, texts, trust_remote_code) if any(map(gguf.is_gguf, models)) else None
     reports = []
     for label in models:
+        if gguf.is_gguf(label):  # one file, run in llama.cpp
+            reset_peak_resident()
+            reports.append(measure_gguf(label, texts, reference, threads=threads, device=device, **settings))
+            continue
         path = resolve_source(label)  # a directory, or a hub id from the cache
         measure = partial(_measure, texts=texts, tokenizer=tokenizer, trust_remote_code=trust_remote_code,
                           suite=suite, tensor_parallel=tensor_parallel > 1, device=device, **settings)
@@ -301,7 +342,7 @@ def _prepare_previews(models: list[str], recipe_names: Sequence[str], trust_remo
 
     recipes = [resolve(name) for name in recipe_names]
     previews = {}
-    for label in models:
+    for label in (m for m in models if not gguf.is_gguf(m)):
         path = resolve_source(label)
         if quantization_method(path) is None:  # recipes preview full-precision models only
             previews[label] = [(recipe, prepare(path, recipe, trust_remote_code=trust_remote_code,
@@ -321,6 +362,52 @@ def _measure(
     result = perplexity(model, tokenize(tok, texts), **settings)
     scores = suite.run(model, tok, batch_size=settings["batch_size"], progress=settings["progress"]) if suite else {}
     return result, scores, held_bytes(model)
+
+
+def _reference_ids(models: list[str], tokenizer: str | Path | None, texts: list[str],
+                   trust_remote_code: bool) -> tuple[list[int], str] | None:
+    """(ids, whose) the Hugging Face rows are scored on, for the .gguf rows to be fed (`gguf.choose_ids`): `--tokenizer`'s,
+    else the first Hugging Face model's; None when there is neither."""
+    source = tokenizer or next((m for m in models if not gguf.is_gguf(m)), None)
+    if source is None:
+        return None
+    found = load_tokenizer(Path(tokenizer) if tokenizer else resolve_source(source), trust_remote_code)
+    return tokenize(found, texts).tolist(), str(source)
+
+
+def measure_gguf(label: str, texts: list[str], reference: tuple[list[int], str] | None, seq_len: int = 512,
+                 stride: int | None = None, max_samples: int | None = None, threads: int = 1, device: str = "cpu",
+                 progress: Progress = QUIET, **_) -> ModelReport:
+    """A .gguf file's perplexity in llama.cpp, on the windows the Hugging Face rows are scored on where its vocabulary
+    allows (`gguf.choose_ids`), clipped to its context length; one window at a time (--batch-size does not apply)."""
+    path = gguf.check_gguf_file(label)
+    chosen, info = _gguf_ids(path, texts, reference)
+    ids = torch.tensor(chosen.ids, dtype=torch.long)
+    seq_len, windows = plan_windows(ids.numel(), seq_len, stride, max_samples, info.context_length)
+    model = gguf.open_model(path, seq_len, threads, device)
+    rows = max(1, LOGITS_CHUNK_BYTES // (4 * model.n_vocab()))
+    with torch.inference_mode():
+        result = score_windows(partial(_gguf_nll, model, rows), ids, windows, seq_len, progress=progress)
+    fmt = f"gguf {info.file_type}" if info.file_type else "gguf"
+    return ModelReport(path=str(path), label=label, recipe=info.recipe, format=fmt, size_bytes=path.stat().st_size,
+                       perplexity=result, peak_rss_per_rank=[peak_resident_bytes()], runtime=gguf.runtime_name(),
+                       tokens_note=chosen.note)
+
+
+def _gguf_ids(path: Path, texts: list[str], reference: tuple[list[int], str] | None) -> tuple[gguf.ChosenIds, gguf.GgufInfo]:
+    """The ids to feed the GGUF model and its metadata, from its vocabulary alone (freed on return)."""
+    vocab = gguf.open_vocab(path)
+    return gguf.choose_ids(vocab, joined_text(texts), *(reference or (None,))), gguf.read_info(vocab)
+
+
+def _gguf_nll(model, rows: int, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[float, int]:
+    """`NllFunction` over a llama.cpp model: each window decoded alone, its loss from `gguf.window_nll`."""
+    total, count = 0.0, 0
+    for tokens, targets in zip(inputs.tolist(), labels):
+        first_target = int((targets != IGNORE_INDEX).nonzero()[0])
+        nll, scored = gguf.window_nll(model, tokens, first_target, rows)
+        total, count = total + nll, count + scored
+    return total, count
 
 
 def held_bytes(model) -> int:
