@@ -56,7 +56,8 @@ def list_recipes(json_path: JsonOpt = None) -> None:
     for recipe in recipes:
         acts = recipe.scheme.activations
         acts = (grid(acts) + ("" if acts.dynamic else " static")) if acts else "16-bit"
-        table.add_row(recipe.name, grid(recipe.scheme.weights), acts, recipe.describe_algorithm(),
+        weights = f"{recipe.mixture.lower()} mix" if recipe.mixture else grid(recipe.scheme.weights)  # llama.cpp's name
+        table.add_row(recipe.name, weights, acts, recipe.describe_algorithm(),
                       FORMATS.get(recipe.format, recipe.format.value))
     out.print(table)
 

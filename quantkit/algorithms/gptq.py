@@ -112,12 +112,17 @@ def gptq_quantize_rows(weight: torch.Tensor, factor: InverseHessian, spec: Weigh
     wt.copy_(weight.T)  # the float32 work copy, transposed: a column of the weight is a contiguous row
     wt[factor.dead.to(wt.device)] = 0.0
     dynamic = spec.granularity is Granularity.GROUP and not (args.actorder or args.static_groups)
-    grid = _Grid.up_front(wt.T, weight.dtype, spec, dynamic=dynamic, global_scale=global_scale if spec.global_scale else None)
+    if spec.k_quant_type:
+        grid = _KGrid.up_front(wt.T, spec, dynamic=not args.actorder)
+    else:
+        grid = _Grid.up_front(wt.T, weight.dtype, spec, dynamic=dynamic, global_scale=global_scale if spec.global_scale else None)
     if factor.perm is not None:
         wt = wt[factor.perm]
     qdata = _quantize_columns(wt, factor.upper, grid, factor.order, _aligned_block_size(args.block_size, spec), row_errors)
     if factor.perm is not None:
         qdata = qdata[:, torch.argsort(factor.perm)]
+    if spec.k_quant_type:
+        return QuantizedWeight(qdata=qdata, scale=grid.k.sub_block_scales()[0], zero_point=None, spec=spec, k=grid.k)
     return QuantizedWeight(qdata=qdata, scale=grid.scale, zero_point=grid.zero, spec=spec, global_scale=grid.global_scale)
 
 
@@ -195,6 +200,11 @@ class _Grid:
     def float_grid(self) -> bool:
         return is_float_grid(self.spec)
 
+    @property
+    def choose_every(self) -> int | None:
+        """Columns between two choices of qparams in the loop (a group's first column), or None: chosen up front."""
+        return self.spec.group_size if self.dynamic else None
+
     def group_of(self, column: int) -> int:
         return column // self.spec.group_size if self.spec.granularity is Granularity.GROUP else 0
 
@@ -241,6 +251,81 @@ class _Grid:
         return q, q * divisor_float
 
 
+@dataclass
+class _KGrid:
+    """A llama.cpp K-quant grid (`k_grids`) in the GPTQ loop: each super-block's sub-block scales and mins are chosen
+    by llama.cpp's search on the columns as GPTQ has updated them when it reaches the super-block's first column
+    (with actorder: all up front, on the original weights), then every column is rounded onto that fixed grid as
+    `k_grids.round_k` rounds (its arithmetic inlined on each column's step and offset, kept as contiguous columns:
+    a call per column costs more than the rounding), so what GPTQ minimises is what llama.cpp decodes."""
+
+    spec: WeightSpec
+    k: "KQParams"  # the whole weight's, super-blocks overwritten as they are chosen
+    dynamic: bool
+    steps: torch.Tensor  # float32 [in, out]: each column's step d * sc (and offset dmin * mn), as contiguous rows
+    offsets: torch.Tensor | None
+    float_grid = False
+
+    @classmethod
+    def up_front(cls, weight: torch.Tensor, spec: WeightSpec, dynamic: bool) -> _KGrid:
+        """The grid chosen on the whole weight now, or (dynamic) its buffers, each super-block chosen in the loop."""
+        from gguf import GGMLQuantizationType
+
+        from quantkit.quant.k_grids import SUPER_BLOCK, KQParams, choose_k_qparams
+        from quantkit.quant.ggml_blocks import FORMATS
+
+        qtype = GGMLQuantizationType[spec.k_quant_type]
+        rows, cols, fmt = weight.shape[0], weight.shape[1], FORMATS[qtype]
+        if dynamic:
+            codes = lambda: torch.zeros(rows, cols // fmt.sub_block, dtype=torch.int8, device=weight.device)  # noqa: E731
+            supers = lambda: torch.zeros(rows, cols // SUPER_BLOCK, dtype=torch.float16, device=weight.device)  # noqa: E731
+            k = KQParams(qtype, codes(), supers(), codes() if fmt.has_mins else None, supers() if fmt.has_mins else None)
+        else:
+            k = choose_k_qparams(weight.float(), qtype)
+        steps = torch.zeros(cols, rows, dtype=torch.float32, device=weight.device)
+        grid = cls(spec, k, dynamic, steps, torch.zeros_like(steps) if fmt.has_mins else None)
+        if not dynamic:
+            grid._columns(0, cols)
+        return grid
+
+    @property
+    def choose_every(self) -> int | None:
+        from quantkit.quant.k_grids import SUPER_BLOCK
+        return SUPER_BLOCK if self.dynamic else None
+
+    def group_of(self, column: int) -> int:
+        return column  # rounding needs the column's own sub-block
+
+    def choose(self, first: int, columns: torch.Tensor) -> None:
+        from quantkit.quant.k_grids import SUPER_BLOCK, choose_k_qparams
+
+        part = choose_k_qparams(columns.float(), self.k.qtype)
+        per_super = SUPER_BLOCK // self.k.format.sub_block
+        block, sub = first // SUPER_BLOCK, first // self.k.format.sub_block
+        for name in ("scales", "mins"):
+            if getattr(self.k, name) is not None:
+                getattr(self.k, name)[:, sub:sub + per_super] = getattr(part, name)
+        for name in ("d", "dmin"):
+            if getattr(self.k, name) is not None:
+                getattr(self.k, name)[:, block:block + 1] = getattr(part, name)
+        self._columns(first, columns.shape[1])
+
+    def _columns(self, first: int, count: int) -> None:
+        step, offset = self.k.column_scales(first, count)
+        self.steps[first:first + count] = step.T
+        if offset is not None:
+            self.offsets[first:first + count] = offset.T
+
+    def round(self, column: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+        step = self.steps[group]
+        offset = self.offsets[group] if self.offsets is not None else None
+        scaled = torch.div(column if offset is None else column + offset, step)
+        q = torch.round(scaled).clamp_(*self.k.format.code_range)
+        q = torch.where(step == 0, 0.0, q)
+        value = step * q
+        return q, value if offset is None else value - offset
+
+
 SUB_BLOCK = 16  # columns whose updates are applied one by one; the rest of a block gets them as one matmul
 
 
@@ -264,7 +349,7 @@ def _quantize_columns(
     as one CUDA graph each (`gptq_graphs`: the same kernels, bit for bit); `graphs` False runs that path eagerly
     (tests), None picks it on CUDA."""
     qt = torch.empty(wt.shape, dtype=torch.float8_e4m3fn if grid.float_grid else torch.int8, device=wt.device)  # the grid values
-    dynamic_size = grid.spec.group_size if grid.dynamic else None
+    dynamic_size = grid.choose_every
     sub = math.gcd(SUB_BLOCK, dynamic_size) if dynamic_size else SUB_BLOCK
     cuda = wt.device.type == "cuda"
     row_blocks = [slice(None)] if cuda else [slice(r, r + ROW_BLOCK) for r in range(0, wt.shape[1], ROW_BLOCK)]
@@ -308,7 +393,7 @@ def _sub_block_runner(wt: torch.Tensor, grid: _Grid, order: list[int], sub: int,
                       graphs: bool | None):
     """`gptq_graphs.sub_block_runner` where it applies: integer grids rounded left to right (every column of a
     sub-block in one group), on CUDA or when asked (`graphs` False)."""
-    if grid.float_grid or order != list(range(len(order))) or (graphs is None and wt.device.type != "cuda"):
+    if grid.float_grid or isinstance(grid, _KGrid) or order != list(range(len(order))) or (graphs is None and wt.device.type != "cuda"):
         return None
     if grid.spec.granularity is Granularity.GROUP and grid.spec.group_size % sub:
         return None  # a sub-block would straddle two groups

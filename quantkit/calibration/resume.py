@@ -215,6 +215,9 @@ class Resumable:
             self.path.rmdir()
 
 
+K_PARTS = ("scales", "d", "mins", "dmin")  # a K grid's tensors (`k_grids.KQParams`), in its constructor's order
+
+
 def layer_tensors(module: nn.Module, prefix: str, result: CalibrationResult) -> dict[str, torch.Tensor]:
     """A finished layer as flat tensors: grid integers, scales and zero points of its quantized Linears (their
     dequantized weights follow from those exactly), static input scales, KV cache scales (and the ranges they
@@ -229,6 +232,10 @@ def layer_tensors(module: nn.Module, prefix: str, result: CalibrationResult) -> 
             tensors[f"scale.{local}"] = qweight.scale
             if qweight.zero_point is not None:
                 tensors[f"zero.{local}"] = qweight.zero_point
+            if qweight.k is not None:  # a K grid's codes under its super-block scales (GGUF)
+                for part in K_PARTS:
+                    if getattr(qweight.k, part) is not None:
+                        tensors[f"k_{part}.{local}"] = getattr(qweight.k, part)
             if name in result.input_scales:
                 tensors[f"input_scale.{local}"] = result.input_scales[name]
     for name in (n for n in result.kv_scales if n.startswith(prefix + ".")):
@@ -249,8 +256,14 @@ def restore_layer(module: nn.Module, prefix: str, plan: dict[str, ModulePlan], r
         local = key[len("qdata."):]
         name = f"{prefix}.{local}"
         linear = module.get_submodule(local)
-        qweight = QuantizedWeight(tensors[key], tensors[f"scale.{local}"], tensors.get(f"zero.{local}"),
-                                  plan[name].scheme.weights)
+        spec = plan[name].scheme.weights
+        k = None
+        if spec.k_quant_type:
+            from gguf import GGMLQuantizationType
+
+            from quantkit.quant.k_grids import KQParams
+            k = KQParams(GGMLQuantizationType[spec.k_quant_type], *(tensors.get(f"k_{part}.{local}") for part in K_PARTS))
+        qweight = QuantizedWeight(tensors[key], tensors[f"scale.{local}"], tensors.get(f"zero.{local}"), spec, k=k)
         state[f"{local}.weight"] = qweight.dequantize(linear.weight.dtype)
         result.qweights[name] = qweight
         if f"input_scale.{local}" in tensors:

@@ -97,9 +97,9 @@ def unsupported(recipe: Recipe) -> str | None:
         return "llama.cpp does not apply online rotations (R4); use the fused ones only (R1, R2)"
     if ggml_type(spec) is None:
         return f"no GGUF type holds {spec.describe()} exactly; the nearest is {_nearest(spec)}"
-    if spec.k_quant_type and (recipe.steps[-1].name.value != "rtn" or len(recipe.steps) > 1):
-        return (f"{spec.k_quant_type} grids are rounded by llama.cpp's own search (rtn); GPTQ, AWQ and AutoRound "
-                "calibrate Q4_0 / Q8_0 grids in GGUF so far (gptq-w4a16 --format gguf)")
+    if spec.k_quant_type and any(step.name.value == "autoround" for step in recipe.steps):
+        return (f"AutoRound learns its own scales, and {spec.k_quant_type}'s are llama.cpp's search's: use gptq or "
+                "awq on K grids, or AutoRound on Q4_0 (autoround-w4a16 --format gguf)")
     return None
 
 
@@ -110,10 +110,21 @@ def check_architecture(model_type: str | None) -> None:
                           "use --format compressed-tensors")
 
 
-def plan_for_gguf(plan: list[ModulePlan]) -> list[ModulePlan]:
-    """The plan as GGUF holds it: a Linear whose group the plan shrank below a GGML block (its input size is not a
-    multiple of 32) stays in full precision, reported, as llama.cpp's own quantizer leaves such tensors."""
+def plan_for_gguf(plan: list[ModulePlan], recipe: Recipe, config) -> list[ModulePlan]:
+    """The plan as GGUF holds it: a llama.cpp mixture's per-tensor types (`gguf_mixtures`) on the Linears it names;
+    a Linear whose group the plan shrank below a GGML block (its input size is not a multiple of 32), or whose
+    rows are not whole K super-blocks, stays in full precision, reported, as llama.cpp's own quantizer leaves such
+    tensors."""
     from dataclasses import replace
+
+    from quantkit.quant import gguf_mixtures
+
+    def mixed(entry: ModulePlan) -> ModulePlan:
+        role, layer = gguf_mixtures.role_of(entry.name)
+        if recipe.mixture is None or not entry.quantized or role is None:
+            return entry
+        kind = gguf_mixtures.tensor_type(recipe.mixture, role, layer, config.num_hidden_layers, _gqa(config))
+        return replace(entry, scheme=QuantScheme(gguf_mixtures.k_spec(kind), entry.scheme.activations))
 
     def problem(entry: ModulePlan) -> str | None:
         spec = entry.scheme.weights
@@ -123,8 +134,35 @@ def plan_for_gguf(plan: list[ModulePlan]) -> list[ModulePlan]:
             return f"no GGUF block holds groups of {spec.group_size} ({entry.in_features} inputs are not a multiple of {BLOCK})"
         return None
 
+    plan = [mixed(entry) for entry in plan]
     return [replace(entry, scheme=None, note=why) if entry.quantized and (why := problem(entry)) else entry
             for entry in plan]
+
+
+def _gqa(config) -> int:
+    return config.num_attention_heads // (getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+
+
+def embedding_type(recipe: Recipe, config) -> str | None:
+    """The K type a mixture gives token_embd (its base type; a tied one is the output's, Q6_K), or None: kept in
+    the model's dtype. Rows that are not whole super-blocks stay float, as llama.cpp leaves them."""
+    from quantkit.quant import gguf_mixtures
+
+    if recipe.mixture is None or config.hidden_size % K_SUPER_BLOCK:
+        return None
+    role = "output" if getattr(config, "tie_word_embeddings", False) else "token_embd"
+    return gguf_mixtures.tensor_type(recipe.mixture, role, None, config.num_hidden_layers, _gqa(config))
+
+
+def quantize_embedding(weight: torch.Tensor, recipe: Recipe, config):
+    """The token embedding on its mixture's K grid (llama.cpp's own rounding: it is not a Linear, so no
+    calibration reaches it), as `k_grids.KQuantizedWeight`, or None."""
+    kind = embedding_type(recipe, config)
+    if kind is None:
+        return None
+    from quantkit.quant.k_grids import quantize_k
+
+    return quantize_k(weight.float(), _gguf().GGMLQuantizationType[kind])
 
 
 def weight_bytes(entry: ModulePlan, element_size: int) -> int:
@@ -134,8 +172,14 @@ def weight_bytes(entry: ModulePlan, element_size: int) -> int:
 
 def as_loaded(quantized: QuantizedModel) -> nn.Module:
     """The quantized model: its planned Linears hold the grid's values, which llama.cpp dequantizes the file's
-    blocks to (it computes in its own precision, and quantizes activations for its dot products)."""
-    return quantized.model
+    blocks to (it computes in its own precision, and quantizes activations for its dot products); a mixture's
+    token embedding is put on its K grid too."""
+    model = quantized.model
+    embedding = model.get_input_embeddings()
+    found = quantize_embedding(embedding.weight.data, quantized.recipe, model.config)
+    if found is not None and not getattr(model.config, "tie_word_embeddings", False):
+        embedding.weight.data = found.dequantize().to(embedding.weight.dtype)
+    return model
 
 
 def write(quantized: QuantizedModel, out_dir: Path, max_shard_size: int | None = None) -> None:
@@ -175,7 +219,7 @@ def k_codes(weight: torch.Tensor, qparams: QParams):
 
 def pack(weight: torch.Tensor, qparams: QParams):
     """(GGML type, the weight's block bytes [rows, bytes per row])."""
-    from quantkit.export import ggml_blocks
+    from quantkit.quant import ggml_blocks
 
     qtype = ggml_type(qparams.spec)
     if qparams.k is not None:
@@ -265,9 +309,12 @@ class StreamWriter:
 
     def _add_tensor(self, key: str, value: torch.Tensor, qparams: dict[str, QParams]) -> None:
         module_name, _, leaf = key.rpartition(".")
-        if key == "lm_head.weight" and self.tied and module_name not in self.planned:
+        if key == "lm_head.weight" and self.tied:
             return  # llama.cpp reads a tied output from token_embd
         name = self.names.get_name(key, try_suffixes=(".weight", ".bias"))
+        if name == "token_embd.weight" and (found := quantize_embedding(value.cpu(), self.recipe, self.model.config)):
+            self._spill(name, found.qtype, found.ggml_blocks())
+            return
         if name is None:
             raise FormatError(f"{key}: llama.cpp's {self.arch.name.lower()} architecture has no tensor of that name; "
                               "this model cannot be written as GGUF (use --format compressed-tensors)")
@@ -328,6 +375,8 @@ class StreamWriter:
     def _file_type(self):
         """llama.cpp's file type: the type most of the quantized weights are in (its `general.file_type`)."""
         gguf = _gguf()
+        if self.recipe.mixture is not None:
+            return gguf.LlamaFileType[f"MOSTLY_{self.recipe.mixture}"]
         counts: dict[str, int] = {}
         for t in self.tensors:
             if t.name.startswith("blk."):

@@ -97,7 +97,7 @@ def prepare(
     plan = _check_model(src, skeleton, recipe, fmt)
     if fmt is Format.GGUF:
         from quantkit.export.gguf import plan_for_gguf
-        plan = plan_for_gguf(plan)
+        plan = plan_for_gguf(plan, recipe, config)
     rotator = _check_rotations(skeleton, recipe, trained)
     report = coverage(skeleton, plan)
     if fmt is Format.COMPRESSED_TENSORS:

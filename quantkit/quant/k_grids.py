@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
-from quantkit.export.ggml_blocks import FORMATS, BlockFormat, pack
+from quantkit.quant.ggml_blocks import FORMATS, BlockFormat, pack
 
 Q = GGMLQuantizationType
 K_QTYPES = (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)

@@ -122,6 +122,7 @@ class Recipe:
     hardware: str = ""  # where vLLM runs the scheme natively (`recipes show` prints it)
     kv_cache: KVCacheSpec | None = None  # a quantized KV cache (`finalize --kv-cache fp8` sets it on any recipe)
     transforms: tuple["Transform", ...] = ()  # rotations applied to the float model before it is quantized
+    mixture: str | None = None  # a llama.cpp GGUF mixture (Q4_K_M, ...): per-tensor types around the scheme's (gguf_mixtures)
     source: str = ""
 
     @property
@@ -182,8 +183,8 @@ class Recipe:
         data = self.to_dict()
         steps = [{"name": step["name"], **step["args"]} for step in data["steps"]]
         data["algorithm"] = steps[0] if len(steps) == 1 else steps
-        order = ("description", "scheme", "transforms", "algorithm", "calibration", "format", "ignore", "on_indivisible",
-                 "requires", "hardware", "kv_cache")
+        order = ("description", "scheme", "transforms", "algorithm", "calibration", "format", "mixture", "ignore",
+                 "on_indivisible", "requires", "hardware", "kv_cache")
         return {key: data[key] for key in order if data.get(key) not in (None, [])}
 
 
@@ -244,7 +245,7 @@ def resolve(name_or_path: str) -> Recipe:
 # ---------------------------------------------------------------- parsing
 
 _TOP_KEYS = {"description", "scheme", "algorithm", "calibration", "format", "ignore", "on_indivisible", "requires", "hardware",
-             "kv_cache", "transforms"}
+             "kv_cache", "transforms", "mixture"}
 
 
 def load_recipe_file(path: Path | Traversable) -> Recipe:
@@ -280,8 +281,24 @@ def parse_recipe(name: str, data: dict[str, Any], source: str = "") -> Recipe:
         hardware=str(data.get("hardware", "")),
         kv_cache=_parse_kv_cache(data.get("kv_cache")),
         transforms=_parse_transforms(data.get("transforms", [])),
+        mixture=_parse_mixture(data.get("mixture"), scheme),
         source=source,
     )
+
+
+def _parse_mixture(value: Any, scheme: QuantScheme) -> str | None:
+    """A llama.cpp mixture name, whose base K type the scheme's weights must be."""
+    if value is None:
+        return None
+    from quantkit.quant.gguf_mixtures import MIXTURES
+
+    if value not in MIXTURES:
+        raise SchemeError("mixture", f"'{value}' is not one quantkit knows; allowed: {', '.join(MIXTURES)}")
+    base = MIXTURES[value]
+    if scheme.weights.k_quant_type != base:
+        raise SchemeError("mixture", f"{value} is built on {base}: the scheme's weights must be {base}'s grid "
+                          "(scale_dtype: k_quant, e.g. int4 group_size 32 asymmetric for Q4_K)")
+    return value
 
 
 def _parse_transforms(value: Any) -> tuple[Transform, ...]:

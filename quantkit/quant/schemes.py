@@ -183,7 +183,7 @@ class WeightSpec:
             grain = "channel"
         scales = {ScaleDtype.FLOAT8: " fp8 scales + global", ScaleDtype.E8M0: " e8m0 scales"}.get(self.scale_dtype, "")
         if self.k_quant_type:
-            return f"{self.k_quant_type} ({self.dtype.value} g{self.group_size}{'' if self.symmetric else ' asym'} k-quant)"
+            return f"{self.k_quant_type.lower()} k-quant"  # its grid is the type's (K_QUANT_TYPES)
         mse = " mse" if self.observer is WeightObserver.MSE else ""
         return f"{_short(self.dtype)} {grain}{scales}{'' if self.symmetric else ' asym'}{mse}"
 

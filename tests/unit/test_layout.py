@@ -83,7 +83,8 @@ def test_layers_import_only_downward(package, forbidden):
             assert not bad, f"{name} imports {sorted(bad)}"
 
 
-GRID = ("quantkit.quant.schemes", "quantkit.quant.float_grids", "quantkit.quant.qparams", "quantkit.quant.observers")
+GRID = ("quantkit.quant.schemes", "quantkit.quant.float_grids", "quantkit.quant.qparams", "quantkit.quant.observers",
+        "quantkit.quant.k_grids", "quantkit.quant.ggml_blocks")
 
 
 @pytest.mark.parametrize("packages, allowed, module_level_only", [

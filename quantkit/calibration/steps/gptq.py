@@ -152,6 +152,9 @@ def _solve_shared(layer: Layer, stacked: torch.Tensor, factor: InverseHessian, s
                   global_scale: torch.Tensor | None, row_errors: torch.Tensor) -> QuantizedWeight:
     """This rank's share of the rows, then every rank's shares gathered, the rows' squared errors with them
     (NVFP4's global scale is the whole weight's, the same on every rank)."""
+    if spec.k_quant_type:
+        raise UsageError(f"GPTQ on llama.cpp's {spec.k_quant_type} grid runs in one process for now: "
+                         "pass --nproc-per-node 1")
     world, rank = layer.ctx.world_size, layer.ctx.rank
     shares = [row_share(stacked.shape[0], world, r) for r in range(world)]
     whole = empty_quantized(stacked, spec)
@@ -180,7 +183,15 @@ def _tensors(qweight: QuantizedWeight) -> list[torch.Tensor]:
 
 
 def split_rows(qweight: QuantizedWeight, rows: list[int]) -> list[QuantizedWeight]:
-    """A row-stacked QuantizedWeight cut back into its modules' (qdata, scale and zero point are per row)."""
+    """A row-stacked QuantizedWeight cut back into its modules' (qdata, scale and zero point are per row, and so is
+    a K grid's every tensor)."""
     parts = [t.split(rows) if t is not None else [None] * len(rows) for t in (qweight.qdata, qweight.scale, qweight.zero_point)]
+    grids = [None] * len(rows)
+    if qweight.k is not None:
+        from quantkit.quant.k_grids import KQParams
+
+        k = qweight.k
+        cut = [t.split(rows) if t is not None else [None] * len(rows) for t in (k.scales, k.d, k.mins, k.dmin)]
+        grids = [KQParams(k.qtype, *(None if t is None else t.contiguous() for t in part)) for part in zip(*cut)]
     return [QuantizedWeight(q.contiguous(), s.contiguous(), z.contiguous() if z is not None else None, qweight.spec,
-                            qweight.global_scale) for q, s, z in zip(*parts)]
+                            qweight.global_scale, grid) for (q, s, z), grid in zip(zip(*parts), grids)]

@@ -403,3 +403,49 @@ def test_the_gpus_dense_factor_is_the_blocked_factor(size):
                                atol=2e-3, rtol=0)
     not_positive = -torch.eye(size)
     assert not _factor_dense_(not_positive)
+
+
+K_SPECS = {  # llama.cpp's K grids (schemes.K_QUANT_TYPES)
+    "Q2_K": (QDtype.INT2, 16, False), "Q3_K": (QDtype.INT3, 16, True), "Q4_K": (QDtype.INT4, 32, False),
+    "Q5_K": (QDtype.INT5, 32, False), "Q6_K": (QDtype.INT6, 16, True),
+}
+
+
+def _k_spec(name: str) -> WeightSpec:
+    from quantkit.quant.schemes import ScaleDtype
+
+    dtype, group, symmetric = K_SPECS[name]
+    return WeightSpec(dtype, Granularity.GROUP, group, symmetric=symmetric, scale_dtype=ScaleDtype.K_QUANT)
+
+
+@pytest.mark.parametrize("name", sorted(K_SPECS))
+def test_gptq_on_a_k_grid_without_correlations_is_llama_cpps_rounding(name):
+    """An identity Hessian moves no error: each super-block's grid is llama.cpp's choice and every column rounds
+    onto it as llama.cpp's quantizer does (k_grids.quantize_k, held to llama.cpp's bytes by its tests)."""
+    from gguf import GGMLQuantizationType
+
+    from quantkit.quant.k_grids import quantize_k
+
+    torch.manual_seed(0)
+    weight = torch.randn(24, 512)
+    result = gptq_quantize(weight, torch.eye(512), _k_spec(name))
+    expected = quantize_k(weight, GGMLQuantizationType[name])
+    assert torch.equal(result.dequantize(torch.float32), expected.dequantize())
+    assert torch.equal(result.k.d, expected.d) and torch.equal(result.k.scales, expected.scales)
+
+
+@pytest.mark.parametrize("actorder", [False, True])
+def test_gptq_on_a_k_grid_lowers_the_output_error(actorder):
+    from gguf import GGMLQuantizationType
+
+    from quantkit.quant.k_grids import quantize_k
+
+    torch.manual_seed(0)
+    weight, x = torch.randn(32, 512), torch.randn(2048, 512)
+    x = x @ (torch.eye(512) + 0.3 * torch.randn(512, 512) / 512 ** 0.5)
+    x[:, :4] *= 20  # outlier channels
+    hessian = x.T @ x / x.shape[0]
+    error = lambda values: ((x @ (weight - values).T) ** 2).mean()  # noqa: E731
+    gptq = gptq_quantize(weight, hessian, _k_spec("Q4_K"), GPTQArgs(actorder=actorder)).dequantize(torch.float32)
+    rtn = quantize_k(weight, GGMLQuantizationType.Q4_K).dequantize()
+    assert error(gptq) < 0.85 * error(rtn)

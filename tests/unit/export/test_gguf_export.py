@@ -46,7 +46,8 @@ def dequantized(tensor) -> torch.Tensor:
 
 def expected_tensors(src, recipe_name: str, options=None) -> tuple[dict[str, torch.Tensor], object]:
     """The in-memory quantized model's tensors under llama.cpp's names and row order."""
-    recipe = for_format(registry.resolve(recipe_name), GGUF)
+    recipe = recipe_name if isinstance(recipe_name, registry.Recipe) else registry.resolve(recipe_name)
+    recipe = for_format(recipe, GGUF)
     model = quantize_model(prepare(src, recipe, GGUF, calibration=options), recipe, calibration=options)
     config = model.config
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config.num_hidden_layers)
@@ -77,12 +78,22 @@ def test_every_tensor_dequantizes_to_the_quantized_models(wide_model_dir, tmp_pa
     assert field(fields, "general.file_type") == gguf.LlamaFileType[f"MOSTLY_{qtype}"]
 
 
-@pytest.mark.parametrize("recipe, qtype", [("gguf-q4-k", "Q4_K"), ("gguf-q6-k", "Q6_K")])
-def test_k_quants_are_llama_cpps_own_rounding_in_the_file(k_model_dir, tmp_path, recipe, qtype):
-    """K-quant recipes round with llama.cpp's own search (k_grids, held to llama.cpp's bytes by its tests); the file
+def k_recipe(qtype: str) -> registry.Recipe:
+    """A round-to-nearest recipe on one K grid (llama.cpp's own rounding, as llama-quantize without an imatrix)."""
+    from quantkit.quant.gguf_mixtures import k_spec
+
+    weights = {k: v.value if hasattr(v, "value") else v for k, v in vars(k_spec(qtype)).items()
+               if k in ("dtype", "granularity", "group_size", "symmetric", "scale_dtype")}
+    return registry.parse_recipe(f"rtn-{qtype}", {"scheme": {"weights": weights}, "format": "gguf", "on_indivisible": "skip"})
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q3_K"])
+def test_k_quants_are_llama_cpps_own_rounding_in_the_file(k_model_dir, tmp_path, qtype):
+    """K grids round with llama.cpp's own search (k_grids, held to llama.cpp's bytes by its tests); the file
     dequantizes to the quantized model exactly, every Linear in the K type."""
     out = tmp_path / "model.gguf"
-    finalize(k_model_dir, out, registry.resolve(recipe))
+    recipe = k_recipe(qtype)
+    finalize(k_model_dir, out, recipe)
     fields, tensors = read(out)
     expected, _ = expected_tensors(k_model_dir, recipe)
     for name, tensor in tensors.items():
@@ -91,20 +102,39 @@ def test_k_quants_are_llama_cpps_own_rounding_in_the_file(k_model_dir, tmp_path,
     assert linears and all(t.tensor_type.name == qtype for t in linears)
 
 
+def test_a_mixture_is_llama_cpps_calibrated_by_gptq(k_model_dir, text_file, tmp_path):
+    """gguf-q4-k-m: llama.cpp's Q4_K_M types tensor by tensor (attn_v and ffn_down Q6_K where more_bits, the
+    output Q6_K, the embedding Q4_K by llama.cpp's rounding), every Linear GPTQ-rounded on its K grid; the file
+    dequantizes to the in-memory quantized model exactly (its embedding included)."""
+    options = CalibrationOptions(data=str(text_file), num_samples=4, seq_len=32)
+    out = tmp_path / "q4km.gguf"
+    finalize(k_model_dir, out, registry.resolve("gguf-q4-k-m"), calibration=options)
+    fields, tensors = read(out)
+    types = {name: t.tensor_type.name for name, t in tensors.items()}
+    assert types["token_embd.weight"] == "Q4_K" and types["output.weight"] == "Q6_K"
+    assert [types[f"blk.{i}.attn_v.weight"] for i in range(2)] == ["Q4_K", "Q6_K"]  # more_bits(i, 2): layer 1 only
+    assert [types[f"blk.{i}.ffn_down.weight"] for i in range(2)] == ["Q4_K", "Q6_K"]
+    assert types["blk.0.attn_q.weight"] == types["blk.1.ffn_up.weight"] == types["blk.0.attn_output.weight"] == "Q4_K"
+    expected, _ = expected_tensors(k_model_dir, "gguf-q4-k-m", options)
+    for name, tensor in tensors.items():
+        assert torch.equal(dequantized(tensor).reshape(expected[name].shape), expected[name]), name
+    assert field(fields, "general.file_type") == gguf.LlamaFileType.MOSTLY_Q4_K_M
+
+
 def test_k_quants_leave_rows_of_part_super_blocks_in_float(wide_model_dir):
-    recipe = registry.resolve("gguf-q4-k")
+    recipe = k_recipe("Q4_K")
     plan = {e.name: e for e in prepare(wide_model_dir, recipe, GGUF).plan}
     assert "Q4_K takes rows of whole 256-weight super-blocks (128 inputs)" in plan["model.layers.0.self_attn.q_proj"].note
     assert plan["model.layers.0.mlp.down_proj"].quantized
 
 
-def test_k_quants_calibrated_by_gptq_are_refused_for_now(tiny_model_dir, tmp_path):
+def test_k_quants_with_autoround_are_refused(tiny_model_dir, tmp_path):
     from dataclasses import replace
 
-    recipe = registry.resolve("gguf-q4-k")
-    gptq = replace(recipe, steps=registry.resolve("gptq-w4a16").steps)
-    with pytest.raises(FormatError, match="rounded by llama.cpp's own search"):
-        finalize(tiny_model_dir, tmp_path / "m.gguf", gptq)
+    recipe = registry.resolve("gguf-q4-k-m")
+    autoround = replace(recipe, steps=registry.resolve("autoround-w4a16").steps)
+    with pytest.raises(FormatError, match="AutoRound learns its own scales"):
+        finalize(tiny_model_dir, tmp_path / "m.gguf", autoround)
 
 
 def test_a_gptq_grid_reaches_the_file_unchanged(wide_model_dir, text_file, tmp_path):

@@ -9,7 +9,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
 
-from quantkit.export.ggml_blocks import FORMATS
+from quantkit.quant.ggml_blocks import FORMATS
 from quantkit.quant.k_grids import K_QTYPES, choose_k_qparams, quantize_k, round_k
 
 Q = GGMLQuantizationType
