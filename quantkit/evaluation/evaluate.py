@@ -337,10 +337,11 @@ def _prepare_previews(models: list[str], recipe_names: Sequence[str], trust_remo
     calibration data), before any model loads: (recipe, Prepared) pairs by model label."""
     if not recipe_names:
         return {}
+    from quantkit.export import for_format
     from quantkit.finalization.checks import CalibrationOptions, prepare
     from quantkit.quant.registry import resolve
 
-    recipes = [resolve(name) for name in recipe_names]
+    recipes = [for_format(recipe, recipe.format) for recipe in map(resolve, recipe_names)]  # as finalize quantizes
     previews = {}
     for label in (m for m in models if not gguf.is_gguf(m)):
         path = resolve_source(label)
