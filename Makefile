@@ -20,9 +20,10 @@ $(BIN)/python:
 # first, so that two distributions do not claim the same console script and package.
 FORGET_OLD_NAME := $(BIN)/python -m pip uninstall -q -y quantkit 2>/dev/null
 
-# The full install (tests, lm-eval tasks, llama-cpp-python: the suite runs quantkit's GGUF files in llama.cpp; it
-# compiles llama.cpp once, about 9 minutes on 2 cores, then pip's wheel cache has it) also satisfies the demo's; the demo alone installs only the package,
-# without the test and lm-eval extras, so that a fresh clone's `make demo` stays within its three minutes.
+# The full install (tests, lm-eval tasks, and llama-cpp-python: the suite runs quantkit's GGUF files in llama.cpp; it
+# compiles llama.cpp once, about 9 minutes on 2 cores, then pip's wheel cache has it) also satisfies the demo's; the
+# demo alone installs only the package, without the extras, so that a fresh clone's `make demo` stays within its
+# three minutes.
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(FORGET_OLD_NAME)
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"

@@ -5,8 +5,8 @@ code) under the super-block's fp16 d (and dmin): weight = d * sc * q (- dmin * m
 own quantizer: `quantize_row_qN_K_ref`, or `quantize_row_qN_K_impl` given an importance per input column (an
 imatrix). It is ported step by step in float32 and ggml's order of operations (sums left to right, rounding
 half to even, fp16 by rounding to nearest), so its codes and bytes are llama.cpp's. Every step is vectorised
-over all sub-blocks of a weight; the Python loops run over the search grids and the 16 or 32 weights of a
-sub-block. Never divide by a Python number here: torch divides a tensor by a scalar as a multiplication by the
+over the sub-blocks of a chunk of super-blocks (see `_CHUNK_SUPER_BLOCKS`), held as columns; the Python loops run
+over the search grids and the 16 or 32 weights of a sub-block. Never divide by a Python number here: torch divides a tensor by a scalar as a multiplication by the
 scalar's reciprocal on CUDA, and a scalar by a tensor so everywhere, which is not IEEE division.
 
 GPTQ takes the two halves apart: `choose_k_qparams` on a super-block's columns fixes the grid (what llama.cpp
@@ -15,6 +15,7 @@ computes for them), then `round_k` rounds columns onto it as they are updated.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -96,19 +97,14 @@ def quantize_k(weight: torch.Tensor, qtype: GGMLQuantizationType, importance: to
     """llama.cpp's quantization of a [rows, cols] weight to `qtype` (cols a multiple of 256): its codes, scale
     codes and d exactly. `importance`: float [cols], the imatrix (llama-quantize --imatrix); None is ggml's
     reference quantizer (llama-quantize without one)."""
-    qparams, search_codes = _search(weight, qtype, importance)
-    codes = round_k(weight, qparams)
-    # Where a sub-block's step is 0 every code decodes alike: llama.cpp leaves its search's there.
-    step, _ = qparams.sub_block_scales()
-    zero = (step == 0).repeat_interleave(qparams.format.sub_block, dim=1)
-    codes = torch.where(zero, search_codes, codes)
+    qparams, codes = _search(weight, qtype, importance, final_codes=True)
     return KQuantizedWeight(codes, qtype, qparams.scales, qparams.d, qparams.mins, qparams.dmin)
 
 
 def choose_k_qparams(weight: torch.Tensor, qtype: GGMLQuantizationType, importance: torch.Tensor | None = None) -> KQParams:
     """The grid llama.cpp chooses for `weight` [rows, cols] (one or more whole super-blocks of columns): sub-block
     scales and mins searched, then quantized to their codes under fp16 d and dmin."""
-    return _search(weight, qtype, importance)[0]
+    return _search(weight, qtype, importance, final_codes=False)[0]
 
 
 def round_k(weight: torch.Tensor, qparams: KQParams, first_column: int = 0) -> torch.Tensor:
@@ -149,144 +145,199 @@ def _clamp(values: torch.Tensor, low: float | None, high: float | None) -> torch
     return values if low is None and high is None else values.clamp(min=low, max=high)
 
 
-def _levels(iscale: torch.Tensor, x: torch.Tensor, low: float | None, high: float | None) -> torch.Tensor:
-    """ggml's nearest_int(iscale * x) (round half to even), clamped; float32, rows of x [B, n] by iscale [B]."""
-    return _clamp(torch.round(iscale[:, None] * x), low, high)
+def _levels(iscale: torch.Tensor, x: torch.Tensor, low: float | None, high: float | None,
+            out: torch.Tensor | None = None) -> torch.Tensor:
+    """ggml's nearest_int(iscale * x) (round half to even), clamped; iscale broadcasts against x."""
+    levels = torch.mul(x, iscale, out=out).round_()
+    return levels if low is None and high is None else levels.clamp_(min=low, max=high)
+
+
+def _columns(values: torch.Tensor, n: int) -> torch.Tensor:
+    """[n, B], contiguous: element i of each of the B runs of n consecutive values (sub-blocks, or one super-block's
+    scales). The searches hold their groups as columns, so that ggml's loops over a group step through rows."""
+    return values.reshape(-1, n).t().contiguous()
 
 
 def _ordered_sum(terms: torch.Tensor) -> torch.Tensor:
-    """Sum of each row of [B, n] from left to right, as ggml's loops add (torch.sum's order differs)."""
-    total = terms[:, 0]
-    for i in range(1, terms.shape[1]):
-        total = total + terms[:, i]
+    """Sum over dim 0 from first to last, as ggml's loops add (torch.sum's order differs)."""
+    total = terms[0].clone()
+    for term in terms[1:]:
+        total += term
     return total
 
 
 def _first_absmax(x: torch.Tensor) -> torch.Tensor:
-    """Each row's value of largest magnitude, the first of ties (ggml's `if (ax > amax)` scan)."""
-    return x.gather(1, x.abs().argmax(1, keepdim=True))[:, 0]
+    """Each column's value of largest magnitude, the first of ties (ggml's `if (ax > amax)` scan)."""
+    peak, largest = x[0], x[0].abs()
+    for xi in x[1:]:
+        magnitude = xi.abs()
+        larger = magnitude > largest
+        peak, largest = torch.where(larger, xi, peak), torch.where(larger, magnitude, largest)
+    return peak
 
 
-# ---- ggml's sub-block searches
+# ---- ggml's sub-block searches, on columns x [n, B] (element i of B sub-blocks in row i)
+
+
+class _MinFit:
+    """The inner loops of make_qkx2_quants / make_qkx3_quants on columns x, weights [n, B], writing into buffers
+    that the trial grids reuse."""
+
+    def __init__(self, x: torch.Tensor, weights: torch.Tensor, nmax: int, use_mad: bool):
+        self.x, self.weights, self.nmax, self.use_mad = x, weights, nmax, use_mad
+        self.trial, self.diff = torch.empty_like(x), torch.empty_like(x)
+        self.products = x.new_empty(x.shape[0], 3, x.shape[1])
+
+    def levels(self, iscale: torch.Tensor, shift: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """L = clamp(round(iscale * (x - shift)), 0, nmax), in the trial buffer unless `out` is given."""
+        shifted = torch.sub(self.x, shift, out=self.trial if out is None else out)
+        return _levels(iscale, shifted, 0, self.nmax, out=shifted)
+
+    def sums(self, levels: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The ordered sums of w * L, w * L * L and w * L * x."""
+        wl, wl2, wlx = self.products.unbind(1)
+        torch.mul(self.weights, levels, out=wl)
+        torch.mul(wl, levels, out=wl2)
+        torch.mul(wl, self.x, out=wlx)
+        return _ordered_sum(self.products).unbind(0)
+
+    def error(self, scale: torch.Tensor, offset: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
+        """The ordered sum of w * |scale * L + offset - x| (use_mad), else of w * (scale * L + offset - x)^2."""
+        diff = torch.mul(levels, scale, out=self.diff).add_(offset).sub_(self.x)
+        diff = diff.abs_() if self.use_mad else diff.mul_(diff)
+        return _ordered_sum(diff.mul_(self.weights))
 
 
 def _fit_scale_and_min(x: torch.Tensor, weights: torch.Tensor, nmax: int, rmin: float, rdelta: float, nstep: int,
                        use_mad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """make_qkx2_quants / make_qkx3_quants on each row of x [B, n]: x ~ scale * L - min, L in [0, nmax], by weighted
-    least squares on the rounding of nstep + 1 trial grids. Returns scale, min (>= 0) and L, float32."""
-    low, high = x.amin(1), x.amax(1)
+    """make_qkx2_quants / make_qkx3_quants on each column of x [n, B]: x ~ scale * L - min, L in [0, nmax], by
+    weighted least squares on the rounding of nstep + 1 trial grids. Returns scale, min (>= 0) and L, float32."""
+    low, high = x.amin(0), x.amax(0)
     low = torch.where(low > 0, 0.0, low)
     sum_w, sum_x = _ordered_sum(weights), _ordered_sum(weights * x)
+    fit = _MinFit(x, weights, nmax, use_mad)
     iscale = _div(float(nmax), high - low)
     scale, offset = _div(1.0, iscale), low
-    levels = _levels(iscale, x - low[:, None], 0, nmax)
-    best = _fit_error(scale, levels, offset, x, weights, use_mad)
+    best = fit.error(scale, offset, fit.levels(iscale, offset))
+    best_grid = iscale, offset  # the best L is kept as what rounds it, and rounded again at the end
     for step in range(nstep + 1):
         # ggml's trial grids start from the best min so far, not from the data's
         numerator = _f32(np.float32(rmin) + np.float32(rdelta) * np.float32(step) + np.float32(nmax))
-        trial = _levels(_div(numerator, high - offset), x - offset[:, None], 0, nmax)
-        sum_l, sum_l2 = _ordered_sum(weights * trial), _ordered_sum(weights * trial * trial)
-        sum_xl = _ordered_sum(weights * trial * x)
-        det = sum_w * sum_l2 - sum_l * sum_l
-        this_scale = _div(sum_w * sum_xl - sum_x * sum_l, det)
-        this_min = _div(sum_l2 * sum_x - sum_l * sum_xl, det)
-        clipped = this_min > 0
-        this_min = torch.where(clipped, 0.0, this_min)
-        this_scale = torch.where(clipped, _div(sum_xl, sum_l2), this_scale)
-        error = _fit_error(this_scale, trial, this_min, x, weights, use_mad)
+        trial_iscale = _div(numerator, high - offset)
+        trial = fit.levels(trial_iscale, offset)
+        this_scale, this_min, det = _least_squares(*fit.sums(trial), sum_w, sum_x)
+        error = fit.error(this_scale, this_min, trial)
         better = (det > 0) & (error < best)
-        levels = torch.where(better[:, None], trial, levels)
+        best_grid = tuple(torch.where(better, new, old) for new, old in zip((trial_iscale, offset), best_grid))
         best, scale = torch.where(better, error, best), torch.where(better, this_scale, scale)
         offset = torch.where(better, this_min, offset)
     flat = high == low
     offset = torch.where(flat, low, offset)
-    return torch.where(flat, 0.0, scale), -offset, torch.where(flat[:, None], 0.0, levels)
+    levels = fit.levels(*best_grid, out=torch.empty_like(x))
+    return torch.where(flat, 0.0, scale), -offset, levels.masked_fill_(flat, 0.0)
 
 
-def _fit_error(scale, levels, offset, x, weights, use_mad: bool) -> torch.Tensor:
-    diff = scale[:, None] * levels + offset[:, None] - x
-    return _ordered_sum(weights * (diff.abs() if use_mad else diff * diff))
+def _least_squares(sum_l, sum_l2, sum_xl, sum_w, sum_x) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """make_qkx2_quants' scale and min (clipped to <= 0) for one trial grid, and the determinant."""
+    det = sum_w * sum_l2 - sum_l * sum_l
+    this_scale = _div(sum_w * sum_xl - sum_x * sum_l, det)
+    this_min = _div(sum_l2 * sum_x - sum_l * sum_xl, det)
+    clipped = this_min > 0
+    this_min = torch.where(clipped, 0.0, this_min)
+    this_scale = torch.where(clipped, _div(sum_xl, sum_l2), this_scale)
+    return this_scale, this_min, det
+
+
+def _trial_sums(iscales: torch.Tensor, x: torch.Tensor, weights: torch.Tensor, low: float, high: float) -> torch.Tensor:
+    """The ordered sums of w * x * l and w * l * l [2, T, B] for all of a search's independent trial grids at once,
+    l = the levels of x [n, B] under iscales [T, B]. The loop runs over a sub-block's n weights, so that each call
+    works on [T, B] and the T grids' levels are never all held."""
+    sums, trial, terms = None, torch.empty_like(iscales), iscales.new_empty(2, *iscales.shape)
+    for xi, wi, wxi in zip(x, weights, weights * x):
+        _levels(iscales, xi, low, high, out=trial)
+        torch.mul(trial, wxi, out=terms[0])
+        torch.mul(trial, wi, out=terms[1]).mul_(trial)
+        sums = terms.clone() if sums is None else sums.add_(terms)
+    return sums
 
 
 def _fit_signed_scale(x: torch.Tensor, nmax: int, weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """make_qx_quants (rmse_type 1) on each row of x [B, n]: x ~ scale * l, l in [-nmax, nmax - 1], the scale of
+    """make_qx_quants (rmse_type 1) on each column of x [n, B]: x ~ scale * l, l in [-nmax, nmax - 1], the scale of
     least weighted error (weights x^2 by default) over 19 trial grids around -nmax / the signed absmax. Returns
-    scale and l, float32; an all-zero row gets scale 0 and l = -nmax."""
+    scale and l, float32; an all-zero column gets scale 0 and l = -nmax."""
     peak = _first_absmax(x)
     weights = x * x if weights is None else weights
-    levels = _levels(_div(float(-nmax), peak), x, -nmax, nmax - 1)
-    sum_lx, sum_l2 = _ordered_sum(weights * x * levels), _ordered_sum(weights * levels * levels)
-    scale = torch.where(sum_l2 != 0, _div(sum_lx, sum_l2), 0.0)
-    best = scale * sum_lx
-    for step in [s for s in range(-9, 10) if s]:
-        trial = _levels(_div(-_f32(np.float32(nmax) + np.float32(0.1) * np.float32(step)), peak), x, -nmax, nmax - 1)
-        trial_lx, trial_l2 = _ordered_sum(weights * x * trial), _ordered_sum(weights * trial * trial)
-        take = (trial_l2 > 0) & (trial_lx * trial_lx > best * trial_l2)
-        levels = torch.where(take[:, None], trial, levels)
-        scale = torch.where(take, _div(trial_lx, trial_l2), scale)
-        best = torch.where(take, scale * trial_lx, best)
+    numerators = [float(-nmax)] + [-_f32(np.float32(nmax) + np.float32(0.1) * np.float32(s)) for s in range(-9, 10) if s]
+    iscales = _div(torch.tensor(numerators, device=x.device)[:, None], peak)
+    sum_lx, sum_l2 = _trial_sums(iscales, x, weights, -nmax, nmax - 1)
+    scale = torch.where(sum_l2[0] != 0, _div(sum_lx[0], sum_l2[0]), 0.0)
+    best, iscale = scale * sum_lx[0], iscales[0]
+    for k in range(1, len(numerators)):
+        take = (sum_l2[k] > 0) & (sum_lx[k] * sum_lx[k] > best * sum_l2[k])
+        scale = torch.where(take, _div(sum_lx[k], sum_l2[k]), scale)
+        best, iscale = torch.where(take, scale * sum_lx[k], best), torch.where(take, iscales[k], iscale)
+    levels = _levels(iscale, x, -nmax, nmax - 1)
     zero = peak.abs() < _GROUP_MAX_EPS
-    return torch.where(zero, 0.0, scale), torch.where(zero[:, None], float(-nmax), levels)
+    return torch.where(zero, 0.0, scale), levels.masked_fill_(zero, float(-nmax))
 
 
 def _fit_q3(x: torch.Tensor, nmax: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
     """make_q3_quants (do_rmse): the absmax grid, then up to five passes that move single levels while the
-    x^2-weighted fit improves. Returns scale and l in [-nmax, nmax - 1]; an all-zero row: 0 and -nmax."""
+    x^2-weighted fit improves. Returns scale and l in [-nmax, nmax - 1]; an all-zero column: 0 and -nmax."""
     peak = _first_absmax(x)
     weights = x * x
     levels = _levels(_div(float(-nmax), peak), x, -nmax, nmax - 1)
-    sum_lx, sum_l2 = _ordered_sum(weights * x * levels), _ordered_sum(weights * levels * levels)
-    levels, sum_lx, sum_l2 = _refine_levels(x, weights, levels, sum_lx, sum_l2, -nmax, nmax - 1, scale_codes=False)
+    levels, sum_lx, sum_l2 = _refine_levels(x, weights, levels, -nmax, nmax - 1, scale_codes=False)
     zero = peak.abs() < _GROUP_MAX_EPS
     scale = torch.where(sum_l2 > 0, _div(sum_lx, sum_l2), 0.0)
-    return torch.where(zero, 0.0, scale), torch.where(zero[:, None], float(-nmax), levels)
+    return torch.where(zero, 0.0, scale), levels.masked_fill_(zero, float(-nmax))
 
 
-def _refine_levels(x, weights, levels, sum_lx, sum_l2, low, high, scale_codes: bool, passes: int = 5):
-    """The coordinate passes of make_q3_quants and (`scale_codes`) make_qp_quants: each level in turn moves to the
-    rounding of x under the scale fitted without it, kept if the fit sum_lx^2 / sum_l2 grows. A pass that changes
-    nothing leaves the next alike, so always running all passes equals ggml's early stop."""
-    levels = levels.clone()
+def _refine_levels(x, weights, levels, low, high, scale_codes: bool, passes: int = 5):
+    """The coordinate passes of make_q3_quants and (`scale_codes`) make_qp_quants, from the sums of w x l and w l^2:
+    each level in turn moves to the rounding of x under the scale fitted without it, kept if the fit
+    sum_lx^2 / sum_l2 grows. A pass that changes nothing leaves the next alike (ggml stops there)."""
+    wx = weights * x
+    sum_lx, sum_l2 = _ordered_sum(wx * levels), _ordered_sum(weights * levels * levels)
     for _ in range(passes):
-        for i in range(x.shape[1]):
-            xi, wi, li = x[:, i], weights[:, i], levels[:, i]
-            slx, sl2 = sum_lx - wi * xi * li, sum_l2 - wi * li * li
-            new = _clamp(torch.round(_div(xi * sl2, slx)), low, high)
-            new_lx, new_l2 = slx + wi * xi * new, sl2 + wi * new * new
+        moved = torch.zeros_like(sum_lx, dtype=torch.bool)
+        for xi, wi, wxi, li in zip(x, weights, wx, levels):
+            slx, sl2 = sum_lx - wxi * li, sum_l2 - wi * li * li
+            new = torch.round(_div(xi * sl2, slx)).clamp_(min=low, max=high)
+            new_lx, new_l2 = slx + wxi * new, sl2 + wi * new * new
             positive = sl2 > 0 if scale_codes else new_l2 > 0  # make_qp_quants asks before the move, make_q3_quants after
             accept = (slx > 0) & positive & (new != li) & (new_lx * new_lx * sum_l2 > sum_lx * sum_lx * new_l2)
-            levels[:, i] = torch.where(accept, new, li)
+            li.copy_(torch.where(accept, new, li))
             sum_lx, sum_l2 = torch.where(accept, new_lx, sum_lx), torch.where(accept, new_l2, sum_l2)
+            moved |= accept
+        if not moved.any():
+            break
     return levels, sum_lx, sum_l2
 
 
 def _fit_scale_codes(values: torch.Tensor, nmax: int, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """make_qp_quants on rows [B, n] of non-negative sub-block scales (or mins): one float scale d and codes in
+    """make_qp_quants on columns [n, B] of non-negative sub-block scales (or mins): one float scale d and codes in
     [0, nmax] with values ~ d * code, weighted by the sub-blocks' total importance. Returns d and the codes."""
-    peak = values.amax(1).clamp(min=0)
-    iscale = _div(float(nmax), peak)
-    scale = _div(1.0, iscale)
-    best = _qp_error(values, weights, scale, torch.round(iscale[:, None] * values))
-    for step in [s for s in range(-4, 5) if s]:
-        trial_iscale = _div(_f32(np.float32(0.1) * np.float32(step) + np.float32(nmax)), peak)
-        error = _qp_error(values, weights, _div(1.0, trial_iscale), _levels(trial_iscale, values, None, nmax))
+    peak = values.amax(0).clamp(min=0)
+    numerators = [float(nmax)] + [_f32(np.float32(0.1) * np.float32(s) + np.float32(nmax)) for s in range(-4, 5) if s]
+    iscales = _div(torch.tensor(numerators, device=values.device)[:, None], peak)
+    trials = _levels(iscales, values[:, None], None, None)
+    trials[:, 1:].clamp_(max=nmax)  # ggml clamps the trial grids' levels, not its first grid's
+    diff = values[:, None] - _div(1.0, iscales) * trials
+    errors = _ordered_sum(weights[:, None] * diff * diff)
+    best, iscale = errors[0], iscales[0]
+    for error, trial_iscale in zip(errors[1:], iscales[1:]):
         better = error < best
         best, iscale = torch.where(better, error, best), torch.where(better, trial_iscale, iscale)
     levels = _levels(iscale, values, None, nmax)
-    sum_lx, sum_l2 = _ordered_sum(weights * values * levels), _ordered_sum(weights * levels * levels)
-    levels, sum_lx, sum_l2 = _refine_levels(values, weights, levels, sum_lx, sum_l2, None, nmax, scale_codes=True)
+    levels, sum_lx, sum_l2 = _refine_levels(values, weights, levels, None, nmax, scale_codes=True)
     zero = peak < _GROUP_MAX_EPS
     d = torch.where(sum_l2 > 0, _div(sum_lx, sum_l2), 0.0)
     # Codes below 0 need negative scales, which the searches above never return.
-    return torch.where(zero, 0.0, d), torch.where(zero[:, None], 0.0, levels).clamp(min=0)
+    return torch.where(zero, 0.0, d), levels.masked_fill_(zero, 0.0).clamp_(min=0)
 
 
-def _qp_error(values, weights, scale, levels) -> torch.Tensor:
-    diff = values - scale[:, None] * levels
-    return _ordered_sum(weights * diff * diff)
-
-
-# ---- super-block scale codes
+# ---- super-block scale codes, on rows [B, n] of one super-block's sub-block scales
 
 
 def _max_scale_codes(values: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -302,28 +353,64 @@ def _max_scale_codes(values: torch.Tensor, top: int) -> tuple[torch.Tensor, torc
 def _signed_max_scale_codes(values: torch.Tensor, top: int, high: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Q3_K's and Q6_K's codes of signed scales [B, n]: the scale of largest magnitude maps to -top, d = 1 / (-top /
     it) (fp16), codes clamped to [-top, high]. Also returns that scale (0 for a zero block)."""
-    peak = _first_absmax(values)
+    peak = values.gather(1, values.abs().argmax(1, keepdim=True))[:, 0]
     iscale = _div(float(-top), peak)
-    codes = _clamp(_levels(iscale, values, None, None), -top, high)
+    codes = _levels(iscale[:, None], values, -top, high)
     return codes, _div(1.0, iscale).half(), peak
 
 
-# ---- one search per type
+# ---- one search per type, on a chunk of super-blocks [S, 256]
+
+# Super-blocks per chunk. The searches run ggml's per-weight loops as a few dozen passes over all of their
+# sub-blocks per trial grid; over a whole weight those passes stream hundreds of MiB through memory each. A chunk's
+# working set (~1 MiB per float32 copy of the weights) stays in cache, and is still large enough that each torch
+# call amortises its overhead. Super-blocks are independent, so chunking changes no result.
+_CHUNK_SUPER_BLOCKS = 1024
 
 
-def _search(weight: torch.Tensor, qtype: GGMLQuantizationType, importance: torch.Tensor | None) -> tuple[KQParams, torch.Tensor]:
-    """The grid and the codes of ggml's sub-block search (which it keeps where a step is 0)."""
+def _search(weight: torch.Tensor, qtype: GGMLQuantizationType, importance: torch.Tensor | None,
+            final_codes: bool) -> tuple[KQParams, torch.Tensor | None]:
+    """ggml's grid for `weight`, and (`final_codes`) its codes, a chunk of super-blocks at a time."""
     x, importance = _check(weight, qtype, importance)
     rows = x.shape[0]
-    if qtype is Q.Q6_K:
-        scales, d, mins, dmin, codes = _search_q6_k(x, importance)
-    elif qtype is Q.Q3_K:
-        scales, d, mins, dmin, codes = _search_q3_k(x, importance)
-    else:
-        scales, d, mins, dmin, codes = _search_with_mins(x, importance, qtype)
-    shape = lambda t, n: None if t is None else t.reshape(rows, -1).to(n)  # noqa: E731
-    qparams = KQParams(qtype, shape(scales, torch.int8), shape(d, torch.float16), shape(mins, torch.int8), shape(dmin, torch.float16))
-    return qparams, shape(codes, torch.int8)
+    search = {Q.Q6_K: _search_q6_k, Q.Q3_K: _search_q3_k}.get(qtype, _search_with_mins)
+    blocks = x.reshape(-1, SUPER_BLOCK)
+    dtypes = (torch.int8, torch.float16, torch.int8, torch.float16, torch.int8)
+
+    def search_chunk(first: int) -> tuple[KQParams, torch.Tensor | None]:
+        chunk = blocks[first:first + _CHUNK_SUPER_BLOCKS]
+        found = search(chunk, _chunk_importance(importance, first, chunk.shape[0]), qtype)
+        *grid, codes = (None if t is None else t.to(dtype).reshape(chunk.shape[0], -1) for t, dtype in zip(found, dtypes))
+        grid = KQParams(qtype, *grid)
+        return grid, _final_codes(chunk, grid, codes) if final_codes else None
+
+    grids, codes = zip(*_map_chunks(search_chunk, range(0, blocks.shape[0], _CHUNK_SUPER_BLOCKS), x.device))
+    joined = lambda parts: None if parts[0] is None else torch.cat(parts).reshape(rows, -1)  # noqa: E731
+    fields = (joined([getattr(grid, name) for grid in grids]) for name in ("scales", "d", "mins", "dmin"))
+    return KQParams(qtype, *fields), joined(codes)
+
+
+def _final_codes(blocks: torch.Tensor, grid: KQParams, search_codes: torch.Tensor) -> torch.Tensor:
+    """ggml's last pass over super-blocks [S, 256]: the codes rounded on their grid, except where a sub-block's step
+    is 0 (every code decodes alike there), where llama.cpp leaves its search's."""
+    step, _ = grid.sub_block_scales()
+    zero = (step == 0).repeat_interleave(grid.format.sub_block, dim=1)
+    return torch.where(zero, search_codes, round_k(blocks, grid))
+
+
+def _map_chunks(fn, firsts: range, device: torch.device) -> list:
+    """fn on each chunk. On CPU the chunks share torch's intra-op threads as Python threads running single-threaded
+    ops (torch releases the GIL inside them): a chunk's ops are too small to split across threads well, and on a
+    busy machine each split op waits for its slowest thread. torch's thread count is 1, process-wide, meanwhile."""
+    threads = torch.get_num_threads()
+    if device.type != "cpu" or threads == 1 or len(firsts) == 1:
+        return [fn(first) for first in firsts]
+    torch.set_num_threads(1)
+    try:
+        with ThreadPoolExecutor(threads) as pool:
+            return list(pool.map(fn, firsts))
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _check(weight: torch.Tensor, qtype: GGMLQuantizationType, importance: torch.Tensor | None):
@@ -336,16 +423,23 @@ def _check(weight: torch.Tensor, qtype: GGMLQuantizationType, importance: torch.
         return x, None
     if importance.shape != (weight.shape[1],):
         raise ValueError(f"importance must be one value per input column, shape [{weight.shape[1]}], got {list(importance.shape)}")
-    return x, importance.detach().float().to(x.device)[None, :].expand_as(x)
+    return x, importance.detach().float().to(x.device)
 
 
-def _variance_weights(x: torch.Tensor, importance: torch.Tensor, sub: int, factor: float) -> torch.Tensor:
-    """The _impl quantizers' weight of each element, importance * sqrt(sigma2 + x^2) with sigma2 = factor * the
-    super-block's mean square, as rows [B, sub]."""
-    blocks = x.reshape(-1, SUPER_BLOCK)
-    sigma2 = _div(factor * _ordered_sum(blocks * blocks), float(SUPER_BLOCK))
-    weights = importance.reshape(-1, SUPER_BLOCK) * _sqrt(sigma2[:, None] + blocks * blocks)
-    return weights.reshape(-1, sub)
+def _chunk_importance(importance: torch.Tensor | None, first: int, count: int) -> torch.Tensor | None:
+    """[count, 256]: the importance of super-blocks first .. first + count - 1 of the row-major weight."""
+    if importance is None:
+        return None
+    per_row = importance.reshape(-1, SUPER_BLOCK)
+    return per_row[torch.arange(first, first + count, device=importance.device) % per_row.shape[0]]
+
+
+def _variance_weights(blocks: torch.Tensor, importance: torch.Tensor, sub: int, factor: float) -> torch.Tensor:
+    """The _impl quantizers' weight of each element of super-blocks [S, 256], importance * sqrt(sigma2 + x^2) with
+    sigma2 = factor * the super-block's mean square, as columns [sub, S * 256 / sub]."""
+    columns = _columns(blocks, SUPER_BLOCK)
+    sigma2 = _div(factor * _ordered_sum(columns * columns), float(SUPER_BLOCK))
+    return _columns(importance * _sqrt(sigma2[:, None] + blocks * blocks), sub)
 
 
 _REF_FITS = {  # nmax, rmin, rdelta, nstep, use_mad, scale code top: quantize_row_qN_K_ref's make_qkx2_quants
@@ -355,52 +449,47 @@ _REF_FITS = {  # nmax, rmin, rdelta, nstep, use_mad, scale code top: quantize_ro
 }
 
 
-def _search_with_mins(x: torch.Tensor, importance: torch.Tensor | None, qtype: GGMLQuantizationType):
+def _search_with_mins(blocks: torch.Tensor, importance: torch.Tensor | None, qtype: GGMLQuantizationType):
     """Q2_K, Q4_K, Q5_K: a scale and a min per sub-block (make_qkx2_quants; make_qkx3_quants weighted by the
     importance), their codes by the largest (make_qp_quants given an importance)."""
-    fmt = FORMATS[qtype]
+    sub = FORMATS[qtype].sub_block
     nmax, rmin, rdelta, nstep, use_mad, top = _REF_FITS[qtype]
-    sub = x.reshape(-1, fmt.sub_block)
-    per_super = SUPER_BLOCK // fmt.sub_block
+    per_super = SUPER_BLOCK // sub
+    x = _columns(blocks, sub)
     if importance is None:
-        if qtype is Q.Q2_K:
-            weights = sub.abs()
-        else:
-            mean_square = _div(_ordered_sum(sub * sub), float(fmt.sub_block))
-            weights = _sqrt(mean_square)[:, None] + sub.abs()
-        scales, mins, codes = _fit_scale_and_min(sub, weights, nmax, rmin, rdelta, nstep, use_mad)
+        weights = x.abs() if qtype is Q.Q2_K else _sqrt(_div(_ordered_sum(x * x), float(sub))) + x.abs()
+        scales, mins, codes = _fit_scale_and_min(x, weights, nmax, rmin, rdelta, nstep, use_mad)
         scale_codes, d = _max_scale_codes(scales.reshape(-1, per_super), top)
         min_codes, dmin = _max_scale_codes(mins.reshape(-1, per_super), top)
-        return scale_codes, d, min_codes, dmin, codes
-    weights = _variance_weights(x, importance, fmt.sub_block, 1.0 if qtype is Q.Q2_K else 2.0)
-    scales, mins, codes = _fit_scale_and_min(sub, weights, nmax, -0.9, 0.05, 36, False)
-    totals = _ordered_sum(weights).reshape(-1, per_super)
-    d, scale_codes = _fit_scale_codes(scales.reshape(-1, per_super), top, totals)
-    dmin, min_codes = _fit_scale_codes(mins.reshape(-1, per_super), top, totals)
-    return scale_codes, d.half(), min_codes, dmin.half(), codes
+        return scale_codes, d, min_codes, dmin, codes.t()
+    weights = _variance_weights(blocks, importance, sub, 1.0 if qtype is Q.Q2_K else 2.0)
+    scales, mins, codes = _fit_scale_and_min(x, weights, nmax, -0.9, 0.05, 36, False)
+    totals = _columns(_ordered_sum(weights), per_super)
+    d, scale_codes = _fit_scale_codes(_columns(scales, per_super), top, totals)
+    dmin, min_codes = _fit_scale_codes(_columns(mins, per_super), top, totals)
+    return scale_codes.t(), d, min_codes.t(), dmin, codes.t()
 
 
-def _search_q3_k(x: torch.Tensor, importance: torch.Tensor | None):
+def _search_q3_k(blocks: torch.Tensor, importance: torch.Tensor | None, qtype: GGMLQuantizationType = Q.Q3_K):
     """Q3_K: a signed scale per sub-block of 16 (make_q3_quants; make_qx_quants weighted by the importance), its
     6-bit code by the largest magnitude (make_qx_quants over the scales given an importance)."""
-    sub = x.reshape(-1, 16)
+    x = _columns(blocks, 16)
     if importance is None:
-        scales, codes = _fit_q3(sub)
+        scales, codes = _fit_q3(x)
         scale_codes, d, peak = _signed_max_scale_codes(scales.reshape(-1, 16), 32, 31)
         nonzero = (peak != 0)[:, None]
-        return torch.where(nonzero, scale_codes, -32.0), torch.where(nonzero[:, 0], d, 0), None, None, codes
-    weights = _variance_weights(x, importance, 16, 2.0)
-    scales, codes = _fit_signed_scale(sub, 4, weights)
-    d, scale_codes = _fit_signed_scale(scales.reshape(-1, 16), 32, _ordered_sum(weights).reshape(-1, 16))
-    return scale_codes, d.half(), None, None, codes
+        return torch.where(nonzero, scale_codes, -32.0), torch.where(nonzero[:, 0], d, 0), None, None, codes.t()
+    weights = _variance_weights(blocks, importance, 16, 2.0)
+    scales, codes = _fit_signed_scale(x, 4, weights)
+    d, scale_codes = _fit_signed_scale(_columns(scales, 16), 32, _columns(_ordered_sum(weights), 16))
+    return scale_codes.t(), d, None, None, codes.t()
 
 
-def _search_q6_k(x: torch.Tensor, importance: torch.Tensor | None):
+def _search_q6_k(blocks: torch.Tensor, importance: torch.Tensor | None, qtype: GGMLQuantizationType = Q.Q6_K):
     """Q6_K: a signed scale per sub-block of 16 (make_qx_quants, weighted by the importance itself when given),
     8-bit codes by the largest magnitude; a block whose scales are all 0 is stored as zero bytes."""
-    sub = x.reshape(-1, 16)
-    scales, codes = _fit_signed_scale(sub, 32, None if importance is None else importance.reshape(-1, 16))
+    scales, codes = _fit_signed_scale(_columns(blocks, 16), 32, None if importance is None else _columns(importance, 16))
     scale_codes, d, peak = _signed_max_scale_codes(scales.reshape(-1, 16), 128, 127)
     zero = peak.abs() < _GROUP_MAX_EPS
-    codes = torch.where(zero.repeat_interleave(16)[:, None], -32.0, codes)
+    codes = torch.where(zero.repeat_interleave(16)[:, None], -32.0, codes.t())
     return torch.where(zero[:, None], 0.0, scale_codes), torch.where(zero, 0, d), None, None, codes
