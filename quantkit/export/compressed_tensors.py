@@ -39,8 +39,8 @@ from quantkit.runtime import placement
 
 def unsupported(recipe: Recipe) -> str | None:
     """What the installed compressed-tensors cannot write of this recipe (a format of a newer release), or None."""
-    if recipe.scheme.weights.scale_dtype is ScaleDtype.FLOAT16:
-        return "fp16 scales are GGUF's (vLLM's kernels take scales in the model's dtype)"
+    if recipe.scheme.weights.scale_dtype in (ScaleDtype.FLOAT16, ScaleDtype.K_QUANT):
+        return "fp16 and k_quant scales are GGUF's grids (vLLM's kernels take scales in the model's dtype)"
     if compression_format(recipe.scheme) == "pack-quantized":
         return ct_compat.cannot_pack(recipe.scheme.weights.dtype.bits)
     return None
@@ -85,6 +85,8 @@ def compression_format(scheme: QuantScheme) -> str:
 
 def loading_caveat(recipe: Recipe) -> str | None:
     """What plain transformers cannot load of what this recipe writes (vLLM serves it), or None."""
+    if unsupported(recipe) is not None:
+        return None  # not written as compressed-tensors at all
     if (recipe.scheme.weights.is_asymmetric and compression_format(recipe.scheme) == "pack-quantized"
             and ct_compat.sizes_packed_zero_points_unpacked() and not compat.tolerates_quantized_shape_mismatch()):
         import transformers

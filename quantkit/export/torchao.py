@@ -34,8 +34,8 @@ def unsupported(recipe: Recipe) -> str | None:
     if recipe.transforms:
         return ("the recipe rotates the model before quantizing it, and transformers converts the unrotated checkpoint "
                 "to torchao while it loads")
-    if recipe.scheme.weights.scale_dtype is ScaleDtype.FLOAT16:
-        return "fp16 scales are GGUF's (torchao's tensors keep scales in the model's dtype)"
+    if recipe.scheme.weights.scale_dtype in (ScaleDtype.FLOAT16, ScaleDtype.K_QUANT):
+        return "fp16 and k_quant scales are GGUF's grids (torchao's tensors keep scales in the model's dtype)"
     if recipe.scheme.weights.observer is not WeightObserver.MINMAX:
         return "torchao's configs choose min/max qparams; the mse weight observer needs compressed-tensors"
     try:

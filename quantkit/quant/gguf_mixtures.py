@@ -19,14 +19,18 @@ model type. Pure data and arithmetic: no gguf.
 
 from __future__ import annotations
 
-from quantkit.models.architectures import LLAMA
 from quantkit.quant.schemes import K_QUANT_TYPES, Granularity, ScaleDtype, WeightSpec
 
 MIXTURES = {"Q2_K": "Q2_K", "Q3_K_M": "Q3_K", "Q4_K_M": "Q4_K", "Q5_K_M": "Q5_K"}  # mixture -> its base type
 
-# A decoder Linear's role in llama.cpp's rules, by its name's tail (Llama-style wiring: models.architectures.LLAMA)
-ROLES = {LLAMA.q: "attn_q", LLAMA.k: "attn_k", LLAMA.v: "attn_v", LLAMA.o: "attn_output", LLAMA.gate: "ffn_gate",
-         LLAMA.up: "ffn_up", LLAMA.down: "ffn_down", "lm_head": "output"}
+
+def roles() -> dict[str, str]:
+    """A decoder Linear's role in llama.cpp's rules, by its name's tail (the Llama-style wiring of
+    models.architectures, imported here only: the registry reads MIXTURES without torch)."""
+    from quantkit.models.architectures import LLAMA
+
+    return {LLAMA.q: "attn_q", LLAMA.k: "attn_k", LLAMA.v: "attn_v", LLAMA.o: "attn_output", LLAMA.gate: "ffn_gate",
+            LLAMA.up: "ffn_up", LLAMA.down: "ffn_down", "lm_head": "output"}
 
 
 def more_bits(i: int, n: int) -> bool:
@@ -69,7 +73,7 @@ def k_spec(type_name: str) -> WeightSpec:
 
 def role_of(name: str) -> tuple[str | None, int | None]:
     """(role, decoder layer index) of a planned Linear's name (`model.layers.3.mlp.down_proj`), or (None, None)."""
-    for tail, role in ROLES.items():
+    for tail, role in roles().items():
         if name == tail or name.endswith(f".{tail}"):
             parts = name.split(".")
             layer = next((int(p) for p in parts if p.isdigit()), None)

@@ -185,7 +185,7 @@ class Recipe:
         data["algorithm"] = steps[0] if len(steps) == 1 else steps
         order = ("description", "scheme", "transforms", "algorithm", "calibration", "format", "mixture", "ignore",
                  "on_indivisible", "requires", "hardware", "kv_cache")
-        return {key: data[key] for key in order if data.get(key) not in (None, [])}
+        return {key: data[key] for key in order if data.get(key) not in (None, []) or key == "ignore"}  # [] is not the default
 
 
 def _plain(value: Any) -> Any:

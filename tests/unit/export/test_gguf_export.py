@@ -230,11 +230,12 @@ def test_an_architecture_llama_cpp_is_not_told_about_is_refused(tmp_path):
         finalize(src, tmp_path / "m.gguf", registry.resolve("gguf-q8-0"))
 
 
-def test_fp16_scales_are_gguf_only():
+def test_fp16_and_k_quant_scales_are_gguf_only():
     for fmt in (registry.Format.COMPRESSED_TENSORS, registry.Format.TORCHAO):
-        with pytest.raises(FormatError, match="fp16 scales are GGUF's"):
-            from quantkit.export import check_supported
-            check_supported(registry.resolve("gguf-q4-0"), fmt)
+        from quantkit.export import check_supported
+        for recipe in ("gguf-q4-0", "gguf-q4-k-m"):
+            with pytest.raises(FormatError, match="fp16 and k_quant scales are GGUF's grids .*; use --format gguf"):
+                check_supported(registry.resolve(recipe), fmt)
 
 
 def test_pre_tokenizers_are_named_from_tokenizer_json():

@@ -110,6 +110,8 @@ def test_configs_use_torchao_where_it_is_exact_and_quantkit_elsewhere():
         "int8-dynamic-act-int4-weight": (IntxFakeQuantizeConfig.__name__,) * 2,
         "int8-dynamic-act-int8-weight": ("Int8TokenFakeQuantizeConfig", IntxFakeQuantizeConfig.__name__),
         "int8-weight-only": ("NoneType", IntxFakeQuantizeConfig.__name__),
+        "gguf-q4-0": ("NoneType", "GridFakeQuantizeConfig"),  # fp16 scales: quantkit's grid exactly
+        "gguf-q8-0": ("NoneType", "GridFakeQuantizeConfig"),
     }
     asym = WeightSpec(QDtype.INT4, Granularity.GROUP, 32, symmetric=False)
     assert isinstance(qat.fake_quantize_configs(QuantScheme(asym))[1], qat.GridFakeQuantizeConfig)
