@@ -214,7 +214,7 @@ def k_codes(weight: torch.Tensor, qparams: QParams):
     decoded = k.dequantize(q)
     if not torch.allclose(decoded.to(weight.dtype).float(), weight.float(), rtol=2 ** -7, atol=1e-6):
         raise ExportError("a quantized weight is not on its K grid (a quantkit bug: please report it)")
-    return KQuantizedWeight(q, k.qtype, k.scales, k.d, k.mins, k.dmin)
+    return KQuantizedWeight(q, k)
 
 
 def pack(weight: torch.Tensor, qparams: QParams):
@@ -255,19 +255,13 @@ def permute_rows(tensor: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def _on_cpu(qparams: QParams) -> QParams:
-    k = qparams.k
-    if k is not None:
-        from quantkit.quant.k_grids import KQParams
-        k = KQParams(k.qtype, *(None if t is None else t.cpu() for t in (k.scales, k.d, k.mins, k.dmin)))
+    k = qparams.k.map(torch.Tensor.cpu) if qparams.k is not None else None
     return QParams(qparams.scale.cpu(), qparams.zero_point, qparams.spec, None, k)
 
 
 def _rows_permuted(qparams: QParams, heads: int) -> QParams:
     """`qparams` of a weight whose rows `permute_rows` reorders: every per-row tensor reordered alike."""
-    k = qparams.k
-    if k is not None:
-        from quantkit.quant.k_grids import KQParams
-        k = KQParams(k.qtype, *(None if t is None else permute_rows(t, heads) for t in (k.scales, k.d, k.mins, k.dmin)))
+    k = qparams.k.map(lambda t: permute_rows(t, heads)) if qparams.k is not None else None
     return QParams(permute_rows(qparams.scale, heads), qparams.zero_point, qparams.spec, None, k)
 
 

@@ -66,31 +66,32 @@ class KQParams:
         values = step * codes.float()
         return values if offset is None else values - offset
 
+    def map(self, fn) -> KQParams:
+        """The same grid with `fn` applied to each of its tensors (moved, cut into rows, reordered)."""
+        return KQParams(self.qtype, *(None if t is None else fn(t) for t in (self.scales, self.d, self.mins, self.dmin)))
+
 
 @dataclass
 class KQuantizedWeight:
-    """codes: int8 [rows, cols] (in [0, 2^bits - 1] for the types with mins, centred on 0 for Q3_K and Q6_K);
-    scales, mins, d, dmin as `KQParams`."""
+    """codes: int8 [rows, cols] (in [0, 2^bits - 1] for the types with mins, centred on 0 for Q3_K and Q6_K) on
+    the grid `qparams`."""
 
     codes: torch.Tensor
-    qtype: GGMLQuantizationType
-    scales: torch.Tensor
-    d: torch.Tensor
-    mins: torch.Tensor | None = None
-    dmin: torch.Tensor | None = None
+    qparams: KQParams
 
     @property
-    def qparams(self) -> KQParams:
-        return KQParams(self.qtype, self.scales, self.d, self.mins, self.dmin)
+    def qtype(self) -> GGMLQuantizationType:
+        return self.qparams.qtype
 
     def dequantize(self) -> torch.Tensor:
         return self.qparams.dequantize(self.codes)
 
     def ggml_blocks(self) -> np.ndarray:
         """The GGUF tensor data: uint8 [rows, cols // 256 * type_bytes]."""
-        fields = {"scales": self.scales, "d": self.d, "mins": self.mins, "dmin": self.dmin}
-        arrays = {k: v.cpu().numpy() for k, v in fields.items() if v is not None}
-        return pack(self.qtype, self.codes.cpu().numpy(), **arrays)
+        k = self.qparams
+        fields = {"scales": k.scales, "d": k.d, "mins": k.mins, "dmin": k.dmin}
+        arrays = {name: v.cpu().numpy() for name, v in fields.items() if v is not None}
+        return pack(k.qtype, self.codes.cpu().numpy(), **arrays)
 
 
 def quantize_k(weight: torch.Tensor, qtype: GGMLQuantizationType, importance: torch.Tensor | None = None) -> KQuantizedWeight:
@@ -98,7 +99,7 @@ def quantize_k(weight: torch.Tensor, qtype: GGMLQuantizationType, importance: to
     codes and d exactly. `importance`: float [cols], the imatrix (llama-quantize --imatrix); None is ggml's
     reference quantizer (llama-quantize without one)."""
     qparams, codes = _search(weight, qtype, importance, final_codes=True)
-    return KQuantizedWeight(codes, qtype, qparams.scales, qparams.d, qparams.mins, qparams.dmin)
+    return KQuantizedWeight(codes, qparams)
 
 
 def choose_k_qparams(weight: torch.Tensor, qtype: GGMLQuantizationType, importance: torch.Tensor | None = None) -> KQParams:

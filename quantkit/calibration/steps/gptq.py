@@ -188,10 +188,7 @@ def split_rows(qweight: QuantizedWeight, rows: list[int]) -> list[QuantizedWeigh
     parts = [t.split(rows) if t is not None else [None] * len(rows) for t in (qweight.qdata, qweight.scale, qweight.zero_point)]
     grids = [None] * len(rows)
     if qweight.k is not None:
-        from quantkit.quant.k_grids import KQParams
-
-        k = qweight.k
-        cut = [t.split(rows) if t is not None else [None] * len(rows) for t in (k.scales, k.d, k.mins, k.dmin)]
-        grids = [KQParams(k.qtype, *(None if t is None else t.contiguous() for t in part)) for part in zip(*cut)]
+        starts = [sum(rows[:i]) for i in range(len(rows))]
+        grids = [qweight.k.map(lambda t, a=a, n=n: t[a:a + n].contiguous()) for a, n in zip(starts, rows)]
     return [QuantizedWeight(q.contiguous(), s.contiguous(), z.contiguous() if z is not None else None, qweight.spec,
                             qweight.global_scale, grid) for (q, s, z), grid in zip(zip(*parts), grids)]

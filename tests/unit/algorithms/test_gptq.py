@@ -431,7 +431,7 @@ def test_gptq_on_a_k_grid_without_correlations_is_llama_cpps_rounding(name):
     result = gptq_quantize(weight, torch.eye(512), _k_spec(name))
     expected = quantize_k(weight, GGMLQuantizationType[name])
     assert torch.equal(result.dequantize(torch.float32), expected.dequantize())
-    assert torch.equal(result.k.d, expected.d) and torch.equal(result.k.scales, expected.scales)
+    assert torch.equal(result.k.d, expected.qparams.d) and torch.equal(result.k.scales, expected.qparams.scales)
 
 
 @pytest.mark.parametrize("actorder", [False, True])

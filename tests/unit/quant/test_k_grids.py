@@ -61,10 +61,10 @@ def test_codes_in_range_and_gguf_decodes_our_values(qtype, weighted):
     rows, cols = weight.shape
     assert result.codes.dtype == torch.int8 and result.codes.shape == (rows, cols)
     assert fmt.code_range[0] <= result.codes.min() and result.codes.max() <= fmt.code_range[1]
-    assert result.scales.shape == (rows, cols // fmt.sub_block) and result.d.shape == (rows, cols // 256)
-    assert result.d.dtype == torch.float16
-    assert fmt.scale_range[0] <= result.scales.min() and result.scales.max() <= fmt.scale_range[1]
-    assert (result.mins is not None) == fmt.has_mins
+    assert result.qparams.scales.shape == (rows, cols // fmt.sub_block) and result.qparams.d.shape == (rows, cols // 256)
+    assert result.qparams.d.dtype == torch.float16
+    assert fmt.scale_range[0] <= result.qparams.scales.min() and result.qparams.scales.max() <= fmt.scale_range[1]
+    assert (result.qparams.mins is not None) == fmt.has_mins
     decoded = quants.dequantize(result.ggml_blocks(), qtype)
     torch.testing.assert_close(torch.from_numpy(decoded), result.dequantize(), atol=0, rtol=0)
 
@@ -95,7 +95,7 @@ def test_choose_then_round_is_quantize(qtype):
     weight = torch.from_numpy(_weight(rows=16, cols=512, seed=6))
     whole = quantize_k(weight, qtype)
     qparams = choose_k_qparams(weight[:, 256:], qtype)
-    torch.testing.assert_close(qparams.scales, whole.scales[:, whole.scales.shape[1] // 2:], atol=0, rtol=0)
+    torch.testing.assert_close(qparams.scales, whole.qparams.scales[:, whole.qparams.scales.shape[1] // 2:], atol=0, rtol=0)
     columns = [round_k(weight[:, 256 + j: 257 + j], qparams, first_column=j) for j in range(0, 256, 37)]
     expected = round_k(weight[:, 256:], qparams)
     torch.testing.assert_close(torch.cat(columns, 1), expected[:, ::37], atol=0, rtol=0)
