@@ -23,5 +23,5 @@ cmake -S "$SRC" -B "$WORK/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DL
 cmake --build "$WORK/build" -j "$(nproc)" --target "${TOOLS[@]}" >&2
 mkdir -p "$PREFIX/bin"
 for tool in "${TOOLS[@]}"; do cp "$WORK/build/bin/$tool" "$PREFIX/bin/"; done
-git -C "$SRC" describe --tags 2>/dev/null > "$PREFIX/VERSION" || grep -m1 -o 'b[0-9]\{4,\}' "$SRC/../../CHANGELOG.md" > "$PREFIX/VERSION" || true
+"$PREFIX/bin/llama-perplexity" --version 2>&1 | grep -m1 "^version" > "$PREFIX/VERSION" || true  # e.g. "version: 0.5.0-dev (build 1, commit 0c1e570)"
 echo "$PREFIX/bin"

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from quantkit.errors import ExportError, FormatError
+from quantkit.models import moe
 from quantkit.export import SINGLE_FILES
 from quantkit.quant.plan import ModulePlan
 from quantkit.quant.qparams import QParams
@@ -33,11 +34,12 @@ FILENAME = SINGLE_FILES[Format.GGUF]  # the artifact inside the temporary direct
 SPILL = "tensors.spill"
 
 # Hugging Face model_type -> llama.cpp's architecture. Mistral's dense models are llama's graph in llama.cpp.
-ARCHITECTURES = {"llama": "LLAMA", "mistral": "LLAMA", "qwen2": "QWEN2", "qwen3": "QWEN3"}
+ARCHITECTURES = {"llama": "LLAMA", "mistral": "LLAMA", "mixtral": "LLAMA", "qwen2": "QWEN2", "qwen3": "QWEN3",
+                 "qwen3_moe": "QWEN3MOE"}
 # llama.cpp's llama graph applies RoPE to interleaved pairs; Hugging Face's Llama rotates halves. Its converter
 # reorders the rows of q_proj and k_proj (`LlamaModel.permute`), and so does quantkit: a row order, so a quantized
 # weight's blocks move whole. Qwen2/Qwen3 use the halves layout (NEOX) in llama.cpp too.
-PERMUTED_ROPE = {"llama", "mistral"}
+PERMUTED_ROPE = {"llama", "mistral", "mixtral"}
 BLOCK = 32  # the smallest GGML block: Q4_0 and Q8_0 hold groups that are a multiple of it
 K_SUPER_BLOCK = 256  # a K-quant row is whole super-blocks of 256 weights
 
@@ -289,6 +291,8 @@ class StreamWriter:
         self.modules = {module: name for name, module in model.named_modules()}
         self.heads = (config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
+        self.stored_name = moe.checkpoint_renamer(model)  # checkpoint names (Mixtral's mlp: block_sparse_moe)
+        self.experts = _experts(config)
         self.spill_path = self.out_dir / SPILL
         self.spill = open(self.spill_path, "wb")
         self.tensors: list[_Spilled] = []
@@ -298,18 +302,25 @@ class StreamWriter:
         for module in modules:
             prefix = self.modules[module]
             state = module.state_dict(prefix=f"{prefix}." if prefix else "", keep_vars=True)
+            stacks: dict[str, dict[int, tuple]] = {}  # an MoE block's projection -> its experts' blocks
             for key, value in state.items():
-                self._add_tensor(key, value.detach(), qparams)
+                self._add_tensor(key, value.detach(), qparams, stacks)
+            for merged, experts in stacks.items():
+                self._spill_experts(merged, experts)
 
-    def _add_tensor(self, key: str, value: torch.Tensor, qparams: dict[str, QParams]) -> None:
+    def _add_tensor(self, key: str, value: torch.Tensor, qparams: dict[str, QParams], stacks: dict) -> None:
+        from quantkit.models.architectures import expert_projection
+
         module_name, _, leaf = key.rpartition(".")
         if key == "lm_head.weight" and self.tied:
             return  # llama.cpp reads a tied output from token_embd
-        name = self.names.get_name(key, try_suffixes=(".weight", ".bias"))
+        expert = expert_projection(module_name)
+        stored = self.stored_name(key)
+        name = None if expert else self.names.get_name(stored, try_suffixes=(".weight", ".bias"))
         if name == "token_embd.weight" and (found := quantize_embedding(value.cpu(), self.recipe, self.model.config)):
             self._spill(name, found.qtype, found.ggml_blocks())
             return
-        if name is None:
+        if name is None and not expert:
             raise FormatError(f"{key}: llama.cpp's {self.arch.name.lower()} architecture has no tensor of that name; "
                               "this model cannot be written as GGUF (use --format compressed-tensors)")
         heads = self._permutation(module_name)
@@ -324,8 +335,27 @@ class StreamWriter:
         else:
             if heads:
                 value = permute_rows(value, heads)
-            qtype, data = float_bytes(value, keep_float32=False)
+            qtype, data = float_bytes(value, keep_float32=name is not None and name.endswith("ffn_gate_inp.weight"))
+        if expert:  # stacked with the block's other experts: blk.N.ffn_{gate,up,down}_exps
+            merged = stored.rsplit(".", 2)[0]  # ...experts.7.w1.weight -> ...experts.7
+            merged = f"{merged.rsplit('.', 1)[0]}.{stored.rsplit('.', 2)[1]}"  # -> ...experts.w1
+            stacks.setdefault(merged, {})[expert[1]] = (qtype, data)
+            return
         self._spill(name, qtype, data)
+
+    def _spill_experts(self, merged: str, experts: dict[int, tuple]) -> None:
+        """One MoE projection of all experts as llama.cpp stacks it: [experts, rows, bytes], expert 0 first."""
+        if sorted(experts) != list(range(self.experts)):
+            raise ExportError(f"{merged}: {len(experts)} of {self.experts} experts reached the GGUF writer together")
+        types = {qtype for qtype, _ in experts.values()}
+        if len(types) > 1:
+            raise FormatError(f"{merged}: its experts are quantized to different types ({sorted(t.name for t in types)}); "
+                              "llama.cpp stacks them into one tensor of one type")
+        name = self.names.get_name(f"{merged}.weight", try_suffixes=(".weight",))
+        if name is None:
+            raise FormatError(f"{merged}: llama.cpp's {self.arch.name.lower()} architecture has no stacked experts of that "
+                              "name; this model cannot be written as GGUF (use --format compressed-tensors)")
+        self._spill(name, types.pop(), np.stack([experts[i][1] for i in range(self.experts)]))
 
     def _permutation(self, module_name: str) -> int | None:
         """The head count whose rows `module_name`'s tensors are reordered by, or None."""
@@ -382,6 +412,11 @@ class StreamWriter:
         return next((known[n] for n in (f"MOSTLY_{common}", f"MOSTLY_{common}_S") if n in known), gguf.LlamaFileType.GUESSED)
 
 
+def _experts(config) -> int:
+    """The number of routed experts of an MoE model (0 for a dense one)."""
+    return getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0
+
+
 def _tensor_order(name: str) -> tuple:
     """token_embd first, then the blocks in order, then the rest (as llama.cpp's converter writes them)."""
     parts = name.split(".")
@@ -418,6 +453,11 @@ def describe_model(writer, config, model_type: str, file_type) -> None:
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    if _experts(config):
+        writer.add_expert_count(_experts(config))
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        if getattr(config, "moe_intermediate_size", None):
+            writer.add_expert_feed_forward_length(config.moe_intermediate_size)
     rope = _rope(config)
     if rope.get("rope_theta") is not None:
         writer.add_rope_freq_base(float(rope["rope_theta"]))
@@ -434,7 +474,7 @@ def describe_model(writer, config, model_type: str, file_type) -> None:
     if model_type in PERMUTED_ROPE:
         writer.add_vocab_size(config.vocab_size)
         writer.add_rope_dimension_count(head_dim)
-    elif head_dim != config.hidden_size // config.num_attention_heads or model_type == "qwen3":
+    elif head_dim != config.hidden_size // config.num_attention_heads or model_type.startswith("qwen3"):
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
     writer.add_file_type(file_type)

@@ -20,6 +20,8 @@ MLP is not gated (c_proj(act(c_fc(x))), LayerNorms with a bias). A new layout is
 
 from __future__ import annotations
 
+import re
+
 from dataclasses import dataclass, replace
 
 import torch
@@ -161,6 +163,17 @@ def wiring_of(layer: nn.Module) -> LayerWiring:
 
 KV_CACHE_PROJECTIONS = ("k_proj", "v_proj", "qkv_proj", "kv_b_proj")
 ROTARY_PROJECTIONS = {"q_proj": "query", "k_proj": "key"}  # the Linears whose output rows RoPE rotates
+# An MoE expert's projections by their checkpoint names (Qwen-MoE's, Mixtral's), as the MLP's roles
+EXPERT_PROJECTIONS = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
+EXPERT_NAME = re.compile(r"^(?P<block>.+)\.experts\.(?P<expert>\d+)\.(?P<projection>[^.]+)$")
+
+
+def expert_projection(name: str) -> tuple[str, int, str] | None:
+    """(the experts module's name, the expert's index, 'gate' / 'up' / 'down') of an MoE expert's Linear, else None."""
+    found = EXPERT_NAME.match(name)
+    if found is None or found["projection"] not in EXPERT_PROJECTIONS:
+        return None
+    return f"{found['block']}.experts", int(found["expert"]), EXPERT_PROJECTIONS[found["projection"]]
 
 
 def rotary_projection(name: str) -> str | None:

@@ -72,7 +72,13 @@ def k_spec(type_name: str) -> WeightSpec:
 
 
 def role_of(name: str) -> tuple[str | None, int | None]:
-    """(role, decoder layer index) of a planned Linear's name (`model.layers.3.mlp.down_proj`), or (None, None)."""
+    """(role, decoder layer index) of a planned Linear's name (`model.layers.3.mlp.down_proj`; an MoE expert's
+    projections are the MLP's: llama.cpp stacks them into ffn_*_exps, which its rules treat as ffn_*), or (None, None)."""
+    from quantkit.models.architectures import expert_projection
+
+    if (expert := expert_projection(name)) is not None:
+        layer = next((int(p) for p in name.split(".") if p.isdigit()), None)
+        return f"ffn_{expert[2]}", layer
     for tail, role in roles().items():
         if name == tail or name.endswith(f".{tail}"):
             parts = name.split(".")

@@ -224,9 +224,8 @@ def test_an_architecture_llama_cpp_is_not_told_about_is_refused(tmp_path):
     from conftest import make_text
     from quantkit.models.tiny import build_tiny_model
 
-    src = build_tiny_model(tmp_path / "mixtral", make_text(800), "mixtral", num_hidden_layers=1, num_local_experts=4,
-                           num_experts_per_tok=2)
-    with pytest.raises(FormatError, match="quantkit writes GGUF for llama, mistral, qwen2, qwen3 models, not 'mixtral'"):
+    src = build_tiny_model(tmp_path / "gemma2", make_text(800), "gemma2", num_hidden_layers=1, head_dim=16)
+    with pytest.raises(FormatError, match="quantkit writes GGUF for llama, .* models, not 'gemma2'"):
         finalize(src, tmp_path / "m.gguf", registry.resolve("gguf-q8-0"))
 
 
@@ -254,3 +253,35 @@ def test_llama_row_order_is_llama_cpps():
     """Within each head, the rows of the rotary halves interleave (convert_hf_to_gguf's LlamaModel.permute)."""
     rows = torch.arange(8).reshape(8, 1)
     assert permute_rows(rows, 2).flatten().tolist() == [0, 2, 1, 3, 4, 6, 5, 7]
+
+
+@pytest.mark.parametrize("arch, extra", [
+    ("qwen3_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256, head_dim=64)),
+    ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2)),
+])
+def test_moe_experts_are_stacked_as_llama_cpp_reads_them(tmp_path, arch, extra):
+    """An MoE block's experts go into one tensor per projection, [experts, rows, columns] (blk.N.ffn_*_exps), each
+    expert's blocks those of its quantized Linear; the router stays F32; the expert count is in the header."""
+    from conftest import make_text
+    from quantkit.models.tiny import build_tiny_model
+
+    src = build_tiny_model(tmp_path / arch, make_text(2000), arch, num_hidden_layers=1, hidden_size=256,
+                           intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, **extra)
+    out = tmp_path / "moe.gguf"
+    finalize(src, out, registry.resolve("gguf-q8-0"))
+    fields, tensors = read(out)
+    recipe = for_format(registry.resolve("gguf-q8-0"), GGUF)
+    model = quantize_model(prepare(src, recipe, GGUF), recipe)
+    arch_name = field(fields, "general.architecture")
+    assert field(fields, f"{arch_name}.expert_count") == 4 and field(fields, f"{arch_name}.expert_used_count") == 2
+    experts = [name for name, _ in model.named_modules() if name.endswith(".experts")]
+    assert len(experts) == 1
+    block = model.get_submodule(experts[0])
+    for projection, gguf_name in (("gate", "ffn_gate_exps"), ("up", "ffn_up_exps"), ("down", "ffn_down_exps")):
+        tensor = tensors[f"blk.0.{gguf_name}.weight"]
+        assert tensor.tensor_type.name == "Q8_0"
+        experts = [block.get_submodule(str(i)) for i in range(4)]
+        linears = [expert.projections()[("gate", "up", "down").index(projection)] for expert in experts]
+        expected = torch.stack([linear.weight.float() for linear in linears])
+        assert torch.equal(dequantized(tensor).reshape(expected.shape), expected), gguf_name
+    assert tensors["blk.0.ffn_gate_inp.weight"].tensor_type.name == "F32"

@@ -36,7 +36,9 @@ def test_roles_come_from_the_llama_wiring():
     assert role_of("model.layers.12.self_attn.v_proj") == ("attn_v", 12)
     assert role_of("model.layers.3.mlp.down_proj") == ("ffn_down", 3)
     assert role_of("lm_head") == ("output", None)
-    assert role_of("model.layers.3.mlp.experts.0.w1") == (None, None)
+    assert role_of("model.layers.3.mlp.experts.0.w1") == ("ffn_gate", 3)  # stacked into ffn_gate_exps
+    assert role_of("model.layers.5.mlp.experts.12.down_proj") == ("ffn_down", 5)
+    assert role_of("model.layers.3.mlp.gate") == (None, None)
 
 
 def test_a_mixture_is_built_on_its_base_type():
