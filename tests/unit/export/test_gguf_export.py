@@ -249,6 +249,17 @@ def test_pre_tokenizers_are_named_from_tokenizer_json():
         pre_tokenizer({"pre_tokenizer": {"type": "Whitespace"}})
 
 
+def test_a_sentencepiece_style_tokenizer_is_refused_not_written_wrong(tmp_path):
+    from quantkit.export.gguf import describe_tokenizer
+
+    (tmp_path / "tokenizer.json").write_text(json.dumps({"model": {"type": "BPE", "byte_fallback": True}}))
+    with pytest.raises(FormatError, match="SentencePiece-style BPE .* cannot yet describe to llama.cpp exactly"):
+        describe_tokenizer(None, tmp_path, 100)
+    (tmp_path / "tokenizer.json").write_text(json.dumps({"model": {"type": "Unigram"}}))
+    with pytest.raises(FormatError, match="the tokenizer is a Unigram model"):
+        describe_tokenizer(None, tmp_path, 100)
+
+
 def test_llama_row_order_is_llama_cpps():
     """Within each head, the rows of the rotary halves interleave (convert_hf_to_gguf's LlamaModel.permute)."""
     rows = torch.arange(8).reshape(8, 1)
