@@ -63,7 +63,7 @@ def ggml_type(spec: WeightSpec):
         return None
     if spec.granularity is Granularity.GROUP and spec.group_size % BLOCK:
         return None
-    return {QDtype.INT8: t.Q8_0, QDtype.INT4: t.Q4_0}.get(spec.dtype)
+    return {QDtype.INT8: t.Q8_0, QDtype.INT5: t.Q5_0, QDtype.INT4: t.Q4_0}.get(spec.dtype)
 
 
 def _nearest(spec: WeightSpec) -> str:
@@ -112,11 +112,16 @@ def check_architecture(model_type: str | None) -> None:
                           "use --format compressed-tensors")
 
 
+# llama.cpp's types for a row that is not whole K super-blocks (`tensor_type_fallback`, llama-quant.cpp): blocks of
+# 32, symmetric, fp16 scales. Q5_K's fallback, Q5_1, has a float minimum quantkit's grids do not hold: F16 instead.
+K_FALLBACKS = {"Q2_K": QDtype.INT4, "Q3_K": QDtype.INT4, "Q4_K": QDtype.INT5, "Q6_K": QDtype.INT8}
+
+
 def plan_for_gguf(plan: list[ModulePlan], recipe: Recipe, config) -> list[ModulePlan]:
     """The plan as GGUF holds it: a llama.cpp mixture's per-tensor types (`gguf_mixtures`) on the Linears it names;
-    a Linear whose group the plan shrank below a GGML block (its input size is not a multiple of 32), or whose
-    rows are not whole K super-blocks, stays in full precision, reported, as llama.cpp's own quantizer leaves such
-    tensors."""
+    a K type on a Linear whose input size is not whole 256-weight super-blocks falls back as llama.cpp's does
+    (Q4_0, Q5_0 or Q8_0 blocks of 32: K_FALLBACKS); a Linear no block fits (its input size not a multiple of 32)
+    stays in full precision, reported, as llama.cpp's quantizer leaves such tensors."""
     from dataclasses import replace
 
     from quantkit.quant import gguf_mixtures
@@ -128,15 +133,25 @@ def plan_for_gguf(plan: list[ModulePlan], recipe: Recipe, config) -> list[Module
         kind = gguf_mixtures.tensor_type(recipe.mixture, role, layer, config.num_hidden_layers, _gqa(config))
         return replace(entry, scheme=QuantScheme(gguf_mixtures.k_spec(kind), entry.scheme.activations))
 
+    def fitted(entry: ModulePlan) -> ModulePlan:
+        spec = entry.scheme.weights if entry.quantized else None
+        if spec is None or not spec.k_quant_type or entry.in_features % K_SUPER_BLOCK == 0:
+            return entry
+        fallback = K_FALLBACKS.get(spec.k_quant_type)
+        if fallback is None or entry.in_features % BLOCK:
+            return replace(entry, scheme=None, note=f"{spec.k_quant_type} takes rows of whole {K_SUPER_BLOCK}-weight "
+                                                    f"super-blocks ({entry.in_features} inputs), and no fallback fits")
+        weights = WeightSpec(fallback, Granularity.GROUP, BLOCK, symmetric=True, scale_dtype=ScaleDtype.FLOAT16)
+        note = f"{spec.k_quant_type} -> {ggml_type(weights).name}: {entry.in_features} inputs are not whole {K_SUPER_BLOCK}-weight super-blocks"
+        return replace(entry, scheme=QuantScheme(weights, entry.scheme.activations), note=note)
+
     def problem(entry: ModulePlan) -> str | None:
         spec = entry.scheme.weights
-        if spec.k_quant_type and entry.in_features % K_SUPER_BLOCK:
-            return f"{spec.k_quant_type} takes rows of whole {K_SUPER_BLOCK}-weight super-blocks ({entry.in_features} inputs)"
         if ggml_type(spec) is None:
             return f"no GGUF block holds groups of {spec.group_size} ({entry.in_features} inputs are not a multiple of {BLOCK})"
         return None
 
-    plan = [mixed(entry) for entry in plan]
+    plan = [fitted(mixed(entry)) for entry in plan]
     return [replace(entry, scheme=None, note=why) if entry.quantized and (why := problem(entry)) else entry
             for entry in plan]
 
@@ -229,7 +244,7 @@ def pack(weight: torch.Tensor, qparams: QParams):
     q = codes(weight, qparams).numpy()
     group = weight.shape[1] // qparams.scale.shape[1]
     d = qparams.scale.to(torch.float16).repeat_interleave(group // BLOCK, dim=1).numpy()
-    packer = {"Q8_0": ggml_blocks.pack_q8_0, "Q4_0": ggml_blocks.pack_q4_0}[qtype.name]
+    packer = {"Q8_0": ggml_blocks.pack_q8_0, "Q5_0": ggml_blocks.pack_q5_0, "Q4_0": ggml_blocks.pack_q4_0}[qtype.name]
     return qtype, packer(q, d)
 
 

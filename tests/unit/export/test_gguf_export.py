@@ -121,11 +121,25 @@ def test_a_mixture_is_llama_cpps_calibrated_by_gptq(k_model_dir, text_file, tmp_
     assert field(fields, "general.file_type") == gguf.LlamaFileType.MOSTLY_Q4_K_M
 
 
-def test_k_quants_leave_rows_of_part_super_blocks_in_float(wide_model_dir):
-    recipe = k_recipe("Q4_K")
+@pytest.mark.parametrize("qtype, fallback", [("Q4_K", "Q5_0"), ("Q6_K", "Q8_0"), ("Q3_K", "Q4_0"), ("Q5_K", None)])
+def test_k_quants_fall_back_where_rows_are_not_whole_super_blocks(wide_model_dir, tmp_path, qtype, fallback):
+    """As llama.cpp's tensor_type_fallback: a 128-wide input takes blocks of 32 (Q5_K's Q5_1 is not a grid quantkit
+    holds: F16), reported; the file dequantizes to the quantized model exactly."""
+    recipe = k_recipe(qtype)
     plan = {e.name: e for e in prepare(wide_model_dir, recipe, GGUF).plan}
-    assert "Q4_K takes rows of whole 256-weight super-blocks (128 inputs)" in plan["model.layers.0.self_attn.q_proj"].note
-    assert plan["model.layers.0.mlp.down_proj"].quantized
+    q_proj = plan["model.layers.0.self_attn.q_proj"]
+    if fallback is None:
+        assert not q_proj.quantized and "no fallback fits" in q_proj.note
+    else:
+        assert f"{qtype} -> {fallback}" in q_proj.note
+    assert plan["model.layers.0.mlp.down_proj"].scheme.weights.k_quant_type == qtype  # 256 inputs
+    out = tmp_path / "m.gguf"
+    finalize(wide_model_dir, out, recipe)
+    _, tensors = read(out)
+    assert tensors["blk.0.attn_q.weight"].tensor_type.name == (fallback or "F32")
+    expected, _ = expected_tensors(wide_model_dir, recipe)
+    for name, tensor in tensors.items():
+        assert torch.equal(dequantized(tensor).reshape(expected[name].shape), expected[name]), name
 
 
 def test_k_quants_with_autoround_are_refused(tiny_model_dir, tmp_path):
