@@ -23,6 +23,7 @@ from torch import nn
 
 from quantkit.errors import ExportError, FormatError
 from quantkit.models import moe
+from quantkit.runtime import placement
 from quantkit.export import SINGLE_FILES
 from quantkit.quant.plan import ModulePlan
 from quantkit.quant.qparams import QParams
@@ -244,15 +245,14 @@ def pack(weight: torch.Tensor, qparams: QParams):
     q = codes(weight, qparams).numpy()
     group = weight.shape[1] // qparams.scale.shape[1]
     d = qparams.scale.to(torch.float16).repeat_interleave(group // BLOCK, dim=1).numpy()
-    packer = {"Q8_0": ggml_blocks.pack_q8_0, "Q5_0": ggml_blocks.pack_q5_0, "Q4_0": ggml_blocks.pack_q4_0}[qtype.name]
-    return qtype, packer(q, d)
+    return qtype, ggml_blocks.pack(qtype, q, d=d)
 
 
 def float_bytes(tensor: torch.Tensor, keep_float32: bool):
     """(GGML type, bytes [rows, bytes per row]) of an unquantized tensor: 1-D ones (norms, biases) in F32, as
     llama.cpp requires; matrices in the artifact's dtype (BF16, F16 or F32)."""
     t = _gguf().GGMLQuantizationType
-    tensor = tensor.detach().cpu()
+    tensor = tensor.detach()
     if tensor.dim() == 1 or keep_float32 or tensor.dtype is torch.float32:
         qtype, data = t.F32, tensor.float()
     elif tensor.dtype is torch.bfloat16:
@@ -269,11 +269,6 @@ def permute_rows(tensor: torch.Tensor, heads: int) -> torch.Tensor:
     halves interleaved (convert_hf_to_gguf's `LlamaModel.permute`)."""
     shape = tensor.shape
     return tensor.reshape(heads, 2, shape[0] // heads // 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
-
-
-def _on_cpu(qparams: QParams) -> QParams:
-    k = qparams.k.map(torch.Tensor.cpu) if qparams.k is not None else None
-    return QParams(qparams.scale.cpu(), qparams.zero_point, qparams.spec, None, k)
 
 
 def _rows_permuted(qparams: QParams, heads: int) -> QParams:
@@ -314,6 +309,7 @@ class StreamWriter:
 
     def add(self, modules: list[nn.Module], qparams: dict[str, QParams], input_scales: dict[str, torch.Tensor],
             kv_scales: dict[str, torch.Tensor] | None = None) -> None:
+        placement.check_on_host("the GGUF writer", modules=modules, qparams=qparams)
         for module in modules:
             prefix = self.modules[module]
             state = module.state_dict(prefix=f"{prefix}." if prefix else "", keep_vars=True)
@@ -332,7 +328,7 @@ class StreamWriter:
         expert = expert_projection(module_name)
         stored = self.stored_name(key)
         name = None if expert else self.names.get_name(stored, try_suffixes=(".weight", ".bias"))
-        if name == "token_embd.weight" and (found := quantize_embedding(value.cpu(), self.recipe, self.model.config)):
+        if name == "token_embd.weight" and (found := quantize_embedding(value, self.recipe, self.model.config)):
             self._spill(name, found.qtype, found.ggml_blocks())
             return
         if name is None and not expert:
@@ -343,7 +339,7 @@ class StreamWriter:
             found = qparams.get(module_name)
             if found is None:
                 raise RuntimeError(f"{module_name} is planned for quantization but has no qparams")
-            weight, found = value.cpu(), _on_cpu(found)
+            weight = value
             if heads:
                 weight, found = permute_rows(weight, heads), _rows_permuted(found, heads)
             qtype, data = pack(weight, found)
@@ -352,9 +348,8 @@ class StreamWriter:
                 value = permute_rows(value, heads)
             qtype, data = float_bytes(value, keep_float32=name is not None and name.endswith("ffn_gate_inp.weight"))
         if expert:  # stacked with the block's other experts: blk.N.ffn_{gate,up,down}_exps
-            merged = stored.rsplit(".", 2)[0]  # ...experts.7.w1.weight -> ...experts.7
-            merged = f"{merged.rsplit('.', 1)[0]}.{stored.rsplit('.', 2)[1]}"  # -> ...experts.w1
-            stacks.setdefault(merged, {})[expert[1]] = (qtype, data)
+            block, _, projection, _ = stored.rsplit(".", 3)  # ...experts.7.w1.weight -> ...experts, w1
+            stacks.setdefault(f"{block}.{projection}", {})[expert[1]] = (qtype, data)
             return
         self._spill(name, qtype, data)
 

@@ -76,12 +76,8 @@ def role_of(name: str) -> tuple[str | None, int | None]:
     projections are the MLP's: llama.cpp stacks them into ffn_*_exps, which its rules treat as ffn_*), or (None, None)."""
     from quantkit.models.architectures import expert_projection
 
+    layer = next((int(p) for p in name.split(".") if p.isdigit()), None)
     if (expert := expert_projection(name)) is not None:
-        layer = next((int(p) for p in name.split(".") if p.isdigit()), None)
         return f"ffn_{expert[2]}", layer
-    for tail, role in roles().items():
-        if name == tail or name.endswith(f".{tail}"):
-            parts = name.split(".")
-            layer = next((int(p) for p in parts if p.isdigit()), None)
-            return role, layer
-    return None, None
+    role = next((role for tail, role in roles().items() if name == tail or name.endswith(f".{tail}")), None)
+    return (role, layer) if role else (None, None)
