@@ -163,6 +163,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--deadline", type=float, default=1e9, help="start no job after this many seconds")
     p.add_argument("--device", default="cuda", help="quantkit's --device (cpu: a dry run of this script without a GPU)")
     p.add_argument("--json", type=Path)
+    p.add_argument("--build-only", action="store_true",
+                   help="build the models the jobs name and stop (run beside other work before the timed jobs)")
     return p.parse_args(argv)
 
 
@@ -173,6 +175,12 @@ def main(argv: list[str] | None = None) -> None:
     logs = args.workdir / "logs"
     logs.mkdir(exist_ok=True)
     jobs = [parse_job(spec) for spec in args.jobs]
+    if args.build_only:
+        for name in dict.fromkeys(job.model for job in jobs):
+            began = time.perf_counter()
+            path, _ = model_dir(name, args.workdir / "models", args.text[0])
+            print(f"built {name} in {time.perf_counter() - began:.0f} s: {path}", flush=True)
+        return
     most = max(j.samples for j in jobs)
     calib = calibration_text(args.text, most * args.seq_len, args.workdir / "calib.txt")
     runner = harness.write_llmc_runner(args.workdir) if any(j.tool == "llmc" for j in jobs) else None

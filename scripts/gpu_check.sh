@@ -66,12 +66,17 @@ if [[ " $STEPS " == *" scale "* ]]; then
     # real sizes (scripts/bench_gpu_scale.py): the offloaded path's GPU test first, then the jobs in SCALE_JOBS, in
     # order, none started after SCALE_DEADLINE seconds; the models are built here, on the machine's local disk
     data=$REPO/.whl/data
+    scale=(python3 "$REPO/scripts/bench_gpu_scale.py" --llmc-python /tmp/llmc-python --workdir /tmp/bench-scale
+        --text "$data/wikitext-2/valid.txt" "$data/wikitext-2/test.txt" "$data/tinyshakespeare/input.txt"
+        --jobs ${SCALE_JOBS:-qk:gptq-w4a16:8b:512 qk:awq-w4a16:8b:512 qk:gptq-w4a16:8b-l4:512:22GiB})
+    # the jobs' models are built (CPU and disk) while the GPU runs the offloaded path's tests
+    ( time "${scale[@]}" --build-only ) > "$OUT/scale-build.txt" 2>&1 &
+    building=$!
     timeout ${OFFLOAD_TEST_TIMEOUT:-120} python3 -m pytest -c "$REPO/pyproject.toml" --rootdir "$REPO" -q -m gpu \
-        "$REPO/tests/gpu/test_cuda.py" -k "offloaded or tf32" -p no:cacheprovider -rfE 2>&1 | tail -15 | tee "$OUT/offload-tests.txt" || status=1
-    python3 "$REPO/scripts/bench_gpu_scale.py" --llmc-python /tmp/llmc-python --workdir /tmp/bench-scale \
-        --text "$data/wikitext-2/valid.txt" "$data/wikitext-2/test.txt" "$data/tinyshakespeare/input.txt" \
-        --deadline ${SCALE_DEADLINE:-420} --timeout ${SCALE_JOB_TIMEOUT:-300} --json "$OUT/bench-scale.json" \
-        --jobs ${SCALE_JOBS:-qk:gptq-w4a16:8b:512 qk:awq-w4a16:8b:512 qk:gptq-w4a16:8b-l4:512:22GiB} 2>&1 \
+        "$REPO/tests/gpu/test_cuda.py" -k "offloaded or tf32 or gguf" -p no:cacheprovider -rfE 2>&1 | tail -15 | tee "$OUT/offload-tests.txt" || status=1
+    wait $building || status=1
+    cat "$OUT/scale-build.txt"
+    "${scale[@]}" --deadline ${SCALE_DEADLINE:-420} --timeout ${SCALE_JOB_TIMEOUT:-300} --json "$OUT/bench-scale.json" 2>&1 \
         | tee "$OUT/bench-scale.txt" || status=1
     tar czf "$OUT/scale-logs.tgz" -C /tmp/bench-scale logs 2>/dev/null || true
 fi

@@ -311,3 +311,44 @@ def test_a_bf16_hessian_on_cuda_is_summed_in_tf32_as_in_float32():
         found[device] = observer.xtx().cpu()
     assert torch.backends.cuda.matmul.allow_tf32 == before  # put back as it was
     torch.testing.assert_close(found["cuda"], found["cpu"], rtol=1e-5, atol=1e-5 * found["cpu"].abs().max().item())
+
+
+@pytest.mark.parametrize("name", ["gguf-q4-0", "gguf-q4-k-m"])
+def test_a_gguf_file_made_on_cuda_is_the_cpus(work, tmp_path, name):
+    """GGUF from CUDA calibration: every tensor in the CPU-made file's type; round to nearest the same bytes, GPTQ on
+    the K grids (rows of 128: fallbacks; of 256: K super-blocks) as close to the float weights as the CPU's file."""
+    import gguf
+    import numpy as np
+
+    from quantkit.export.gguf import permute_rows
+    from quantkit.finalization.finalize import CalibrationOptions, finalize
+    from quantkit.models.loading import load_model
+    from quantkit.quant.registry import resolve
+
+    recipe = resolve(name)
+    files = {}
+    for device in ("cuda", "cpu"):
+        options = CalibrationOptions(data=str(work / "calib.txt"), num_samples=NUM_SAMPLES, seq_len=SEQ_LEN, device=device)
+        files[device] = {t.name: t for t in gguf.GGUFReader(finalize(
+            work / "model", tmp_path / f"{device}.gguf", recipe, None, calibration=options if recipe.needs_samples else
+            CalibrationOptions(device=device)).dst).tensors}
+    assert {k: t.tensor_type for k, t in files["cuda"].items()} == {k: t.tensor_type for k, t in files["cpu"].items()}
+    model = load_model(work / "model", dtype="float32")
+    config = model.config
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config.num_hidden_layers)
+    errors = {"cuda": 0.0, "cpu": 0.0}
+    for key, value in model.state_dict().items():
+        if key.endswith("q_proj.weight"):
+            value = permute_rows(value, config.num_attention_heads)
+        elif key.endswith("k_proj.weight"):
+            value = permute_rows(value, config.num_key_value_heads)
+        found = names.get_name(key, try_suffixes=(".weight", ".bias"))
+        if found not in files["cpu"]:
+            continue
+        for device, tensors in files.items():
+            tensor = tensors[found]
+            if not recipe.needs_calibration:
+                assert np.array_equal(tensor.data, files["cpu"][found].data), found
+            values = torch.from_numpy(np.array(gguf.quants.dequantize(tensor.data, tensor.tensor_type)))
+            errors[device] += (values.float().reshape(value.shape) - value).pow(2).sum().item()
+    assert errors["cpu"] > 0 and errors["cuda"] <= 1.05 * errors["cpu"], errors
