@@ -104,10 +104,11 @@ class StreamedModel:
         return outside(self.model, self.layers)
 
     def load_rest(self) -> None:
-        """Read the modules outside the decoder layers (tied weights are read once, under their stored name)."""
+        """Read the modules outside the decoder layers (tied weights are read once, under their stored name). The
+        layers are not looked into: the last one may be packed by the writer's thread meanwhile, its modules
+        gaining the format's tensors (`finalization.finalize._LayerIO`)."""
         self.model.tie_weights()
-        in_layers = {id(t) for t in [*self.layers.parameters(), *self.layers.buffers()]}
-        self._load_entries([(key, value) for key, value in _state(self.model) if id(value) not in in_layers])
+        self._load_entries(_state(self.model, skip=self.layers))
         self.model.tie_weights()
 
     def release_rest(self) -> None:
@@ -149,13 +150,24 @@ class StreamedModel:
                     _assign(self.model, key, tensor)
 
 
-def _state(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """(name, tensor) of every parameter and persistent buffer, each tensor once (tied weights under their first name)."""
+def _state(model: nn.Module, skip: nn.Module | None = None) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every parameter and persistent buffer, each tensor once (tied weights under their first
+    name), in state-dict order; the tensors under `skip` left out without being looked at."""
     seen, out = set(), []
-    for name, value in model.state_dict(keep_vars=True).items():
-        if id(value) not in seen:
-            seen.add(id(value))
-            out.append((name, value))
+
+    def visit(module: nn.Module, prefix: str) -> None:
+        if module is skip:
+            return
+        persistent = [(n, b) for n, b in module._buffers.items() if n not in module._non_persistent_buffers_set]
+        for name, value in [*module._parameters.items(), *persistent]:
+            if value is not None and id(value) not in seen:
+                seen.add(id(value))
+                out.append((prefix + name, value))
+        for name, child in module._modules.items():
+            if child is not None:
+                visit(child, f"{prefix}{name}.")
+
+    visit(model, "")
     return out
 
 

@@ -74,3 +74,19 @@ def test_a_checkpoint_in_another_layout_is_not_streamable(model_dir, tmp_path):
         StreamedModel.open(renamed)
     skeleton = models.meta_model(models.load_config(model_dir))
     assert layout_mismatch(skeleton, {key: model_dir for key in stored_keys(skeleton)}) is None
+
+
+def test_reading_the_rest_does_not_look_into_the_layers(model_dir, monkeypatch):
+    """The writer's thread may be packing the last layer (adding the format's tensors to its modules) while the rest
+    is read: load_rest leaves the layers alone (here, their state dicts fail if asked)."""
+    streamed = StreamedModel.open(model_dir)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("load_rest looked into a decoder layer")
+
+    for layer in streamed.layers:
+        for module in layer.modules():
+            monkeypatch.setattr(module, "_save_to_state_dict", refuse)
+    streamed.load_rest()
+    assert all(p.device.type == "cpu" for m in streamed.rest() for p in m.parameters())
+    assert all(p.device.type == "meta" for p in streamed.layers.parameters())
