@@ -21,7 +21,7 @@ all rows side by side):
    calibrates on (`--num-samples` chunks of `--seq-len` tokens of `--calib-data`), always with
    `--token-embedding-type f16 --output-tensor-type f16`. The converter runs through a small wrapper that names a
    byte-level BPE tokenizer llama.cpp's table of hashes does not know (the benchmark model's own) by its
-   pre-tokenizer, with quantkit's rule (quantkit.export.gguf.pre_tokenizer), instead of refusing it: both tools'
+   pre-tokenizer, with quantkit's rule (quantkit.export.gguf_vocab.pre_tokenizer), instead of refusing it: both tools'
    files then carry the same tokenizer;
 3. quantkit's rows per model (`--quantkit`): `quantkit finalize SRC OUT.gguf -q RECIPE --format gguf --dtype
    float16`, calibrated recipes on `--calib-data` with `--num-samples` x `--seq-len` tokens. A row `RECIPE:gN`
@@ -70,7 +70,7 @@ PPL = re.compile(r"Final estimate: PPL = ([0-9.]+) \+/- ([0-9.]+)")
 CONVERT_RUNNER = '''\
 """llama.cpp's convert_hf_to_gguf.py (beside this file), written by scripts/bench_gguf.py, with two changes: a
 byte-level BPE tokenizer whose hash llama.cpp's table does not know is named by its pre-tokenizer (quantkit's rule,
-quantkit.export.gguf.pre_tokenizer) instead of refused; without sentencepiece installed, a model without
+quantkit.export.gguf_vocab.pre_tokenizer) instead of refused; without sentencepiece installed, a model without
 tokenizer.model converts (the converter imports sentencepiece before it looks for that file)."""
 import json, runpy, sys
 from pathlib import Path
@@ -78,7 +78,7 @@ from pathlib import Path
 here = Path(__file__).resolve().parent
 sys.path[:0] = [str(here), str(here / "gguf-py")]  # the converter's own gguf, not the installed one
 import conversion.base as base
-from quantkit.export.gguf import pre_tokenizer
+from quantkit.export.gguf_vocab import pre_tokenizer
 
 hashed = base.TextModel.get_vocab_base_pre
 

@@ -11,7 +11,8 @@ gguf = pytest.importorskip("gguf")
 
 from quantkit.errors import DestinationExistsError, FormatError, UsageError  # noqa: E402
 from quantkit.export import for_format  # noqa: E402
-from quantkit.export.gguf import PRE_TOKENIZERS, permute_rows, pre_tokenizer  # noqa: E402
+from quantkit.export.gguf import permute_rows  # noqa: E402
+from quantkit.export.gguf_vocab import PRE_TOKENIZERS, pre_tokenizer  # noqa: E402
 from quantkit.finalization.finalize import CalibrationOptions, finalize, prepare, quantize_model  # noqa: E402
 from quantkit.quant import registry  # noqa: E402
 from quantkit.quant.schemes import ScaleDtype  # noqa: E402
@@ -264,7 +265,7 @@ def test_pre_tokenizers_are_named_from_tokenizer_json():
 
 
 def test_a_sentencepiece_style_tokenizer_is_refused_not_written_wrong(tmp_path):
-    from quantkit.export.gguf import describe_tokenizer
+    from quantkit.export.gguf_vocab import describe_tokenizer
 
     (tmp_path / "tokenizer.json").write_text(json.dumps({"model": {"type": "BPE", "byte_fallback": True}}))
     with pytest.raises(FormatError, match="SentencePiece-style BPE .* cannot yet describe to llama.cpp exactly"):
