@@ -24,7 +24,7 @@ from torch import nn
 from quantkit.errors import ExportError, FormatError
 from quantkit.models import moe
 from quantkit.runtime import placement
-from quantkit.export import SINGLE_FILES, gguf_vocab
+from quantkit.export import SINGLE_FILES, gguf_archs, gguf_vocab
 from quantkit.quant.plan import ModulePlan
 from quantkit.quant.qparams import QParams
 from quantkit.quant.quantized_model import QuantizedModel
@@ -34,9 +34,10 @@ from quantkit.quant.schemes import Granularity, QDtype, QuantScheme, ScaleDtype,
 FILENAME = SINGLE_FILES[Format.GGUF]  # the artifact inside the temporary directory; `atomic` moves it to DST
 SPILL = "tensors.spill"
 
-# Hugging Face model_type -> llama.cpp's architecture. Mistral's dense models are llama's graph in llama.cpp.
+# Hugging Face model_type -> llama.cpp's architecture. Mistral's dense models are llama's graph in llama.cpp;
+# Gemma2, Gemma3 and Phi-3 need more of their own (`gguf_archs`).
 ARCHITECTURES = {"llama": "LLAMA", "mistral": "LLAMA", "mixtral": "LLAMA", "qwen2": "QWEN2", "qwen3": "QWEN3",
-                 "qwen3_moe": "QWEN3MOE"}
+                 "qwen3_moe": "QWEN3MOE", **gguf_archs.ARCHITECTURES}
 # llama.cpp's llama graph applies RoPE to interleaved pairs; Hugging Face's Llama rotates halves. Its converter
 # reorders the rows of q_proj and k_proj (`LlamaModel.permute`), and so does quantkit: a row order, so a quantized
 # weight's blocks move whole. Qwen2/Qwen3 use the halves layout (NEOX) in llama.cpp too.
@@ -54,16 +55,18 @@ def _gguf():
 
 
 def ggml_type(spec: WeightSpec):
-    """The GGML type whose grid holds `spec`'s exactly, or None. Symmetric int8 / int4 with fp16 scales per group
-    (a multiple of 32) or per row are Q8_0 / Q4_0 blocks of 32 sharing the group's scale; a k_quant grid is its
-    K type."""
+    """The GGML type whose grid holds `spec`'s exactly, or None. Symmetric int8 / int5 / int4 with fp16 scales per
+    group (a multiple of 32) or per row are Q8_0 / Q5_0 / Q4_0 blocks of 32 sharing the group's scale; asymmetric
+    int5 / int4 with fp16 scales are Q5_1 / Q4_1 (`qparams.fp16_minimum_grid`); a k_quant grid is its K type."""
     t = _gguf().GGMLQuantizationType
     if spec.k_quant_type:
         return t[spec.k_quant_type]
-    if spec.dtype.is_float or not spec.symmetric or spec.scale_dtype is not ScaleDtype.FLOAT16:
+    if spec.dtype.is_float or spec.scale_dtype is not ScaleDtype.FLOAT16:
         return None
     if spec.granularity is Granularity.GROUP and spec.group_size % BLOCK:
         return None
+    if not spec.symmetric:
+        return {QDtype.INT5: t.Q5_1, QDtype.INT4: t.Q4_1}.get(spec.dtype)
     return {QDtype.INT8: t.Q8_0, QDtype.INT5: t.Q5_0, QDtype.INT4: t.Q4_0}.get(spec.dtype)
 
 
@@ -71,7 +74,7 @@ def _nearest(spec: WeightSpec) -> str:
     if spec.dtype.is_float:
         return "Q8_0 (recipe gguf-q8-0)" if spec.dtype is QDtype.FLOAT8 else "Q4_0 (recipe gguf-q4-0)"
     if not spec.symmetric:
-        return "Q4_0 (symmetric int4: recipe gguf-q4-0, or gptq-w4a16 / awq-w4a16 with --format gguf)"
+        return "Q4_1 (asymmetric int4 in groups of a multiple of 32: recipe gguf-q4-1)"
     return "Q4_0 or Q8_0 (symmetric int4 / int8 in groups of a multiple of 32: recipes gguf-q4-0, gguf-q8-0)"
 
 
@@ -103,25 +106,36 @@ def unsupported(recipe: Recipe) -> str | None:
     if spec.k_quant_type and any(step.name.value == "autoround" for step in recipe.steps):
         return (f"AutoRound learns its own scales, and {spec.k_quant_type}'s are llama.cpp's search's: use gptq or "
                 "awq on K grids, or AutoRound on Q4_0 (autoround-w4a16 --format gguf)")
+    if not spec.symmetric and any(step.name.value == "autoround" for step in recipe.steps):
+        return (f"AutoRound learns scales and minimums that {ggml_type(spec).name}'s fp16 minimum does not hold "
+                "exactly: use gptq, awq or rtn for it, or AutoRound on Q4_0 (autoround-w4a16 --format gguf)")
     return None
 
 
-def check_architecture(model_type: str | None) -> None:
-    """Refuse, before any weight is read, an architecture quantkit cannot describe to llama.cpp."""
+def check_architecture(config) -> None:
+    """Refuse, before any weight is read, an architecture quantkit cannot describe to llama.cpp, and a config of a
+    known one that llama.cpp's graph would compute differently (`gguf_archs.refusal`)."""
+    model_type = getattr(config, "model_type", None)
     if model_type not in ARCHITECTURES:
         raise FormatError(f"quantkit writes GGUF for {', '.join(sorted(ARCHITECTURES))} models, not '{model_type}'; "
+                          "use --format compressed-tensors")
+    why = gguf_archs.refusal(config)
+    if why:
+        raise FormatError(f"llama.cpp cannot compute this {model_type} model as Hugging Face does ({why}); "
                           "use --format compressed-tensors")
 
 
 # llama.cpp's types for a row that is not whole K super-blocks (`tensor_type_fallback`, llama-quant.cpp): blocks of
 # 32, symmetric, fp16 scales. Q5_K's fallback, Q5_1, has a float minimum quantkit's grids do not hold: F16 instead.
-K_FALLBACKS = {"Q2_K": QDtype.INT4, "Q3_K": QDtype.INT4, "Q4_K": QDtype.INT5, "Q6_K": QDtype.INT8}
+# llama.cpp's tensor_type_fallback: (dtype, symmetric) of Q4_0, Q5_0, Q5_1 and Q8_0 blocks of 32
+K_FALLBACKS = {"Q2_K": (QDtype.INT4, True), "Q3_K": (QDtype.INT4, True), "Q4_K": (QDtype.INT5, True),
+               "Q5_K": (QDtype.INT5, False), "Q6_K": (QDtype.INT8, True)}
 
 
 def plan_for_gguf(plan: list[ModulePlan], recipe: Recipe, config) -> list[ModulePlan]:
     """The plan as GGUF holds it: a llama.cpp mixture's per-tensor types (`gguf_mixtures`) on the Linears it names;
     a K type on a Linear whose input size is not whole 256-weight super-blocks falls back as llama.cpp's does
-    (Q4_0, Q5_0 or Q8_0 blocks of 32: K_FALLBACKS); a Linear no block fits (its input size not a multiple of 32)
+    (Q4_0, Q5_0, Q5_1 or Q8_0 blocks of 32: K_FALLBACKS); a Linear no block fits (its input size not a multiple of 32)
     stays in full precision, reported, as llama.cpp's quantizer leaves such tensors."""
     from dataclasses import replace
 
@@ -142,7 +156,7 @@ def plan_for_gguf(plan: list[ModulePlan], recipe: Recipe, config) -> list[Module
         if fallback is None or entry.in_features % BLOCK:
             return replace(entry, scheme=None, note=f"{spec.k_quant_type} takes rows of whole {K_SUPER_BLOCK}-weight "
                                                     f"super-blocks ({entry.in_features} inputs), and no fallback fits")
-        weights = WeightSpec(fallback, Granularity.GROUP, BLOCK, symmetric=True, scale_dtype=ScaleDtype.FLOAT16)
+        weights = WeightSpec(fallback[0], Granularity.GROUP, BLOCK, symmetric=fallback[1], scale_dtype=ScaleDtype.FLOAT16)
         note = f"{spec.k_quant_type} -> {ggml_type(weights).name}: {entry.in_features} inputs are not whole {K_SUPER_BLOCK}-weight super-blocks"
         return replace(entry, scheme=QuantScheme(weights, entry.scheme.activations), note=note)
 
@@ -210,11 +224,13 @@ def write(quantized: QuantizedModel, out_dir: Path, max_shard_size: int | None =
 
 
 def codes(weight: torch.Tensor, qparams: QParams) -> torch.Tensor:
-    """The integers of a Linear's weight that holds its grid's values (`weight` = code x scale, rounded to the
-    model's dtype), recovered exactly: the rounding moves a value by less than a third of a step."""
+    """The integers of a Linear's weight that holds its grid's values (`weight` = (code - zero point) x scale,
+    rounded to the model's dtype), recovered exactly: the rounding moves a value by less than a third of a step."""
     scale = qparams.scale.float()
-    full = scale.repeat_interleave(weight.shape[1] // scale.shape[1], dim=1)
-    exact = weight.float() / full
+    group = weight.shape[1] // scale.shape[1]
+    exact = weight.float() / scale.repeat_interleave(group, dim=1)
+    if qparams.zero_point is not None:
+        exact = exact + qparams.zero_point.float().repeat_interleave(group, dim=1)
     q = torch.round(exact)
     lo, hi = qparams.spec.dtype.qrange
     if not torch.all((exact - q).abs() < 0.3) or q.min() < lo or q.max() > hi:
@@ -242,10 +258,18 @@ def pack(weight: torch.Tensor, qparams: QParams):
     qtype = ggml_type(qparams.spec)
     if qparams.k is not None:
         return qtype, k_codes(weight, qparams).ggml_blocks()
-    q = codes(weight, qparams).numpy()
-    group = weight.shape[1] // qparams.scale.shape[1]
-    d = qparams.scale.to(torch.float16).repeat_interleave(group // BLOCK, dim=1).numpy()
-    return qtype, ggml_blocks.pack(qtype, q, d=d)
+    q = codes(weight, qparams)
+    blocks = weight.shape[1] // qparams.scale.shape[1] // BLOCK
+    d = qparams.scale.to(torch.float16).repeat_interleave(blocks, dim=1)
+    if qparams.zero_point is None:
+        return qtype, ggml_blocks.pack(qtype, q.numpy(), d=d.numpy())
+    qmin = qparams.spec.dtype.qrange[0]  # Q4_1 / Q5_1: codes from 0, x = d c + m
+    offset = (qparams.zero_point.float() - qmin).repeat_interleave(blocks, dim=1)
+    m = -offset * d.float()
+    if not torch.equal(m.to(torch.float16).float(), m):
+        raise ExportError("a quantized weight's minimum is not an fp16 value (a quantkit bug: please report it)")
+    c = (q.float() - qmin).to(torch.uint8).numpy()
+    return qtype, ggml_blocks.pack(qtype, c, d=d.numpy(), m=m.to(torch.float16).numpy())
 
 
 def float_bytes(tensor: torch.Tensor, keep_float32: bool):
@@ -274,7 +298,8 @@ def permute_rows(tensor: torch.Tensor, heads: int) -> torch.Tensor:
 def _rows_permuted(qparams: QParams, heads: int) -> QParams:
     """`qparams` of a weight whose rows `permute_rows` reorders: every per-row tensor reordered alike."""
     k = qparams.k.map(lambda t: permute_rows(t, heads)) if qparams.k is not None else None
-    return QParams(permute_rows(qparams.scale, heads), qparams.zero_point, qparams.spec, None, k)
+    zero = permute_rows(qparams.zero_point, heads) if qparams.zero_point is not None else None
+    return QParams(permute_rows(qparams.scale, heads), zero, qparams.spec, None, k)
 
 
 @dataclass
@@ -346,6 +371,7 @@ class StreamWriter:
         else:
             if heads:
                 value = permute_rows(value, heads)
+            value = gguf_archs.stored_value(self.model_type, key, value)
             qtype, data = float_bytes(value, keep_float32=name is not None and name.endswith("ffn_gate_inp.weight"))
         if expert:  # stacked with the block's other experts: blk.N.ffn_{gate,up,down}_exps
             block, _, projection, _ = stored.rsplit(".", 3)  # ...experts.7.w1.weight -> ...experts, w1
@@ -391,6 +417,8 @@ class StreamWriter:
         rope_freqs = llama3_rope_freqs(self.model.config)
         if rope_freqs is not None:
             writer.add_tensor(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight", rope_freqs)
+        for name, tensor in gguf_archs.extra_tensors(self.model.config).items():
+            writer.add_tensor(name, tensor)
         spilled = np.memmap(self.spill_path, dtype=np.uint8, mode="r") if self.tensors else None
         for t in sorted(self.tensors, key=lambda t: _tensor_order(t.name)):
             size = int(np.prod(t.shape))
@@ -468,6 +496,17 @@ def describe_model(writer, config, model_type: str, file_type) -> None:
         writer.add_expert_used_count(config.num_experts_per_tok)
         if getattr(config, "moe_intermediate_size", None):
             writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    if model_type in gguf_archs.ARCHITECTURES:
+        gguf_archs.describe(writer, config)
+    else:
+        _describe_rope_and_heads(writer, config, model_type, head_dim)
+    writer.add_file_type(file_type)
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+
+
+def _describe_rope_and_heads(writer, config, model_type: str, head_dim: int) -> None:
+    """The Llama family's RoPE keys and head sizes."""
+    gguf = _gguf()
     rope = _rope(config)
     if rope.get("rope_theta") is not None:
         writer.add_rope_freq_base(float(rope["rope_theta"]))
@@ -487,8 +526,6 @@ def describe_model(writer, config, model_type: str, file_type) -> None:
     elif head_dim != config.hidden_size // config.num_attention_heads or model_type.startswith("qwen3"):
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
-    writer.add_file_type(file_type)
-    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
 
 def llama3_rope_freqs(config) -> np.ndarray | None:

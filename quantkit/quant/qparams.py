@@ -152,12 +152,36 @@ def choose_qparams_minmax(weight: torch.Tensor, spec: WeightSpec) -> tuple[torch
         scale = _choose_scale_float8(weight, block_size=list(block), float8_dtype=torch.float8_e4m3fn)
         return scale.to(scale_dtype(weight, spec)).reshape(shape), None
     qmin, qmax = spec.dtype.qrange
+    if has_fp16_minimum(spec):
+        groups = weight.reshape(shape[0], shape[1], block[1])
+        return fp16_minimum_grid(groups.amin(-1), groups.amax(-1), spec)
     mapping = MappingType.SYMMETRIC if spec.symmetric else MappingType.ASYMMETRIC
     scale, zero = choose_qparams_affine(
         weight, mapping, block, torch.int8, qmin, qmax, eps=_EPS,
         scale_dtype=scale_dtype(weight, spec), zero_point_dtype=torch.int8,
     )
     return scale.reshape(shape), (None if spec.symmetric else zero.reshape(shape))
+
+
+def has_fp16_minimum(spec: WeightSpec) -> bool:
+    """An asymmetric integer grid with fp16 scales: GGUF's Q4_1 / Q5_1, which store each block's step d and minimum m
+    (x = d c + m, c from 0) in fp16."""
+    return spec.scale_dtype is ScaleDtype.FLOAT16 and not spec.symmetric and not spec.dtype.is_float
+
+
+def fp16_minimum_grid(low: torch.Tensor, high: torch.Tensor, spec: WeightSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale (fp16) and integer zero point of an asymmetric grid whose minimum is an fp16 value too (Q4_1 / Q5_1).
+    A value is (q - z) s = c s + m with c = q - qmin and m = -(z - qmin) s; m is exact in fp16 when s has no more
+    significant bits than fp16's 11 less those of (z - qmin), so s is the min/max scale rounded up to 7 (int4) or
+    6 (int5) significant bits, at least fp16's smallest normal; the zero point then follows as torchao computes it.
+    The scale's rounding costs at most 2^-7 of a step, at the grid's far end."""
+    qmin, qmax = spec.dtype.qrange
+    low, high = torch.clamp(low.float(), max=0), torch.clamp(high.float(), min=0)
+    bits = 11 - int(qmax - qmin).bit_length()
+    mantissa, exponent = torch.frexp(((high - low) / (qmax - qmin)).clamp(min=2.0 ** -14))
+    scale = torch.ldexp(torch.ceil(mantissa * 2 ** bits) / 2 ** bits, exponent)
+    zero = (qmin - torch.round(low / scale)).clamp(qmin, qmax)
+    return scale.to(torch.float16), zero.to(torch.int8)
 
 
 def choose_qparams_mse(
@@ -173,10 +197,13 @@ def choose_qparams_mse(
     best = None
     for step in range(int(max_shrink * grid) + 1):
         shrink = 1 - step / grid
-        scale, zero = choose_qparams_affine_with_min_max(
-            low * shrink, high * shrink, mapping, block, torch.int8, qmin, qmax, eps=_EPS,
-            scale_dtype=scale_dtype(weight, spec), zero_point_dtype=torch.int8,
-        )
+        if has_fp16_minimum(spec):
+            scale, zero = fp16_minimum_grid(low * shrink, high * shrink, spec)
+        else:
+            scale, zero = choose_qparams_affine_with_min_max(
+                low * shrink, high * shrink, mapping, block, torch.int8, qmin, qmax, eps=_EPS,
+                scale_dtype=scale_dtype(weight, spec), zero_point_dtype=torch.int8,
+            )
         zero = None if spec.symmetric else zero
         error = _group_error(weight, quantize_with(weight, spec, scale, zero), block[1], norm)
         best = _keep_better(best, (error, scale, zero))

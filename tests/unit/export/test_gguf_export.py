@@ -63,7 +63,7 @@ def expected_tensors(src, recipe_name: str, options=None) -> tuple[dict[str, tor
     return found, config
 
 
-@pytest.mark.parametrize("recipe, qtype", [("gguf-q8-0", "Q8_0"), ("gguf-q4-0", "Q4_0")])
+@pytest.mark.parametrize("recipe, qtype", [("gguf-q8-0", "Q8_0"), ("gguf-q4-0", "Q4_0"), ("gguf-q4-1", "Q4_1")])
 def test_every_tensor_dequantizes_to_the_quantized_models(wide_model_dir, tmp_path, recipe, qtype):
     out = tmp_path / "model.gguf"
     finalize(wide_model_dir, out, registry.resolve(recipe))
@@ -122,10 +122,10 @@ def test_a_mixture_is_llama_cpps_calibrated_by_gptq(k_model_dir, text_file, tmp_
     assert field(fields, "general.file_type") == gguf.LlamaFileType.MOSTLY_Q4_K_M
 
 
-@pytest.mark.parametrize("qtype, fallback", [("Q4_K", "Q5_0"), ("Q6_K", "Q8_0"), ("Q3_K", "Q4_0"), ("Q5_K", None)])
+@pytest.mark.parametrize("qtype, fallback", [("Q4_K", "Q5_0"), ("Q6_K", "Q8_0"), ("Q3_K", "Q4_0"), ("Q5_K", "Q5_1")])
 def test_k_quants_fall_back_where_rows_are_not_whole_super_blocks(wide_model_dir, tmp_path, qtype, fallback):
-    """As llama.cpp's tensor_type_fallback: a 128-wide input takes blocks of 32 (Q5_K's Q5_1 is not a grid quantkit
-    holds: F16), reported; the file dequantizes to the quantized model exactly."""
+    """As llama.cpp's tensor_type_fallback: a 128-wide input takes blocks of 32, reported; the file dequantizes to
+    the quantized model exactly."""
     recipe = k_recipe(qtype)
     plan = {e.name: e for e in prepare(wide_model_dir, recipe, GGUF).plan}
     q_proj = plan["model.layers.0.self_attn.q_proj"]
@@ -149,6 +149,30 @@ def test_k_quants_with_autoround_are_refused(tiny_model_dir, tmp_path):
     recipe = registry.resolve("gguf-q4-k-m")
     autoround = replace(recipe, steps=registry.resolve("autoround-w4a16").steps)
     with pytest.raises(FormatError, match="AutoRound learns its own scales"):
+        finalize(tiny_model_dir, tmp_path / "m.gguf", autoround)
+
+
+@pytest.mark.parametrize("recipe", ["int4-asym", "gptq-w4a16-asym"])
+def test_an_asymmetric_grid_is_q4_1_bit_for_bit(wide_model_dir, text_file, tmp_path, recipe):
+    """Zero points with --format gguf: groups of 128 are four Q4_1 blocks each, the minimum an fp16 value (the step
+    rounded to 7 significant bits); round to nearest and GPTQ reach the file unchanged."""
+    resolved = registry.resolve(recipe)
+    options = CalibrationOptions(data=str(text_file), num_samples=4, seq_len=32) if resolved.needs_calibration else None
+    out = tmp_path / "asym.gguf"
+    finalize(wide_model_dir, out, resolved, GGUF, calibration=options)
+    _, tensors = read(out)
+    expected, _ = expected_tensors(wide_model_dir, recipe, options)
+    for name, tensor in tensors.items():
+        assert torch.equal(dequantized(tensor).reshape(expected[name].shape), expected[name]), name
+    assert tensors["blk.0.ffn_up.weight"].tensor_type.name == "Q4_1"
+
+
+def test_autoround_on_an_fp16_minimum_is_refused(tiny_model_dir, tmp_path):
+    from dataclasses import replace
+
+    recipe = registry.resolve("gguf-q4-1")
+    autoround = replace(recipe, steps=registry.resolve("autoround-w4a16").steps)
+    with pytest.raises(FormatError, match="Q4_1's fp16 minimum"):
         finalize(tiny_model_dir, tmp_path / "m.gguf", autoround)
 
 
@@ -209,7 +233,7 @@ def test_a_layer_the_block_does_not_divide_stays_in_full_precision(tiny_model_di
 
 
 @pytest.mark.parametrize("recipe, nearest", [
-    ("int4-asym", "Q4_0"), ("nvfp4-a16", "Q4_0"), ("fp8-static", "Q8_0"), ("int8-dynamic-act-int8-weight", "Q8_0"),
+    ("nvfp4-a16", "Q4_0"), ("fp8-static", "Q8_0"), ("int8-dynamic-act-int8-weight", "Q8_0"),
 ])
 def test_a_scheme_no_type_holds_is_refused_naming_the_nearest(tiny_model_dir, tmp_path, recipe, nearest):
     with pytest.raises(FormatError, match=f"cannot be written as gguf: .*{nearest}"):

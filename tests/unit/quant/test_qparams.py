@@ -174,3 +174,28 @@ def test_mse_observer_without_shrink_is_minmax_and_with_shrink_is_no_worse(symme
     per_group = lambda e: e.reshape(48, -1, 64).sum(-1)  # noqa: E731
     assert (per_group(error(mse_spec)) <= per_group(error(spec)) + 1e-6).all()
     assert error(mse_spec).sum() < error(spec).sum()
+
+
+@pytest.mark.parametrize("dtype, significant", [(QDtype.INT4, 7), (QDtype.INT5, 6)])
+@pytest.mark.parametrize("observer", ["minmax", "mse"])
+def test_an_fp16_minimum_grid_holds_its_minimum_in_fp16(dtype, significant, observer):
+    """Q4_1 / Q5_1: every block's minimum -(z - qmin) s is an fp16 value, the step has at most 7 (int4) or 6 (int5)
+    significant bits, and the grid loses almost nothing against an unconstrained float32 scale."""
+    from quantkit.quant.schemes import ScaleDtype, WeightObserver
+
+    weight = torch.randn(64, 256, generator=torch.Generator().manual_seed(0)) * 0.02 + 0.004
+    weight[3, :32] = 0.0  # a block of zeros: the smallest normal step
+    spec = WeightSpec(dtype, Granularity.GROUP, 32, symmetric=False, scale_dtype=ScaleDtype.FLOAT16,
+                      observer=WeightObserver(observer))
+    q = quantize_weight(weight, spec)
+    assert q.scale.dtype is torch.float16 and q.zero_point.dtype is torch.int8
+    qmin, qmax = dtype.qrange
+    minimum = -(q.zero_point.float() - qmin) * q.scale.float()
+    assert torch.equal(minimum.half().float(), minimum)
+    mantissa, _ = torch.frexp(q.scale.float())
+    assert torch.equal(torch.round(mantissa * 2 ** significant), mantissa * 2 ** significant)
+    assert q.qdata.min() >= qmin and q.qdata.max() <= qmax
+    free = quantize_weight(weight, WeightSpec(dtype, Granularity.GROUP, 32, symmetric=False, scale_dtype=ScaleDtype.FLOAT32,
+                                              observer=WeightObserver(observer)))
+    error = (q.dequantize(torch.float32) - weight).norm() / (free.dequantize(torch.float32) - weight).norm()
+    assert error < 1.02, error

@@ -22,6 +22,7 @@ RECIPES = [name for name in registry.recipe_names() if qat.qat_ready(registry.re
 TORCHAO_RECIPES = [name for name in RECIPES if torchao_unsupported(registry.resolve(name)) is None]  # a torchao PTQ config to compare with
 INT_RECIPES = [name for name in TORCHAO_RECIPES if not registry.resolve(name).scheme.weights.dtype.is_float]
 EXACT = dict(atol=0, rtol=0)
+PLAN_RECIPES = [name for name in RECIPES if registry.resolve(name).mixture is None]  # a mixture's plan: per tensor, below
 
 
 def _weight(dtype, out=48, inp=256, seed=0, tiny_groups=True):
@@ -111,7 +112,12 @@ def test_configs_use_torchao_where_it_is_exact_and_quantkit_elsewhere():
         "int8-dynamic-act-int8-weight": ("Int8TokenFakeQuantizeConfig", IntxFakeQuantizeConfig.__name__),
         "int8-weight-only": ("NoneType", IntxFakeQuantizeConfig.__name__),
         "gguf-q4-0": ("NoneType", "GridFakeQuantizeConfig"),  # fp16 scales: quantkit's grid exactly
+        "gguf-q4-1": ("NoneType", "GridFakeQuantizeConfig"),
         "gguf-q8-0": ("NoneType", "GridFakeQuantizeConfig"),
+        "gguf-q2-k": ("NoneType", "KGridFakeQuantizeConfig"),  # llama.cpp's K search (trained as rtn: training_recipe)
+        "gguf-q3-k-m": ("NoneType", "KGridFakeQuantizeConfig"),
+        "gguf-q4-k-m": ("NoneType", "KGridFakeQuantizeConfig"),
+        "gguf-q5-k-m": ("NoneType", "KGridFakeQuantizeConfig"),
     }
     asym = WeightSpec(QDtype.INT4, Granularity.GROUP, 32, symmetric=False)
     assert isinstance(qat.fake_quantize_configs(QuantScheme(asym))[1], qat.GridFakeQuantizeConfig)
@@ -210,7 +216,7 @@ def _recipe_with_a_skipped_module(name):
     return dataclasses.replace(recipe, ignore=(*recipe.ignore, "re:layers\\.1\\.mlp\\.up_proj"))
 
 
-@pytest.mark.parametrize("name", RECIPES)
+@pytest.mark.parametrize("name", PLAN_RECIPES)
 def test_prepare_installs_exactly_the_plan_and_trains(name, tiny_model_dir):
     model = _load(tiny_model_dir)
     plan = plan_model(model, _recipe_with_a_skipped_module(name))
@@ -305,6 +311,7 @@ def test_calibrated_recipes_are_refused_for_qat():
             qat.check_recipe(registry.resolve(name))
     qat.check_recipe(registry.resolve("int4-weight-only"))
     qat.check_recipe(registry.resolve("nvfp4"))  # only its activations' global scale is calibrated, by finalize
+    qat.check_recipe(registry.resolve("gguf-q4-k-m"))  # GPTQ on K grids: trained and converted by rounding (below)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -321,3 +328,130 @@ def test_nvfp4_activations_take_each_tensors_global_scale(dtype):
     expected = F.linear(acts, _artifact_grid(linear.weight.data, scheme.weights), linear.bias)
     torch.testing.assert_close(ours, expected, **EXACT)
     assert not torch.equal(acts, x)
+
+
+# ---------------------------------------------------------------- llama.cpp's K grids (GGUF mixtures)
+
+K_TYPES = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+
+
+@pytest.fixture(scope="module")
+def k_model_dir(tmp_path_factory):
+    """A tiny float32 Llama with whole K super-blocks (hidden 256) and rows that are not (intermediate 352: down_proj
+    falls back to blocks of 32), grouped KV heads."""
+    from conftest import make_text
+    from quantkit.models.tiny import build_tiny_llama
+
+    return build_tiny_llama(tmp_path_factory.mktemp("models") / "k-llama", make_text(2000), hidden_size=256,
+                            intermediate_size=352, num_attention_heads=4, num_key_value_heads=2)
+
+
+def _k_scheme(qtype: str) -> QuantScheme:
+    from quantkit.quant.gguf_mixtures import k_spec
+
+    return QuantScheme(k_spec(qtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("qtype", K_TYPES)
+def test_k_forward_is_the_dequantized_weight_finalize_writes(qtype, dtype):
+    """The fake-quantized forward of a Linear under a K type is F.linear on llama.cpp's quantization of its weight
+    (`k_grids.quantize_k`: the codes and grid the GGUF file holds), decoded, bit for bit."""
+    from gguf import GGMLQuantizationType
+
+    from quantkit.quant.k_grids import quantize_k
+
+    weight = _weight(dtype, out=32, inp=512)
+    linear = _linear(weight)
+    x = torch.randn(2, 5, 512, generator=torch.Generator().manual_seed(2)).to(dtype)
+    written = quantize_k(weight, GGMLQuantizationType[qtype]).dequantize().to(dtype)
+    module = qat.QATLinear(copy.deepcopy(linear), _k_scheme(qtype)).train()
+    with torch.no_grad():
+        torch.testing.assert_close(module(x), F.linear(x, written, linear.bias), **EXACT)
+    torch.testing.assert_close(module.fake_quantized_weight(), written, **EXACT)
+    assert not torch.equal(written, weight)
+
+
+def test_k_grid_is_searched_every_n_training_calls_and_at_every_eval_call():
+    """Training rounds the current weights on the last grid searched, for `refresh_every` calls; eval searches."""
+    from gguf import GGMLQuantizationType
+
+    from quantkit.quant.k_grids import choose_k_qparams, quantize_k, round_k
+
+    spec = _k_scheme("Q4_K").weights
+    quantizer = qat.fake_quantizer(qat.KGridFakeQuantizeConfig(spec, refresh_every=2)).train()
+    first = _weight(torch.float32, out=16, inp=256)
+    later = first * 1.5 + 0.01  # a grid searched on `first` does not fit it
+    grid = choose_k_qparams(first, GGMLQuantizationType.Q4_K)
+    on_grid = lambda w: grid.dequantize(round_k(w, grid))  # noqa: E731
+    fresh = lambda w: quantize_k(w, GGMLQuantizationType.Q4_K).dequantize()  # noqa: E731
+    torch.testing.assert_close(quantizer(first), fresh(first), **EXACT)
+    torch.testing.assert_close(quantizer(later), on_grid(later), **EXACT)  # call 2: the grid of call 1
+    assert not torch.equal(on_grid(later), fresh(later))
+    torch.testing.assert_close(quantizer(later), fresh(later), **EXACT)  # call 3: searched again
+    quantizer(first)
+    torch.testing.assert_close(quantizer.eval()(later), fresh(later), **EXACT)
+
+
+def test_k_fake_quantizer_is_straight_through():
+    weight = _weight(torch.float32, out=16, inp=256).requires_grad_(True)
+    grad = torch.randn_like(weight)
+    qat.fake_quantizer(qat.KGridFakeQuantizeConfig(_k_scheme("Q6_K").weights))(weight).backward(grad)
+    torch.testing.assert_close(weight.grad, grad, **EXACT)
+
+
+def test_a_k_grid_config_takes_a_k_grid():
+    with pytest.raises(ValueError, match="K grid"):
+        qat.KGridFakeQuantizeConfig(registry.resolve("gguf-q4-0").scheme.weights)
+    with pytest.raises(ValueError, match="refresh_every"):
+        qat.KGridFakeQuantizeConfig(_k_scheme("Q4_K").weights, refresh_every=0)
+
+
+def test_k_recipes_train_and_convert_by_rounding_on_their_grids():
+    """GPTQ on K grids trains as round to nearest on them (llama.cpp's own quantizer); other recipes are unchanged."""
+    from quantkit.algorithms import Algorithm
+
+    for name in ("gguf-q2-k", "gguf-q3-k-m", "gguf-q4-k-m", "gguf-q5-k-m"):
+        recipe = registry.resolve(name)
+        trained = qat.training_recipe(recipe)
+        assert [s.name for s in trained.steps] == [Algorithm.RTN] and not trained.needs_calibration
+        assert (trained.name, trained.scheme, trained.mixture) == (recipe.name, recipe.scheme, recipe.mixture)
+    for name in ("gguf-q4-0", "gptq-w4a16", "int4-weight-only"):
+        assert qat.training_recipe(registry.resolve(name)) == registry.resolve(name)
+
+
+def test_a_mixture_trains_each_tensor_on_the_type_finalize_writes(k_model_dir):
+    """QAT's plan is finalize's (`checks.prepare`): Q4_K_M's Q4_K, Q6_K on lm_head and where more_bits, down_proj on
+    Q4_K's fallback Q5_0 (352 inputs are not whole super-blocks); every fake-quantized weight is the one finalize
+    would write for these weights."""
+    from quantkit.export.gguf import ggml_type
+    from quantkit.finalization.checks import prepare
+
+    recipe = registry.resolve("gguf-q4-k-m")
+    model = _load(k_model_dir)
+    found = qat.plan(model, recipe)
+    assert [(e.name, e.scheme) for e in found] == [(e.name, e.scheme) for e in prepare(k_model_dir, recipe).plan]
+    weights = {e.name: model.get_submodule(e.name).weight.detach().clone() for e in found if e.quantized}
+    qat.prepare(model, found)
+    kinds = {name: ggml_type(scheme.weights).name for name, scheme in qat.prepared_schemes(model).items()}
+    assert kinds["lm_head"] == "Q6_K" and kinds["model.layers.0.self_attn.q_proj"] == "Q4_K"
+    assert (kinds["model.layers.0.self_attn.v_proj"], kinds["model.layers.1.self_attn.v_proj"]) == ("Q4_K", "Q6_K")
+    assert kinds["model.layers.0.mlp.down_proj"] == "Q5_0" and kinds["model.layers.1.mlp.down_proj"] == "Q8_0"
+    for name, seen in qat.fake_quantized_weights(model).items():
+        scheme = qat.prepared_schemes(model)[name]
+        torch.testing.assert_close(seen, fake_quantize_weight(weights[name], scheme.weights), **EXACT, msg=name)
+
+
+def test_gradients_flow_through_a_mixture_and_the_loss_falls(k_model_dir):
+    model = _load(k_model_dir).train()
+    qat.prepare(model, qat.plan(model, registry.resolve("gguf-q4-k-m")))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(5):
+        loss = _loss(model)
+        loss.backward()
+        assert all(m.weight.grad.abs().sum() > 0 for m in model.modules() if isinstance(m, qat.QATLinear))
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
