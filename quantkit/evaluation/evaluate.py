@@ -346,8 +346,9 @@ def _prepare_previews(models: list[str], recipe_names: Sequence[str], trust_remo
     for label in (m for m in models if not gguf.is_gguf(m)):
         path = resolve_source(label)
         if quantization_method(path) is None:  # recipes preview full-precision models only
-            previews[label] = [(recipe, prepare(path, recipe, trust_remote_code=trust_remote_code,
-                                                calibration=calibration or CalibrationOptions())) for recipe in recipes]
+            found = [prepare(path, recipe, trust_remote_code=trust_remote_code, calibration=calibration or CalibrationOptions())
+                     for recipe in recipes]
+            previews[label] = [(prepared.recipe, prepared) for prepared in found]  # a QAT model's convert step
     return previews
 
 

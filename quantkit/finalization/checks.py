@@ -56,6 +56,7 @@ class Prepared:
     shard_bytes: int | None = None  # --max-shard-size, parsed
     rotator: object | None = None  # the recipe's rotations for this model (`quant.rotations.Rotator`)
     source_fingerprint: object | None = None  # SRC's sha256 (`models.fingerprint`), computing meanwhile: a Future
+    recipe: Recipe | None = None  # the recipe that runs: a QAT model's convert step (`convert_recipe`), else the one given
     offloaded: bool = False  # the calibration hidden states wait in CPU memory (`preflight.device_plan`)
     samples: torch.Tensor | None = None  # the calibration blocks [num_samples, seq_len] the checks cut from the data
     samples_options: CalibrationOptions | None = None  # ... under these options (`samples_for` reuses them for these)
@@ -89,10 +90,11 @@ def prepare(
     src = sources.resolve_source(src, revision)
     models.check_full_precision(src)
     trained = check_qat_recipe(src, recipe, fmt, force_recipe)
+    recipe = convert_recipe(recipe, trained)
     config = models.load_config(src, trust_remote_code)
     if fmt is Format.GGUF:
         from quantkit.export.gguf import check_architecture
-        check_architecture(getattr(config, "model_type", None))
+        check_architecture(config)
     skeleton = moe.linearize(models.meta_model(config, trust_remote_code))
     plan = _check_model(src, skeleton, recipe, fmt)
     if fmt is Format.GGUF:
@@ -104,7 +106,8 @@ def prepare(
         from quantkit.export.compressed_tensors import experts_caveat, loading_caveat
 
         report["notes"] = [note for note in [experts_caveat(skeleton, recipe), loading_caveat(recipe)] if note]
-    prepared = Prepared(src=src, format=fmt, plan=plan, coverage=report, shard_bytes=shard_bytes, rotator=rotator)
+    prepared = Prepared(src=src, format=fmt, plan=plan, coverage=report, shard_bytes=shard_bytes, rotator=rotator,
+                        recipe=recipe)
     prepared.loading = _whole_model_reason(src, fmt, skeleton, in_memory, rotator is not None,
                                            rotator is not None and rotator.learning is not None)
     prepared.dtype = artifact_dtype(prepared, recipe, dtype, trust_remote_code)
@@ -175,6 +178,18 @@ def check_qat_recipe(src: Path, recipe: Recipe, fmt: Format, force: bool = False
             raise FormatError(f"{src} was trained with QAT on the scheme's grid, which {mismatch}: "
                               "use --format compressed-tensors, which keeps the trained weights exactly")
     return trained["recipe"]
+
+
+def convert_recipe(recipe: Recipe, trained: dict | None) -> Recipe:
+    """The recipe `finalize` runs on a model QAT trained under `recipe`'s scheme (`trained`: its QAT recipe, or
+    None): the convert step QAT trained for (`qat.training_recipe`: a GGUF K recipe rounds to nearest on its K
+    grids instead of running GPTQ, so the file holds the grid training saw, and needs no calibration data).
+    A model trained without QAT, or forced under another scheme, is quantized by `recipe` itself."""
+    if trained is None or trained["scheme"] != recipe.to_dict()["scheme"]:
+        return recipe
+    from quantkit.training.qat import training_recipe
+
+    return training_recipe(recipe)
 
 
 def _whole_model_reason(src: Path, fmt: Format, skeleton: nn.Module, in_memory: bool, rotated: bool = False,

@@ -254,6 +254,7 @@ def finalize(
     prepared = prepare(src, recipe, fmt, trust_remote_code, force_recipe, revision, in_memory, dst=dst, overwrite=overwrite,
                        resume=resume, max_shard_size=max_shard_size, calibration=calibration or CalibrationOptions(),
                        dtype=dtype)
+    recipe = prepared.recipe  # a QAT model's convert step (`checks.convert_recipe`)
     if runtime.is_main_process():  # the writer's: hashed beside the work (0.5 GB/s: 30 s for an 8B model's weights)
         prepared.source_fingerprint = models.fingerprint_in_background(prepared.src)
     world = distributed.world_from_env()[1]
@@ -481,6 +482,7 @@ def dry_run(src: str | Path, recipe: Recipe, fmt: Format | None, calibration: Ca
     recipe = for_format(recipe, fmt or recipe.format)
     prepared = prepare(src, recipe, fmt, trust_remote_code, revision=revision, in_memory=in_memory, dtype=dtype,
                        calibration=options)  # the calibration data checked as a run checks it
+    recipe = prepared.recipe  # a QAT model's convert step (`checks.convert_recipe`)
     quantized = [e for e in prepared.plan if e.quantized]
     rows = None
     if recipe.quantizer.name is Algorithm.GPTQ:

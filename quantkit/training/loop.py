@@ -117,7 +117,6 @@ def make_optimizer(model: nn.Module, config: TrainConfig):
 
 
 def setup(config: TrainConfig, ctx: Context, recipe: Recipe | None, resume_from: Path | None) -> Run:
-    from quantkit.quant.plan import plan_model
     from quantkit.training import qat
 
     found = resolve_sources(config)
@@ -130,8 +129,8 @@ def setup(config: TrainConfig, ctx: Context, recipe: Recipe | None, resume_from:
         rotator = Rotator.of(recipe, model.config)  # train the model finalize will quantize: the rotated one
         rotator.check(model)
         rotator.rotate_model(model)
-    if recipe is not None:  # fake quantizers go in before the optimizer is built
-        qat.prepare(model, plan_model(model, recipe))
+    if recipe is not None:  # fake quantizers go in before the optimizer is built, on the plan finalize writes
+        qat.prepare(model, qat.plan(model, recipe))
     model.to(ctx.device)
     trained = model
     if ctx.distributed:
@@ -272,6 +271,7 @@ def train(config: TrainConfig, resume: str | None = None, overwrite: bool = Fals
     recipe = registry.resolve(config.qat_recipe) if config.qat_recipe else None
     if recipe is not None:
         qat.check_recipe(recipe)
+        recipe = qat.training_recipe(recipe)  # recorded in quantkit.json: what finalize converts with
     began = time.perf_counter()
     root = Path(config.output_dir)
     with distributed.process_group() as ctx:

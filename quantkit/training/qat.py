@@ -20,6 +20,15 @@ behind the same interface (`fake_quantize_configs` -> `fake_quantizer`):
   is shared by the Linears a kernel fuses (q/k/v, gate/up), as `finalize` shares it.
 - `GroupActivationFakeQuantizeConfig`: dynamic per-group float activations (FP8 per group of 128, MX's FP4 /
   FP8 with E8M0 scales), as compressed-tensors' runtime quantizes them (`float_grids.fake_quantize_groups`).
+- `KGridFakeQuantizeConfig`: llama.cpp's K grids (Q2_K ... Q6_K, the GGUF mixtures' types): llama.cpp's own
+  search of the super-block scales and mins (`k_grids.choose_k_qparams`, no gradient), the weights rounded onto
+  that grid (`k_grids.round_k`). The search costs far more than the rounding, so in training it is redone every
+  `refresh_every` forward calls, the weights rounded on the last grid found in between; in eval mode every call
+  searches, so the weight seen is the one `finalize` writes.
+
+A GGUF recipe is trained on the plan `finalize` writes (`plan`): a mixture's type for each tensor (Q6_K on
+lm_head and some attn_v / ffn_down, Q5_0 / Q8_0 where rows are not whole super-blocks). Its GPTQ is not run on a
+QAT model: `training_recipe` rounds to nearest on the K grids, in training and in `finalize`'s convert step.
 
 Every fake quantizer has a straight-through backward (identity). For torchao's int configs,
 `IntxFakeQuantizer`'s forward is used, bit for bit, behind it: torchao's own backward masks the gradient where
@@ -55,12 +64,14 @@ from quantkit.algorithms import Algorithm
 from quantkit.errors import UsageError
 from quantkit.models.architectures import kernel_fused_groups
 from quantkit.quant import float_grids, qparams
-from quantkit.quant.plan import ModulePlan
-from quantkit.quant.registry import Recipe, recipe_names, resolve
+from quantkit.quant.plan import ModulePlan, plan_model
+from quantkit.quant.registry import AlgorithmStep, Format, Recipe, recipe_names, resolve
 from quantkit.quant.schemes import ActivationSpec, Granularity, QDtype, QuantScheme, ScaleDtype, WeightObserver, WeightSpec
 
 _EPS = torch.finfo(torch.float32).eps  # qparams' eps; tests check tiny groups, where a different eps shows
 _TORCH_INT = {QDtype.INT2: torch.int2, QDtype.INT3: torch.int3, QDtype.INT4: torch.int4, QDtype.INT8: torch.int8}
+# Training forward calls between two K-grid searches (`KGridFakeQuantizer`); see docs/benchmarks.md (QAT step cost)
+K_REFRESH_EVERY = 8
 
 
 # ---------------------------------------------------------------- configs
@@ -81,11 +92,27 @@ class GroupActivationFakeQuantizeConfig(FakeQuantizeConfigBase):
 
 
 @dataclass(frozen=True)
+class KGridFakeQuantizeConfig(FakeQuantizeConfigBase):
+    """Weights on a llama.cpp K grid: llama.cpp's search, redone every `refresh_every` training forward calls."""
+
+    weights: WeightSpec
+    refresh_every: int = K_REFRESH_EVERY
+
+    def __post_init__(self):
+        if not self.weights.k_quant_type:
+            raise ValueError(f"KGridFakeQuantizeConfig takes a K grid, not {self.weights.describe()}")
+        if self.refresh_every < 1:
+            raise ValueError(f"refresh_every is a count of forward calls (1: search at every call), got {self.refresh_every}")
+
+
+@dataclass(frozen=True)
 class Int8TokenFakeQuantizeConfig(FakeQuantizeConfigBase):
     """int8 symmetric per-token activations, as torchao's Int8Tensor runtime quantizes them (float32 scales)."""
 
 
 def weight_fake_quantize_config(spec: WeightSpec) -> FakeQuantizeConfigBase:
+    if spec.k_quant_type:
+        return KGridFakeQuantizeConfig(spec)
     if qparams.is_float_grid(spec):  # NVFP4, MX, FP8 blocks: compressed-tensors' grid, which torchao's differs from
         return GridFakeQuantizeConfig(spec)
     if spec.dtype.is_float:
@@ -117,11 +144,40 @@ def activation_fake_quantize_config(spec: ActivationSpec | None) -> FakeQuantize
     return IntxFakeQuantizeConfig(torch.int8, PerToken(), MappingType.ASYMMETRIC, scale_precision=None)
 
 
+def training_recipe(recipe: Recipe) -> Recipe:
+    """The recipe QAT trains under and `finalize` converts a QAT model with. A GGUF recipe on K grids calibrated by
+    GPTQ alone (gguf-q4-k-m, ...) rounds to nearest on the same grids: llama.cpp's own quantizer, a function of
+    the weights, so what training sees is what the file holds; GPTQ would move the trained weights off the grid
+    they learned (and want calibration data). Any other recipe is returned as it is."""
+    from dataclasses import replace
+
+    gptq_only = [step.name for step in recipe.steps] == [Algorithm.GPTQ]
+    if recipe.format is Format.GGUF and recipe.scheme.weights.k_quant_type and gptq_only:
+        return replace(recipe, steps=(AlgorithmStep(Algorithm.RTN),))
+    return recipe
+
+
+def plan(model: nn.Module, recipe: Recipe) -> list[ModulePlan]:
+    """The Linears QAT fake-quantizes, each with the scheme `finalize` writes it in: the recipe's plan, and for a
+    GGUF recipe its per-tensor types (`export.gguf.plan_for_gguf`: a mixture's K types, the fallbacks where rows
+    are not whole super-blocks, full precision where no GGML block fits)."""
+    from quantkit.export import for_format
+
+    recipe = for_format(recipe, recipe.format)
+    found = plan_model(model, recipe)
+    if recipe.format is not Format.GGUF:
+        return found
+    from quantkit.export.gguf import plan_for_gguf
+
+    return plan_for_gguf(found, recipe, model.config)
+
+
 def qat_ready(recipe: Recipe) -> bool:
     """Round to nearest on min/max weights, with dynamic activations: the weights training sees are the ones
     `finalize` writes. NVFP4's activations qualify: their groups are dynamic, and their global scale, which
-    `finalize` calibrates, is each tensor's own during training (as torchao's NVFP4 QAT does)."""
-    steps_rtn = all(step.name is Algorithm.RTN for step in recipe.steps)
+    `finalize` calibrates, is each tensor's own during training (as torchao's NVFP4 QAT does). A GGUF K recipe
+    qualifies as its `training_recipe`."""
+    steps_rtn = all(step.name is Algorithm.RTN for step in training_recipe(recipe).steps)
     acts = recipe.scheme.activations
     minmax = recipe.scheme.weights.observer is WeightObserver.MINMAX
     return steps_rtn and minmax and (acts is None or acts.dynamic) and recipe.kv_cache is None and not recipe.online_rotations
@@ -191,6 +247,39 @@ class GridFakeQuantizer(_StraightThroughFakeQuantizer):
         return qparams.fake_quantize_weight(weight.to(grid_dtype), spec, global_scale).to(dtype)
 
 
+class KGridFakeQuantizer(_StraightThroughFakeQuantizer):
+    """A weight on its K grid: the grid llama.cpp's search chooses (`k_grids.choose_k_qparams`, under no_grad),
+    the weight rounded onto it (`k_grids.round_k`). `round_k` on the grid of the same weights decodes to
+    `k_grids.quantize_k`'s values exactly (they differ only in the codes of sub-blocks whose step is 0, which decode
+    alike), so a fresh search gives bit for bit what `finalize` writes. Training reuses a grid for
+    `refresh_every` forward calls; eval mode searches at every call."""
+
+    def __init__(self, config: KGridFakeQuantizeConfig):
+        super().__init__(config)
+        from gguf import GGMLQuantizationType
+
+        self.qtype = GGMLQuantizationType[config.weights.k_quant_type]
+        self.grid = None  # k_grids.KQParams of the last search
+        self.calls = 0  # training forward calls since that search
+
+    def fake_quantize(self, weight: torch.Tensor) -> torch.Tensor:
+        from quantkit.quant.k_grids import round_k
+
+        with torch.no_grad():
+            grid = self._grid(weight)
+            return grid.dequantize(round_k(weight, grid)).to(weight.dtype)
+
+    def _grid(self, weight: torch.Tensor):
+        from quantkit.quant.k_grids import choose_k_qparams
+
+        stale = self.grid is None or not self.training or self.calls >= self.config.refresh_every
+        stale = stale or self.grid.d.device != weight.device
+        if stale:
+            self.grid, self.calls = choose_k_qparams(weight, self.qtype), 0
+        self.calls += self.training
+        return self.grid
+
+
 class GroupActivationFakeQuantizer(_StraightThroughFakeQuantizer):
     def fake_quantize(self, x: torch.Tensor) -> torch.Tensor:
         spec = self.config.activations
@@ -232,6 +321,8 @@ def fake_quantizer(config: FakeQuantizeConfigBase) -> FakeQuantizerBase:
     """The fake-quantizing module for a config from `fake_quantize_configs`."""
     if isinstance(config, GridFakeQuantizeConfig):
         return GridFakeQuantizer(config)
+    if isinstance(config, KGridFakeQuantizeConfig):
+        return KGridFakeQuantizer(config)
     if isinstance(config, GroupActivationFakeQuantizeConfig):
         return GroupActivationFakeQuantizer(config)
     if isinstance(config, Int8TokenFakeQuantizeConfig):
@@ -252,11 +343,11 @@ class QATLinear(nn.Linear):
     def __init__(self, linear: nn.Linear, scheme: QuantScheme):
         super().__init__(linear.in_features, linear.out_features, linear.bias is not None, device="meta")
         self.weight, self.bias = linear.weight, linear.bias  # the same Parameter objects: names, optimizer state
-        self.train(linear.training)
         self.scheme = scheme
         act_config, weight_config = fake_quantize_configs(scheme)
         self.activation_fake_quantizer = fake_quantizer(act_config) if act_config is not None else None
         self.weight_fake_quantizer = fake_quantizer(weight_config)
+        self.train(linear.training)  # after the fake quantizers: a K grid's search follows train() / eval()
 
     def fake_quantized_weight(self) -> torch.Tensor:
         return self.weight_fake_quantizer(self.weight)

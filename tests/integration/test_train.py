@@ -169,6 +169,75 @@ def test_qat_train_finalize_reload(workspace, recipe, tmp_path):
     assert "transforms" not in info  # QAT trained the rotated model: finalize did not rotate it again
 
 
+def _gguf_tensors(path: Path) -> dict[str, tuple[str, torch.Tensor]]:
+    """name -> (GGML type, float32 values) of every tensor in a GGUF file, as gguf's reader decodes them."""
+    import gguf
+    import numpy as np
+
+    found = {}
+    for tensor in gguf.GGUFReader(path).tensors:
+        values = np.ascontiguousarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type))
+        found[tensor.name] = (tensor.tensor_type.name, torch.from_numpy(values).float())
+    return found
+
+
+def _as_llama_cpp(weights: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
+    """Module name -> weight, renamed and row-ordered as llama.cpp holds them."""
+    import gguf
+
+    from quantkit.export.gguf import permute_rows
+
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config.num_hidden_layers)
+    heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
+    found = {}
+    for name, weight in weights.items():
+        head_count = heads.get(name.rsplit(".", 1)[-1])
+        found[names.get_name(f"{name}.weight", try_suffixes=(".weight",))] = \
+            permute_rows(weight, head_count) if head_count else weight
+    return found
+
+
+@pytest.mark.parametrize("recipe, types", [
+    ("gguf-q4-k-m", {"output.weight": "Q6_K", "blk.0.attn_q.weight": "Q4_K", "blk.1.attn_v.weight": "Q6_K",
+                     "blk.0.ffn_down.weight": "Q5_0", "blk.1.ffn_down.weight": "Q8_0", "token_embd.weight": "Q4_K"}),
+    ("gguf-q4-0", {"blk.0.attn_q.weight": "Q4_0", "blk.0.ffn_down.weight": "Q4_0", "output.weight": "F32"}),
+])
+def test_qat_train_finalize_gguf(workspace, recipe, types, tmp_path):
+    """`train --qat-recipe R` then `finalize -q R` to .gguf, no calibration data: every quantized tensor in the file
+    dequantizes to the weight the trained model computes with under its fake quantizers (K grids: llama.cpp's search
+    on the trained weights), bit for bit; the token embedding, not trained quantized, is llama.cpp's rounding of it.
+    A K mixture (calibrated by GPTQ after a plain model) is converted by rounding on the grids it trained on."""
+    import gguf
+
+    from quantkit.finalization.finalize import finalize
+    from quantkit.models.loading import load_model
+    from quantkit.quant.k_grids import quantize_k
+    from quantkit.training import qat
+
+    k_model = {"hidden_size": 256, "intermediate_size": 352}  # q/k/v/o, gate/up: whole K super-blocks; down: falls back
+    config = config_dict(workspace, f"qat-{recipe}", max_steps=3)
+    config["model"]["config"].update(k_model)
+    result = train(train_config.from_dict({**config, "qat_recipe": recipe}))
+    trained_recipe = json.loads((result.final_dir / "quantkit.json").read_text())["qat"]["recipe"]
+    assert (trained_recipe["name"], trained_recipe["steps"][0]["name"]) == (recipe, "rtn")
+
+    trained = load_model(result.final_dir, dtype="float32").eval()
+    embedding = trained.get_input_embeddings().weight.detach().clone()
+    qat.prepare(trained, qat.plan(trained, registry.resolve(recipe)))
+    seen = _as_llama_cpp(qat.fake_quantized_weights(trained), trained.config)
+
+    out = finalize(result.final_dir, tmp_path / "qat.gguf", registry.resolve(recipe))
+    assert out.calibration is None and out.recipe.steps[0].name.value == "rtn"
+    written = _gguf_tensors(out.dst)
+    assert {name: written[name][0] for name in types} == types
+    assert len(seen) >= 14
+    for name, weight in seen.items():
+        torch.testing.assert_close(written[name][1].reshape(weight.shape), weight, atol=0, rtol=0, msg=name)
+    if "token_embd.weight" in types:  # a mixture's: on its base type
+        expected = quantize_k(embedding, gguf.GGMLQuantizationType[types["token_embd.weight"]]).dequantize()
+        torch.testing.assert_close(written["token_embd.weight"][1].reshape(expected.shape), expected, atol=0, rtol=0)
+
+
 TAGGED = "1" * 40  # org/tiny's commit at tag v1
 
 
