@@ -205,11 +205,15 @@ def weight_bytes(entry: ModulePlan, element_size: int) -> int:
 def as_loaded(quantized: QuantizedModel) -> nn.Module:
     """The quantized model: its planned Linears hold the grid's values, which llama.cpp dequantizes the file's
     blocks to (it computes in its own precision, and quantizes activations for its dot products); a mixture's
-    token embedding is put on its K grid too."""
+    token embedding is put on its K grid too. A tied embedding is llama.cpp's output as well: where lm_head is
+    quantized it already holds lm_head's grid (the file's token_embd); else it is put on the embedding's grid, which
+    lm_head then reads, as llama.cpp's output does."""
     model = quantized.model
+    if getattr(model.config, "tie_word_embeddings", False) and "lm_head" in quantized.qparams:
+        return model
     embedding = model.get_input_embeddings()
     found = quantize_embedding(embedding.weight.data, quantized.recipe, model.config)
-    if found is not None and not getattr(model.config, "tie_word_embeddings", False):
+    if found is not None:
         embedding.weight.data = found.dequantize().to(embedding.weight.dtype)
     return model
 
@@ -353,6 +357,9 @@ class StreamWriter:
         expert = expert_projection(module_name)
         stored = self.stored_name(key)
         name = None if expert else self.names.get_name(stored, try_suffixes=(".weight", ".bias"))
+        if name == "token_embd.weight" and self.tied and "lm_head" in self.planned and "lm_head" in qparams:
+            self._spill(name, *pack(value, qparams["lm_head"]))  # tied: lm_head's grid is llama.cpp's output
+            return
         if name == "token_embd.weight" and (found := quantize_embedding(value, self.recipe, self.model.config)):
             self._spill(name, found.qtype, found.ggml_blocks())
             return

@@ -5,7 +5,7 @@ The rules are llama.cpp's `llama_tensor_get_type` (src/llama-quant.cpp, b11434) 
 | tensor | Q2_K | Q3_K_M | Q4_K_M | Q5_K_M |
 |---|---|---|---|---|
 | most Linears | Q2_K | Q3_K | Q4_K | Q5_K |
-| attn_v (layer i of n) | Q4_K if 4+ query heads share a KV head, else Q3_K | Q5_K for i < 2, else Q4_K | Q6_K where more_bits(i, n), else Q4_K | Q6_K where more_bits(i, n), else Q5_K |
+| attn_v, attn_qkv (layer i of n) | Q4_K if 4+ query heads share a KV head, else Q3_K | Q5_K for i < 2, else Q4_K | Q6_K where more_bits(i, n), else Q4_K | Q6_K where more_bits(i, n), else Q5_K |
 | ffn_down (layer i of n) | Q3_K | Q5_K for i < n/16, else Q4_K | Q6_K where more_bits(i, n), else Q4_K | Q6_K where more_bits(i, n), else Q5_K |
 | attn_output | Q3_K | Q4_K | Q4_K | Q5_K |
 | output (lm_head) | Q6_K | Q6_K | Q6_K | Q6_K |
@@ -14,7 +14,9 @@ The rules are llama.cpp's `llama_tensor_get_type` (src/llama-quant.cpp, b11434) 
 more_bits(i, n) = i < n/8 or i >= 7n/8 or (i - n/8) % 3 == 2 (integer division, as C computes it). A tied
 token_embd takes the output's type (llama.cpp writes no separate output then). Left out, as they apply to none of
 the architectures quantkit writes to GGUF: llama.cpp's rules for Falcon, for 8-expert MoE models and for its 70B
-model type. Pure data and arithmetic: no gguf.
+model type. A fused attn_qkv (Phi-3's qkv_proj) is attn_v to these rules (`category_is_attn_v`: their
+ATTENTION_QKV branch comes after it, and never runs for these mixtures); a fused gate/up (Phi-3's gate_up_proj) is
+ffn_up. Pure data and arithmetic: no gguf.
 """
 
 from __future__ import annotations
@@ -25,12 +27,12 @@ MIXTURES = {"Q2_K": "Q2_K", "Q3_K_M": "Q3_K", "Q4_K_M": "Q4_K", "Q5_K_M": "Q5_K"
 
 
 def roles() -> dict[str, str]:
-    """A decoder Linear's role in llama.cpp's rules, by its name's tail (the Llama-style wiring of
+    """A decoder Linear's role in llama.cpp's rules, by its name's tail (the Llama-style and Phi-3-style wirings of
     models.architectures, imported here only: the registry reads MIXTURES without torch)."""
-    from quantkit.models.architectures import LLAMA
+    from quantkit.models.architectures import LLAMA, PHI3
 
     return {LLAMA.q: "attn_q", LLAMA.k: "attn_k", LLAMA.v: "attn_v", LLAMA.o: "attn_output", LLAMA.gate: "ffn_gate",
-            LLAMA.up: "ffn_up", LLAMA.down: "ffn_down", "lm_head": "output"}
+            LLAMA.up: "ffn_up", LLAMA.down: "ffn_down", PHI3.q: "attn_qkv", PHI3.up: "ffn_up", "lm_head": "output"}
 
 
 def more_bits(i: int, n: int) -> bool:
@@ -48,7 +50,7 @@ def tensor_type(mixture: str, role: str, layer: int | None, n_layers: int, gqa: 
     base = MIXTURES[mixture]
     if role == "output":
         return "Q6_K"
-    if role == "attn_v":
+    if role in ("attn_v", "attn_qkv"):
         if mixture == "Q2_K":
             return "Q4_K" if gqa >= 4 else "Q3_K"
         if mixture == "Q3_K_M":

@@ -263,8 +263,8 @@ def test_an_architecture_llama_cpp_is_not_told_about_is_refused(tmp_path):
     from conftest import make_text
     from quantkit.models.tiny import build_tiny_model
 
-    src = build_tiny_model(tmp_path / "gemma2", make_text(800), "gemma2", num_hidden_layers=1, head_dim=16)
-    with pytest.raises(FormatError, match="quantkit writes GGUF for llama, .* models, not 'gemma2'"):
+    src = build_tiny_model(tmp_path / "olmo2", make_text(800), "olmo2", num_hidden_layers=1)
+    with pytest.raises(FormatError, match="quantkit writes GGUF for gemma2, .* models, not .olmo2."):
         finalize(src, tmp_path / "m.gguf", registry.resolve("gguf-q8-0"))
 
 

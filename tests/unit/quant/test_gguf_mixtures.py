@@ -50,3 +50,14 @@ def test_a_mixture_is_built_on_its_base_type():
         registry.parse_recipe("bad", {**data, "mixture": "Q5_K_M"})
     with pytest.raises(SchemeError, match="'Q4_K_L' is not one quantkit knows"):
         registry.parse_recipe("bad", {**data, "mixture": "Q4_K_L"})
+
+
+def test_phi3s_fused_linears_take_llama_cpps_attn_qkv_and_ffn_up_rules():
+    """llama.cpp files qkv_proj as attn_qkv, which its rules treat as attn_v (`category_is_attn_v`), and
+    gate_up_proj as ffn_up."""
+    assert role_of("model.layers.6.self_attn.qkv_proj") == ("attn_qkv", 6)
+    assert role_of("model.layers.6.mlp.gate_up_proj") == ("ffn_up", 6)
+    for mixture, layer in (("Q4_K_M", 6), ("Q4_K_M", 7), ("Q5_K_M", 6), ("Q3_K_M", 1), ("Q3_K_M", 2), ("Q2_K", 3)):
+        assert tensor_type(mixture, "attn_qkv", layer, 32, gqa=1) == tensor_type(mixture, "attn_v", layer, 32, gqa=1)
+    assert tensor_type("Q4_K_M", "attn_qkv", 6, 32, gqa=1) == "Q6_K"
+    assert tensor_type("Q4_K_M", "ffn_up", 6, 32, gqa=1) == "Q4_K"
