@@ -26,7 +26,7 @@ from quantkit.models import moe
 from quantkit.runtime import placement
 from quantkit.export import SINGLE_FILES, gguf_archs, gguf_vocab
 from quantkit.quant.plan import ModulePlan
-from quantkit.quant.qparams import QParams
+from quantkit.quant.qparams import QParams, has_fp16_minimum
 from quantkit.quant.quantized_model import QuantizedModel
 from quantkit.quant.registry import Format, Recipe
 from quantkit.quant.schemes import Granularity, QDtype, QuantScheme, ScaleDtype, WeightSpec
@@ -103,10 +103,7 @@ def unsupported(recipe: Recipe) -> str | None:
         return "llama.cpp does not apply online rotations (R4); use the fused ones only (R1, R2)"
     if ggml_type(spec) is None:
         return f"no GGUF type holds {spec.describe()} exactly; the nearest is {_nearest(spec)}"
-    if spec.k_quant_type and any(step.name.value == "autoround" for step in recipe.steps):
-        return (f"AutoRound learns its own scales, and {spec.k_quant_type}'s are llama.cpp's search's: use gptq or "
-                "awq on K grids, or AutoRound on Q4_0 (autoround-w4a16 --format gguf)")
-    if not spec.symmetric and any(step.name.value == "autoround" for step in recipe.steps):
+    if has_fp16_minimum(spec) and any(step.name.value == "autoround" for step in recipe.steps):
         return (f"AutoRound learns scales and minimums that {ggml_type(spec).name}'s fp16 minimum does not hold "
                 "exactly: use gptq, awq or rtn for it, or AutoRound on Q4_0 (autoround-w4a16 --format gguf)")
     return None

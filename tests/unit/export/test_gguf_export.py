@@ -143,13 +143,26 @@ def test_k_quants_fall_back_where_rows_are_not_whole_super_blocks(wide_model_dir
         assert torch.equal(dequantized(tensor).reshape(expected[name].shape), expected[name]), name
 
 
-def test_k_quants_with_autoround_are_refused(tiny_model_dir, tmp_path):
-    from dataclasses import replace
+def test_autoround_on_a_mixture_tunes_the_rounding_on_llama_cpps_k_grids(k_model_dir, text_file, tmp_path):
+    """AutoRound on Q4_K_M: each Linear's K grid is llama.cpp's search's, its rounding learned; the file
+    dequantizes to the tuned model exactly, and tuning lowers every layer's loss against round to nearest."""
+    import yaml
 
-    recipe = registry.resolve("gguf-q4-k-m")
-    autoround = replace(recipe, steps=registry.resolve("autoround-w4a16").steps)
-    with pytest.raises(FormatError, match="AutoRound learns its own scales"):
-        finalize(tiny_model_dir, tmp_path / "m.gguf", autoround)
+    data = registry.resolve("gguf-q4-k-m").to_file()
+    data["algorithm"] = {"name": "autoround", "iters": 20, "batch_size": 4, "samples_per_pass": 2, "seed": 0}
+    path = tmp_path / "autoround-q4-k-m.yaml"
+    path.write_text(yaml.safe_dump(data))
+    recipe = registry.resolve(str(path))
+    options = CalibrationOptions(data=str(text_file), num_samples=8, seq_len=32)
+    out = tmp_path / "m.gguf"
+    result = finalize(k_model_dir, out, recipe, calibration=options)
+    _, tensors = read(out)
+    expected, _ = expected_tensors(k_model_dir, recipe, options)
+    for name, tensor in tensors.items():
+        assert torch.equal(dequantized(tensor).reshape(expected[name].shape), expected[name]), name
+    assert tensors["blk.0.attn_q.weight"].tensor_type.name == "Q4_K"
+    tuning = result.calibration["autoround"]
+    assert tuning and all(t["loss_tuned"] < t["loss_rtn"] for t in tuning.values()), tuning
 
 
 @pytest.mark.parametrize("recipe", ["int4-asym", "gptq-w4a16-asym"])
