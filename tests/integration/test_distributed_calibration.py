@@ -126,6 +126,26 @@ def test_nvfp4_gptq_and_kv_cache_on_two_ranks_write_the_one_rank_artifact(tiny_m
     assert one["model.layers.1.self_attn.v_scale"].shape == (2, 1, 1)  # the tiny model's 2 key/value heads
 
 
+def test_gptq_on_llama_cpps_k_grids_on_two_ranks_writes_the_one_rank_file(calib_file, tmp_path):
+    """GGUF's Q4_K_M: each rank solves its share of the rows on K grids (a row's super-block scales are its own)
+    and the rows are gathered with their grids; the two files' tensors are the same bytes."""
+    gguf = pytest.importorskip("gguf")
+    from quantkit.models.tiny import build_tiny_llama
+
+    src = build_tiny_llama(tmp_path / "k-llama", make_text(2000), hidden_size=256, intermediate_size=512,
+                           num_attention_heads=4, num_key_value_heads=2)
+    for n in (1, 2):
+        done = finalize(src, tmp_path / f"n{n}.gguf", "gguf-q4-k-m", calib_file, n)
+        assert done.returncode == 0, done.stderr[-3000:]
+    one, two = ({t.name: t for t in gguf.GGUFReader(tmp_path / f"n{n}.gguf").tensors} for n in (1, 2))
+    assert one.keys() == two.keys() and one["blk.0.attn_q.weight"].tensor_type.name == "Q4_K"
+    for name, tensor in one.items():
+        assert tensor.tensor_type == two[name].tensor_type and bytes(tensor.data) == bytes(two[name].data), name
+    record = gguf.GGUFReader(tmp_path / "n2.gguf").fields["quantkit.json"].contents()
+    rows = json.loads(record)["calibration"]["gptq_rows_per_rank"]
+    assert len(rows) == 2 and min(rows) > 0, rows
+
+
 def test_two_machines_write_what_one_machine_of_two_ranks_writes(tiny_model_dir, calib_file, tmp_path):
     """`--nnodes 2` with one process per node, both started at once, each in a directory of its own that stands for
     its machine's disk (DST is relative): node 0 holds global rank 0 and writes the single-node artifact, tensor

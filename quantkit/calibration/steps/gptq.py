@@ -152,12 +152,9 @@ def _solve_shared(layer: Layer, stacked: torch.Tensor, factor: InverseHessian, s
                   global_scale: torch.Tensor | None, row_errors: torch.Tensor) -> QuantizedWeight:
     """This rank's share of the rows, then every rank's shares gathered, the rows' squared errors with them
     (NVFP4's global scale is the whole weight's, the same on every rank)."""
-    if spec.k_quant_type:
-        raise UsageError(f"GPTQ on llama.cpp's {spec.k_quant_type} grid runs in one process for now: "
-                         "pass --nproc-per-node 1")
     world, rank = layer.ctx.world_size, layer.ctx.rank
     shares = [row_share(stacked.shape[0], world, r) for r in range(world)]
-    whole = empty_quantized(stacked, spec)
+    whole = _empty_k_quantized(stacked, spec) if spec.k_quant_type else empty_quantized(stacked, spec)
     whole.global_scale = global_scale
     if shares[rank].stop > shares[rank].start:
         mine = gptq_quantize_rows(stacked[shares[rank]], factor, spec, args, global_scale, row_errors[shares[rank]])
@@ -179,7 +176,24 @@ def _by_grid(layer: Layer, names: list[str], global_scales: dict[str, torch.Tens
 
 
 def _tensors(qweight: QuantizedWeight) -> list[torch.Tensor]:
-    return [t for t in (qweight.qdata, qweight.scale, qweight.zero_point) if t is not None]
+    """Every per-row tensor of `qweight`: its integers, scales and zero points, and a K grid's codes and scales."""
+    grid = (qweight.k.scales, qweight.k.d, qweight.k.mins, qweight.k.dmin) if qweight.k is not None else ()
+    return [t for t in (qweight.qdata, qweight.scale, qweight.zero_point, *grid) if t is not None]
+
+
+def _empty_k_quantized(weight: torch.Tensor, spec: WeightSpec) -> QuantizedWeight:
+    """Buffers shaped and typed like GPTQ's result on a K grid (to receive the other ranks' rows): int8 codes, each
+    sub-block's float32 step, and the grid's int8 scale (and min) codes under fp16 super-block scales."""
+    from gguf import GGMLQuantizationType
+
+    from quantkit.quant.k_grids import SUPER_BLOCK, KQParams
+
+    rows, cols = weight.shape
+    empty = lambda n, dtype: torch.empty(rows, n, dtype=dtype, device=weight.device)  # noqa: E731
+    sub, supers = cols // spec.group_size, cols // SUPER_BLOCK
+    grid = KQParams(GGMLQuantizationType[spec.k_quant_type], empty(sub, torch.int8), empty(supers, torch.float16),
+                    *((empty(sub, torch.int8), empty(supers, torch.float16)) if spec.is_asymmetric else (None, None)))
+    return QuantizedWeight(empty(cols, torch.int8), empty(sub, torch.float32), None, spec, k=grid)
 
 
 def split_rows(qweight: QuantizedWeight, rows: list[int]) -> list[QuantizedWeight]:
