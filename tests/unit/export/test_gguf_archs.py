@@ -227,3 +227,16 @@ def test_a_refused_model_is_refused_before_any_weight_is_read(models, tmp_path, 
     with pytest.raises(FormatError, match="query_pre_attn_scalar 144"):
         finalize(bad, tmp_path / "out" / "m.gguf", registry.resolve("gguf-q8-0"))
     assert not (tmp_path / "out").exists()
+
+
+def test_a_tied_embedding_left_to_llama_cpps_rounding_is_on_its_grid_in_memory_too(models, tmp_path):
+    """lm_head ignored, rounded to nearest: the tied token_embd is llama.cpp's output, in the output's Q6_K by
+    llama.cpp's own rounding, and the in-memory model's embedding and lm_head hold those very values."""
+    data = registry.resolve("gguf-q4-k-m").to_file()
+    recipe = registry.parse_recipe("rtn-q4-k-m", {**data, "algorithm": {"name": "rtn"}, "ignore": ["lm_head"]})
+    out = tmp_path / "m.gguf"
+    finalize(models("gemma2"), out, recipe)
+    _, tensors = read(out)
+    assert tensors["token_embd.weight"].tensor_type.name == "Q6_K" and "output.weight" not in tensors
+    expected, _ = expected_tensors(models("gemma2"), recipe)
+    assert_same_tensors(tensors, expected)
