@@ -32,6 +32,7 @@ operators for each recipe (a few extra steps, not timed).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import sys
@@ -44,7 +45,6 @@ import torch
 import harness
 from harness import median
 from quantkit.quant import registry
-from quantkit.quant.plan import plan_model
 from quantkit.runtime import environment as runtime
 from quantkit.runtime.distributed import process_group
 from quantkit.training import qat
@@ -108,15 +108,20 @@ def make_blocks(args: argparse.Namespace) -> tuple[torch.Tensor, int]:
     return data.pack_blocks(data.tokenize(tokenizer, [text]), args.seq_len), len(tokenizer)
 
 
-def make_run(config: train_config.TrainConfig, ctx, blocks: torch.Tensor, recipe_name: str | None) -> train.Run:
-    """What `quantkit.training.loop.setup` builds, minus tokenizer and files: same model, plan, optimizer, schedule."""
+def make_run(config: train_config.TrainConfig, ctx, blocks: torch.Tensor, recipe_name: str | None,
+             k_refresh_every: int | None = None) -> train.Run:
+    """What `quantkit.training.loop.setup` builds, minus tokenizer and files: same model, plan, optimizer, schedule.
+    `k_refresh_every`: K grids searched every this many forward calls (default: qat.K_REFRESH_EVERY)."""
     model = train.build_model(config, None)
     recipe = registry.resolve(recipe_name) if recipe_name else None
     if recipe is not None:
-        qat.prepare(model, plan_model(model, recipe))
+        qat.prepare(model, qat.plan(model, recipe))
+    for module in model.modules():
+        if k_refresh_every and isinstance(module, qat.KGridFakeQuantizer):
+            module.config = dataclasses.replace(module.config, refresh_every=k_refresh_every)
     optimizer, scheduler = train.make_optimizer(model, config)
     accum = train_config.accumulation_steps(config, ctx.world_size)
-    return train.Run(config, ctx, model, model, None, optimizer, scheduler, blocks, None, accum, recipe)
+    return train.Run(config, ctx, model, model, None, optimizer, scheduler, blocks, None, accum, recipe, None)
 
 
 def timed_step(run: train.Run, step: int) -> tuple[float, float]:
@@ -130,7 +135,7 @@ def timed_step(run: train.Run, step: int) -> tuple[float, float]:
 
 
 def bench_recipe(config, ctx, blocks, recipe_name: str, args: argparse.Namespace) -> Result:
-    plain, fake = make_run(config, ctx, blocks, None), make_run(config, ctx, blocks, recipe_name)
+    plain, fake = make_run(config, ctx, blocks, None), make_run(config, ctx, blocks, recipe_name, args.k_refresh_every)
     result = Result(recipe_name, len(qat.prepared_schemes(fake.model)))
     for step in range(args.warmup + args.pairs):
         (p, p_cpu), (q, q_cpu) = timed_step(plain, step), timed_step(fake, step)
@@ -183,8 +188,8 @@ def describe(args: argparse.Namespace, config, blocks: torch.Tensor, params: int
 
 
 def qat_recipes() -> list[str]:
-    """The shipped recipes `quantkit train --qat-recipe` accepts (calibrated ones are PTQ-only)."""
-    return [name for name in registry.recipe_names() if not registry.resolve(name).needs_calibration]
+    """The shipped recipes `quantkit train --qat-recipe` accepts (`qat.qat_ready`)."""
+    return [name for name in registry.recipe_names() if qat.qat_ready(registry.resolve(name))]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -205,6 +210,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--data", choices=("random", "text"), default="random")
     p.add_argument("--text", type=Path, default=DEFAULT_TEXT, help="with --data text")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--k-refresh-every", type=int, default=0,
+                   help="K grids (gguf-q*-k*): searched every N training forward calls (default: qat.K_REFRESH_EVERY)")
     p.add_argument("--profile", action="store_true", help="also profile 3 QAT steps per recipe (to stderr)")
     p.add_argument("--json", type=Path, help="write the settings and every measurement here")
     return p.parse_args(argv)

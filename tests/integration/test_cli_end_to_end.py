@@ -119,3 +119,30 @@ def test_learned_rotations_are_estimated_then_reported(tiny_model_dir, text_file
     assert "rotations learned" in done.stdout and "4 Cayley SGD steps of 4 samples" in done.stdout
     assert "each calibration sample was seen 4 times" in " ".join(done.stdout.split())  # 4 samples, 4 steps of 4
     assert "the rotations are learned on the whole model" in done.stdout
+
+
+def test_qat_on_a_gguf_mixture_then_its_file(text_file, tmp_path):
+    """`quantkit train cfg.yaml --qat-recipe gguf-q4-k-m && quantkit finalize runs/qat/final qat.gguf -q gguf-q4-k-m`:
+    the convert step of a QAT model rounds on the K grids it trained on, so it needs no --calib-data (a plain
+    model's gguf-q4-k-m is GPTQ, which does); another recipe is refused in one line."""
+    import yaml
+
+    from conftest import make_text
+    from quantkit.models.tiny import train_tokenizer
+
+    train_tokenizer(make_text(2000), 384).save_pretrained(tmp_path / "tok")
+    model = {"model_type": "llama", "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 384, "max_position_embeddings": 128}
+    config = {"model": {"config": model, "tokenizer": str(tmp_path / "tok")},
+              "data": {"train": str(text_file), "seq_len": 32}, "output_dir": str(tmp_path / "runs" / "qat"),
+              "train": {"micro_batch_size": 4, "global_batch_size": 4, "max_steps": 2, "warmup_steps": 1}}
+    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(config))
+    trained = run("train", tmp_path / "cfg.yaml", "--qat-recipe", "gguf-q4-k-m", "--threads", "1", timeout=600)
+    assert trained.returncode == 0, trained.stderr
+
+    final = tmp_path / "runs" / "qat" / "final"
+    other = run("finalize", final, tmp_path / "other.gguf", "-q", "gguf-q4-0")
+    assert other.returncode == 2 and "--quantize gguf-q4-k-m" in other.stderr and "Traceback" not in other.stderr
+    done = run("finalize", final, tmp_path / "qat.gguf", "-q", "gguf-q4-k-m", "--threads", "1", timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "qat.gguf").is_file() and "calibration" not in done.stdout
