@@ -19,8 +19,8 @@ of the run's phases:
   converts while loading, so its transient is smaller);
 - calibration: (loaded whole) the grid integers of every finished layer (one byte per quantized weight, kept until written),
   the calibration hidden states of this rank (inputs and outputs of a layer), one batch's activations inside
-  the widest layer, and the Hessian accumulators (float64) of a layer plus GPTQ's float32 work copies; GPTQ on the
-  CPU also holds down_proj's inputs for every batch where they take at most a share of the machine's memory
+  the widest layer, and the Hessian accumulators of a layer (float64 upper triangles) plus GPTQ's float32 work
+  copies; GPTQ on the CPU also holds down_proj's inputs for every batch where they take at most a share of the machine's memory
   (`runtime.placement.holds_stage_inputs`; else they are computed again batch by batch).
 
 LOAD_AND_WRITE_COPIES was measured with `/usr/bin/time` on Llama models of 20M (float32) to 270M parameters (bf16):
@@ -190,6 +190,7 @@ def calibration_bytes(plan: list[ModulePlan], quantized: dict[str, ModulePlan], 
     """What calibration adds to the model in RAM (see the module docstring); with `held_stage_inputs`, GPTQ's
     down-projection inputs for every sample (`stage_input_bytes`)."""
     from quantkit.models.architectures import shared_input_leaders
+    from quantkit.quant.observers import HessianObserver
 
     layer = _first_layer(plan)
     leaders = shared_input_leaders([e.name for e in layer])  # modules sharing an input share one Hessian
@@ -200,7 +201,7 @@ def calibration_bytes(plan: list[ModulePlan], quantized: dict[str, ModulePlan], 
         "grid integers of finished layers": sum(numel[n] for n in quantized),
         _HIDDEN_STATES: 2 * samples * seq_len * hidden * element,
         "one batch's activations in a layer": 3 * min(samples, batch_size) * seq_len * outer * 4,
-        "Hessians of one layer": sum(w * w * 8 for w in inputs.values()) + 3 * widest * widest * 4,
+        "Hessians of one layer": sum(map(HessianObserver.accumulator_bytes, inputs.values())) + 3 * widest * widest * 4,
     }
     if held_stage_inputs:
         found[_HELD_STAGE_INPUTS] = stage_input_bytes(plan, samples, seq_len, hidden, element)

@@ -126,6 +126,11 @@ class HessianObserver(Observer):
 
     REDUCE = {"xtx": ReduceOp.SUM, "count": ReduceOp.SUM}
 
+    @staticmethod
+    def accumulator_bytes(width: int) -> int:
+        """Bytes of the float64 upper-triangle blocks of a `width`-input Hessian (`update`'s accumulator)."""
+        return 8 * sum(min(HESSIAN_ROWS, width - start) * (width - start) for start in range(0, width, HESSIAN_ROWS))
+
     def update(self, x: torch.Tensor) -> None:
         """Add a batch's tokens, HESSIAN_CHUNK_TOKENS at a time: a float32 copy of a chunk, not of the batch (the
         down projection's inputs for 8 x 2048 tokens of a 5632-wide MLP would be a 352 MiB copy)."""
