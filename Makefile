@@ -42,7 +42,7 @@ $(VENV)/.installed-base: pyproject.toml | $(BIN)/python
 install: $(VENV)/.installed
 
 test: install
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations 20
 
 # The suite again in $(LOWEST), on the lowest version of every direct dependency pyproject.toml declares
 # (ci/lowest.txt), so that each lower bound is one it passes on; without extras, so the tests of an extra skip.
