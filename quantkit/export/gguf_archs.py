@@ -58,6 +58,8 @@ def _gemma2_refusal(config) -> str | None:
         return "no logit soft-capping: llama.cpp's Gemma2 graph always caps attention and final logits"
     if not config.tie_word_embeddings:
         return "an lm_head apart from the embedding: llama.cpp's Gemma2 computes logits with token_embd"
+    if "sliding_attention" not in _layer_types(config):
+        return "no sliding layer: llama.cpp's Gemma2 graph needs one (else it slides every other layer)"
     kind = _rope_kind(_rope(config))
     if kind not in ("default", "linear"):
         return f"RoPE scaling '{kind}': quantkit describes Gemma2's default and linear RoPE to llama.cpp"
@@ -196,8 +198,7 @@ def _gemma3_rope(config) -> tuple[dict, dict]:
     rope = _rope(config)
     if "full_attention" in rope or "sliding_attention" in rope:
         return dict(rope.get("full_attention") or {}), dict(rope.get("sliding_attention") or {})
-    local = {"rope_theta": getattr(config, "rope_local_base_freq", 10000.0)}
-    return {k: v for k, v in rope.items()}, local
+    return rope, {"rope_theta": getattr(config, "rope_local_base_freq", 10000.0)}
 
 
 def _layer_types(config) -> list[str]:

@@ -181,6 +181,7 @@ def config_of(arch, **overrides):
     ("gemma2", dict(final_logit_softcapping=None), "llama.cpp's Gemma2 graph always caps"),
     ("gemma2", dict(tie_word_embeddings=False), "an lm_head apart from the embedding"),
     ("gemma2", dict(hidden_activation="gelu"), "hidden_activation gelu"),
+    ("gemma2", dict(layer_types=["full_attention"] * 2), "no sliding layer: llama.cpp's Gemma2 graph needs one"),
     ("gemma2", dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}), "RoPE scaling 'dynamic'"),
     ("gemma3_text", dict(attn_logit_softcapping=50.0), "attention logit soft-capping: llama.cpp's Gemma3 graph has none"),
     ("gemma3_text", dict(rope_parameters={"full_attention": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6},
