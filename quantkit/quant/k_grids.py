@@ -5,7 +5,7 @@ code) under the super-block's fp16 d (and dmin): weight = d * sc * q (- dmin * m
 own quantizer: `quantize_row_qN_K_ref`, or `quantize_row_qN_K_impl` given an importance per input column (an
 imatrix). It is ported step by step in float32 and ggml's order of operations (sums left to right, rounding
 half to even, fp16 by rounding to nearest), so its codes and bytes are llama.cpp's. Every step is vectorised
-over the sub-blocks of a chunk of super-blocks (see `_CHUNK_SUPER_BLOCKS`), held as columns; the Python loops run
+over the sub-blocks of a chunk of super-blocks (see `_chunk_super_blocks`), held as columns; the Python loops run
 over the search grids and the 16 or 32 weights of a sub-block. Never divide by a Python number here: torch divides a tensor by a scalar as a multiplication by the
 scalar's reciprocal on CUDA, and a scalar by a tensor so everywhere, which is not IEEE division.
 
@@ -365,8 +365,15 @@ def _signed_max_scale_codes(values: torch.Tensor, top: int, high: int) -> tuple[
 # Super-blocks per chunk. The searches run ggml's per-weight loops as a few dozen passes over all of their
 # sub-blocks per trial grid; over a whole weight those passes stream hundreds of MiB through memory each. A chunk's
 # working set (~1 MiB per float32 copy of the weights) stays in cache, and is still large enough that each torch
-# call amortises its overhead. Super-blocks are independent, so chunking changes no result.
+# call amortises its overhead. Super-blocks are independent, so chunking changes no result. On a GPU a kernel
+# launch, not the cache, is the cost: chunks of 64 Ki super-blocks (16 M weights, every Linear of an 8B layer in a
+# few chunks, each float32 copy 64 MiB) cut the launches 64-fold.
 _CHUNK_SUPER_BLOCKS = 1024
+_DEVICE_CHUNK_SUPER_BLOCKS = 65536
+
+
+def _chunk_super_blocks(device: torch.device) -> int:
+    return _CHUNK_SUPER_BLOCKS if device.type == "cpu" else _DEVICE_CHUNK_SUPER_BLOCKS
 
 
 def _search(weight: torch.Tensor, qtype: GGMLQuantizationType, importance: torch.Tensor | None,
@@ -379,13 +386,14 @@ def _search(weight: torch.Tensor, qtype: GGMLQuantizationType, importance: torch
     dtypes = (torch.int8, torch.float16, torch.int8, torch.float16, torch.int8)
 
     def search_chunk(first: int) -> tuple[KQParams, torch.Tensor | None]:
-        chunk = blocks[first:first + _CHUNK_SUPER_BLOCKS]
+        chunk = blocks[first:first + size]
         found = search(chunk, _chunk_importance(importance, first, chunk.shape[0]), qtype)
         *grid, codes = (None if t is None else t.to(dtype).reshape(chunk.shape[0], -1) for t, dtype in zip(found, dtypes))
         grid = KQParams(qtype, *grid)
         return grid, _final_codes(chunk, grid, codes) if final_codes else None
 
-    grids, codes = zip(*_map_chunks(search_chunk, range(0, blocks.shape[0], _CHUNK_SUPER_BLOCKS), x.device))
+    size = _chunk_super_blocks(x.device)
+    grids, codes = zip(*_map_chunks(search_chunk, range(0, blocks.shape[0], size), x.device))
     joined = lambda parts: None if parts[0] is None else torch.cat(parts).reshape(rows, -1)  # noqa: E731
     fields = (joined([getattr(grid, name) for grid in grids]) for name in ("scales", "d", "mins", "dmin"))
     return KQParams(qtype, *fields), joined(codes)

@@ -128,3 +128,16 @@ def test_cuda_equals_cpu(qtype):
         gpu = quantize_k(weight.cuda(), qtype, None if imp is None else imp.cuda())
         assert gpu.codes.is_cuda
         assert np.array_equal(gpu.ggml_blocks(), cpu.ggml_blocks())
+
+
+@pytest.mark.parametrize("qtype", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])
+def test_the_chunk_size_changes_no_byte(qtype, monkeypatch):
+    """Super-blocks are searched independently: chunks of 3 (a GPU's 64 Ki, in small) give the bytes of chunks of
+    1024, the last chunk short."""
+    from quantkit.quant import k_grids
+
+    weight = torch.randn(5, 4 * 256, generator=torch.Generator().manual_seed(3)) * 0.02
+    qtype = GGMLQuantizationType[qtype]
+    whole = k_grids.quantize_k(weight, qtype).ggml_blocks()
+    monkeypatch.setattr(k_grids, "_CHUNK_SUPER_BLOCKS", 3)
+    assert np.array_equal(k_grids.quantize_k(weight, qtype).ggml_blocks(), whole)
