@@ -166,23 +166,25 @@ def _steps(component: dict | None, sequence_key: str) -> list[dict]:
     return component[sequence_key] if component.get("type") == "Sequence" else [component]
 
 
+PREPEND = {"type": "Prepend", "prepend": SPACE}
+REPLACE = {"type": "Replace", "pattern": {"String": " "}, "content": SPACE}
+SPLIT_ON_SPACES = {"type": "Split", "pattern": {"String": " "}, "behavior": "MergedWithPrevious", "invert": False}
+
+
 def adds_space_prefix(spec: dict) -> bool:
     """llama.cpp's add_space_prefix for the way transformers' tokenizer marks spaces, or a refusal: spaces as `▁`
     with a `▁` before every text (a Prepend normalizer: before one that starts with a space too, as llama.cpp),
     or without one (a Replace normalizer alone, or Metaspace that never prepends). A Metaspace that prepends
     (prepend_scheme always/first, transformers' Llama class) adds none before a text that starts with a space,
     and `first` none after a special token: llama.cpp always adds one."""
-    kinds = {step.get("type"): step for step in _steps(spec.get("normalizer"), "normalizers")}
+    normalizers = _steps(spec.get("normalizer"), "normalizers")
     pre = _steps(spec.get("pre_tokenizer"), "pretokenizers")
-    replace = kinds.get("Replace", {})
-    replaces = (replace.get("pattern") or {}).get("String") == " " and replace.get("content") == SPACE
-    if pre == [] or (replaces and pre == [{"type": "Split", "pattern": {"String": " "}, "behavior": "MergedWithPrevious",
-                                           "invert": False}]):  # a split on spaces after none are left: Gemma's
-        if replaces and set(kinds) == {"Replace", "Prepend"} and kinds["Prepend"].get("prepend") == SPACE:
+    if pre in ([], [SPLIT_ON_SPACES]) and normalizers and all(step in (PREPEND, REPLACE) for step in normalizers):
+        if normalizers in ([PREPEND, REPLACE], [REPLACE, PREPEND]):
             return True
-        if replaces and set(kinds) == {"Replace"}:
+        if normalizers == [REPLACE]:  # a split on spaces after none are left (Gemma's) changes nothing
             return False
-    elif not kinds and len(pre) == 1 and pre[0].get("type") == "Metaspace" and pre[0].get("replacement") == SPACE:
+    elif not normalizers and len(pre) == 1 and pre[0].get("type") == "Metaspace" and pre[0].get("replacement") == SPACE:
         scheme = pre[0].get("prepend_scheme", "always" if pre[0].get("add_prefix_space", True) else "never")
         if pre[0].get("split", True):
             raise _refuse("the tokenizer's Metaspace splits the text into words (llama.cpp's SPM does not)")

@@ -301,12 +301,10 @@ def test_pre_tokenizers_are_named_from_tokenizer_json():
         pre_tokenizer({"pre_tokenizer": {"type": "Whitespace"}})
 
 
-def test_a_sentencepiece_style_tokenizer_is_refused_not_written_wrong(tmp_path):
+def test_a_unigram_tokenizer_is_refused_not_written_wrong(tmp_path):
+    """(SentencePiece-style BPE tokenizers are written as llama.cpp's `llama` model: test_gguf_vocab.py.)"""
     from quantkit.export.gguf_vocab import describe_tokenizer
 
-    (tmp_path / "tokenizer.json").write_text(json.dumps({"model": {"type": "BPE", "byte_fallback": True}}))
-    with pytest.raises(FormatError, match="SentencePiece-style BPE .* cannot yet describe to llama.cpp exactly"):
-        describe_tokenizer(None, tmp_path, 100)
     (tmp_path / "tokenizer.json").write_text(json.dumps({"model": {"type": "Unigram"}}))
     with pytest.raises(FormatError, match="the tokenizer is a Unigram model"):
         describe_tokenizer(None, tmp_path, 100)
