@@ -70,7 +70,8 @@ def test_wikitext_like_text_tokenizes_the_same(spm_gguf, text_file):
 
 def test_strings_glued_from_its_pieces_tokenize_the_same(spm_gguf):
     """Pieces glued at random (words run together, spaces anywhere): where llama.cpp's merge order would show
-    against Hugging Face's if the scores did not follow the merges (every score -1000, as gguf's LlamaHfVocab writes: 52 of these differ)."""
+    against Hugging Face's if the scores did not follow the merges (every score -1000, as gguf's LlamaHfVocab
+    writes them: 52 of these 500 differ)."""
     import random
 
     from transformers import AutoTokenizer
