@@ -15,7 +15,7 @@ stop being started once `--deadline` seconds have passed, so that a device call 
 
 A job is TOOL:RECIPE:MODEL:SAMPLES[:BUDGET]: TOOL qk (quantkit) or llmc; MODEL 8b (32 layers), 8b-lN (N layers),
 moe-lN (Qwen3-30B-A3B with N of its 48 layers); SAMPLES x `--seq-len` tokens; BUDGET quantkit's --max-gpu-memory.
-RECIPE+actorder (quantkit) runs the recipe with GPTQ's `actorder: true`; RECIPE+noactorder (llm-compressor) with
+A `gguf-*` RECIPE writes MODEL as one .gguf file (llama.cpp's K search on the GPU). RECIPE+actorder (quantkit) runs the recipe with GPTQ's `actorder: true`; RECIPE+noactorder (llm-compressor) with
 `actorder: None`: each tool's GPTQ in the other's default column order.
 """
 
@@ -113,8 +113,15 @@ def command(job: ScaleJob, src: Path, dst: Path, calib: Path, ids: Path | None, 
     return harness.finalize_command(src, dst, recipe, args.threads, *options)
 
 
-def run(job: ScaleJob, cmd: list[str], dst: Path, sampler, logs: Path, timeout: float, threads: int) -> None:
+def _remove(dst: Path) -> None:
+    """An artifact: a directory, or one file (GGUF)."""
+    if dst.is_file():
+        dst.unlink()
     shutil.rmtree(dst, ignore_errors=True)
+
+
+def run(job: ScaleJob, cmd: list[str], dst: Path, sampler, logs: Path, timeout: float, threads: int) -> None:
+    _remove(dst)
     with sampler as sampled:
         measured, _ = harness.measure_logged(["timeout", str(int(timeout))] + cmd, harness.thread_env(threads),
                                              logs / f"{job.spec.replace(':', '_')}.log")
@@ -132,7 +139,7 @@ def run(job: ScaleJob, cmd: list[str], dst: Path, sampler, logs: Path, timeout: 
         job.mode = calib.get("hidden_states")
         estimate = (result.get("preflight") or {}).get("peak_device_bytes")
         job.estimate_mib = estimate / harness.MIB if estimate else None
-    shutil.rmtree(dst, ignore_errors=True)  # the disk holds the models, not every artifact
+    _remove(dst)  # the disk holds the models, not every artifact
 
 
 def table(jobs: list[ScaleJob], seq_len: int) -> str:
@@ -205,7 +212,7 @@ def main(argv: list[str] | None = None) -> None:
         ids = None
         if job.tool == "llmc":
             ids = harness.write_calibration(src, calib, job.samples, args.seq_len, args.workdir)
-        dst = args.workdir / "out" / job.spec.replace(":", "_")
+        dst = args.workdir / "out" / (job.spec.replace(":", "_") + (".gguf" if job.recipe.startswith("gguf-") else ""))
         dst.parent.mkdir(exist_ok=True)
         run(job, command(job, src, dst, calib, ids, args, runner), dst, sampler, logs, min(args.timeout, left), args.threads)
         print(f"{job.spec}: {fmt(job.seconds, '.1f')} s, GPU peak {fmt(job.gpu_peak_mib, '.0f')} MiB, rc {job.returncode}",
