@@ -472,17 +472,6 @@ def _tensor_order(name: str) -> tuple:
 # ---------------------------------------------------------------- metadata
 
 
-def _rope(config) -> dict:
-    """The rope parameters in either of transformers' spellings (`rope_parameters` in 5.x, `rope_theta` /
-    `rope_scaling` before)."""
-    params = dict(getattr(config, "rope_parameters", None) or {})
-    if not params:
-        params = dict(getattr(config, "rope_scaling", None) or {})
-        if getattr(config, "rope_theta", None) is not None:
-            params["rope_theta"] = config.rope_theta
-    return params
-
-
 def describe_model(writer, config, model_type: str, file_type) -> None:
     """The hyperparameters llama.cpp reads for these architectures, as its converter writes them."""
     gguf = _gguf()
@@ -511,7 +500,7 @@ def describe_model(writer, config, model_type: str, file_type) -> None:
 def _describe_rope_and_heads(writer, config, model_type: str, head_dim: int) -> None:
     """The Llama family's RoPE keys and head sizes."""
     gguf = _gguf()
-    rope = _rope(config)
+    rope = gguf_archs.rope_parameters(config)
     if rope.get("rope_theta") is not None:
         writer.add_rope_freq_base(float(rope["rope_theta"]))
     kind = rope.get("rope_type") or rope.get("type")
@@ -536,7 +525,7 @@ def llama3_rope_freqs(config) -> np.ndarray | None:
     """Llama 3.1's RoPE frequency factors (the `rope_freqs` tensor llama.cpp reads), as its converter computes them."""
     import math
 
-    rope = _rope(config)
+    rope = gguf_archs.rope_parameters(config)
     if (rope.get("rope_type") or rope.get("type")) != "llama3":
         return None
     base = float(rope.get("rope_theta", 10000.0))

@@ -60,7 +60,7 @@ def _gemma2_refusal(config) -> str | None:
         return "an lm_head apart from the embedding: llama.cpp's Gemma2 computes logits with token_embd"
     if "sliding_attention" not in _layer_types(config):
         return "no sliding layer: llama.cpp's Gemma2 graph needs one (else it slides every other layer)"
-    kind = _rope_kind(_rope(config))
+    kind = _rope_kind(rope_parameters(config))
     if kind not in ("default", "linear"):
         return f"RoPE scaling '{kind}': quantkit describes Gemma2's default and linear RoPE to llama.cpp"
     return _gemma_refusal(config)
@@ -90,7 +90,7 @@ def _phi3_refusal(config) -> str | None:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     if head_dim * config.num_attention_heads != config.hidden_size:
         return f"head_dim {head_dim}: llama.cpp's Phi-3 takes hidden_size / heads"
-    rope = _rope(config)
+    rope = rope_parameters(config)
     if _rope_kind(rope) not in ("default", "longrope"):
         return f"RoPE scaling '{_rope_kind(rope)}': quantkit describes Phi-3's default RoPE and LongRoPE to llama.cpp"
     return None
@@ -116,7 +116,7 @@ def _describe_gemma(writer, config) -> None:
 
 
 def _describe_gemma2(writer, config) -> None:
-    rope = _rope(config)
+    rope = rope_parameters(config)
     writer.add_rope_freq_base(float(rope.get("rope_theta", 10000.0)))
     _linear_scaling(writer, rope)
     writer.add_attn_logit_softcapping(float(config.attn_logit_softcapping))
@@ -132,7 +132,7 @@ def _describe_gemma3(writer, config) -> None:
 
 
 def _describe_phi3(writer, config) -> None:
-    rope = _rope(config)
+    rope = rope_parameters(config)
     writer.add_rope_scaling_orig_ctx_len(_original_context(config))
     writer.add_rope_dimension_count(_phi3_rope_dims(config))
     writer.add_rope_freq_base(float(rope.get("rope_theta", 10000.0)))
@@ -143,16 +143,16 @@ def _describe_phi3(writer, config) -> None:
 
 def _linear_scaling(writer, rope: dict) -> None:
     if _rope_kind(rope) == "linear":
-        from quantkit.export.gguf import _gguf
+        import gguf
 
-        writer.add_rope_scaling_type(_gguf().RopeScalingType.LINEAR)
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(float(rope["factor"]))
 
 
 def longrope_attention_factor(config) -> float:
     """The factor LongRoPE multiplies cos and sin by, as Hugging Face computes it (its `attention_factor`, else
     sqrt(1 + ln(factor) / ln(original context)), factor the context's growth): llama.cpp's rope.scaling.attn_factor."""
-    rope = _rope(config)
+    rope = rope_parameters(config)
     if rope.get("attention_factor") is not None:
         return float(rope["attention_factor"])
     factor = rope.get("factor") or config.max_position_embeddings / _original_context(config)
@@ -172,7 +172,7 @@ def stored_value(model_type: str, key: str, tensor: torch.Tensor) -> torch.Tenso
 
 def extra_tensors(config) -> dict[str, np.ndarray]:
     """Tensors llama.cpp reads that no module holds: Phi-3 LongRoPE's per-dimension factors (float32)."""
-    rope = _rope(config)
+    rope = rope_parameters(config)
     if config.model_type != "phi3" or _rope_kind(rope) != "longrope":
         return {}
     return {"rope_factors_long.weight": np.asarray(rope["long_factor"], dtype=np.float32),
@@ -182,10 +182,16 @@ def extra_tensors(config) -> dict[str, np.ndarray]:
 # ---------------------------------------------------------------- config readers
 
 
-def _rope(config) -> dict:
-    from quantkit.export.gguf import _rope as rope
+def rope_parameters(config) -> dict:
+    """The rope parameters in either of transformers' spellings (`rope_parameters` in 5.x, `rope_theta` /
+    `rope_scaling` before)."""
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    if not params:
+        params = dict(getattr(config, "rope_scaling", None) or {})
+        if getattr(config, "rope_theta", None) is not None:
+            params["rope_theta"] = config.rope_theta
+    return params
 
-    return rope(config)
 
 
 def _rope_kind(rope: dict) -> str:
@@ -195,7 +201,7 @@ def _rope_kind(rope: dict) -> str:
 
 def _gemma3_rope(config) -> tuple[dict, dict]:
     """(the global layers' rope parameters, the sliding layers'), from either of transformers' spellings."""
-    rope = _rope(config)
+    rope = rope_parameters(config)
     if "full_attention" in rope or "sliding_attention" in rope:
         return dict(rope.get("full_attention") or {}), dict(rope.get("sliding_attention") or {})
     return rope, {"rope_theta": getattr(config, "rope_local_base_freq", 10000.0)}
@@ -210,12 +216,12 @@ def _layer_types(config) -> list[str]:
 
 
 def _original_context(config) -> int:
-    rope = _rope(config)
+    rope = rope_parameters(config)
     return int(rope.get("original_max_position_embeddings") or getattr(config, "original_max_position_embeddings", None)
                or config.max_position_embeddings)
 
 
 def _phi3_rope_dims(config) -> int:
     """llama.cpp's converter's rope dimension count: int(partial rotary factor x hidden) // heads."""
-    factor = _rope(config).get("partial_rotary_factor", 1.0)
+    factor = rope_parameters(config).get("partial_rotary_factor", 1.0)
     return int(factor * config.hidden_size) // config.num_attention_heads

@@ -11,9 +11,9 @@ from quantkit.errors import FormatError
 
 
 def _gguf():
-    from quantkit.export.gguf import _gguf as load
+    import gguf
 
-    return load()
+    return gguf
 
 
 # The pre-tokenizer regexes of tokenizer.json (its `Split` pattern) llama.cpp implements, by the name llama.cpp
@@ -83,6 +83,18 @@ def token_table(tokenizer, vocab_size: int, sentencepiece: bool) -> tuple[list[s
         else:
             types.append(gguf.TokenType.NORMAL)
     return tokens, types
+
+
+class _Discard:
+    """A writer that keeps nothing: `describe_tokenizer` run for its refusals alone (`check_tokenizer`)."""
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: None
+
+
+def check_tokenizer(folder: Path, vocab_size: int) -> None:
+    """Refuse, before any weight is read, a tokenizer `describe_tokenizer` would refuse after the quantization."""
+    describe_tokenizer(_Discard(), Path(folder), vocab_size)
 
 
 def describe_byte_level(writer, folder: Path, vocab_size: int, pre: str) -> None:

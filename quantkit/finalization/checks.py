@@ -94,7 +94,10 @@ def prepare(
     config = models.load_config(src, trust_remote_code)
     if fmt is Format.GGUF:
         from quantkit.export.gguf import check_architecture
+        from quantkit.export.gguf_vocab import check_tokenizer
+
         check_architecture(config)
+        check_tokenizer(src, config.vocab_size)
     skeleton = moe.linearize(models.meta_model(config, trust_remote_code))
     plan = _check_model(src, skeleton, recipe, fmt)
     if fmt is Format.GGUF:

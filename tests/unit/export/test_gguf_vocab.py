@@ -152,3 +152,15 @@ def test_a_normalizer_that_does_more_than_mark_spaces_is_refused():
     for steps in ([other, REPLACE], [PREPEND, REPLACE, PREPEND], [PREPEND]):
         with pytest.raises(FormatError, match="not SentencePiece's spaces"):
             adds_space_prefix({"normalizer": normalizer(*steps), "pre_tokenizer": None})
+
+
+def test_a_tokenizer_is_refused_before_any_weight_is_read(spm_model_dir, tmp_path):
+    """The tokenizer is described (and refused) by finalize's checks (`checks.prepare`: config and safetensors
+    headers, no weight), not only when the file is written after the quantization."""
+    from quantkit.finalization.checks import prepare
+
+    src = copy_model(spm_model_dir, tmp_path / "llama-class")
+    config = json.loads((src / "tokenizer_config.json").read_text())
+    (src / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "LlamaTokenizer", "legacy": False}))
+    with pytest.raises(FormatError, match=REFUSAL):
+        prepare(src, registry.resolve("gguf-q8-0"))
