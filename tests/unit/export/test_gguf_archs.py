@@ -54,6 +54,13 @@ def read(path) -> tuple[dict, dict]:
     return {name: f.contents() for name, f in reader.fields.items()}, {t.name: t for t in reader.tensors}
 
 
+def q8_0_file(src, tmp_path) -> tuple[dict, dict]:
+    """(fields, tensors) of `src` finalized with gguf-q8-0 (round to nearest: no calibration data)."""
+    out = tmp_path / "m.gguf"
+    finalize(src, out, registry.resolve("gguf-q8-0"))
+    return read(out)
+
+
 def dequantized(tensor) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type))).float()
 
@@ -86,9 +93,7 @@ def assert_same_tensors(tensors: dict, expected: dict) -> None:
 def test_every_tensor_is_the_quantized_models_as_llama_cpp_reads_it(models, tmp_path, arch):
     """gguf-q8-0: the Linears Q8_0 bit for bit, Gemma's norms (q/k norms included) 1 + weight in F32, Phi-3's fused
     qkv_proj and gate_up_proj as attn_qkv and ffn_up whole, LongRoPE's factors as the config's."""
-    out = tmp_path / "m.gguf"
-    finalize(models(arch), out, registry.resolve("gguf-q8-0"))
-    fields, tensors = read(out)
+    fields, tensors = q8_0_file(models(arch), tmp_path)
     expected, config = expected_tensors(models(arch), registry.resolve("gguf-q8-0"))
     assert_same_tensors(tensors, expected)
     assert tensors["blk.0.attn_norm.weight"].tensor_type.name == "F32"
@@ -106,9 +111,7 @@ def test_every_tensor_is_the_quantized_models_as_llama_cpp_reads_it(models, tmp_
 
 
 def test_gemma2s_header_holds_what_llama_cpps_graph_reads(models, tmp_path):
-    out = tmp_path / "m.gguf"
-    finalize(models("gemma2"), out, registry.resolve("gguf-q8-0"))
-    fields, _ = read(out)
+    fields, _ = q8_0_file(models("gemma2"), tmp_path)
     assert fields["general.architecture"] == "gemma2"
     assert {k: fields[f"gemma2.{k}"] for k in ("block_count", "context_length", "embedding_length", "feed_forward_length",
             "attention.head_count", "attention.head_count_kv", "attention.key_length", "attention.value_length")} == {
@@ -122,9 +125,7 @@ def test_gemma2s_header_holds_what_llama_cpps_graph_reads(models, tmp_path):
 
 
 def test_gemma3s_header_holds_both_ropes_and_its_layer_types(models, tmp_path):
-    out = tmp_path / "m.gguf"
-    finalize(models("gemma3_text"), out, registry.resolve("gguf-q8-0"))
-    fields, _ = read(out)
+    fields, _ = q8_0_file(models("gemma3_text"), tmp_path)
     assert fields["general.architecture"] == "gemma3"
     assert fields["gemma3.rope.freq_base"] == 1e6 and fields["gemma3.rope.freq_base_swa"] == 100.0
     assert fields["gemma3.rope.scaling.type"] == "linear" and fields["gemma3.rope.scaling.factor"] == 4.0
@@ -135,9 +136,7 @@ def test_gemma3s_header_holds_both_ropes_and_its_layer_types(models, tmp_path):
 
 
 def test_phi3s_header_holds_longrope(models, tmp_path):
-    out = tmp_path / "m.gguf"
-    finalize(models("phi3"), out, registry.resolve("gguf-q8-0"))
-    fields, _ = read(out)
+    fields, _ = q8_0_file(models("phi3"), tmp_path)
     assert fields["general.architecture"] == "phi3"
     assert fields["phi3.context_length"] == 4096 and fields["phi3.rope.scaling.original_context_length"] == 512
     assert fields["phi3.rope.dimension_count"] == 64 and fields["phi3.attention.sliding_window"] == 0
