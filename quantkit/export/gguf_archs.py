@@ -32,9 +32,17 @@ GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3_text": 62}
 
 def refusal(config) -> str | None:
     """Why llama.cpp's graph for `config`'s architecture would compute another model than Hugging Face's, or None."""
-    checks = {"gemma2": _gemma2_refusal, "gemma3_text": _gemma3_refusal, "phi3": _phi3_refusal}
+    checks = {"gemma2": _gemma2_refusal, "gemma3_text": _gemma3_refusal, "phi3": _phi3_refusal,
+              "qwen3_moe": _qwen3_moe_refusal}
     check = checks.get(config.model_type)
     return check(config) if check else None
+
+
+def _qwen3_moe_refusal(config) -> str | None:
+    if not getattr(config, "norm_topk_prob", True):
+        return ("norm_topk_prob false: llama.cpp's Qwen3-MoE always rescales the chosen experts' weights to sum "
+                "to 1 (released Qwen3-MoE models set it true)")
+    return None
 
 
 def _gemma_refusal(config) -> str | None:

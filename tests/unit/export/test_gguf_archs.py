@@ -240,3 +240,14 @@ def test_a_tied_embedding_left_to_llama_cpps_rounding_is_on_its_grid_in_memory_t
     assert tensors["token_embd.weight"].tensor_type.name == "Q6_K" and "output.weight" not in tensors
     expected, _ = expected_tensors(models("gemma2"), recipe)
     assert_same_tensors(tensors, expected)
+
+
+def test_qwen3_moe_without_normalised_routing_is_refused():
+    """llama.cpp's Qwen3-MoE always rescales the chosen experts' weights to sum to 1: a config that does not (the
+    config class's default, though released models set it) would be written as another model."""
+    from transformers import AutoConfig
+
+    moe = dict(SHAPES, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256)
+    with pytest.raises(FormatError, match="norm_topk_prob false: llama.cpp's Qwen3-MoE always rescales"):
+        check_architecture(AutoConfig.for_model("qwen3_moe", **moe, norm_topk_prob=False))
+    check_architecture(AutoConfig.for_model("qwen3_moe", **moe, norm_topk_prob=True))

@@ -317,7 +317,7 @@ def test_llama_row_order_is_llama_cpps():
 
 
 @pytest.mark.parametrize("arch, extra", [
-    ("qwen3_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256, head_dim=64)),
+    ("qwen3_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256, head_dim=64, norm_topk_prob=True)),
     ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2)),
 ])
 def test_moe_experts_are_stacked_as_llama_cpp_reads_them(tmp_path, arch, extra):
