@@ -476,7 +476,7 @@ def describe_model(writer, config, model_type: str, file_type) -> None:
     """The hyperparameters llama.cpp reads for these architectures, as its converter writes them."""
     gguf = _gguf()
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    writer.add_name(Path(getattr(config, "_name_or_path", "") or model_type).name)  # the model's, not its path
+    writer.add_name(getattr(config, "_name_or_path", "") or model_type)
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)

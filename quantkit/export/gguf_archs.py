@@ -30,6 +30,12 @@ ARCHITECTURES = {"gemma2": "GEMMA2", "gemma3_text": "GEMMA3", "phi3": "PHI3"}  #
 GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3_text": 62}
 
 
+# Keys gguf 0.17 (the lowest release quantkit supports) has no writer method for: written by name, as gguf 0.19's
+# add_sliding_window_pattern / add_rope_freq_base_swa write them
+SLIDING_WINDOW_PATTERN = "{arch}.attention.sliding_window_pattern"
+FREQ_BASE_SWA = "{arch}.rope.freq_base_swa"
+
+
 def refusal(config) -> str | None:
     """Why llama.cpp's graph for `config`'s architecture would compute another model than Hugging Face's, or None."""
     checks = {"gemma2": _gemma2_refusal, "gemma3_text": _gemma3_refusal, "phi3": _phi3_refusal,
@@ -120,7 +126,7 @@ def _describe_gemma(writer, config) -> None:
     sliding = [t == "sliding_attention" for t in _layer_types(config)]
     if any(sliding):
         writer.add_sliding_window(config.sliding_window)
-        writer.add_sliding_window_pattern(sliding)  # llama.cpp reads it per layer before its default pattern
+        writer.add_array(SLIDING_WINDOW_PATTERN.format(arch=writer.arch), sliding)  # read before its default pattern
 
 
 def _describe_gemma2(writer, config) -> None:
@@ -134,7 +140,7 @@ def _describe_gemma2(writer, config) -> None:
 def _describe_gemma3(writer, config) -> None:
     full, local = _gemma3_rope(config)
     writer.add_rope_freq_base(float(full.get("rope_theta", 1_000_000.0)))
-    writer.add_rope_freq_base_swa(float(local.get("rope_theta", 10000.0)))
+    writer.add_float32(FREQ_BASE_SWA.format(arch=writer.arch), float(local.get("rope_theta", 10000.0)))
     _linear_scaling(writer, full)  # llama.cpp scales the global layers only, as Hugging Face does
     _describe_gemma(writer, config)
 
