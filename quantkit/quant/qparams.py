@@ -254,6 +254,8 @@ def round_float_grid(weight: torch.Tensor, spec: WeightSpec, scale: torch.Tensor
 
 def empty_quantized(weight: torch.Tensor, spec: WeightSpec) -> QuantizedWeight:
     """Buffers shaped and typed like `quantize_weight(weight, spec)`'s result (to receive a broadcast)."""
+    if spec.k_quant_type:
+        return _empty_k_quantized(weight, spec)
     if spec.granularity is Granularity.BLOCK:
         shape = tuple(-(-n // b) for n, b in zip(weight.shape, spec.block_shape))
     else:
@@ -263,6 +265,21 @@ def empty_quantized(weight: torch.Tensor, spec: WeightSpec) -> QuantizedWeight:
     scale = torch.empty(shape, dtype=scale_dtype(weight, spec), device=weight.device)
     global_scale = torch.empty(1, dtype=torch.float32, device=weight.device) if spec.global_scale else None
     return QuantizedWeight(torch.empty_like(weight, dtype=qdtype), scale, zero, spec, global_scale)
+
+
+def _empty_k_quantized(weight: torch.Tensor, spec: WeightSpec) -> QuantizedWeight:
+    """A K grid's buffers: int8 codes, each sub-block's float32 step, and the grid's int8 scale (and min) codes
+    under fp16 super-block scales."""
+    from gguf import GGMLQuantizationType
+
+    from quantkit.quant.k_grids import SUPER_BLOCK, KQParams
+
+    rows, cols = weight.shape
+    empty = lambda n, dtype: torch.empty(rows, n, dtype=dtype, device=weight.device)  # noqa: E731
+    sub, supers = cols // spec.group_size, cols // SUPER_BLOCK
+    grid = KQParams(GGMLQuantizationType[spec.k_quant_type], empty(sub, torch.int8), empty(supers, torch.float16),
+                    *((empty(sub, torch.int8), empty(supers, torch.float16)) if spec.is_asymmetric else (None, None)))
+    return QuantizedWeight(empty(cols, torch.int8), empty(sub, torch.float32), None, spec, k=grid)
 
 
 def quantize_weight(weight: torch.Tensor, spec: WeightSpec, global_scale: torch.Tensor | None = None) -> QuantizedWeight:

@@ -154,7 +154,7 @@ def _solve_shared(layer: Layer, stacked: torch.Tensor, factor: InverseHessian, s
     (NVFP4's global scale is the whole weight's, the same on every rank)."""
     world, rank = layer.ctx.world_size, layer.ctx.rank
     shares = [row_share(stacked.shape[0], world, r) for r in range(world)]
-    whole = _empty_k_quantized(stacked, spec) if spec.k_quant_type else empty_quantized(stacked, spec)
+    whole = empty_quantized(stacked, spec)
     whole.global_scale = global_scale
     if shares[rank].stop > shares[rank].start:
         mine = gptq_quantize_rows(stacked[shares[rank]], factor, spec, args, global_scale, row_errors[shares[rank]])
@@ -180,20 +180,6 @@ def _tensors(qweight: QuantizedWeight) -> list[torch.Tensor]:
     grid = (qweight.k.scales, qweight.k.d, qweight.k.mins, qweight.k.dmin) if qweight.k is not None else ()
     return [t for t in (qweight.qdata, qweight.scale, qweight.zero_point, *grid) if t is not None]
 
-
-def _empty_k_quantized(weight: torch.Tensor, spec: WeightSpec) -> QuantizedWeight:
-    """Buffers shaped and typed like GPTQ's result on a K grid (to receive the other ranks' rows): int8 codes, each
-    sub-block's float32 step, and the grid's int8 scale (and min) codes under fp16 super-block scales."""
-    from gguf import GGMLQuantizationType
-
-    from quantkit.quant.k_grids import SUPER_BLOCK, KQParams
-
-    rows, cols = weight.shape
-    empty = lambda n, dtype: torch.empty(rows, n, dtype=dtype, device=weight.device)  # noqa: E731
-    sub, supers = cols // spec.group_size, cols // SUPER_BLOCK
-    grid = KQParams(GGMLQuantizationType[spec.k_quant_type], empty(sub, torch.int8), empty(supers, torch.float16),
-                    *((empty(sub, torch.int8), empty(supers, torch.float16)) if spec.is_asymmetric else (None, None)))
-    return QuantizedWeight(empty(cols, torch.int8), empty(sub, torch.float32), None, spec, k=grid)
 
 
 def split_rows(qweight: QuantizedWeight, rows: list[int]) -> list[QuantizedWeight]:
