@@ -108,7 +108,7 @@ def finalize(
     """
     launch = Launch(nproc_per_node, nnodes, node_rank, rdzv_endpoint, rdzv_backend)
     recipe = registry.with_kv_cache(registry.resolve(quantize), kv_cache)
-    fmt = registry.Format(format.value) if format else None
+    fmt = format
     src = sources.resolve_source(src, revision)  # before torch loads: a wrong SRC or DST is reported at once
     if not dry_run:
         check_destination_name(dst, fmt or recipe.format)

@@ -8,11 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-
-class FormatChoice(str, Enum):
-    compressed_tensors = "compressed-tensors"
-    torchao = "torchao"
-    gguf = "gguf"
+from quantkit.quant.registry import Format  # the formats' one list (a format is registered there and in export/)
 
 
 class DtypeChoice(str, Enum):
@@ -26,7 +22,7 @@ QuantizeOpt = Annotated[
     str, typer.Option("--quantize", "-q", help="Recipe name (see `quantkit recipes list`) or a path to a recipe .yaml file.")
 ]
 FormatOpt = Annotated[
-    Optional[FormatChoice], typer.Option("--format", help="Output format; default: the recipe's.", show_default=False)
+    Optional[Format], typer.Option("--format", help="Output format; default: the recipe's.", show_default=False)
 ]
 DtypeOpt = Annotated[DtypeChoice, typer.Option("--dtype", help="dtype to load the model in; auto keeps the checkpoint's.")]
 ThreadsOpt = Annotated[

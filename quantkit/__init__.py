@@ -19,7 +19,7 @@ import importlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
-__version__ = "0.2.0"  # the one place the version is written: pyproject.toml reads it (a release: CHANGELOG.md)
+from quantkit.version import __version__  # written in quantkit/version.py only
 __all__ = ["__version__", "evaluate", "finalize", "recipes"]
 
 if TYPE_CHECKING:

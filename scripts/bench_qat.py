@@ -10,7 +10,7 @@ What it measures, for every recipe QAT accepts (the five round-to-nearest ones; 
 process:
 
 * two models side by side with the same initial weights (`quantkit.training.loop.build_model`, seeded), one plain and
-  one with the recipe's fake quantizers installed by `quantkit.training.qat.prepare` (the plan `quantkit train
+  one with the recipe's fake quantizers installed by `quantkit.training.fake_quant.prepare` (the plan `quantkit train
   --qat-recipe` uses), each with its own AdamW and LR schedule (`quantkit.training.loop.make_optimizer`);
 * one optimizer step is `quantkit.training.loop.train_step` itself (forward + backward over the micro-batches, grad
   clipping, optimizer and scheduler step, zero_grad), fed the same batch in both models (the step's batch is
@@ -47,6 +47,7 @@ from harness import median
 from quantkit.quant import registry
 from quantkit.runtime import environment as runtime
 from quantkit.runtime.distributed import process_group
+from quantkit.quant import fake_quant
 from quantkit.training import qat
 from quantkit.training import loop as train
 from quantkit.training import config as train_config
@@ -111,13 +112,13 @@ def make_blocks(args: argparse.Namespace) -> tuple[torch.Tensor, int]:
 def make_run(config: train_config.TrainConfig, ctx, blocks: torch.Tensor, recipe_name: str | None,
              k_refresh_every: int | None = None) -> train.Run:
     """What `quantkit.training.loop.setup` builds, minus tokenizer and files: same model, plan, optimizer, schedule.
-    `k_refresh_every`: K grids searched every this many forward calls (default: qat.K_REFRESH_EVERY)."""
+    `k_refresh_every`: K grids searched every this many forward calls (default: fake_quant.K_REFRESH_EVERY)."""
     model = train.build_model(config, None)
     recipe = registry.resolve(recipe_name) if recipe_name else None
     if recipe is not None:
-        qat.prepare(model, qat.plan(model, recipe))
+        fake_quant.prepare(model, qat.plan(model, recipe))
     for module in model.modules():
-        if k_refresh_every and isinstance(module, qat.KGridFakeQuantizer):
+        if k_refresh_every and isinstance(module, fake_quant.KGridFakeQuantizer):
             module.config = dataclasses.replace(module.config, refresh_every=k_refresh_every)
     optimizer, scheduler = train.make_optimizer(model, config)
     accum = train_config.accumulation_steps(config, ctx.world_size)
@@ -136,7 +137,7 @@ def timed_step(run: train.Run, step: int) -> tuple[float, float]:
 
 def bench_recipe(config, ctx, blocks, recipe_name: str, args: argparse.Namespace) -> Result:
     plain, fake = make_run(config, ctx, blocks, None), make_run(config, ctx, blocks, recipe_name, args.k_refresh_every)
-    result = Result(recipe_name, len(qat.prepared_schemes(fake.model)))
+    result = Result(recipe_name, len(fake_quant.prepared_schemes(fake.model)))
     for step in range(args.warmup + args.pairs):
         (p, p_cpu), (q, q_cpu) = timed_step(plain, step), timed_step(fake, step)
         if step >= args.warmup:
@@ -211,7 +212,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--text", type=Path, default=DEFAULT_TEXT, help="with --data text")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--k-refresh-every", type=int, default=0,
-                   help="K grids (gguf-q*-k*): searched every N training forward calls (default: qat.K_REFRESH_EVERY)")
+                   help="K grids (gguf-q*-k*): searched every N training forward calls (default: fake_quant.K_REFRESH_EVERY)")
     p.add_argument("--profile", action="store_true", help="also profile 3 QAT steps per recipe (to stderr)")
     p.add_argument("--json", type=Path, help="write the settings and every measurement here")
     return p.parse_args(argv)

@@ -15,7 +15,7 @@ cd "$(dirname "$0")/.."
 WHEEL=$(realpath "${1:?usage: scripts/wheel_smoke.sh WHEEL}")
 PYTHON=${PYTHON:-python3}
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
-VERSION=$(sed -n 's/^__version__ = "\([^"]*\)".*/\1/p' quantkit/__init__.py)
+VERSION=$(sed -n 's/^__version__ = "\([^"]*\)".*/\1/p' quantkit/version.py)
 RECIPES=$(git ls-files 'recipes/*.yaml' | wc -l)
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/quantkit-wheel-smoke.XXXXXX")
 [ "${KEEP:-0}" = 1 ] || trap 'rm -rf "$WORK"' EXIT

@@ -211,14 +211,14 @@ def _on_device(model: nn.Module, device: torch.device):
 def _fake_quantized(model: nn.Module, plan: list[ModulePlan], recipe: Recipe):
     """Every planned Linear computing with the recipe's fake-quantized activations, and weights unless GPTQ or
     AutoRound rounds them later on a scheme whose activations are quantized, for the block."""
-    from quantkit.training import qat
+    from quantkit.quant import fake_quant
 
-    qat.prepare(model, plan)
+    fake_quant.prepare(model, plan)
     if recipe.quantizer.name is not Algorithm.RTN and recipe.scheme.activations is not None:
         for module in model.modules():
-            if isinstance(module, qat.QATLinear):
+            if isinstance(module, fake_quant.QATLinear):
                 module.weight_fake_quantizer.enabled = False
     try:
         yield
     finally:
-        qat.strip(model)
+        fake_quant.strip(model)

@@ -131,6 +131,11 @@ def experts_caveat(model: nn.Module, recipe: Recipe) -> str | None:
             "float8-dynamic-act-float8-weight write MoE experts both load")
 
 
+def notes(skeleton: nn.Module, recipe: Recipe) -> list[str]:
+    """The summary's caveats: what plain transformers cannot load or run of what this recipe writes."""
+    return [note for note in (experts_caveat(skeleton, recipe), loading_caveat(recipe)) if note]
+
+
 def experts_load_problem(config: dict) -> str | None:
     """Why plain transformers cannot run the MoE experts of the compressed-tensors artifact whose config.json is
     `config`, or None (not MoE, not compressed-tensors, or a format it loads right)."""

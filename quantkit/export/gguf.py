@@ -21,17 +21,18 @@ import numpy as np
 import torch
 from torch import nn
 
+from quantkit.algorithms import Algorithm  # the names of the steps (the enum alone: exporters never quantize)
 from quantkit.errors import ExportError, FormatError
 from quantkit.models import moe
 from quantkit.runtime import placement
-from quantkit.export import SINGLE_FILES, gguf_archs, gguf_vocab
+from quantkit.export import FORMATS, gguf_archs, gguf_vocab
 from quantkit.quant.plan import ModulePlan
 from quantkit.quant.qparams import QParams, has_fp16_minimum
 from quantkit.quant.quantized_model import QuantizedModel
-from quantkit.quant.registry import Format, Recipe
+from quantkit.quant.registry import AlgorithmStep, Format, Recipe
 from quantkit.quant.schemes import Granularity, QDtype, QuantScheme, ScaleDtype, WeightSpec
 
-FILENAME = SINGLE_FILES[Format.GGUF]  # the artifact inside the temporary directory; `atomic` moves it to DST
+FILENAME = FORMATS[Format.GGUF].single_file  # the artifact inside the temporary directory; `atomic` moves it to DST
 SPILL = "tensors.spill"
 
 # Hugging Face model_type -> llama.cpp's architecture. Mistral's dense models are llama's graph in llama.cpp;
@@ -78,7 +79,7 @@ def _nearest(spec: WeightSpec) -> str:
     return "Q4_0 or Q8_0 (symmetric int4 / int8 in groups of a multiple of 32: recipes gguf-q4-0, gguf-q8-0)"
 
 
-def for_gguf(recipe: Recipe) -> Recipe:
+def for_format(recipe: Recipe) -> Recipe:
     """The recipe as it quantizes for a GGUF file: an integer grid's scales chosen on fp16, the dtype GGUF stores
     them in, so the grid the algorithm rounds onto is the one in the file (bf16 scales are not all fp16 values)."""
     from dataclasses import replace
@@ -92,8 +93,8 @@ def for_gguf(recipe: Recipe) -> Recipe:
 
 def unsupported(recipe: Recipe) -> str | None:
     """Why GGUF cannot hold the recipe, or None. The weights' grid must be one a GGML type holds exactly (after
-    `for_gguf`); activations and the KV cache are llama.cpp's own business; online rotations it does not apply."""
-    spec = for_gguf(recipe).scheme.weights
+    `for_format`); activations and the KV cache are llama.cpp's own business; online rotations it does not apply."""
+    spec = for_format(recipe).scheme.weights
     if recipe.scheme.activations is not None:
         return ("GGUF holds weight-only schemes (llama.cpp quantizes activations its own way); "
                 f"for these weights use {_nearest(spec)}")
@@ -103,7 +104,7 @@ def unsupported(recipe: Recipe) -> str | None:
         return "llama.cpp does not apply online rotations (R4); use the fused ones only (R1, R2)"
     if ggml_type(spec) is None:
         return f"no GGUF type holds {spec.describe()} exactly; the nearest is {_nearest(spec)}"
-    if has_fp16_minimum(spec) and any(step.name.value == "autoround" for step in recipe.steps):
+    if has_fp16_minimum(spec) and any(step.name is Algorithm.AUTOROUND for step in recipe.steps):
         return (f"AutoRound learns scales and minimums that {ggml_type(spec).name}'s fp16 minimum does not hold "
                 "exactly: use gptq, awq or rtn for it, or AutoRound on Q4_0 (autoround-w4a16 --format gguf)")
     return None
@@ -122,6 +123,24 @@ def check_architecture(config) -> None:
                           "use --format compressed-tensors")
 
 
+def check_model(src: Path, config, skeleton: nn.Module) -> None:
+    """The architecture (`check_architecture`) and the tokenizer (`gguf_vocab.check_tokenizer`) llama.cpp is told
+    about, refused before any weight is read where quantkit cannot describe them right."""
+    check_architecture(config)
+    gguf_vocab.check_tokenizer(src, config.vocab_size)
+
+
+def qat_recipe(recipe: Recipe) -> Recipe:
+    """A recipe on K grids calibrated by GPTQ alone (gguf-q4-k-m, ...) trains and converts rounding to nearest on the
+    same grids: llama.cpp's own quantizer, a function of the weights, so what training sees is what the file holds;
+    GPTQ would move the trained weights off the grid they learned (and want calibration data)."""
+    from dataclasses import replace
+
+    if recipe.scheme.weights.k_quant_type and [step.name for step in recipe.steps] == [Algorithm.GPTQ]:
+        return replace(recipe, steps=(AlgorithmStep(Algorithm.RTN),))
+    return recipe
+
+
 # llama.cpp's types for a row that is not whole K super-blocks (`tensor_type_fallback`, llama-quant.cpp): blocks of
 # 32, symmetric, fp16 scales. Q5_K's fallback, Q5_1, has a float minimum quantkit's grids do not hold: F16 instead.
 # llama.cpp's tensor_type_fallback: (dtype, symmetric) of Q4_0, Q5_0, Q5_1 and Q8_0 blocks of 32
@@ -129,7 +148,7 @@ K_FALLBACKS = {"Q2_K": (QDtype.INT4, True), "Q3_K": (QDtype.INT4, True), "Q4_K":
                "Q5_K": (QDtype.INT5, False), "Q6_K": (QDtype.INT8, True)}
 
 
-def plan_for_gguf(plan: list[ModulePlan], recipe: Recipe, config) -> list[ModulePlan]:
+def adapt_plan(plan: list[ModulePlan], recipe: Recipe, config) -> list[ModulePlan]:
     """The plan as GGUF holds it: a llama.cpp mixture's per-tensor types (`gguf_mixtures`) on the Linears it names;
     a K type on a Linear whose input size is not whole 256-weight super-blocks falls back as llama.cpp's does
     (Q4_0, Q5_0, Q5_1 or Q8_0 blocks of 32: K_FALLBACKS); a Linear no block fits (its input size not a multiple of 32)

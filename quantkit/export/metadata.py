@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from quantkit.quant.registry import Format, Recipe
-import quantkit
+from quantkit.version import __version__
 
 if TYPE_CHECKING:  # no torch at import: `quantkit --version` and eval's reads of quantkit.json
     from quantkit.quant.plan import ModulePlan
@@ -21,7 +21,7 @@ _PACKAGES = ("torch", "transformers", "compressed-tensors", "torchao", "safetens
 def versions() -> dict[str, str]:
     """quantkit's version and those of the libraries an artifact depends on, from the installed packages' metadata
     (nothing is imported): quantkit.json's `versions`, and `quantkit --version`."""
-    found = {"quantkit": quantkit.__version__}
+    found = {"quantkit": __version__}
     for name in _PACKAGES:
         try:
             found[name] = importlib_metadata.version(name)
@@ -49,7 +49,7 @@ def build(recipe: Recipe, fmt: Format, plan: list[ModulePlan], source: Path, fin
     trained = read(source) or {}
     qat = trained.get("qat")
     return {
-        "quantkit_version": quantkit.__version__,
+        "quantkit_version": __version__,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "recipe": recipe.to_dict(),
         "scheme": recipe.scheme.describe(),

@@ -1,9 +1,9 @@
 """torchao output: tensor subclasses saved as safetensors through transformers' TorchAo integration.
 
 The recipe's scheme maps to the torchao config of the same grid; transformers quantizes each Linear with it
-while loading, on the current device. So this format's quantization is its load: `load_quantized` (the one
-exporter function beyond the `Exporter` protocol) gives the converted model, and `finalize` skips its own
-round-to-nearest. Tests check that torchao's dequantized weights equal the scheme's.
+while loading, on the current device. So this format's quantization is its load: `load_quantized` (a hook of
+`export.Hooks`) gives the converted model, and `finalize` skips its own round-to-nearest; the model is loaded
+whole (no `StreamWriter`). Tests check that torchao's dequantized weights equal the scheme's.
 
 Float grids: torchao's NVFP4 and FP8-block arithmetic (group / block maxima, the global scale, the division by
 the scales) runs in float32, compressed-tensors' (which the scheme follows) in the model's dtype. On float32
@@ -26,6 +26,10 @@ if TYPE_CHECKING:
     from torch import nn
 
 
+WHOLE_MODEL = "transformers converts to torchao while it loads"
+LOAD_AND_WRITE_COPIES = 1.75  # the preflight's RAM estimate, in copies of the model's bytes
+
+
 def unsupported(recipe: Recipe) -> str | None:
     if recipe.kv_cache is not None:
         return "torchao artifacts carry no KV cache scales (--kv-cache); they are compressed-tensors' kv_cache_scheme"
@@ -43,6 +47,15 @@ def unsupported(recipe: Recipe) -> str | None:
     except ValueError as exc:
         return str(exc)
     return None
+
+
+def check_model(src: Path, config, skeleton: nn.Module) -> None:
+    from quantkit.errors import FormatError
+    from quantkit.models import moe
+
+    if moe.experts_modules(skeleton):
+        raise FormatError(f"{src} is a mixture-of-experts model; quantkit writes MoE experts as compressed-tensors only: "
+                          "use --format compressed-tensors")
 
 
 def torchao_config(scheme: QuantScheme):
@@ -130,6 +143,15 @@ def qat_mismatch(scheme: QuantScheme) -> str | None:
         return "torchao's NVFP4 gives each Linear its own global scale and divides in float32"
     if w.granularity is Granularity.BLOCK:
         return "torchao's FP8 blocks divide in float32"
+    return None
+
+
+def required_dtype(recipe: Recipe) -> tuple[str, str] | None:
+    """torchao's FP8 tensors (per row, per block) and its FP4 / MX tensors take bfloat16 weights alone."""
+    if recipe.scheme.weights.dtype is QDtype.FLOAT8:
+        return "bfloat16", "torchao's FP8 tensors take bfloat16 weights"
+    if recipe.scheme.weights.sixteen_bit:
+        return "bfloat16", "torchao's FP4 / MX tensors take bfloat16 weights"
     return None
 
 

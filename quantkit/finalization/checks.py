@@ -16,12 +16,11 @@ import torch
 from torch import nn
 
 from quantkit.errors import FormatError, HardwareError, UsageError
-from quantkit.export import atomic, check_destination_name, check_supported, metadata, single_file
+from quantkit.export import atomic, check_destination_name, check_supported, exporter, metadata, single_file
 from quantkit.models import loading as models
 from quantkit.models import moe, sources
 from quantkit.quant.plan import ModulePlan, coverage, plan_model
 from quantkit.quant.registry import Format, Recipe
-from quantkit.quant.schemes import QDtype
 from quantkit.runtime import hardware
 
 CHECKPOINT_EVERY = 600.0  # seconds between the resume state's checkpoints, by default: at most this much work is lost
@@ -92,23 +91,13 @@ def prepare(
     trained = check_qat_recipe(src, recipe, fmt, force_recipe)
     recipe = convert_recipe(recipe, trained)
     config = models.load_config(src, trust_remote_code)
-    if fmt is Format.GGUF:
-        from quantkit.export.gguf import check_architecture
-        from quantkit.export.gguf_vocab import check_tokenizer
-
-        check_architecture(config)
-        check_tokenizer(src, config.vocab_size)
     skeleton = moe.linearize(models.meta_model(config, trust_remote_code))
-    plan = _check_model(src, skeleton, recipe, fmt)
-    if fmt is Format.GGUF:
-        from quantkit.export.gguf import plan_for_gguf
-        plan = plan_for_gguf(plan, recipe, config)
+    exporter(fmt).check_model(src, config, skeleton)
+    plan = exporter(fmt).adapt_plan(_check_model(src, skeleton, recipe), recipe, config)
     rotator = _check_rotations(skeleton, recipe, trained)
     report = coverage(skeleton, plan)
-    if fmt is Format.COMPRESSED_TENSORS:
-        from quantkit.export.compressed_tensors import experts_caveat, loading_caveat
-
-        report["notes"] = [note for note in [experts_caveat(skeleton, recipe), loading_caveat(recipe)] if note]
+    if notes := exporter(fmt).notes(skeleton, recipe):
+        report["notes"] = notes
     prepared = Prepared(src=src, format=fmt, plan=plan, coverage=report, shard_bytes=shard_bytes, rotator=rotator,
                         recipe=recipe)
     prepared.loading = _whole_model_reason(src, fmt, skeleton, in_memory, rotator is not None,
@@ -118,18 +107,14 @@ def prepare(
         prepared.samples = calibration_samples(src, recipe, options, trust_remote_code, config)
         prepared.samples_options = options
     if dst is not None:
-        if recipe.needs_calibration and fmt is not Format.TORCHAO:
+        if recipe.needs_calibration:
             prepared.work_dir, prepared.resume = atomic.work_dir(Path(dst)), resume
         atomic.check_work_dir(Path(dst), resume)
     return prepared
 
 
-def _check_model(src: Path, skeleton: nn.Module, recipe: Recipe, fmt: Format) -> list[ModulePlan]:
-    """What the model's module tree allows: MoE experts in torchao, a KV cache scheme, a plan that quantizes
-    something. Returns the plan."""
-    if fmt is Format.TORCHAO and moe.experts_modules(skeleton):
-        raise FormatError(f"{src} is a mixture-of-experts model; quantkit writes MoE experts as compressed-tensors only: "
-                          "use --format compressed-tensors")
+def _check_model(src: Path, skeleton: nn.Module, recipe: Recipe) -> list[ModulePlan]:
+    """What the model's module tree allows: a KV cache scheme, a plan that quantizes something. Returns the plan."""
     if recipe.kv_cache is not None:
         from quantkit.quant import kv_cache
         kv_cache.check_model(skeleton, models.decoder_layers(skeleton))
@@ -174,25 +159,22 @@ def check_qat_recipe(src: Path, recipe: Recipe, fmt: Format, force: bool = False
             f"{src} was trained with --qat-recipe {name}; finalize it with --quantize {name}, "
             f"or pass --force-recipe to quantize it under {recipe.name} anyway"
         )
-    if fmt is Format.TORCHAO:
-        from quantkit.export.torchao import qat_mismatch
-
-        if mismatch := qat_mismatch(recipe.scheme):
-            raise FormatError(f"{src} was trained with QAT on the scheme's grid, which {mismatch}: "
-                              "use --format compressed-tensors, which keeps the trained weights exactly")
+    if mismatch := exporter(fmt).qat_mismatch(recipe.scheme):
+        keeping = [f.value for f in Format if f is not fmt and exporter(f).unsupported(recipe) is None
+                   and exporter(f).qat_mismatch(recipe.scheme) is None]
+        hint = f": use --format {keeping[0]}, which keeps the trained weights exactly" if keeping else ""
+        raise FormatError(f"{src} was trained with QAT on the scheme's grid, which {mismatch}{hint}")
     return trained["recipe"]
 
 
 def convert_recipe(recipe: Recipe, trained: dict | None) -> Recipe:
     """The recipe `finalize` runs on a model QAT trained under `recipe`'s scheme (`trained`: its QAT recipe, or
-    None): the convert step QAT trained for (`qat.training_recipe`: a GGUF K recipe rounds to nearest on its K
-    grids instead of running GPTQ, so the file holds the grid training saw, and needs no calibration data).
+    None): the convert step QAT trained for (the format's `qat_recipe`: a GGUF K recipe rounds to nearest on its
+    K grids instead of running GPTQ, so the file holds the grid training saw, and needs no calibration data).
     A model trained without QAT, or forced under another scheme, is quantized by `recipe` itself."""
     if trained is None or trained["scheme"] != recipe.to_dict()["scheme"]:
         return recipe
-    from quantkit.training.qat import training_recipe
-
-    return training_recipe(recipe)
+    return exporter(recipe.format).qat_recipe(recipe)
 
 
 def _whole_model_reason(src: Path, fmt: Format, skeleton: nn.Module, in_memory: bool, rotated: bool = False,
@@ -204,8 +186,8 @@ def _whole_model_reason(src: Path, fmt: Format, skeleton: nn.Module, in_memory: 
         return "whole model in memory (--in-memory)"
     if learned:
         return "whole model in memory: the rotations are learned on the whole model"
-    if fmt is Format.TORCHAO:
-        return "whole model in memory: transformers converts to torchao while it loads"
+    if exporter(fmt).StreamWriter is None:
+        return f"whole model in memory: {exporter(fmt).WHOLE_MODEL}"
     if rotated and skeleton.get_output_embeddings() is not None and \
             skeleton.get_output_embeddings().weight is skeleton.get_input_embeddings().weight:
         return "whole model in memory: the rotations untie the tied embeddings and lm_head"
@@ -252,59 +234,52 @@ def check_seq_len(src: Path, config, seq_len: int, recipe_name: str | None = Non
 
 
 def artifact_dtype(prepared: Prepared, recipe: Recipe, dtype: str, trust_remote_code: bool = False) -> str:
-    """The dtype to quantize in. FP4 and MX artifacts are 16-bit: compressed-tensors decompresses their weights to
-    bfloat16 (a float32 model then fails in plain transformers) and vLLM's FP4 / MX kernels take 16-bit activations,
-    so a float32 source becomes a bfloat16 artifact (noted in the summary); torchao's FP4 / MX tensors take bfloat16
-    only, so in that format a float16 source does too. torchao's FP8 tensors (per row, per block) take bfloat16
-    weights alone, so an FP8 torchao artifact is bfloat16 too."""
-    if prepared.format is Format.TORCHAO and recipe.scheme.weights.dtype is QDtype.FLOAT8:
-        return _torchao_float8_dtype(prepared, recipe, dtype, trust_remote_code)
+    """The dtype to quantize in. A format may hold the recipe's weights in one dtype only (`required_dtype`:
+    torchao's FP8, FP4 and MX tensors take bfloat16). Otherwise FP4 and MX artifacts are 16-bit: compressed-tensors
+    decompresses their weights to bfloat16 (a float32 model then fails in plain transformers) and vLLM's FP4 / MX
+    kernels take 16-bit activations, so a float32 source becomes a bfloat16 artifact (noted in the summary)."""
+    if required := exporter(prepared.format).required_dtype(recipe):
+        return _required_dtype(prepared, recipe, dtype, *required, trust_remote_code)
     if not recipe.scheme.weights.sixteen_bit:
         return dtype
-    if prepared.format is Format.TORCHAO and dtype == "float16":
-        raise UsageError(f"recipe '{recipe.name}' in format torchao: torchao's FP4 / MX tensors take bfloat16 weights; "
-                         "pass --dtype bfloat16, or leave --dtype auto")
     if dtype == "float32":
         raise UsageError(f"recipe '{recipe.name}' writes FP4 / MX weights, which load and run in 16 bits; "
                          "pass --dtype bfloat16 (or float16), or leave --dtype auto")
     if dtype != "auto":
         return dtype
-    from quantkit.models.streaming import model_dtype
-
-    source = model_dtype(prepared.src, models.load_config(prepared.src, trust_remote_code), "auto")
-    if source is torch.bfloat16 or (source is torch.float16 and prepared.format is not Format.TORCHAO):
+    if _source_dtype(prepared, trust_remote_code) in (torch.bfloat16, torch.float16):
         return dtype
-    note = ("a float32 model: the artifact is bfloat16 (FP4 / MX weights load and run in 16 bits)" if source is torch.float32
-            else "a float16 model: the torchao artifact is bfloat16 (torchao's FP4 / MX tensors take bfloat16 weights)")
-    prepared.coverage.setdefault("notes", []).append(note)
+    prepared.coverage.setdefault("notes", []).append(
+        "a float32 model: the artifact is bfloat16 (FP4 / MX weights load and run in 16 bits)")
     return "bfloat16"
 
 
-def _torchao_float8_dtype(prepared: Prepared, recipe: Recipe, dtype: str, trust_remote_code: bool) -> str:
-    if dtype not in ("auto", "bfloat16"):
-        raise UsageError(f"recipe '{recipe.name}' in format torchao: torchao's FP8 tensors take bfloat16 weights; "
-                         "pass --dtype bfloat16, or leave --dtype auto")
+def _required_dtype(prepared: Prepared, recipe: Recipe, dtype: str, required: str, why: str,
+                    trust_remote_code: bool) -> str:
+    if dtype not in ("auto", required):
+        raise UsageError(f"recipe '{recipe.name}' in format {prepared.format.value}: {why}; "
+                         f"pass --dtype {required}, or leave --dtype auto")
+    source = _source_dtype(prepared, trust_remote_code)
+    if dtype == "auto" and source is not getattr(torch, required):
+        prepared.coverage.setdefault("notes", []).append(
+            f"a {str(source).removeprefix('torch.')} model: the {prepared.format.value} artifact is {required} ({why})")
+    return required
+
+
+def _source_dtype(prepared: Prepared, trust_remote_code: bool) -> torch.dtype:
     from quantkit.models.streaming import model_dtype
 
-    source = model_dtype(prepared.src, models.load_config(prepared.src, trust_remote_code), "auto")
-    if dtype == "auto" and source is not torch.bfloat16:
-        prepared.coverage.setdefault("notes", []).append(
-            f"a {str(source).removeprefix('torch.')} model: the torchao artifact is bfloat16 (torchao's FP8 tensors take bfloat16 weights)")
-    return "bfloat16"
+    return model_dtype(prepared.src, models.load_config(prepared.src, trust_remote_code), "auto")
 
 
 # ------------------------------------------------- the hardware a recipe's kernels need in a format
 
 
 def needed_capability(recipe: Recipe, fmt: Format) -> str | None:
-    """The CUDA compute capability `recipe` needs in `fmt`: the recipe's `requires`, or what torchao's kernels need
-    for the scheme's config (so a user recipe without `requires` is checked too), whichever is higher."""
-    needs = [recipe.requirement(fmt).cuda_capability]
-    if fmt is Format.TORCHAO:
-        from quantkit.export import torchao
-
-        needs.append(torchao.cuda_capability(recipe.scheme))
-    needs = [need for need in needs if need]
+    """The CUDA compute capability `recipe` needs in `fmt`: the recipe's `requires`, or what the format's kernels
+    need for the scheme (`cuda_capability`: a user recipe without `requires` is checked too), whichever is higher."""
+    needs = [need for need in (recipe.requirement(fmt).cuda_capability, exporter(fmt).cuda_capability(recipe.scheme))
+             if need]
     return max(needs, key=_version) if needs else None
 
 

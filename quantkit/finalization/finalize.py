@@ -110,10 +110,9 @@ def quantize(
     samples = prepared_samples(prepared, recipe, options, trust_remote_code)
     plan, dtype = prepared.plan, prepared.dtype
     with progress.task(f"Quantizing ({recipe.name}, {prepared.format.value})", total=sum(e.quantized for e in plan)) as advance:
-        if prepared.format is Format.TORCHAO:  # torchao converts while transformers loads: its load is the quantization
-            from quantkit.export import torchao
-
-            return QuantizedModel(torchao.load_quantized(prepared.src, plan, dtype, trust_remote_code), plan, recipe)
+        converted = exporter(prepared.format).load_quantized(prepared.src, plan, dtype, trust_remote_code)
+        if converted is not None:  # torchao: transformers converts while it loads, so its load is the quantization
+            return QuantizedModel(converted, plan, recipe)
         model = moe.linearize(models.load_model(prepared.src, dtype, trust_remote_code))
         if prepared.rotator is not None:
             if prepared.rotator.learning is not None:
@@ -195,11 +194,11 @@ def _resumable(prepared: Prepared, recipe: Recipe, samples, options: Calibration
     import json
 
     from quantkit.calibration import resume
-    import quantkit
+    from quantkit.version import __version__
 
     recipe_hash = hashlib.sha256(json.dumps(recipe.to_dict(), sort_keys=True).encode()).hexdigest()[:12]
     fingerprint = {
-        "quantkit version": quantkit.__version__,
+        "quantkit version": __version__,
         "source": f"{prepared.src} ({resume.source_identity(prepared.src)})",
         "recipe": f"{recipe.name} ({recipe_hash})",
         "format": prepared.format.value,

@@ -15,15 +15,15 @@ of the run's phases:
   calibration work of a layer. On a Llama-3.1-8B-shaped checkpoint (16 GB) the measured peak of
   round-to-nearest was the fixed cost plus the embeddings and lm_head (2.1 GB);
 - loaded whole (`--in-memory`, torchao, a checkpoint transformers converts): the model held once, plus a
-  transient copy of it while transformers loads it and the exporter packs it (LOAD_AND_WRITE_COPIES; torchao
-  converts while loading, so its transient is smaller);
+  transient copy of it while transformers loads it and the exporter packs it (the format's LOAD_AND_WRITE_COPIES,
+  `export.Hooks`; torchao converts while loading, so its transient is smaller);
 - calibration: (loaded whole) the grid integers of every finished layer (one byte per quantized weight, kept until written),
   the calibration hidden states of this rank (inputs and outputs of a layer), one batch's activations inside
   the widest layer, and the Hessian accumulators of a layer (float64 upper triangles) plus GPTQ's float32 work
   copies; GPTQ on the CPU also holds down_proj's inputs for every batch where they take at most a share of the machine's memory
   (`runtime.placement.holds_stage_inputs`; else they are computed again batch by batch).
 
-LOAD_AND_WRITE_COPIES was measured with `/usr/bin/time` on Llama models of 20M (float32) to 270M parameters (bf16):
+The formats' LOAD_AND_WRITE_COPIES were measured with `/usr/bin/time` on Llama models of 20M (float32) to 270M parameters (bf16):
 the peak above the fixed cost was 1.8 to 2.8 times the model for compressed-tensors (allocator reuse varies from
 run to run), 1.5 to 1.8 times for torchao. `tests/integration/test_preflight.py` checks the estimate against
 measured runs. Time is measured, not
@@ -46,9 +46,8 @@ from pathlib import Path
 from quantkit.algorithms import Algorithm
 from quantkit.models import sources
 from quantkit.quant.plan import ModulePlan
-from quantkit.quant.registry import AlgorithmStep, Format, Recipe
+from quantkit.quant.registry import AlgorithmStep, Recipe
 
-LOAD_AND_WRITE_COPIES = {Format.COMPRESSED_TENSORS: 2.3, Format.TORCHAO: 1.75}
 STREAMED_LAYER_COPIES = 3
 # float32 copies of the widest Linear that rounding it to nearest holds at once, measured on a Llama-3.1-8B layer
 # (down_proj, 14336 x 4096: the growth of VmHWM while round_to_nearest quantizes the layer): an integer
@@ -95,7 +94,7 @@ def estimate(prepared, recipe: Recipe, options, world_size: int, dst: str | Path
         rounding = 0 if recipe.needs_calibration else rounding_bytes(_first_layer(prepared.plan))
         ram["one decoder layer (read, quantized, packed)"] = max(STREAMED_LAYER_COPIES * layer, layer + rounding)
     else:
-        ram["model and its transient copy while loading and writing"] = int(LOAD_AND_WRITE_COPIES[prepared.format] * model_bytes)
+        ram["model and its transient copy while loading and writing"] = int(write.LOAD_AND_WRITE_COPIES * model_bytes)
     if prepared.rotator is not None:  # float64 copies of CHUNK_ROWS rows of the widest weight (`algorithms.rotation`)
         from quantkit.algorithms.rotation import CHUNK_ROWS
 

@@ -25,8 +25,9 @@ STATE_FILE = "trainer_state.pt"
 
 
 def save_model_dir(model: nn.Module, tokenizer, out: Path, info: dict[str, Any]) -> None:
-    from quantkit.training import qat
-    with qat.stripped(model):
+    from quantkit.quant import fake_quant
+
+    with fake_quant.stripped(model):
         model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     metadata.write(out, info)

@@ -117,6 +117,7 @@ def make_optimizer(model: nn.Module, config: TrainConfig):
 
 
 def setup(config: TrainConfig, ctx: Context, recipe: Recipe | None, resume_from: Path | None) -> Run:
+    from quantkit.quant import fake_quant
     from quantkit.training import qat
 
     found = resolve_sources(config)
@@ -130,7 +131,7 @@ def setup(config: TrainConfig, ctx: Context, recipe: Recipe | None, resume_from:
         rotator.check(model)
         rotator.rotate_model(model)
     if recipe is not None:  # fake quantizers go in before the optimizer is built, on the plan finalize writes
-        qat.prepare(model, qat.plan(model, recipe))
+        fake_quant.prepare(model, qat.plan(model, recipe))
     model.to(ctx.device)
     trained = model
     if ctx.distributed:

@@ -143,15 +143,15 @@ def test_qat_train_finalize_reload(workspace, recipe, tmp_path):
     from quantkit.finalization.finalize import finalize
     from quantkit.models.loading import load_model
     from quantkit.quant.plan import plan_model
-    from quantkit.training import qat
+    from quantkit.quant import fake_quant
 
     rec = registry.resolve(recipe)
     result = train(train_config.from_dict({**config_dict(workspace, f"qat-{recipe}", max_steps=3), "qat_recipe": recipe}))
     assert json.loads((result.final_dir / "quantkit.json").read_text())["qat"]["recipe"]["name"] == recipe
 
     trained = load_model(result.final_dir, dtype="float32")  # float weights; prepare as in training
-    qat.prepare(trained, plan_model(trained, rec))
-    seen = qat.fake_quantized_weights(trained)
+    fake_quant.prepare(trained, plan_model(trained, rec))
+    seen = fake_quant.fake_quantized_weights(trained)
 
     artifact = finalize(result.final_dir, tmp_path / "artifact", rec).dst
     script = Path(__file__).with_name("reload_plain.py")
@@ -212,6 +212,7 @@ def test_qat_train_finalize_gguf(workspace, recipe, types, tmp_path):
     from quantkit.finalization.finalize import finalize
     from quantkit.models.loading import load_model
     from quantkit.quant.k_grids import quantize_k
+    from quantkit.quant import fake_quant
     from quantkit.training import qat
 
     k_model = {"hidden_size": 256, "intermediate_size": 352}  # q/k/v/o, gate/up: whole K super-blocks; down: falls back
@@ -223,8 +224,8 @@ def test_qat_train_finalize_gguf(workspace, recipe, types, tmp_path):
 
     trained = load_model(result.final_dir, dtype="float32").eval()
     embedding = trained.get_input_embeddings().weight.detach().clone()
-    qat.prepare(trained, qat.plan(trained, registry.resolve(recipe)))
-    seen = _as_llama_cpp(qat.fake_quantized_weights(trained), trained.config)
+    fake_quant.prepare(trained, qat.plan(trained, registry.resolve(recipe)))
+    seen = _as_llama_cpp(fake_quant.fake_quantized_weights(trained), trained.config)
 
     out = finalize(result.final_dir, tmp_path / "qat.gguf", registry.resolve(recipe))
     assert out.calibration is None and out.recipe.steps[0].name.value == "rtn"

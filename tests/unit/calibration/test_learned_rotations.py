@@ -101,10 +101,10 @@ def test_for_gptq_with_quantized_activations_the_weights_stay_float_while_learni
     original = learned_rotations._loss_and_gradients
 
     def spy(model, *args):
-        from quantkit.training import qat
+        from quantkit.quant import fake_quant
 
         seen.extend((m.weight_fake_quantizer.enabled, m.activation_fake_quantizer is not None)
-                    for m in model.modules() if isinstance(m, qat.QATLinear))
+                    for m in model.modules() if isinstance(m, fake_quant.QATLinear))
         return original(model, *args)
 
     monkeypatch.setattr(learned_rotations, "_loss_and_gradients", spy)

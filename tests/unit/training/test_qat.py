@@ -15,6 +15,7 @@ from quantkit.quant import registry
 from quantkit.quant.plan import plan_model
 from quantkit.quant.qparams import fake_quantize_weight, fused_global_scales
 from quantkit.quant.schemes import Granularity, QDtype, QuantScheme, ScaleDtype, WeightSpec
+from quantkit.quant import fake_quant
 from quantkit.training import qat
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -65,7 +66,7 @@ def _loss(model, seed=0):
 def test_fake_quantized_weight_equals_qparams(name, dtype):
     scheme = registry.resolve(name).scheme
     weight = _weight(dtype)
-    module = qat.QATLinear(_linear(weight), scheme)
+    module = fake_quant.QATLinear(_linear(weight), scheme)
     torch.testing.assert_close(module.fake_quantized_weight(), _artifact_grid(weight, scheme.weights), **EXACT)
 
 
@@ -83,7 +84,7 @@ def test_fake_quantized_weight_equals_qparams(name, dtype):
 )
 def test_grids_beyond_the_shipped_recipes_are_exact(spec, dtype):
     weight = _weight(dtype)
-    module = qat.QATLinear(_linear(weight), QuantScheme(spec))
+    module = fake_quant.QATLinear(_linear(weight), QuantScheme(spec))
     torch.testing.assert_close(module.fake_quantized_weight(), fake_quantize_weight(weight, spec), **EXACT)
 
 
@@ -91,7 +92,7 @@ def test_configs_use_torchao_where_it_is_exact_and_quantkit_elsewhere():
     from torchao.quantization.qat import Float8FakeQuantizeConfig, IntxFakeQuantizeConfig
 
     def kinds(name):
-        return tuple(type(c).__name__ for c in qat.fake_quantize_configs(registry.resolve(name).scheme))
+        return tuple(type(c).__name__ for c in fake_quant.fake_quantize_configs(registry.resolve(name).scheme))
 
     assert {name: kinds(name) for name in RECIPES} == {
         "float8-dynamic-act-float8-weight": (Float8FakeQuantizeConfig.__name__,) * 2,
@@ -120,12 +121,12 @@ def test_configs_use_torchao_where_it_is_exact_and_quantkit_elsewhere():
         "gguf-q5-k-m": ("NoneType", "KGridFakeQuantizeConfig"),
     }
     asym = WeightSpec(QDtype.INT4, Granularity.GROUP, 32, symmetric=False)
-    assert isinstance(qat.fake_quantize_configs(QuantScheme(asym))[1], qat.GridFakeQuantizeConfig)
+    assert isinstance(fake_quant.fake_quantize_configs(QuantScheme(asym))[1], fake_quant.GridFakeQuantizeConfig)
 
 
 def test_model_dtype_scales_follow_a_later_cast():
     scheme = registry.resolve("int4-weight-only").scheme
-    module = qat.QATLinear(_linear(_weight(torch.float32)), scheme).to(torch.bfloat16)
+    module = fake_quant.QATLinear(_linear(_weight(torch.float32)), scheme).to(torch.bfloat16)
     expected = fake_quantize_weight(module.weight.data, scheme.weights)
     torch.testing.assert_close(module.fake_quantized_weight(), expected, **EXACT)
 
@@ -133,13 +134,13 @@ def test_model_dtype_scales_follow_a_later_cast():
 @pytest.mark.parametrize("name", ["grid", *RECIPES])
 def test_fake_quantizers_are_straight_through(name):
     if name == "grid":
-        configs = [qat.GridFakeQuantizeConfig(WeightSpec(QDtype.INT4, Granularity.GROUP, 32, symmetric=False))]
+        configs = [fake_quant.GridFakeQuantizeConfig(WeightSpec(QDtype.INT4, Granularity.GROUP, 32, symmetric=False))]
     else:
-        configs = [c for c in qat.fake_quantize_configs(registry.resolve(name).scheme) if c is not None]
+        configs = [c for c in fake_quant.fake_quantize_configs(registry.resolve(name).scheme) if c is not None]
     for config in configs:
         weight = _weight(torch.float32).requires_grad_(True)
         grad = torch.randn_like(weight)
-        qat.fake_quantizer(config)(weight).backward(grad)
+        fake_quant.fake_quantizer(config)(weight).backward(grad)
         torch.testing.assert_close(weight.grad, grad, **EXACT)
 
 
@@ -163,7 +164,7 @@ def test_prepared_linear_matches_torchao_ptq(name, dtype):
     linear = _linear(_weight(dtype, out=96, tiny_groups=False))
     x = (torch.randn(2, 7, 256, generator=torch.Generator().manual_seed(1)) * 2).to(dtype)
     with torch.no_grad():
-        ours = qat.QATLinear(copy.deepcopy(linear), scheme)(x)
+        ours = fake_quant.QATLinear(copy.deepcopy(linear), scheme)(x)
         ptq = copy.deepcopy(linear)
         quantize_(ptq, torchao_config(scheme))
         theirs = ptq(x)
@@ -177,10 +178,10 @@ def test_float8_activations_match_the_runtime_quantizer(dtype):
     from torchao.quantization import PerRow
     from torchao.quantization.quantize_.workflows.float8.float8_tensor import Float8Tensor
 
-    act_config, _ = qat.fake_quantize_configs(registry.resolve("float8-dynamic-act-float8-weight").scheme)
+    act_config, _ = fake_quant.fake_quantize_configs(registry.resolve("float8-dynamic-act-float8-weight").scheme)
     x = (torch.randn(2, 7, 256, generator=torch.Generator().manual_seed(1)) * 3).to(dtype)
     theirs = Float8Tensor.from_hp(x, granularity=PerRow()).dequantize()  # the CPU ("torch") quantize kernel
-    torch.testing.assert_close(qat.fake_quantizer(act_config)(x), theirs, **EXACT)
+    torch.testing.assert_close(fake_quant.fake_quantizer(act_config)(x), theirs, **EXACT)
 
 
 def _has_float8_kernels() -> bool:
@@ -196,7 +197,7 @@ def test_float8_prepared_linear_matches_torchao_ptq_on_cuda():
     linear = _linear(_weight(torch.bfloat16, out=96, tiny_groups=False)).cuda()
     x = torch.randn(2, 7, 256, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
-        ours = qat.QATLinear(copy.deepcopy(linear), scheme)(x)
+        ours = fake_quant.QATLinear(copy.deepcopy(linear), scheme)(x)
         ptq = copy.deepcopy(linear)
         quantize_(ptq, torchao_config(scheme))
         theirs = ptq(x)
@@ -221,20 +222,20 @@ def test_prepare_installs_exactly_the_plan_and_trains(name, tiny_model_dir):
     model = _load(tiny_model_dir)
     plan = plan_model(model, _recipe_with_a_skipped_module(name))
     keys, params = list(model.state_dict()), {n: id(p) for n, p in model.named_parameters()}
-    qat.prepare(model, plan)
+    fake_quant.prepare(model, plan)
 
-    assert qat.is_prepared(model)
-    assert qat.prepared_schemes(model) == {e.name: e.scheme for e in plan if e.quantized}
+    assert fake_quant.is_prepared(model)
+    assert fake_quant.prepared_schemes(model) == {e.name: e.scheme for e in plan if e.quantized}
     for entry in plan:
-        assert isinstance(model.get_submodule(entry.name), qat.QATLinear) is entry.quantized
+        assert isinstance(model.get_submodule(entry.name), fake_quant.QATLinear) is entry.quantized
     assert type(model.lm_head) is nn.Linear and type(model.get_submodule("model.layers.1.mlp.up_proj")) is nn.Linear
     assert list(model.state_dict()) == keys and {n: id(p) for n, p in model.named_parameters()} == params
 
     weights = {e.name: model.get_submodule(e.name).weight.detach() for e in plan if e.quantized}
-    schemes = qat.prepared_schemes(model)
+    schemes = fake_quant.prepared_schemes(model)
     nvfp4 = {name: weight.bfloat16() for name, weight in weights.items() if schemes[name].weights.global_scale}
     global_scales = fused_global_scales(nvfp4, kernel_fused_groups(list(nvfp4)))  # NVFP4: shared by q/k/v, by gate/up
-    for module_name, seen in qat.fake_quantized_weights(model).items():
+    for module_name, seen in fake_quant.fake_quantized_weights(model).items():
         entry = next(e for e in plan if e.name == module_name)
         expected = _artifact_grid(weights[module_name], entry.scheme.weights, global_scales.get(module_name))
         torch.testing.assert_close(seen, expected, **EXACT)
@@ -248,8 +249,8 @@ def test_prepare_installs_exactly_the_plan_and_trains(name, tiny_model_dir):
 
 
 def test_group_size_fallbacks_are_per_module(tiny_model_dir):
-    model = qat.prepare(_load(tiny_model_dir), plan_model(_load(tiny_model_dir), registry.resolve("int4-weight-only")))
-    schemes = qat.prepared_schemes(model)
+    model = fake_quant.prepare(_load(tiny_model_dir), plan_model(_load(tiny_model_dir), registry.resolve("int4-weight-only")))
+    schemes = fake_quant.prepared_schemes(model)
     assert schemes["model.layers.0.self_attn.q_proj"].weights.group_size == 64  # input 64
     assert schemes["model.layers.0.mlp.down_proj"].weights.group_size == 16  # input 176
 
@@ -257,7 +258,7 @@ def test_group_size_fallbacks_are_per_module(tiny_model_dir):
 def test_bfloat16_model_sees_the_bfloat16_grid(tiny_model_dir):
     model = _load(tiny_model_dir, torch.bfloat16)
     plan = plan_model(model, registry.resolve("int8-dynamic-act-int4-weight"))
-    seen = qat.fake_quantized_weights(qat.prepare(model, plan))
+    seen = fake_quant.fake_quantized_weights(fake_quant.prepare(model, plan))
     for entry in (e for e in plan if e.quantized):
         weight = model.get_submodule(entry.name).weight.detach()
         torch.testing.assert_close(seen[entry.name], fake_quantize_weight(weight, entry.scheme.weights), **EXACT)
@@ -266,17 +267,17 @@ def test_bfloat16_model_sees_the_bfloat16_grid(tiny_model_dir):
 def test_prepare_twice_is_an_error(tiny_model_dir):
     model = _load(tiny_model_dir)
     plan = plan_model(model, registry.resolve("int4-weight-only"))
-    qat.prepare(model, plan)
+    fake_quant.prepare(model, plan)
     with pytest.raises(ValueError, match="strip"):
-        qat.prepare(model, plan)
+        fake_quant.prepare(model, plan)
 
 
 def test_strip_restores_plain_linears_with_the_same_weights(tiny_model_dir):
     model = _load(tiny_model_dir)
     weights = {n: p.detach().clone() for n, p in model.named_parameters()}
-    qat.prepare(model, plan_model(model, registry.resolve("int8-dynamic-act-int4-weight")))
-    qat.strip(model)
-    assert not qat.is_prepared(model)
+    fake_quant.prepare(model, plan_model(model, registry.resolve("int8-dynamic-act-int4-weight")))
+    fake_quant.strip(model)
+    assert not fake_quant.is_prepared(model)
     assert all(type(m) is nn.Linear for m in model.modules() if isinstance(m, nn.Linear))
     assert weights.keys() == dict(model.named_parameters()).keys()
     for n, p in model.named_parameters():
@@ -285,13 +286,13 @@ def test_strip_restores_plain_linears_with_the_same_weights(tiny_model_dir):
 
 def test_stripped_saves_a_plain_checkpoint_and_keeps_parameter_identity(tiny_model_dir, tmp_path):
     model = _load(tiny_model_dir)
-    qat.prepare(model, plan_model(model, registry.resolve("int8-dynamic-act-int8-weight")))
-    schemes, ids = qat.prepared_schemes(model), [id(p) for p in model.parameters()]
+    fake_quant.prepare(model, plan_model(model, registry.resolve("int8-dynamic-act-int8-weight")))
+    schemes, ids = fake_quant.prepared_schemes(model), [id(p) for p in model.parameters()]
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    with qat.stripped(model):
-        assert not qat.is_prepared(model)
+    with fake_quant.stripped(model):
+        assert not fake_quant.is_prepared(model)
         model.save_pretrained(tmp_path)
-    assert qat.prepared_schemes(model) == schemes and [id(p) for p in model.parameters()] == ids
+    assert fake_quant.prepared_schemes(model) == schemes and [id(p) for p in model.parameters()] == ids
 
     before = model.model.layers[0].self_attn.q_proj.weight.detach().clone()
     _loss(model).backward()
@@ -323,7 +324,7 @@ def test_nvfp4_activations_take_each_tensors_global_scale(dtype):
     linear = _linear(_weight(dtype, out=32, inp=64, tiny_groups=False))
     x = (torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(3)) * 3).to(dtype)
     with torch.no_grad():
-        ours = qat.QATLinear(copy.deepcopy(linear), scheme)(x)
+        ours = fake_quant.QATLinear(copy.deepcopy(linear), scheme)(x)
     acts = float_grids.fake_quantize_nvfp4(x, float_grids.global_scale(x.abs().amax()))
     expected = F.linear(acts, _artifact_grid(linear.weight.data, scheme.weights), linear.bias)
     torch.testing.assert_close(ours, expected, **EXACT)
@@ -365,7 +366,7 @@ def test_k_forward_is_the_dequantized_weight_finalize_writes(qtype, dtype):
     linear = _linear(weight)
     x = torch.randn(2, 5, 512, generator=torch.Generator().manual_seed(2)).to(dtype)
     written = quantize_k(weight, GGMLQuantizationType[qtype]).dequantize().to(dtype)
-    module = qat.QATLinear(copy.deepcopy(linear), _k_scheme(qtype)).train()
+    module = fake_quant.QATLinear(copy.deepcopy(linear), _k_scheme(qtype)).train()
     with torch.no_grad():
         torch.testing.assert_close(module(x), F.linear(x, written, linear.bias), **EXACT)
     torch.testing.assert_close(module.fake_quantized_weight(), written, **EXACT)
@@ -379,7 +380,7 @@ def test_k_grid_is_searched_every_n_training_calls_and_at_every_eval_call():
     from quantkit.quant.k_grids import choose_k_qparams, quantize_k, round_k
 
     spec = _k_scheme("Q4_K").weights
-    quantizer = qat.fake_quantizer(qat.KGridFakeQuantizeConfig(spec, refresh_every=2)).train()
+    quantizer = fake_quant.fake_quantizer(fake_quant.KGridFakeQuantizeConfig(spec, refresh_every=2)).train()
     first = _weight(torch.float32, out=16, inp=256)
     later = first * 1.5 + 0.01  # a grid searched on `first` does not fit it
     grid = choose_k_qparams(first, GGMLQuantizationType.Q4_K)
@@ -396,15 +397,15 @@ def test_k_grid_is_searched_every_n_training_calls_and_at_every_eval_call():
 def test_k_fake_quantizer_is_straight_through():
     weight = _weight(torch.float32, out=16, inp=256).requires_grad_(True)
     grad = torch.randn_like(weight)
-    qat.fake_quantizer(qat.KGridFakeQuantizeConfig(_k_scheme("Q6_K").weights))(weight).backward(grad)
+    fake_quant.fake_quantizer(fake_quant.KGridFakeQuantizeConfig(_k_scheme("Q6_K").weights))(weight).backward(grad)
     torch.testing.assert_close(weight.grad, grad, **EXACT)
 
 
 def test_a_k_grid_config_takes_a_k_grid():
     with pytest.raises(ValueError, match="K grid"):
-        qat.KGridFakeQuantizeConfig(registry.resolve("gguf-q4-0").scheme.weights)
+        fake_quant.KGridFakeQuantizeConfig(registry.resolve("gguf-q4-0").scheme.weights)
     with pytest.raises(ValueError, match="refresh_every"):
-        qat.KGridFakeQuantizeConfig(_k_scheme("Q4_K").weights, refresh_every=0)
+        fake_quant.KGridFakeQuantizeConfig(_k_scheme("Q4_K").weights, refresh_every=0)
 
 
 def test_k_recipes_train_and_convert_by_rounding_on_their_grids():
@@ -432,25 +433,25 @@ def test_a_mixture_trains_each_tensor_on_the_type_finalize_writes(k_model_dir):
     found = qat.plan(model, recipe)
     assert [(e.name, e.scheme) for e in found] == [(e.name, e.scheme) for e in prepare(k_model_dir, recipe).plan]
     weights = {e.name: model.get_submodule(e.name).weight.detach().clone() for e in found if e.quantized}
-    qat.prepare(model, found)
-    kinds = {name: ggml_type(scheme.weights).name for name, scheme in qat.prepared_schemes(model).items()}
+    fake_quant.prepare(model, found)
+    kinds = {name: ggml_type(scheme.weights).name for name, scheme in fake_quant.prepared_schemes(model).items()}
     assert kinds["lm_head"] == "Q6_K" and kinds["model.layers.0.self_attn.q_proj"] == "Q4_K"
     assert (kinds["model.layers.0.self_attn.v_proj"], kinds["model.layers.1.self_attn.v_proj"]) == ("Q4_K", "Q6_K")
     assert kinds["model.layers.0.mlp.down_proj"] == "Q5_0" and kinds["model.layers.1.mlp.down_proj"] == "Q8_0"
-    for name, seen in qat.fake_quantized_weights(model).items():
-        scheme = qat.prepared_schemes(model)[name]
+    for name, seen in fake_quant.fake_quantized_weights(model).items():
+        scheme = fake_quant.prepared_schemes(model)[name]
         torch.testing.assert_close(seen, fake_quantize_weight(weights[name], scheme.weights), **EXACT, msg=name)
 
 
 def test_gradients_flow_through_a_mixture_and_the_loss_falls(k_model_dir):
     model = _load(k_model_dir).train()
-    qat.prepare(model, qat.plan(model, registry.resolve("gguf-q4-k-m")))
+    fake_quant.prepare(model, qat.plan(model, registry.resolve("gguf-q4-k-m")))
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     losses = []
     for _ in range(5):
         loss = _loss(model)
         loss.backward()
-        assert all(m.weight.grad.abs().sum() > 0 for m in model.modules() if isinstance(m, qat.QATLinear))
+        assert all(m.weight.grad.abs().sum() > 0 for m in model.modules() if isinstance(m, fake_quant.QATLinear))
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
