@@ -23,7 +23,7 @@ if TYPE_CHECKING:  # this package's __init__ stays light: metadata.py is read wi
 
     from quantkit.quant.plan import ModulePlan
     from quantkit.quant.quantized_model import QuantizedModel
-    from quantkit.quant.schemes import QuantScheme
+    from quantkit.quant.schemes import QuantScheme, WeightSpec
 
 
 @dataclass(frozen=True)
@@ -84,6 +84,12 @@ class Hooks:
     def adapt_plan(plan: list[ModulePlan], recipe: Recipe, config) -> list[ModulePlan]:
         """The plan as this format holds it (GGUF: a mixture's per-tensor types, llama.cpp's fallbacks)."""
         return plan
+
+    @staticmethod
+    def embedding_weights(recipe: Recipe, config) -> WeightSpec | None:
+        """The grid this format quantizes the token embedding on (GGUF: a mixture's type for token_embd), which QAT
+        then trains it on; None: kept in the model's dtype."""
+        return None
 
     @staticmethod
     def notes(skeleton: nn.Module, recipe: Recipe) -> list[str]:

@@ -202,6 +202,14 @@ def embedding_type(recipe: Recipe, config) -> str | None:
     return gguf_mixtures.tensor_type(recipe.mixture, role, None, config.num_hidden_layers, _gqa(config))
 
 
+def embedding_weights(recipe: Recipe, config) -> WeightSpec | None:
+    """The K grid of the token embedding (`embedding_type`), which QAT trains it on, or None."""
+    from quantkit.quant import gguf_mixtures
+
+    kind = embedding_type(recipe, config)
+    return gguf_mixtures.k_spec(kind) if kind else None
+
+
 def quantize_embedding(weight: torch.Tensor, recipe: Recipe, config):
     """The token embedding on its mixture's K grid (llama.cpp's own rounding: it is not a Linear, so no
     calibration reaches it), as `k_grids.KQuantizedWeight`, or None."""

@@ -309,6 +309,32 @@ class QATLinear(nn.Linear):
         return f"{super().extra_repr()}, scheme={self.scheme.describe()}"
 
 
+class QATEmbedding(nn.Embedding):
+    """A token embedding that looks up rows of its fake-quantized weight (a GGUF mixture quantizes token_embd, on a K
+    grid: llama.cpp's search, as for a Linear); `weight` stays the float Parameter."""
+
+    def __init__(self, embedding: nn.Embedding, spec: WeightSpec):
+        super().__init__(embedding.num_embeddings, embedding.embedding_dim, embedding.padding_idx, device="meta")
+        self.weight = embedding.weight  # the same Parameter object: its name, optimizer state, a tied lm_head
+        self.spec = spec
+        self.weight_fake_quantizer = fake_quantizer(weight_fake_quantize_config(spec))
+        self.train(embedding.training)
+
+    def fake_quantized_weight(self) -> torch.Tensor:
+        return self.weight_fake_quantizer(self.weight)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.fake_quantized_weight(), self.padding_idx)
+
+    def to_embedding(self) -> nn.Embedding:
+        embedding = nn.Embedding(self.num_embeddings, self.embedding_dim, self.padding_idx, device="meta")
+        embedding.weight = self.weight
+        return embedding.train(self.training)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, weights={self.spec.describe()}"
+
+
 def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
     if not name:
         raise ValueError("QAT replaces submodules; the model itself cannot be the Linear (wrap it in a module)")
@@ -330,14 +356,26 @@ def _install(model: nn.Module, schemes: dict[str, QuantScheme]) -> None:
             model.get_submodule(name).weight_fake_quantizer.fused_with = weights
 
 
-def prepare(model: nn.Module, plan: list[ModulePlan]) -> nn.Module:
-    """Install fake quantizers, in place, on every planned Linear with its own scheme (group sizes may differ).
+def prepare(model: nn.Module, plan: list[ModulePlan], embedding: WeightSpec | None = None) -> nn.Module:
+    """Install fake quantizers, in place, on every planned Linear with its own scheme (group sizes may differ), and
+    on the token embedding where `embedding` gives its grid (a GGUF mixture's type for token_embd).
 
     Call it before building the optimizer and before wrapping the model (DDP, FSDP, torch.compile).
     Weights stay float, trainable and the same Parameter objects under the same names.
     """
     _install(model, {entry.name: entry.scheme for entry in plan if entry.quantized})
+    if embedding is not None:
+        _install_embedding(model, embedding)
     return model
+
+
+def _install_embedding(model: nn.Module, spec: WeightSpec) -> None:
+    found = model.get_input_embeddings()
+    if type(found) is not nn.Embedding:
+        raise ValueError(f"the input embedding is a {type(found).__name__}, not a plain nn.Embedding (already prepared? "
+                         "call strip() first)")
+    name = next(name for name, module in model.named_modules() if module is found)
+    _replace(model, name, QATEmbedding(found, spec))
 
 
 def prepared_schemes(model: nn.Module) -> dict[str, QuantScheme]:
@@ -346,20 +384,23 @@ def prepared_schemes(model: nn.Module) -> dict[str, QuantScheme]:
 
 
 def is_prepared(model: nn.Module) -> bool:
-    return any(isinstance(m, QATLinear) for m in model.modules())
+    return any(isinstance(m, (QATLinear, QATEmbedding)) for m in model.modules())
 
 
 @torch.no_grad()
 def fake_quantized_weights(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Module name -> the fake-quantized weight the model currently computes with."""
-    return {name: m.fake_quantized_weight() for name, m in model.named_modules() if isinstance(m, QATLinear)}
+    """Module name -> the fake-quantized weight the model currently computes with (Linears and the embedding)."""
+    return {name: m.fake_quantized_weight() for name, m in model.named_modules() if isinstance(m, (QATLinear, QATEmbedding))}
 
 
 def strip(model: nn.Module) -> nn.Module:
-    """Turn every fake-quantized Linear back into a plain nn.Linear holding the same float Parameters, in place."""
+    """Turn every fake-quantized Linear (and embedding) back into a plain nn.Linear (nn.Embedding) holding the same
+    float Parameters, in place."""
     for name, module in list(model.named_modules()):
         if isinstance(module, QATLinear):
             _replace(model, name, module.to_linear())
+        elif isinstance(module, QATEmbedding):
+            _replace(model, name, module.to_embedding())
     return model
 
 
@@ -370,8 +411,11 @@ def stripped(model: nn.Module) -> Iterator[nn.Module]:
     The Parameters are the same objects throughout, so an optimizer built before keeps working.
     """
     schemes = prepared_schemes(model)
+    embedding = next((m.spec for m in model.modules() if isinstance(m, QATEmbedding)), None)
     strip(model)
     try:
         yield model
     finally:
         _install(model, schemes)
+        if embedding is not None:
+            _install_embedding(model, embedding)

@@ -131,7 +131,7 @@ def setup(config: TrainConfig, ctx: Context, recipe: Recipe | None, resume_from:
         rotator.check(model)
         rotator.rotate_model(model)
     if recipe is not None:  # fake quantizers go in before the optimizer is built, on the plan finalize writes
-        fake_quant.prepare(model, qat.plan(model, recipe))
+        fake_quant.prepare(model, qat.plan(model, recipe), qat.embedding(model, recipe))
     model.to(ctx.device)
     trained = model
     if ctx.distributed:

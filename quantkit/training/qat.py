@@ -1,6 +1,7 @@
 """Quantization-aware training: which recipes QAT takes (`check_recipe`), the recipe it trains under and
 `finalize` converts with (`training_recipe`), and the Linears it fake-quantizes (`plan`). The fake quantizers
-themselves, exact to the scheme's grid, are `quant.fake_quant`'s.
+themselves, exact to the scheme's grid, are `quant.fake_quant`'s; where the format quantizes the token embedding
+(a GGUF mixture), QAT trains it on that grid too (`embedding`).
 
 A GGUF recipe is trained on the plan `finalize` writes (`plan`): a mixture's type for each tensor (Q6_K on
 lm_head and some attn_v / ffn_down, Q5_0 / Q8_0 where rows are not whole super-blocks). Its GPTQ is not run on a
@@ -17,7 +18,7 @@ from quantkit.errors import UsageError
 from quantkit.export import exporter, for_format
 from quantkit.quant.plan import ModulePlan, plan_model
 from quantkit.quant.registry import Recipe, recipe_names, resolve
-from quantkit.quant.schemes import WeightObserver
+from quantkit.quant.schemes import WeightObserver, WeightSpec
 
 
 def training_recipe(recipe: Recipe) -> Recipe:
@@ -32,6 +33,12 @@ def plan(model: nn.Module, recipe: Recipe) -> list[ModulePlan]:
     full precision where no GGML block fits)."""
     recipe = for_format(recipe, recipe.format)
     return exporter(recipe.format).adapt_plan(plan_model(model, recipe), recipe, model.config)
+
+
+def embedding(model: nn.Module, recipe: Recipe) -> WeightSpec | None:
+    """The grid QAT fake-quantizes the token embedding on: the format's (`embedding_weights`; a GGUF mixture's
+    token_embd type), so training sees the embedding the file holds; None: trained in float."""
+    return exporter(recipe.format).embedding_weights(for_format(recipe, recipe.format), model.config)
 
 
 def qat_ready(recipe: Recipe) -> bool:

@@ -205,8 +205,7 @@ def _as_llama_cpp(weights: dict[str, torch.Tensor], config) -> dict[str, torch.T
 def test_qat_train_finalize_gguf(workspace, recipe, types, tmp_path):
     """`train --qat-recipe R` then `finalize -q R` to .gguf, no calibration data: every quantized tensor in the file
     dequantizes to the weight the trained model computes with under its fake quantizers (K grids: llama.cpp's search
-    on the trained weights), bit for bit; the token embedding, not trained quantized, is llama.cpp's rounding of it.
-    A K mixture (calibrated by GPTQ after a plain model) is converted by rounding on the grids it trained on."""
+    on the trained weights), bit for bit, the token embedding of a mixture too (trained on its K grid). A K mixture (calibrated by GPTQ after a plain model) is converted by rounding on the grids it trained on."""
     import gguf
 
     from quantkit.finalization.finalize import finalize
@@ -224,8 +223,9 @@ def test_qat_train_finalize_gguf(workspace, recipe, types, tmp_path):
 
     trained = load_model(result.final_dir, dtype="float32").eval()
     embedding = trained.get_input_embeddings().weight.detach().clone()
-    fake_quant.prepare(trained, qat.plan(trained, registry.resolve(recipe)))
+    fake_quant.prepare(trained, qat.plan(trained, registry.resolve(recipe)), qat.embedding(trained, registry.resolve(recipe)))
     seen = _as_llama_cpp(fake_quant.fake_quantized_weights(trained), trained.config)
+    assert ("token_embd.weight" in seen) == ("token_embd.weight" in types)
 
     out = finalize(result.final_dir, tmp_path / "qat.gguf", registry.resolve(recipe))
     assert out.calibration is None and out.recipe.steps[0].name.value == "rtn"

@@ -456,3 +456,33 @@ def test_gradients_flow_through_a_mixture_and_the_loss_falls(k_model_dir):
         optimizer.zero_grad()
         losses.append(loss.item())
     assert losses[-1] < losses[0]
+
+
+def test_a_mixtures_token_embedding_trains_on_its_k_grid(k_model_dir):
+    """Q4_K_M quantizes token_embd (Q4_K, llama.cpp's rounding: `export.gguf.quantize_embedding`): QAT looks up rows
+    of exactly that weight, straight through to the float Parameter; strip() and stripped() give the embedding back."""
+    from gguf import GGMLQuantizationType
+
+    from quantkit.quant.k_grids import quantize_k
+
+    recipe = registry.resolve("gguf-q4-k-m")
+    model = _load(k_model_dir).train()
+    embedding = model.get_input_embeddings()
+    spec = qat.embedding(model, recipe)
+    assert spec is not None and spec.k_quant_type == "Q4_K"
+    assert qat.embedding(model, registry.resolve("gguf-q4-0")) is None  # a single type: token_embd left in float
+    fake_quant.prepare(model, qat.plan(model, recipe), spec)
+    installed = model.get_input_embeddings()
+    assert isinstance(installed, fake_quant.QATEmbedding) and installed.weight is embedding.weight
+    written = quantize_k(embedding.weight.detach(), GGMLQuantizationType.Q4_K).dequantize()
+    ids = torch.tensor([[0, 5, 17, 3]])
+    torch.testing.assert_close(installed(ids), written[ids], **EXACT)
+    torch.testing.assert_close(fake_quant.fake_quantized_weights(model)["model.embed_tokens"], written, **EXACT)
+    assert not model.config.tie_word_embeddings  # the embedding's gradient comes through its lookup alone
+    _loss(model).backward()
+    assert embedding.weight.grad is not None and embedding.weight.grad.abs().sum() > 0
+    with fake_quant.stripped(model):
+        assert type(model.get_input_embeddings()) is torch.nn.Embedding
+    assert isinstance(model.get_input_embeddings(), fake_quant.QATEmbedding)
+    fake_quant.strip(model)
+    assert type(model.get_input_embeddings()) is torch.nn.Embedding and model.get_input_embeddings().weight is embedding.weight
