@@ -1,5 +1,6 @@
-# quantkit: `make install`, `make test`, `make demo`. Everything goes into .venv; torch is installed first
-# (TORCH_SPEC, a CPU wheel by default) so that no other package pulls a CUDA build.
+# quantkit: `make install`, `make test`, `make demo`; `make test-gguf` runs llama.cpp's own tools on quantkit's GGUF
+# files. Everything goes into .venv; torch is installed first (TORCH_SPEC, a CPU wheel by default) so that no other
+# package pulls a CUDA build.
 PYTHON ?= python3
 TORCH_SPEC ?= torch==2.13.0
 # The suite runs in TEST_WORKERS processes (pytest-xdist), each test file in one of them (module fixtures are built
@@ -7,11 +8,15 @@ TORCH_SPEC ?= torch==2.13.0
 # 1383 s in one process, 1070 s in two workers spread test by test, 980 s file by file without the core split;
 # 280-284 s since every quantkit process skips the interpreter's teardown (`cli.main.run`).
 TEST_WORKERS ?= 2
+# Tests marked llama_cpp run llama.cpp's own command-line tools (make test-gguf); the suite leaves them out, being
+# near CI's 15 minutes. Deselected here rather than in pytest's addopts, so that `pytest tests/...` still runs a
+# file or test named on the command line, and `pytest -m integration` still means every integration test.
+NOT_LLAMA_CPP := -m "not llama_cpp"
 VENV := .venv
 BIN := $(VENV)/bin
 LOWEST := .venv-lowest
 
-.PHONY: install test test-lowest test-unit test-gpu demo docs bench dist wheel-smoke clean
+.PHONY: install test test-lowest test-unit test-gpu test-gguf demo docs bench dist wheel-smoke clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -42,7 +47,7 @@ $(VENV)/.installed-base: pyproject.toml | $(BIN)/python
 install: $(VENV)/.installed
 
 test: install
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations 20
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations 20 $(NOT_LLAMA_CPP)
 
 # The suite again in $(LOWEST), on the lowest version of every direct dependency pyproject.toml declares
 # (ci/lowest.txt), so that each lower bound is one it passes on; without extras, so the tests of an extra skip.
@@ -54,7 +59,7 @@ $(LOWEST)/.installed: pyproject.toml ci/lowest.txt
 	touch $@
 
 test-lowest: $(LOWEST)/.installed
-	$(LOWEST)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(LOWEST)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(NOT_LLAMA_CPP)
 
 test-unit: install
 	$(BIN)/python -m pytest -q -m "not integration"
@@ -63,6 +68,15 @@ test-unit: install
 # torch sees no CUDA device, so CI (CPU-only) cannot run it. On a GPU machine with no registry: scripts/gpu_check.sh.
 test-gpu: install
 	$(BIN)/python -m pytest -q -m gpu tests/gpu
+
+# llama.cpp's own tools (llama-perplexity, llama-bench) on quantkit's GGUF files, every type it writes: the tests
+# marked llama_cpp (tests/integration/test_gguf_llama_cpp.py, about 2 minutes on 2 cores). scripts/build_llama_cpp.sh
+# builds the tools once (about 7 minutes on 2 cores) into ~/.cache/quantkit/llama.cpp (LLAMA_CPP_CACHE,
+# LLAMA_CPP_VERSION) and prints their folder, at once when they are built; QUANTKIT_LLAMA_CPP_BIN=DIR uses DIR's
+# instead. A failed build fails the target (the tests would only skip).
+test-gguf: install
+	bin="$${QUANTKIT_LLAMA_CPP_BIN:-$$(bash scripts/build_llama_cpp.sh)}" && \
+	QUANTKIT_LLAMA_CPP_BIN="$$bin" $(BIN)/python -m pytest -q -rs -m llama_cpp --durations 5
 
 # docs/commands.md from the CLI itself (tests/cli/test_commands_doc.py fails when it is stale)
 docs: install
