@@ -96,8 +96,7 @@ def prepare(
     plan = exporter(fmt).adapt_plan(_check_model(src, skeleton, recipe), recipe, config)
     rotator = _check_rotations(skeleton, recipe, trained)
     report = coverage(skeleton, plan)
-    if notes := exporter(fmt).notes(skeleton, recipe):
-        report["notes"] = notes
+    report["notes"] = exporter(fmt).notes(skeleton, recipe)
     prepared = Prepared(src=src, format=fmt, plan=plan, coverage=report, shard_bytes=shard_bytes, rotator=rotator,
                         recipe=recipe)
     prepared.loading = _whole_model_reason(src, fmt, skeleton, in_memory, rotator is not None,
