@@ -27,7 +27,7 @@ from quantkit.models import moe
 from quantkit.runtime import placement
 from quantkit.export import FORMATS, gguf_archs, gguf_vocab
 from quantkit.quant.plan import ModulePlan
-from quantkit.quant.qparams import QParams, has_fp16_minimum
+from quantkit.quant.qparams import QParams, QuantizedWeight, has_fp16_minimum
 from quantkit.quant.quantized_model import QuantizedModel
 from quantkit.quant.registry import AlgorithmStep, Format, Recipe
 from quantkit.quant.schemes import Granularity, QDtype, QuantScheme, ScaleDtype, WeightSpec
@@ -218,7 +218,7 @@ def quantize_embedding(weight: torch.Tensor, recipe: Recipe, config):
         return None
     from quantkit.quant.k_grids import quantize_k
 
-    return quantize_k(weight.float(), _gguf().GGMLQuantizationType[kind])
+    return quantize_k(weight, _gguf().GGMLQuantizationType[kind])
 
 
 def weight_bytes(entry: ModulePlan, element_size: int) -> int:
@@ -238,7 +238,7 @@ def as_loaded(quantized: QuantizedModel) -> nn.Module:
     embedding = model.get_input_embeddings()
     found = quantize_embedding(embedding.weight.data, quantized.recipe, model.config)
     if found is not None:
-        embedding.weight.data = found.dequantize().to(embedding.weight.dtype)
+        embedding.weight.data = found.qparams.dequantize(found.codes, dtype=embedding.weight.dtype)
     return model
 
 
@@ -253,29 +253,47 @@ def write(quantized: QuantizedModel, out_dir: Path, max_shard_size: int | None =
 
 def codes(weight: torch.Tensor, qparams: QParams) -> torch.Tensor:
     """The integers of a Linear's weight that holds its grid's values (`weight` = (code - zero point) x scale,
-    rounded to the model's dtype), recovered exactly: the rounding moves a value by less than a third of a step."""
-    scale = qparams.scale.float()
-    group = weight.shape[1] // scale.shape[1]
-    exact = weight.float() / scale.repeat_interleave(group, dim=1)
-    if qparams.zero_point is not None:
-        exact = exact + qparams.zero_point.float().repeat_interleave(group, dim=1)
-    q = torch.round(exact)
+    rounded to the model's dtype), recovered: each is the nearest code, within a third of a step, or one that
+    decodes (`QuantizedWeight.dequantize`, in the model's dtype) to the weight exactly. bfloat16 holds int8's
+    largest values to half a step only (8 significant bits), so there the nearest code may be a tie, and the
+    decode picks. A block of rows at a time: float32 intermediates stay small."""
+    from quantkit.quant.ggml_blocks import row_blocks
+
+    group = weight.shape[1] // qparams.scale.shape[1]
     lo, hi = qparams.spec.dtype.qrange
-    if not torch.all((exact - q).abs() < 0.3) or q.min() < lo or q.max() > hi:
-        raise ExportError("a quantized weight is not on its grid (a quantkit bug: please report it)")
-    return q.to(torch.int8)
+    out = torch.empty(weight.shape, dtype=torch.int8)
+    for rows in row_blocks(*weight.shape):
+        scale = qparams.scale[rows]
+        zero = None if qparams.zero_point is None else qparams.zero_point[rows]
+        exact = weight[rows].float() / scale.float().repeat_interleave(group, dim=1)
+        if zero is not None:
+            exact = exact + zero.float().repeat_interleave(group, dim=1)
+        q = torch.round(exact).clamp(lo, hi)
+
+        def off_grid(q: torch.Tensor) -> torch.Tensor:
+            decoded = QuantizedWeight(q.to(torch.int8), scale, zero, qparams.spec).dequantize(weight.dtype)
+            return ((exact - q).abs() >= 0.3) & (decoded != weight[rows])
+
+        if (wrong := off_grid(q)).any():  # a tie: the other neighbour
+            q = torch.where(wrong, (q + torch.sign(exact - q)).clamp(lo, hi), q)
+            if off_grid(q).any():
+                raise ExportError("a quantized weight is not on its grid (a quantkit bug: please report it)")
+        out[rows] = q.to(torch.int8)
+    return out
 
 
 def k_codes(weight: torch.Tensor, qparams: QParams):
     """A K-quant weight (`k_grids.KQuantizedWeight`) from the grid values it holds: its codes rounded back on the
-    grid, checked to decode to the weight (to the model dtype's rounding)."""
+    grid, checked to decode to the weight (to the model dtype's rounding), a block of rows at a time."""
+    from quantkit.quant.ggml_blocks import row_blocks
     from quantkit.quant.k_grids import KQuantizedWeight, round_k
 
     k = qparams.k
     q = round_k(weight, k)
-    decoded = k.dequantize(q)
-    if not torch.allclose(decoded.to(weight.dtype).float(), weight.float(), rtol=2 ** -7, atol=1e-6):
-        raise ExportError("a quantized weight is not on its K grid (a quantkit bug: please report it)")
+    for rows in row_blocks(*weight.shape):
+        decoded = k.rows(rows).dequantize(q[rows], dtype=weight.dtype)
+        if not torch.allclose(decoded.float(), weight[rows].float(), rtol=2 ** -7, atol=1e-6):
+            raise ExportError("a quantized weight is not on its K grid (a quantkit bug: please report it)")
     return KQuantizedWeight(q, k)
 
 

@@ -278,6 +278,24 @@ PACKERS = {
 
 
 def pack(qtype: GGMLQuantizationType, codes: np.ndarray, **scales: np.ndarray) -> np.ndarray:
-    """The packer of `qtype`, called with the codes and its scale arguments by name (d; m; scales, mins, dmin)."""
+    """The packer of `qtype`, called with the codes and its scale arguments by name (d; m; scales, mins, dmin), a
+    block of rows at a time (`row_blocks`: the packers' integer intermediates stay small for a 128k-token
+    embedding; every argument is per row)."""
     block_format(qtype)
-    return PACKERS[qtype](codes, **scales)
+    if np.ndim(codes) != 2 or len(blocks := row_blocks(*np.shape(codes))) == 1:
+        return PACKERS[qtype](codes, **scales)  # which refuses codes that are not [rows, cols]
+    out = np.empty((np.shape(codes)[0], np.shape(codes)[1] // FORMATS[qtype].super_block * FORMATS[qtype].type_bytes), np.uint8)
+    for rows in blocks:
+        out[rows] = PACKERS[qtype](codes[rows], **{name: values[rows] for name, values in scales.items()})
+    return out
+
+
+ROW_BLOCK_ELEMENTS = 1 << 22  # weights in a block of rows that the packers and the K-grid rounding take at once
+
+
+def row_blocks(rows: int, cols: int) -> list[slice]:
+    """Slices of a [rows, cols] weight's rows, each of about ROW_BLOCK_ELEMENTS weights (at least one row): work
+    done a block at a time holds intermediates of that size whatever the tensor (an 8B model's 128k x 4096
+    embedding is 2 GiB in float32)."""
+    per_block = max(1, ROW_BLOCK_ELEMENTS // max(1, cols))
+    return [slice(first, first + per_block) for first in range(0, rows, per_block)]

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
-from quantkit.quant.ggml_blocks import FORMATS, BlockFormat, pack
+from quantkit.quant.ggml_blocks import FORMATS, BlockFormat, pack, row_blocks
 
 Q = GGMLQuantizationType
 K_QTYPES = (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)
@@ -60,11 +60,19 @@ class KQParams:
         index = torch.arange(first_column, first_column + count, device=self.scales.device) // sub
         return tuple(None if s is None else s[:, index] for s in steps)
 
-    def dequantize(self, codes: torch.Tensor, first_column: int = 0) -> torch.Tensor:
-        """float32 values of `codes` (the columns from `first_column` on), exactly as ggml decodes them."""
-        step, offset = self.column_scales(first_column, codes.shape[1])
-        values = step * codes.float()
-        return values if offset is None else values - offset
+    def dequantize(self, codes: torch.Tensor, first_column: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The values of `codes` (the columns from `first_column` on), exactly as ggml decodes them (in float32),
+        in `dtype`. A block of rows at a time (`row_blocks`): a 128k-token embedding holds no float32 copies."""
+        out = torch.empty(codes.shape, dtype=dtype, device=codes.device)
+        for rows in row_blocks(*codes.shape):
+            step, offset = self.rows(rows).column_scales(first_column, codes.shape[1])
+            values = step * codes[rows].float()
+            out[rows] = values if offset is None else values - offset
+        return out
+
+    def rows(self, rows: slice) -> KQParams:
+        """The grid of some rows."""
+        return self.map(lambda t: t[rows])
 
     def map(self, fn) -> KQParams:
         """The same grid with `fn` applied to each of its tensors (moved, cut into rows, reordered)."""
@@ -110,13 +118,17 @@ def choose_k_qparams(weight: torch.Tensor, qtype: GGMLQuantizationType, importan
 
 def round_k(weight: torch.Tensor, qparams: KQParams, first_column: int = 0) -> torch.Tensor:
     """int8 codes of `weight`'s columns (the grid's columns from `first_column` on) rounded to nearest on the
-    fixed grid `qparams`, as ggml's final pass does. Columns whose step is 0 get code 0 (any code decodes alike)."""
-    step, offset = qparams.column_scales(first_column, weight.shape[1])
+    fixed grid `qparams`, as ggml's final pass does. Columns whose step is 0 get code 0 (any code decodes alike).
+    A block of rows at a time (`row_blocks`)."""
     low, high = qparams.format.code_range
-    x = weight.float()
-    scaled = _div(x if offset is None else x + offset, step)
-    codes = _clamp(torch.round(scaled), low, high)
-    return torch.where(step == 0, 0.0, codes).to(torch.int8)
+    codes = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
+    for rows in row_blocks(*weight.shape):
+        step, offset = qparams.rows(rows).column_scales(first_column, weight.shape[1])
+        x = weight[rows].float()
+        scaled = _div(x if offset is None else x + offset, step)
+        codes[rows] = torch.where(step == 0, 0.0, _clamp(torch.round(scaled), low, high))
+    return codes
+
 
 
 # ---- float32 helpers in ggml's order
@@ -386,7 +398,7 @@ def _search(weight: torch.Tensor, qtype: GGMLQuantizationType, importance: torch
     dtypes = (torch.int8, torch.float16, torch.int8, torch.float16, torch.int8)
 
     def search_chunk(first: int) -> tuple[KQParams, torch.Tensor | None]:
-        chunk = blocks[first:first + size]
+        chunk = blocks[first:first + size].float()
         found = search(chunk, _chunk_importance(importance, first, chunk.shape[0]), qtype)
         *grid, codes = (None if t is None else t.to(dtype).reshape(chunk.shape[0], -1) for t, dtype in zip(found, dtypes))
         grid = KQParams(qtype, *grid)
@@ -427,7 +439,7 @@ def _check(weight: torch.Tensor, qtype: GGMLQuantizationType, importance: torch.
         raise ValueError(f"{getattr(qtype, 'name', qtype)} is not a K-quant; k_grids quantizes {', '.join(q.name for q in K_QTYPES)}")
     if weight.ndim != 2 or weight.shape[1] % SUPER_BLOCK:
         raise ValueError(f"{qtype.name} quantizes [rows, cols] weights with cols a multiple of {SUPER_BLOCK}, got shape {list(weight.shape)}")
-    x = weight.detach().float()
+    x = weight.detach()  # in its dtype: the search takes a chunk of super-blocks to float32 at a time
     if importance is None:
         return x, None
     if importance.shape != (weight.shape[1],):

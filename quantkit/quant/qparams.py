@@ -66,7 +66,7 @@ class QuantizedWeight:
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         dtype = dtype or self.scale.dtype
         if self.k is not None:
-            return self.k.dequantize(self.qdata).to(dtype)
+            return self.k.dequantize(self.qdata, dtype=dtype)
         if is_float_grid(self.spec):
             return (self.qdata.float() * element_scales(self.scale, self.spec, self.qdata.shape, self.global_scale)).to(dtype)
         if self.spec.dtype.is_float:

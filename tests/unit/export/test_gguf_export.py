@@ -346,3 +346,26 @@ def test_moe_experts_are_stacked_as_llama_cpp_reads_them(tmp_path, arch, extra):
         expected = torch.stack([linear.weight.float() for linear in linears])
         assert torch.equal(dequantized(tensor).reshape(expected.shape), expected), gguf_name
     assert tensors["blk.0.ffn_gate_inp.weight"].tensor_type.name == "F32"
+
+
+@pytest.mark.parametrize("spec_args, qtype", [(("int4", True), "Q4_0"), (("int4", False), "Q4_1"), (("int8", True), "Q8_0")])
+def test_legacy_blocks_are_packed_a_block_of_rows_at_a_time(spec_args, qtype, monkeypatch):
+    """The legacy types' codes and bytes (`gguf.pack`) come out the same whatever the block of rows they are
+    worked in (`ggml_blocks.row_blocks`), and gguf decodes them to the grid's values."""
+    from gguf import GGMLQuantizationType, quants
+
+    from quantkit.export import gguf as gguf_export
+    from quantkit.quant import ggml_blocks
+    from quantkit.quant.qparams import quantize_weight
+    from quantkit.quant.schemes import Granularity, QDtype, WeightSpec
+
+    weight = (torch.randn(9, 128, generator=torch.Generator().manual_seed(5)) * 0.02).to(torch.bfloat16)
+    spec = WeightSpec(QDtype(spec_args[0]), Granularity.GROUP, 32, symmetric=spec_args[1], scale_dtype=ScaleDtype.FLOAT16)
+    qweight = quantize_weight(weight, spec)
+    values = qweight.dequantize(torch.bfloat16)
+    kind, whole = gguf_export.pack(values, qweight.qparams)
+    assert kind.name == qtype
+    monkeypatch.setattr(ggml_blocks, "ROW_BLOCK_ELEMENTS", 2 * 128)
+    assert np.array_equal(gguf_export.pack(values, qweight.qparams)[1], whole)
+    decoded = quants.dequantize(whole, GGMLQuantizationType[qtype]).reshape(9, 128)
+    assert torch.equal(torch.from_numpy(decoded).float(), qweight.dequantize(torch.float32))

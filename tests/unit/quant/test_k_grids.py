@@ -141,3 +141,23 @@ def test_the_chunk_size_changes_no_byte(qtype, monkeypatch):
     whole = k_grids.quantize_k(weight, qtype).ggml_blocks()
     monkeypatch.setattr(k_grids, "_CHUNK_SUPER_BLOCKS", 3)
     assert np.array_equal(k_grids.quantize_k(weight, qtype).ggml_blocks(), whole)
+
+
+@pytest.mark.parametrize("qtype", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])
+def test_blocks_of_rows_change_no_value(qtype, monkeypatch):
+    """round_k, dequantize and the packers work a block of rows at a time (`ggml_blocks.row_blocks`, so that a
+    128k-token embedding holds no whole float32 copies): blocks of one row and a few rows, the last one short,
+    give the codes, values and bytes of the whole tensor at once; a bfloat16 weight searches as its float32 copy."""
+    from quantkit.quant import ggml_blocks
+
+    weight = (torch.randn(7, 2 * 256, generator=torch.Generator().manual_seed(4)) * 0.02).to(torch.bfloat16)
+    qtype = GGMLQuantizationType[qtype]
+    found = quantize_k(weight, qtype)
+    assert np.array_equal(found.ggml_blocks(), quantize_k(weight.float(), qtype).ggml_blocks())
+    whole = (found.ggml_blocks(), round_k(weight, found.qparams), found.qparams.dequantize(found.codes, dtype=torch.bfloat16))
+    for elements in (1, 3 * 512):  # one row a block (at least one row), then blocks of 3 rows
+        monkeypatch.setattr(ggml_blocks, "ROW_BLOCK_ELEMENTS", elements)
+        assert len(ggml_blocks.row_blocks(7, 512)) == (7 if elements == 1 else 3)
+        assert np.array_equal(found.ggml_blocks(), whole[0])
+        assert torch.equal(round_k(weight, found.qparams), whole[1])
+        assert torch.equal(found.qparams.dequantize(found.codes, dtype=torch.bfloat16), whole[2])
