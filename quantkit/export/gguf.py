@@ -463,20 +463,26 @@ class StreamWriter:
         describe_model(writer, self.model.config, self.model_type, self._file_type())
         gguf_vocab.describe_tokenizer(writer, self.out_dir, self.model.config.vocab_size)
         describe_origin(writer, self.out_dir)
+        small = {}  # float32 tensors made here, written before the spilled ones
         rope_freqs = llama3_rope_freqs(self.model.config)
         if rope_freqs is not None:
-            writer.add_tensor(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight", rope_freqs)
-        for name, tensor in gguf_archs.extra_tensors(self.model.config).items():
-            writer.add_tensor(name, tensor)
-        spilled = np.memmap(self.spill_path, dtype=np.uint8, mode="r") if self.tensors else None
-        for t in sorted(self.tensors, key=lambda t: _tensor_order(t.name)):
-            size = int(np.prod(t.shape))
-            writer.add_tensor(t.name, spilled[t.offset:t.offset + size].reshape(t.shape), raw_dtype=t.qtype)
+            small[gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight"] = rope_freqs
+        small.update(gguf_archs.extra_tensors(self.model.config))
+        for name, tensor in small.items():
+            writer.add_tensor_info(name, tensor.shape, tensor.dtype, tensor.nbytes)
+        spilled = sorted(self.tensors, key=lambda t: _tensor_order(t.name))
+        for t in spilled:
+            writer.add_tensor_info(t.name, t.shape, np.dtype(np.uint8), int(np.prod(t.shape)), raw_dtype=t.qtype)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
+        writer.write_ti_data_to_file()
+        for tensor in small.values():
+            writer.write_tensor_data(tensor)
+        with open(self.spill_path, "rb") as spill:  # one tensor's bytes in memory at a time (no mapping of the
+            for t in spilled:                      # whole spill file, whose pages would count as the process's)
+                spill.seek(t.offset)
+                writer.write_tensor_data(np.fromfile(spill, np.uint8, int(np.prod(t.shape))).reshape(t.shape))
         writer.close()
-        del spilled
         self.spill_path.unlink()
 
     @property
