@@ -55,6 +55,7 @@ class InverseHessian:
     upper: torch.Tensor  # upper Cholesky factor of the damped inverse [in, in], in the solve's column order
     perm: torch.Tensor | None  # actorder's column order (None: left to right)
     dead: torch.Tensor  # inputs with H_ii == 0 [in]: their weight columns are zeroed
+    importance: torch.Tensor | None = None  # H's diagonal [in], in the weight's column order: a K grid's search weights
 
     @property
     def order(self) -> list[int]:
@@ -90,9 +91,11 @@ def inverse_hessian(hessian: torch.Tensor, args: GPTQArgs = GPTQArgs(), damping_
         h = h.clone()
         h[dead, dead] = 1.0
     perm = torch.argsort(h.diagonal(), descending=True, stable=True) if args.actorder else None
+    importance = h.diagonal().clone()  # before the permutation: each input's mean squared activation (an imatrix)
     if perm is not None:
         h = h[perm[:, None], perm]
-    return InverseHessian(_inverse_hessian_cholesky(h, args.dampening_frac, damping_retries, sharing), perm, dead)
+    return InverseHessian(_inverse_hessian_cholesky(h, args.dampening_frac, damping_retries, sharing), perm, dead,
+                          importance)
 
 
 @torch.no_grad()
@@ -113,7 +116,7 @@ def gptq_quantize_rows(weight: torch.Tensor, factor: InverseHessian, spec: Weigh
     wt[factor.dead.to(wt.device)] = 0.0
     dynamic = spec.granularity is Granularity.GROUP and not (args.actorder or args.static_groups)
     if spec.k_quant_type:
-        grid = _KGrid.up_front(wt.T, spec, dynamic=not args.actorder)
+        grid = _KGrid.up_front(wt.T, spec, dynamic=not args.actorder, importance=factor.importance)
     else:
         grid = _Grid.up_front(wt.T, weight.dtype, spec, dynamic=dynamic, global_scale=global_scale if spec.global_scale else None)
     if factor.perm is not None:
@@ -264,11 +267,15 @@ class _KGrid:
     dynamic: bool
     steps: torch.Tensor  # float32 [in, out]: each column's step d * sc (and offset dmin * mn), as contiguous rows
     offsets: torch.Tensor | None
+    importance: torch.Tensor | None = None  # float32 [in]: H's diagonal, which weights llama.cpp's search (its imatrix)
     float_grid = False
 
     @classmethod
-    def up_front(cls, weight: torch.Tensor, spec: WeightSpec, dynamic: bool) -> _KGrid:
-        """The grid chosen on the whole weight now, or (dynamic) its buffers, each super-block chosen in the loop."""
+    def up_front(cls, weight: torch.Tensor, spec: WeightSpec, dynamic: bool,
+                 importance: torch.Tensor | None = None) -> _KGrid:
+        """The grid chosen on the whole weight now, or (dynamic) its buffers, each super-block chosen in the loop.
+        `importance` (H's diagonal: each input's mean squared activation, what llama-imatrix measures) weights the
+        search as llama-quantize --imatrix does (`k_grids`' _impl path)."""
         from gguf import GGMLQuantizationType
 
         from quantkit.quant.k_grids import SUPER_BLOCK, KQParams, choose_k_qparams
@@ -281,9 +288,9 @@ class _KGrid:
             supers = lambda: torch.zeros(rows, cols // SUPER_BLOCK, dtype=torch.float16, device=weight.device)  # noqa: E731
             k = KQParams(qtype, codes(), supers(), codes() if fmt.has_mins else None, supers() if fmt.has_mins else None)
         else:
-            k = choose_k_qparams(weight.float(), qtype)
+            k = choose_k_qparams(weight.float(), qtype, importance)
         steps = torch.zeros(cols, rows, dtype=torch.float32, device=weight.device)
-        grid = cls(spec, k, dynamic, steps, torch.zeros_like(steps) if fmt.has_mins else None)
+        grid = cls(spec, k, dynamic, steps, torch.zeros_like(steps) if fmt.has_mins else None, importance)
         if not dynamic:
             grid._columns(0, cols)
         return grid
@@ -299,7 +306,8 @@ class _KGrid:
     def choose(self, first: int, columns: torch.Tensor) -> None:
         from quantkit.quant.k_grids import SUPER_BLOCK, choose_k_qparams
 
-        part = choose_k_qparams(columns.float(), self.k.qtype)
+        importance = None if self.importance is None else self.importance[first:first + columns.shape[1]]
+        part = choose_k_qparams(columns.float(), self.k.qtype, importance)
         per_super = SUPER_BLOCK // self.k.format.sub_block
         block, sub = first // SUPER_BLOCK, first // self.k.format.sub_block
         for name in ("scales", "mins"):

@@ -420,16 +420,17 @@ def _k_spec(name: str) -> WeightSpec:
 
 @pytest.mark.parametrize("name", sorted(K_SPECS))
 def test_gptq_on_a_k_grid_without_correlations_is_llama_cpps_rounding(name):
-    """An identity Hessian moves no error: each super-block's grid is llama.cpp's choice and every column rounds
-    onto it as llama.cpp's quantizer does (k_grids.quantize_k, held to llama.cpp's bytes by its tests)."""
+    """A diagonal Hessian moves no error: each super-block's grid is llama.cpp's choice given the Hessian's
+    diagonal as its importance matrix (llama-quantize --imatrix), and every column rounds onto it as llama.cpp's
+    quantizer does (k_grids.quantize_k, held to llama.cpp's bytes by its tests)."""
     from gguf import GGMLQuantizationType
 
     from quantkit.quant.k_grids import quantize_k
 
     torch.manual_seed(0)
-    weight = torch.randn(24, 512)
-    result = gptq_quantize(weight, torch.eye(512), _k_spec(name))
-    expected = quantize_k(weight, GGMLQuantizationType[name])
+    weight, importance = torch.randn(24, 512), torch.rand(512) + 0.1
+    result = gptq_quantize(weight, torch.diag(importance), _k_spec(name))
+    expected = quantize_k(weight, GGMLQuantizationType[name], importance)
     assert torch.equal(result.dequantize(torch.float32), expected.dequantize())
     assert torch.equal(result.k.d, expected.qparams.d) and torch.equal(result.k.scales, expected.qparams.scales)
 
@@ -449,3 +450,30 @@ def test_gptq_on_a_k_grid_lowers_the_output_error(actorder):
     gptq = gptq_quantize(weight, hessian, _k_spec("Q4_K"), GPTQArgs(actorder=actorder)).dequantize(torch.float32)
     rtn = quantize_k(weight, GGMLQuantizationType.Q4_K).dequantize()
     assert error(gptq) < 0.85 * error(rtn)
+
+
+@pytest.mark.parametrize("name", ["Q2_K", "Q4_K"])
+def test_gptq_chooses_a_k_grid_by_the_inputs_importance(name):
+    """Activation outlier channels (large inputs meeting small weights, as a norm scaled up and the weights it
+    feeds scaled down leave them): llama.cpp's grid search weighted by the Hessian's diagonal, its imatrix, keeps
+    those small weights; unweighted, a sub-block's grid follows its other weights and rounds them away. GPTQ on K
+    grids searches weighted, so its output error is below llama.cpp's with the imatrix, and far below without."""
+    from gguf import GGMLQuantizationType
+
+    from quantkit.quant.k_grids import quantize_k
+
+    torch.manual_seed(0)
+    weight, x = torch.randn(64, 512) * 0.02, torch.randn(4096, 512)
+    weight[:, 3:11] /= 64
+    x[:, 3:11] *= 64
+    hessian = x.T @ x / x.shape[0]
+
+    def loss(values: torch.Tensor) -> float:
+        error = weight - values
+        return torch.einsum("ij,jk,ik->", error, hessian, error).item()
+
+    qtype = GGMLQuantizationType[name]
+    ours = loss(gptq_quantize(weight, hessian, _k_spec(name)).dequantize(torch.float32))
+    weighted = loss(quantize_k(weight, qtype, hessian.diagonal()).dequantize())
+    plain = loss(quantize_k(weight, qtype).dequantize())
+    assert ours < weighted and ours < 0.1 * plain, (ours, weighted, plain)
