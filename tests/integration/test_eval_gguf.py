@@ -63,12 +63,13 @@ def sharp_model(tmp_path_factory):
     return src
 
 
-def test_llama_cpp_computes_the_quantized_model_quantkit_wrote(sharp_model, text_file, tmp_path, shipped="gguf-q4-k-m"):
+def test_llama_cpp_computes_the_quantized_model_quantkit_wrote(sharp_model, text_file, tmp_path, shipped="gguf-q2-k"):
     """llama.cpp's perplexity of the file is the in-memory quantized model's (eval -q: the same grid in transformers)
     within 1%, and both are off the float model's: the K blocks, the mixture's types, the row order and the
     metadata are what llama.cpp reads them as. (llama.cpp quantizes activations for its dot products: not equal.)
-    Q4_K_M covers the most: K blocks of three types, GPTQ on K grids, the mixture, a quantized token embedding.
-    Measured: float 439.81, in memory 441.75, llama.cpp 441.66."""
+    Q2_K covers the most: K blocks of four types, GPTQ on K grids, the mixture, a quantized token embedding (Q4_K_M,
+    since GPTQ weights its K grids by the inputs' importance, moves this model's perplexity by 0.03% only).
+    Measured: float 439.81, in memory 440.49, llama.cpp 440.37."""
     import yaml
 
     from quantkit.quant.registry import resolve
@@ -86,4 +87,6 @@ def test_llama_cpp_computes_the_quantized_model_quantkit_wrote(sharp_model, text
     rows = {Path(row["label"]).name: row["perplexity"]["perplexity"] for row in json.loads(report.read_text())["results"]}
     float_ppl, file_ppl, in_memory = rows["sharp-llama"], rows["model.gguf"], rows["sharp-llama+small"]
     assert file_ppl == pytest.approx(in_memory, rel=0.01), rows
-    assert abs(in_memory / float_ppl - 1) > 0.002, rows  # the quantization shows: the comparison above means something
+    quantized = abs(in_memory / float_ppl - 1)
+    assert quantized > 0.001, rows  # the quantization shows, and the file is far closer to it than to the float model
+    assert abs(file_ppl / in_memory - 1) < 0.5 * quantized, rows
