@@ -11,8 +11,8 @@ of the run's phases:
   released, and read again at the end, when they are written as they are: held once (safetensors maps them, so
   their pages count in the resident size but are not copied; a tensor converted to another dtype or rotated has
   its copy beside it while it is made); the decoder layers are read one at a time, the largest
-  STREAMED_LAYER_COPIES times (read, its dequantized weights, its packed tensors being written) with the
-  calibration work of a layer. On a Llama-3.1-8B-shaped checkpoint (16 GB) the measured peak of
+  STREAMED_LAYER_COPIES times (read, its dequantized weights, its packed tensors being written) and the widest
+  Linear's float32 copy while it is packed (PACKING_COPIES), with the calibration work of a layer. On a Llama-3.1-8B-shaped checkpoint (16 GB) the measured peak of
   round-to-nearest was the fixed cost plus the embeddings and lm_head (2.1 GB);
 - loaded whole (`--in-memory`, torchao, a checkpoint transformers converts): the model held once, plus a
   transient copy of it while transformers loads it and the exporter packs it (the format's LOAD_AND_WRITE_COPIES,
@@ -21,7 +21,9 @@ of the run's phases:
   the calibration hidden states of this rank (inputs and outputs of a layer), one batch's activations inside
   the widest layer, and the Hessian accumulators of a layer (float64 upper triangles) plus GPTQ's float32 work
   copies; GPTQ on the CPU also holds down_proj's inputs for every batch where they take at most a share of the machine's memory
-  (`runtime.placement.holds_stage_inputs`; else they are computed again batch by batch).
+  (`runtime.placement.holds_stage_inputs`; else they are computed again batch by batch). GPTQ's staged pass on
+  the CPU works one stage at a time, so its batch of activations, its Hessian and its solve are never held
+  together: the largest of the three counts (`staged_gptq_bytes`; measured within 5% on 8B-shaped layers).
 
 The formats' LOAD_AND_WRITE_COPIES were measured with `/usr/bin/time` on Llama models of 20M (float32) to 270M parameters (bf16):
 the peak above the fixed cost was 1.8 to 2.8 times the model for compressed-tensors (allocator reuse varies from
@@ -49,11 +51,18 @@ from quantkit.quant.plan import ModulePlan
 from quantkit.quant.registry import AlgorithmStep, Recipe
 
 STREAMED_LAYER_COPIES = 3
+CALIBRATED_LAYER_COPIES = 2.5  # a calibrated layer: read (mapped), the weights it calibrates replaced by their
+# quantized values (copies of the mapped pages), and the grid integers kept until written; measured 2.4 on
+# Llama-3.1-8B-shaped and 2048 / 7168 layers with GPTQ (the resident size when the down projection's stage starts,
+# less the fixed cost and the hidden states)
 # float32 copies of the widest Linear that rounding it to nearest holds at once, measured on a Llama-3.1-8B layer
 # (down_proj, 14336 x 4096: the growth of VmHWM while round_to_nearest quantizes the layer): an integer
 # grid 1.5, FP8 3.7, NVFP4 (group and global scales) 11. A streamed layer is read (mapped, 1 copy) and rounded
 # Linear by Linear: its phase is the larger of STREAMED_LAYER_COPIES layers and one layer plus this.
 ROUNDING_COPIES = {"nvfp4": 11.0, "float": 3.7, "int": 1.5}
+PACKING_COPIES = 1.0  # float32 copies of the widest Linear while the exporter packs it, on top of the layer's copies:
+# measured by the streamed peak of int4-weight-only, FP8 and NVFP4 on Llama layers of widths 2048 / 5632 and
+# 4096 / 14336 (the 0.84B's and the 8B's; without it the estimate was 6-17% under)
 _LOAD_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -91,8 +100,11 @@ def estimate(prepared, recipe: Recipe, options, world_size: int, dst: str | Path
         largest = max((numel[n] * size(n) for n in headers if not _LAYER.search(n)), default=0) if copied else 0
         outside_layers["embeddings, final norm and lm_head (read at the start and at the end, held once)"] = rest + largest
         layer = max(per_layer.values(), default=0)
-        rounding = 0 if recipe.needs_calibration else rounding_bytes(_first_layer(prepared.plan))
-        ram["one decoder layer (read, quantized, packed)"] = max(STREAMED_LAYER_COPIES * layer, layer + rounding)
+        first = _first_layer(prepared.plan)
+        rounding = 0 if recipe.needs_calibration else rounding_bytes(first)
+        packing = int(PACKING_COPIES * 4 * max((e.in_features * e.out_features for e in first), default=0))
+        copies = CALIBRATED_LAYER_COPIES * layer if recipe.needs_calibration else max(STREAMED_LAYER_COPIES * layer, layer + rounding)
+        ram["one decoder layer (read, quantized, packed)"] = int(copies) + packing
     else:
         ram["model and its transient copy while loading and writing"] = int(write.LOAD_AND_WRITE_COPIES * model_bytes)
     if prepared.rotator is not None:  # float64 copies of CHUNK_ROWS rows of the widest weight (`algorithms.rotation`)
@@ -121,6 +133,9 @@ def estimate(prepared, recipe: Recipe, options, world_size: int, dst: str | Path
         recomputed = recipe.quantizer.name is Algorithm.GPTQ and options.device == "cpu" and not held
         calib = calibration_bytes(prepared.plan, quantized, numel, max(shares), seq_len, hidden, element, options.batch_size,
                                   held)
+        awq = any(s.name is Algorithm.AWQ for s in recipe.before_quantizer)  # its search holds more than the pass
+        if options.device == "cpu" and recipe.quantizer.name is Algorithm.GPTQ and not awq and stages_gptq(prepared.plan):
+            calib = staged_gptq_bytes(calib, prepared.plan, max(shares), seq_len, element, options.batch_size, held)
         streams = 1  # of hidden states in the resume state
         if recipe.quantizer.name is Algorithm.AUTOROUND:
             passes = autoround_passes(recipe.quantizer.arguments, num_samples)
@@ -133,7 +148,6 @@ def estimate(prepared, recipe: Recipe, options, world_size: int, dst: str | Path
         ram.update(calib)
         work_dir = _work_dir_bytes(headers, numel, size, quantized, shares, seq_len, hidden, element, streams)
         if options.device != "cpu":
-            awq = any(s.name is Algorithm.AWQ for s in recipe.before_quantizer)
             gpu = device_plan(
                 layer=max(_layer_bytes(headers, numel, size).values(), default=model_bytes // (layers + 2)),
                 copy=calib[_HIDDEN_STATES] // 2, batches=-(-max(shares) // options.batch_size), calib=calib,
@@ -207,6 +221,57 @@ def calibration_bytes(plan: list[ModulePlan], quantized: dict[str, ModulePlan], 
     return found
 
 
+MLP_PASS_COPIES = 2.3  # a batch through the MLP on the CPU, in the MLP's width x the batch's tokens x the model's
+# element: the gate and up outputs and act(gate) beside their product (which the staged pass keeps); the growth
+# of the resident size over the held inputs, measured with 8 x 2048 tokens on Llama layers of widths 2048 / 7168
+# and 4096 / 14336 (bf16)
+# GPTQ's solve of a stage: the float32 Hessian and its inverse factor (2 x in x in) and the weight's float32 work
+# copy (rows x in); measured 2.05 x in x in on an 8B's down projection (rows x in is a quarter of it there)
+HESSIAN_CHUNK_COPIES = 3  # summing a Hessian: float32 copies of a chunk of tokens beside the float64 accumulator
+# (2.6 measured on an 8B's down projection)
+
+
+def stages_gptq(plan: list[ModulePlan]) -> bool:
+    """Whether GPTQ runs its staged pass (`calibration.true_sequential`) on this model's layers: a wiring it knows
+    has every Linear of its stages quantized in the first layer (`calibration.steps.gptq.can_stage`; the run also
+    checks the staged computation against the layer's forward)."""
+    from quantkit.models.architectures import WIRINGS
+
+    layer = _first_layer(plan)
+    if not layer:
+        return False
+    prefix = layer[0].name.split(".0.")[0] + ".0."
+    names = {e.name[len(prefix):] for e in layer}
+    return any(all(n in names for stage in w.stages for n in stage if n) for w in WIRINGS)
+
+
+def staged_gptq_bytes(calib: dict[str, int], plan: list[ModulePlan], samples: int, seq_len: int, element: int,
+                      batch_size: int, held: bool) -> dict[str, int]:
+    """`calibration_bytes` for GPTQ's staged pass on the CPU, which works one stage at a time: on top of the
+    hidden states (and the down projection's held inputs) it holds the largest of three steps, never two at once,
+    where the general estimate adds every stage's Hessian and a float32 batch of activations. The steps: a
+    batch through the MLP (MLP_PASS_COPIES), summing the widest Hessian (its float64 upper triangle and float32
+    chunks of tokens, with the batch's MLP pass where the inputs are computed again), and a stage's solve."""
+    from quantkit.models.architectures import shared_input_leaders
+    from quantkit.quant.observers import HESSIAN_CHUNK_TOKENS, HessianObserver
+
+    layer = _first_layer(plan)
+    leaders = shared_input_leaders([e.name for e in layer])
+    stages: dict[str, list[int]] = {}  # a Hessian's inputs and the rows of the weights it solves
+    for e in layer:
+        stages.setdefault(leaders[e.name], [e.in_features, 0])[1] += e.out_features
+    widest = max(width for width, _ in stages.values())
+    tokens = min(samples, batch_size) * seq_len
+    mlp_pass = int(MLP_PASS_COPIES * tokens * widest * element)
+    observe = HessianObserver.accumulator_bytes(widest) + HESSIAN_CHUNK_COPIES * 4 * min(HESSIAN_CHUNK_TOKENS, tokens) * widest
+    if not held:
+        observe += mlp_pass
+    solve = max(4 * width * (2 * width + rows) for width, rows in stages.values())
+    found = {k: v for k, v in calib.items() if k not in ("one batch's activations in a layer", "Hessians of one layer")}
+    found[_STAGED_STEP] = max(mlp_pass, observe, solve)
+    return found
+
+
 def stage_input_bytes(plan: list[ModulePlan], samples: int, seq_len: int, hidden: int, element: int) -> int:
     """What GPTQ's staged pass holds at once where it holds its stages' inputs (`runtime.placement.holds_stage_inputs`):
     the widest Linear's (the MLP down projection's) for every sample; attention's output, held before it, is freed
@@ -215,6 +280,7 @@ def stage_input_bytes(plan: list[ModulePlan], samples: int, seq_len: int, hidden
 
 
 _HIDDEN_STATES = "calibration hidden states (this rank)"
+_STAGED_STEP = "GPTQ's largest step (a batch through the MLP, a Hessian summed, or a stage solved)"
 _HELD_STAGE_INPUTS = "GPTQ's stage inputs (the MLP down projection's), held for every batch on the CPU"
 
 

@@ -1,5 +1,5 @@
 """The preflight (`finalize --dry-run`, and the first line of a real run) against what the run then measured:
-peak RAM and output size within 25% on a 136 MB bf16 Llama, for round-to-nearest (both formats) and GPTQ."""
+peak RAM within 20% and output size within 25% on a 136 MB bf16 Llama, for round-to-nearest (both formats) and GPTQ."""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def finalize(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize("recipe", ["int4-weight-only", "int8-dynamic-act-int4-weight", "nvfp4-a16", "gptq-w4a16"])
-def test_estimates_are_within_a_quarter_of_the_measured_run(model_dir, calib, tmp_path, recipe):
+def test_estimates_are_within_a_fifth_of_the_measured_run(model_dir, calib, tmp_path, recipe):
     done = finalize(str(model_dir), str(tmp_path / "out"), "-q", recipe, "--calib-data", str(calib),
                     "--num-samples", "8", "--seq-len", "128", "--json", str(tmp_path / "run.json"))
     assert done.returncode == 0, done.stderr[-2000:]
@@ -57,7 +57,7 @@ def test_estimates_are_within_a_quarter_of_the_measured_run(model_dir, calib, tm
     estimate = run["preflight"]
     written = sum(f.stat().st_size for f in (tmp_path / "out").iterdir() if f.name != "quantkit.json")
     assert abs(estimate["output_bytes"] / written - 1) <= 0.25, (estimate["output_bytes"], written)
-    assert abs(estimate["peak_ram_bytes"] / run["peak_ram_bytes"] - 1) <= 0.25, (estimate["peak_ram_breakdown"], run["peak_ram_bytes"])
+    assert abs(estimate["peak_ram_bytes"] / run["peak_ram_bytes"] - 1) <= 0.2, (estimate["peak_ram_breakdown"], run["peak_ram_bytes"])
 
 
 def test_dry_run_estimates_the_artifact_in_the_dtype_the_run_writes(model_dir, tmp_path):

@@ -1,0 +1,48 @@
+"""The RAM terms of the preflight that are arithmetic on the plan: GPTQ's staged pass on the CPU
+(`preflight.stages_gptq`, `preflight.staged_gptq_bytes`), which holds the largest of its steps, not their sum."""
+
+from quantkit.finalization import preflight
+from quantkit.quant import registry
+from quantkit.quant.observers import HessianObserver
+from quantkit.quant.plan import ModulePlan
+
+HIDDEN, MLP, KV = 4096, 14336, 1024  # Llama-3.1-8B's widths
+STEP = "GPTQ's largest step (a batch through the MLP, a Hessian summed, or a stage solved)"
+
+
+def _llama_layer(*skip: str) -> list[ModulePlan]:
+    scheme = registry.resolve("gptq-w4a16").scheme
+    shapes = {"self_attn.q_proj": (HIDDEN, HIDDEN), "self_attn.k_proj": (HIDDEN, KV), "self_attn.v_proj": (HIDDEN, KV),
+              "self_attn.o_proj": (HIDDEN, HIDDEN), "mlp.gate_proj": (HIDDEN, MLP), "mlp.up_proj": (HIDDEN, MLP),
+              "mlp.down_proj": (MLP, HIDDEN)}
+    return [ModulePlan(f"model.layers.0.{name}", i, o, scheme) for name, (i, o) in shapes.items() if name not in skip]
+
+
+def _general(samples=16, batch=8):
+    return preflight.calibration_bytes(_llama_layer(), {}, {}, samples, 2048, HIDDEN, 2, batch, held_stage_inputs=True)
+
+
+def test_a_known_wiring_is_staged_and_a_layer_without_its_down_projection_is_not():
+    assert preflight.stages_gptq(_llama_layer())
+    assert not preflight.stages_gptq(_llama_layer("mlp.down_proj"))  # an MoE layer's experts: observed layer-wise
+    assert not preflight.stages_gptq([])
+
+
+def test_the_staged_pass_counts_its_largest_step_instead_of_every_stage_at_once():
+    general = _general()
+    staged = preflight.staged_gptq_bytes(general, _llama_layer(), 16, 2048, 2, 8, held=True)
+    assert "Hessians of one layer" not in staged and "one batch's activations in a layer" not in staged
+    assert staged[preflight._HIDDEN_STATES] == general[preflight._HIDDEN_STATES]
+    assert staged[preflight._HELD_STAGE_INPUTS] == general[preflight._HELD_STAGE_INPUTS]
+    # the down projection's solve: its float32 Hessian and factor (14336^2 x 2), and its float32 weight
+    assert staged[STEP] == 4 * MLP * (2 * MLP + HIDDEN)
+    assert staged[STEP] < general["Hessians of one layer"] + general["one batch's activations in a layer"]
+
+
+def test_inputs_computed_again_add_a_batch_through_the_mlp_to_the_hessian_sum():
+    layer = _llama_layer()
+    held = preflight.staged_gptq_bytes(_general(64, 64), layer, 64, 2048, 2, 64, held=True)[STEP]
+    recomputed = preflight.staged_gptq_bytes(_general(64, 64), layer, 64, 2048, 2, 64, held=False)[STEP]
+    mlp_pass = int(preflight.MLP_PASS_COPIES * 64 * 2048 * MLP * 2)
+    assert held == mlp_pass  # 64 samples a batch: the MLP's pass outweighs the solve
+    assert recomputed == HessianObserver.accumulator_bytes(MLP) + preflight.HESSIAN_CHUNK_COPIES * 4 * 4096 * MLP + mlp_pass
