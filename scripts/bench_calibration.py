@@ -48,7 +48,8 @@ GPTQModifier W8A8), and AWQ W4A16 (awq-w4a16, run when this checkout has that re
 AWQModifier + QuantizationModifier W4A16 only with `--awq`: its grid search takes ~15 min on 2 CPU cores,
 and 0.14 needs the runner's no-op for pin_memory on a machine without an accelerator). llm-compressor's
 GPTQModifier orders columns by activation (actorder "static") unless told otherwise; quantkit's recipes do
-not; `--llmc-actorder none` makes the two run the same algorithm. AutoRound W4A16 (autoround-w4a16;
+not; `--llmc-actorder none` makes the two run the same algorithm, and `--gptq-orders` runs GPTQ W4A16 in both
+orders on both sides (quantkit's recipe with `actorder: true` beside the shipped one). AutoRound W4A16 (autoround-w4a16;
 AutoRoundModifier W4A16, batch 8, lr 1 / iters, torch.compile off) and AutoRound W2A16 (autoround-w2a16; the
 same modifier on symmetric int2 in groups of 32, beside RTN W2A16 on quantkit's int2 grid; both AutoRounds scale
 with auto-round's full range, the larger side of each group on -2) run
@@ -194,13 +195,16 @@ def training_facts(final: Path) -> dict | None:
 
 
 def quantkit_job(algorithm: str, recipe: str, src: Path, out: Path, args: argparse.Namespace,
-                 seed: int | None = None) -> Job:
+                 seed: int | None = None, actorder: bool = False) -> Job:
     from quantkit.quant.registry import resolve
 
-    dst = out / f"quantkit-{recipe}{seed_suffix(seed)}"
+    dst = out / f"quantkit-{recipe}{seed_suffix(seed)}{'-actorder' if actorder else ''}"
     calibrated = resolve(recipe).needs_calibration
     calibration = harness.calibration_options(args.calib_data, args.num_samples, args.seq_len) if calibrated else []
     chosen = autoround_recipe(recipe, args.autoround_iters, out, seed) if recipe.startswith("autoround") else recipe
+    if actorder:  # the shipped recipe with GPTQ's columns in order of decreasing Hessian diagonal
+        chosen = str(out / f"{recipe}-actorder.yaml")
+        Path(chosen).write_text(Path(resolve(recipe).source).read_text().replace("actorder: false", "actorder: true"))
     ranks = args.quantkit_ranks if calibrated else 1
     if ranks > 1:
         calibration += ["--nproc-per-node", str(ranks)]
@@ -230,9 +234,10 @@ def autoround_recipe(name: str, iters: int, folder: Path, seed: int | None = Non
 
 
 def llmc_job(algorithm: str, recipe: str, src: Path, out: Path, calib: Path, runner: Path,
-             args: argparse.Namespace, seed: int | None = None) -> Job:
-    dst = out / f"llmc-{recipe}{seed_suffix(seed)}"
-    cmd = harness.llmc_command(args.llmc_python, runner, src, dst, calib, recipe, args.llmc_actorder, args.threads,
+             args: argparse.Namespace, seed: int | None = None, actorder: str | None = None) -> Job:
+    actorder = actorder or args.llmc_actorder
+    dst = out / f"llmc-{recipe}{seed_suffix(seed)}{'-actorder-' + actorder if actorder != args.llmc_actorder else ''}"
+    cmd = harness.llmc_command(args.llmc_python, runner, src, dst, calib, recipe, actorder, args.threads,
                                iters=args.autoround_iters, seed=DEFAULT_SEED if seed is None else seed)
     return Job("llm-compressor", algorithm, recipe, dst, cmd, seed=seed)
 
@@ -252,6 +257,11 @@ def make_jobs(src: Path, calib: Path, workdir: Path, args: argparse.Namespace) -
         if args.only and qk_recipe not in args.only:
             continue
         run_llmc = args.llmc_python and (algo != AWQ[0] or args.awq)
+        if args.gptq_orders and qk_recipe == "gptq-w4a16":  # both tools in both column orders, like with like
+            for label, qk_order, llmc_order in ((algo, False, "none"), (f"{algo}, actorder", True, "default")):
+                jobs += [quantkit_job(label, qk_recipe, src, out, args, actorder=qk_order)]
+                jobs += [llmc_job(label, llmc_recipe, src, out, calib, runner, args, actorder=llmc_order)] if run_llmc else []
+            continue
         for seed in args.autoround_seeds if qk_recipe.startswith("autoround") else [None]:
             jobs += [quantkit_job(algo, qk_recipe, src, out, args, seed)] if has_recipe(qk_recipe) else []
             jobs += [llmc_job(algo, llmc_recipe, src, out, calib, runner, args, seed)] if run_llmc else []
@@ -536,6 +546,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quantkit-ranks", type=int, default=1, help="quantkit's calibrated recipes on this many ranks "
                    "(--nproc-per-node), each with --threads / ranks threads: the same cores as llm-compressor's one process")
     p.add_argument("--awq", action="store_true", help="also run llm-compressor's AWQ W4A16 (slow on CPU)")
+    p.add_argument("--gptq-orders", action="store_true", help="GPTQ W4A16 in both column orders on both sides: "
+                   "quantkit's recipe as shipped and with actorder: true, llm-compressor's with actorder None and its "
+                   "default (static)")
     p.add_argument("--llmc-actorder", choices=["default", "none"], default="default",
                    help="llm-compressor GPTQ column order: its default (static) or none (as quantkit's recipes)")
     p.add_argument("--autoround-iters", type=int, default=200, help="AutoRound's steps per layer, both tools (200: "

@@ -8,7 +8,8 @@ subprocess with its own time limit: `quantkit finalize ... --device cuda [--max-
 scripts/harness.py's llm-compressor runner (`oneshot`, the same token blocks). Measured per job: wall time, the GPU's
 memory in use (NVML, every 50 ms, minus what was in use before) and its mean utilisation; for quantkit also its
 time split, its own allocator peak and the preflight's estimate (from `--json`). Jobs run in the order given and
-stop being started once `--deadline` seconds have passed, so that a device call ends with what it measured.
+stop being started once `--deadline` seconds have passed, so that a device call ends with what it measured;
+with `--done FILE` the same command run again skips the jobs an earlier call completed.
 
     python scripts/bench_gpu_scale.py --llmc-python /tmp/llmc-python --json scale.json \\
         --jobs qk:gptq-w4a16:8b:512 qk:gptq-w4a16:8b-l8:512:22GiB llmc:gptq-w4a16:8b-l8:128
@@ -170,6 +171,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--deadline", type=float, default=1e9, help="start no job after this many seconds")
     p.add_argument("--device", default="cuda", help="quantkit's --device (cpu: a dry run of this script without a GPU)")
     p.add_argument("--json", type=Path)
+    p.add_argument("--done", type=Path, help="a file of the jobs already measured (one spec a line): they are "
+                   "skipped, and each job this run completes is added, so that the same command in a second device "
+                   "call on the same machine goes on where the first stopped")
     p.add_argument("--build-only", action="store_true",
                    help="build the models the jobs name and stop (run beside other work before the timed jobs)")
     return p.parse_args(argv)
@@ -181,7 +185,13 @@ def main(argv: list[str] | None = None) -> None:
     args.workdir.mkdir(parents=True, exist_ok=True)
     logs = args.workdir / "logs"
     logs.mkdir(exist_ok=True)
-    jobs = [parse_job(spec) for spec in args.jobs]
+    done = set(args.done.read_text().split()) if args.done and args.done.is_file() else set()
+    jobs = [parse_job(spec) for spec in args.jobs if spec not in done]
+    if done:
+        print(f"skipped, measured in an earlier call: {' '.join(s for s in args.jobs if s in done)}", file=sys.stderr)
+    if not jobs:
+        print("every job was measured in an earlier call", file=sys.stderr)
+        return
     if args.build_only:
         for name in dict.fromkeys(job.model for job in jobs):
             began = time.perf_counter()
@@ -217,6 +227,9 @@ def main(argv: list[str] | None = None) -> None:
         run(job, command(job, src, dst, calib, ids, args, runner), dst, sampler, logs, min(args.timeout, left), args.threads)
         print(f"{job.spec}: {fmt(job.seconds, '.1f')} s, GPU peak {fmt(job.gpu_peak_mib, '.0f')} MiB, rc {job.returncode}",
               file=sys.stderr, flush=True)
+        if args.done and job.returncode == 0:
+            with args.done.open("a") as f:
+                f.write(job.spec + "\n")
         save(jobs, args, facts)
     print(table(jobs, args.seq_len))
     for job in jobs:

@@ -7,9 +7,12 @@
 #   3. runs scripts/bench_gpu.py, both tools side by side on this GPU;
 #   4. (step "scale", not by default) scripts/bench_gpu_scale.py: the 8B shape and reduced-depth copies, both tools
 #      (SCALE_JOBS: its --jobs; SCALE_DEADLINE: no job started after that many seconds);
-#   5. (step "profile", not by default) profiles quantkit's GPTQ of the benchmark's 0.84B model (scripts/profile_cli.py).
+#   5. (step "profile", not by default) profiles quantkit's GPTQ of the benchmark's 0.84B model (scripts/profile_cli.py);
+#   (step "scale-rest") the scale step's jobs not measured yet, most needed first; each completed job is recorded on
+#      the machine, so the same command in the next call on the same warm machine goes on where this one stopped:
+#        bash scripts/gpu_check.sh $OUT scale-rest        # twice, timeout_s 600 each
 # Usage, from the repository root:  bash scripts/gpu_check.sh [OUT_DIR] [STEPS]
-#   STEPS: any of "tests bench scale profile" (default "tests bench": about 9 minutes on an H100); logs, JUnit XML, the
+#   STEPS: any of "tests bench scale scale-rest profile" (default "tests bench": about 9 minutes on an H100); logs, JUnit XML, the
 #   benchmark's JSON and the profile land in OUT_DIR.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -62,18 +65,28 @@ if [[ " $STEPS " == *" bench "* ]]; then
         --train-steps 200 --json "$OUT/bench-gpu.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench-gpu.txt" || status=1
     tar czf "$OUT/bench-logs.tgz" -C /tmp/bench-gpu logs 2>/dev/null || true
 fi
+if [[ " $STEPS " == *" scale-rest "* ]]; then
+    # what issue 44 still needs on a GPU: the whole 8B's AWQ at 512 x 2048 (about 6 minutes), the reduced
+    # Qwen3-30B-A3B against llm-compressor, the whole 8B's GPTQ against llm-compressor at 128 x 2048, AutoRound on a
+    # reduced copy; the offloaded path's tests ran with the scale step before
+    SCALE_JOBS=${SCALE_JOBS:-qk:awq-w4a16:8b:512 qk:gptq-w4a16:moe-l2:128 llmc:gptq-w4a16:moe-l2:128 qk:gptq-w4a16:8b:128 llmc:gptq-w4a16:8b:128 qk:autoround-w4a16:8b-l2:128}
+    SCALE_DONE=/tmp/bench-scale/done.txt SCALE_DEADLINE=${SCALE_DEADLINE:-480} SCALE_JOB_TIMEOUT=${SCALE_JOB_TIMEOUT:-440}
+    SKIP_OFFLOAD_TESTS=1 STEPS="$STEPS scale"
+fi
 if [[ " $STEPS " == *" scale "* ]]; then
     # real sizes (scripts/bench_gpu_scale.py): the offloaded path's GPU test first, then the jobs in SCALE_JOBS, in
     # order, none started after SCALE_DEADLINE seconds; the models are built here, on the machine's local disk
     data=$REPO/.whl/data
     scale=(python3 "$REPO/scripts/bench_gpu_scale.py" --llmc-python /tmp/llmc-python --workdir /tmp/bench-scale
         --text "$data/wikitext-2/valid.txt" "$data/wikitext-2/test.txt" "$data/tinyshakespeare/input.txt"
-        --jobs ${SCALE_JOBS:-qk:gptq-w4a16:8b:512 qk:awq-w4a16:8b:512 qk:gptq-w4a16:8b-l4:512:22GiB})
+        --jobs ${SCALE_JOBS:-qk:gptq-w4a16:8b:512 qk:awq-w4a16:8b:512 qk:gptq-w4a16:8b-l4:512:22GiB} ${SCALE_DONE:+--done $SCALE_DONE})
     # the jobs' models are built (CPU and disk) while the GPU runs the offloaded path's tests
     ( time "${scale[@]}" --build-only ) > "$OUT/scale-build.txt" 2>&1 &
     building=$!
-    timeout ${OFFLOAD_TEST_TIMEOUT:-120} python3 -m pytest -c "$REPO/pyproject.toml" --rootdir "$REPO" -q -m gpu \
-        "$REPO/tests/gpu/test_cuda.py" -k "offloaded or tf32 or gguf" -p no:cacheprovider -rfE 2>&1 | tail -15 | tee "$OUT/offload-tests.txt" || status=1
+    if [[ -z "${SKIP_OFFLOAD_TESTS:-}" ]]; then
+        timeout ${OFFLOAD_TEST_TIMEOUT:-120} python3 -m pytest -c "$REPO/pyproject.toml" --rootdir "$REPO" -q -m gpu \
+            "$REPO/tests/gpu/test_cuda.py" -k "offloaded or tf32 or gguf" -p no:cacheprovider -rfE 2>&1 | tail -15 | tee "$OUT/offload-tests.txt" || status=1
+    fi
     wait $building || status=1
     cat "$OUT/scale-build.txt"
     "${scale[@]}" --deadline ${SCALE_DEADLINE:-420} --timeout ${SCALE_JOB_TIMEOUT:-300} --json "$OUT/bench-scale.json" 2>&1 \
