@@ -16,8 +16,9 @@ with `--done FILE` the same command run again skips the jobs an earlier call com
 
 A job is TOOL:RECIPE:MODEL:SAMPLES[:BUDGET]: TOOL qk (quantkit) or llmc; MODEL 8b (32 layers), 8b-lN (N layers),
 moe-lN (Qwen3-30B-A3B with N of its 48 layers); SAMPLES x `--seq-len` tokens; BUDGET quantkit's --max-gpu-memory.
-A `gguf-*` RECIPE writes MODEL as one .gguf file (llama.cpp's K search on the GPU). RECIPE+actorder (quantkit) runs the recipe with GPTQ's `actorder: true`; RECIPE+noactorder (llm-compressor) with
-`actorder: None`: each tool's GPTQ in the other's default column order.
+A `gguf-*` RECIPE writes MODEL as one .gguf file (llama.cpp's K search on the GPU). RECIPE+actorder /
+RECIPE+noactorder (quantkit) runs the recipe with GPTQ's `actorder` true / false; RECIPE+noactorder
+(llm-compressor) with `actorder: None` (its default: static actorder).
 """
 
 from __future__ import annotations
@@ -103,10 +104,11 @@ def command(job: ScaleJob, src: Path, dst: Path, calib: Path, ids: Path | None, 
         return harness.llmc_command(args.llmc_python, runner, src, dst, ids, base, "none" if variant else "default",
                                     args.threads)
     recipe = base
-    if variant == "actorder":  # quantkit's recipe with actorder: true (llm-compressor's default order)
+    if variant in ("actorder", "noactorder"):  # quantkit's recipe with GPTQ's actorder on or off
         shown = subprocess.run(harness.quantkit_command("recipes", "show", base), check=True, capture_output=True, text=True)
-        path = args.workdir / f"{base}-actorder.yaml"
-        path.write_text(shown.stdout.replace("actorder: false", "actorder: true"))
+        path = args.workdir / f"{base}-{variant}.yaml"
+        on = variant == "actorder"
+        path.write_text(shown.stdout.replace(f"actorder: {str(not on).lower()}", f"actorder: {str(on).lower()}"))
         recipe = str(path)
     options = harness.calibration_options(calib, job.samples, args.seq_len) + ["--device", args.device, "--json", str(dst) + ".json"]
     if job.budget:

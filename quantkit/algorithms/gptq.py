@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -234,6 +235,15 @@ class _Grid:
         q = (q + zero).clamp_(*self.spec.dtype.qrange).float()
         return q, ((q - zero_float) * scale).float()
 
+    def columns_in_order(self, order: list[int]) -> Callable[[int, int], tuple]:
+        """For qparams fixed up front (static groups) and columns in `order`: a function giving the qparams of
+        positions [j1, j2) as `columns` gives one group's, a row per column ([j2 - j1, out]), bit for bit the same
+        values; one gather a tensor."""
+        groups = torch.tensor([self.group_of(c) for c in order], device=self.scale.device)
+        scale = self.scale.T.contiguous()
+        by_group = (scale, 1.0 / scale, *((self.zero.T.contiguous(), self.zero.T.float()) if self.zero is not None else (None, None)))
+        return lambda j1, j2: tuple(t.index_select(0, groups[j1:j2]) if t is not None else None for t in by_group)
+
     def columns(self, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """An integer grid's (scale, 1 / scale, zero point, zero point as float32) of `group`, as contiguous columns."""
         if group not in self._columns:
@@ -361,7 +371,9 @@ def _quantize_columns(
     sub = math.gcd(SUB_BLOCK, dynamic_size) if dynamic_size else SUB_BLOCK
     cuda = wt.device.type == "cuda"
     row_blocks = [slice(None)] if cuda else [slice(r, r + ROW_BLOCK) for r in range(0, wt.shape[1], ROW_BLOCK)]
-    runner = _sub_block_runner(wt, grid, order, sub, row_errors, graphs)
+    per_column = _per_column(grid, order)  # actorder's static groups: a sub-block's columns from several groups
+    runner = _sub_block_runner(wt, grid, order, sub, row_errors, graphs, per_column)
+    in_order = grid.columns_in_order(order) if runner is not None and per_column else None
 
     def push(columns: slice, factors: torch.Tensor, err: torch.Tensor) -> None:  # wt[columns] -= factors @ err
         for rows in row_blocks:
@@ -373,10 +385,14 @@ def _quantize_columns(
         for j1 in range(i1, i2, sub):
             j2 = min(j1 + sub, i2)
             if runner is not None and j2 - j1 == sub:
-                group = grid.group_of(order[j1])
-                if dynamic_size and j1 % dynamic_size == 0:
-                    grid.choose(group, wt[j1 : j1 + dynamic_size].T)
-                qt[j1:j2], err[j1 - i1 : j2 - i1] = runner(wt[j1:j2], hinv[j1:j2, j1:j2], *grid.columns(group))
+                if in_order is not None:
+                    qparams = in_order(j1, j2)
+                else:
+                    group = grid.group_of(order[j1])
+                    if dynamic_size and j1 % dynamic_size == 0:
+                        grid.choose(group, wt[j1 : j1 + dynamic_size].T)
+                    qparams = grid.columns(group)
+                qt[j1:j2], err[j1 - i1 : j2 - i1] = runner(wt[j1:j2], hinv[j1:j2, j1:j2], *qparams)
                 if j2 < i2:
                     push(slice(j2, i2), hinv[j1:j2, j2:i2].T, err[j1 - i1 : j2 - i1])
                 continue
@@ -397,16 +413,24 @@ def _quantize_columns(
     return qt.T.contiguous()
 
 
+def _per_column(grid: _Grid, order: list[int]) -> bool:
+    """Whether the columns of a sub-block can belong to different groups: groups, in actorder's order."""
+    return grid.spec.granularity is Granularity.GROUP and order != list(range(len(order)))
+
+
 def _sub_block_runner(wt: torch.Tensor, grid: _Grid, order: list[int], sub: int, row_errors: torch.Tensor | None,
-                      graphs: bool | None):
-    """`gptq_graphs.sub_block_runner` where it applies: integer grids rounded left to right (every column of a
-    sub-block in one group), on CUDA or when asked (`graphs` False)."""
-    if grid.float_grid or isinstance(grid, _KGrid) or order != list(range(len(order))) or (graphs is None and wt.device.type != "cuda"):
+                      graphs: bool | None, per_column: bool = False):
+    """`gptq_graphs.sub_block_runner` where it applies: integer grids, on CUDA or when asked (`graphs` False); left to
+    right, a sub-block's columns in one group; in actorder's order (`per_column`), on qparams fixed up front, each
+    column's qparams beside it."""
+    if grid.float_grid or isinstance(grid, _KGrid) or (graphs is None and wt.device.type != "cuda"):
         return None
-    if grid.spec.granularity is Granularity.GROUP and grid.spec.group_size % sub:
+    if per_column and grid.choose_every:
+        return None  # dynamic groups are chosen as the loop reaches them, left to right only
+    if not per_column and grid.spec.granularity is Granularity.GROUP and grid.spec.group_size % sub:
         return None  # a sub-block would straddle two groups
     from quantkit.algorithms.gptq_graphs import sub_block_runner
 
     zero_dtype = grid.zero.dtype if grid.zero is not None else None
     return sub_block_runner(sub, wt.shape[1], grid.dtype, grid.scale.dtype, zero_dtype, grid.spec.dtype.qrange, wt.device,
-                            row_errors, graphs)
+                            row_errors, graphs, per_column)

@@ -9,8 +9,9 @@ qparams are copied into the graph's own input tensors, the graph replays, and th
 are copied out. The kernels are the ones the eager loop runs, on the same values, so the result is the eager
 loop's bit for bit (checked on the first sub-block of every new shape; a mismatch turns graphs off for the run).
 
-Used for integer grids whose columns are rounded left to right (no actorder): every column of a sub-block then
-shares one group's qparams. `QUANTKIT_CUDA_GRAPHS=0` turns it off.
+Used for integer grids. Rounded left to right, every column of a sub-block shares one group's qparams; in actorder's
+order (static groups) the columns of a sub-block come from several groups, and each column's qparams are copied in
+beside it (`per_column`). `QUANTKIT_CUDA_GRAPHS=0` turns it off.
 """
 
 from __future__ import annotations
@@ -30,14 +31,16 @@ class SubBlock:
     (`body`), and copies the grid integers and scaled errors out. Eager here; `SubBlockGraph` replays it."""
 
     def __init__(self, size: int, rows: int, dtype: torch.dtype, scale_dtype: torch.dtype, zero_dtype: torch.dtype | None,
-                 qrange: tuple[int, int], device: torch.device):
+                 qrange: tuple[int, int], device: torch.device, per_column: bool = False):
         self.size, self.dtype, self.qrange = size, dtype, qrange  # dtype: the weight's, in which columns are rounded
+        self.per_column = per_column  # qparams [size, rows], a column's own, instead of one group's [rows]
         self.w = torch.zeros(size, rows, dtype=torch.float32, device=device)  # the sub-block's columns (as rows)
         self.h = torch.ones(size, size, dtype=torch.float32, device=device)  # its diagonal block of the factor
-        self.scale = torch.ones(rows, dtype=scale_dtype, device=device)
-        self.inverse = torch.ones(rows, dtype=scale_dtype, device=device)
-        self.zero = torch.zeros(rows, dtype=zero_dtype, device=device) if zero_dtype is not None else None
-        self.zero_float = torch.zeros(rows, dtype=torch.float32, device=device) if zero_dtype is not None else None
+        shape = (size, rows) if per_column else (rows,)
+        self.scale = torch.ones(shape, dtype=scale_dtype, device=device)
+        self.inverse = torch.ones(shape, dtype=scale_dtype, device=device)
+        self.zero = torch.zeros(shape, dtype=zero_dtype, device=device) if zero_dtype is not None else None
+        self.zero_float = torch.zeros(shape, dtype=torch.float32, device=device) if zero_dtype is not None else None
         self.q = torch.zeros(size, rows, dtype=torch.int8, device=device)
         self.err = torch.zeros(size, rows, dtype=torch.float32, device=device)
         self.row_errors = torch.zeros(rows, dtype=torch.float32, device=device)
@@ -46,18 +49,24 @@ class SubBlock:
         """The eager loop's kernels for `size` columns (`gptq._quantize_columns` and `_Grid.round`)."""
         low, high = self.qrange
         for i in range(self.size):
-            q = torch.round(self.w[i].to(self.dtype) * self.inverse)
-            if self.zero is None:
+            scale, inverse, zero, zero_float = self._qparams(i)
+            q = torch.round(self.w[i].to(self.dtype) * inverse)
+            if zero is None:
                 q = q.clamp_(low, high).float()
-                value = (q * self.scale).float()
+                value = (q * scale).float()
             else:
-                q = (q + self.zero).clamp_(low, high).float()
-                value = ((q - self.zero_float) * self.scale).float()
+                q = (q + zero).clamp_(low, high).float()
+                value = ((q - zero_float) * scale).float()
             self.q[i] = q
             e = torch.sub(self.w[i], value, out=self.err[i]).div_(self.h[i, i])
             self.row_errors.addcmul_(e, e)
             if i + 1 < self.size:
                 self.w[i + 1 :].sub_(self.h[i, i + 1 :, None] * e)
+
+    def _qparams(self, i: int) -> tuple:
+        """Column i's (scale, 1 / scale, zero point, zero point as float32): views, no kernels of their own."""
+        found = (self.scale, self.inverse, self.zero, self.zero_float)
+        return tuple(t[i] if t is not None else None for t in found) if self.per_column else found
 
     def load(self, w: torch.Tensor, h: torch.Tensor, scale: torch.Tensor, inverse: torch.Tensor,
              zero: torch.Tensor | None, zero_float: torch.Tensor | None) -> None:
@@ -99,11 +108,11 @@ class SubBlockGraph(SubBlock):
 
 def sub_block_runner(size: int, rows: int, dtype: torch.dtype, scale_dtype: torch.dtype, zero_dtype: torch.dtype | None,
                      qrange: tuple[int, int], device: torch.device, row_errors: torch.Tensor | None,
-                     graphs: bool | None = None) -> Callable | None:
+                     graphs: bool | None = None, per_column: bool = False) -> Callable | None:
     """A function running one sub-block of `size` columns (`SubBlock.run`'s inputs), through a CUDA graph on CUDA
     (`graphs` None), eagerly with `graphs` False; None where it does not apply (not CUDA, or turned off). It adds
-    the rows' squared errors to `row_errors`, if given."""
-    shape = (size, rows, dtype, scale_dtype, zero_dtype, qrange, device)
+    the rows' squared errors to `row_errors`, if given. `per_column`: each column's qparams are given ([size, rows])."""
+    shape = (size, rows, dtype, scale_dtype, zero_dtype, qrange, device, per_column)
     if graphs is False:
         return _accumulating(SubBlock(*shape), row_errors)
     if device.type != "cuda" or not _STATE["enabled"]:

@@ -592,8 +592,8 @@ def memory_shortfall(report: dict, available: int | None = None) -> str | None:
     """Why a calibrated run cannot fit the machine (`available`: what the system could still give, plus what this
     process holds already), naming the --num-samples whose calibration activations would fit; None when it can.
     Judged on what the run cannot do without, the fixed cost and the terms that grow with the samples (hidden
-    states, held inputs), not on the whole estimate: its Hessian and activation terms are upper bounds (a GPTQ
-    run at 8B measured half the estimated peak), and a run that would fit must not be refused."""
+    states, held inputs), not on the whole estimate: its other terms err on the safe side (GPTQ at 8B: +9%), and a
+    run that would fit must not be refused."""
     shares = report.get("samples_per_rank")
     if not shares:
         return None

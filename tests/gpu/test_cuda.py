@@ -226,6 +226,33 @@ def test_the_inverse_hessian_factor_on_cuda_is_the_cpus():
     torch.testing.assert_close(on_gpu.cpu(), on_cpu, atol=1e-5 * on_cpu.abs().max().item(), rtol=1e-4)
 
 
+@pytest.mark.parametrize("actorder", [False, True], ids=["left-to-right", "actorder"])
+def test_gptqs_cuda_graphs_replay_the_eager_loop_in_either_column_order(actorder):
+    """`gptq_graphs` on CUDA: the captured sub-blocks give the eager column loop's integers and errors bit for bit,
+    left to right and in actorder's order (each column's group qparams copied in beside it), and stay on (a
+    mismatch would have turned them off)."""
+    from quantkit.algorithms import gptq_graphs
+    from quantkit.algorithms.arguments import GPTQArgs
+    from quantkit.algorithms.gptq import _Grid, _quantize_columns, inverse_hessian
+    from quantkit.quant import registry
+
+    spec = registry.resolve("gptq-w4a16").scheme.weights
+    generator = torch.Generator().manual_seed(0)
+    weight = (torch.randn(512, 1024, generator=generator) * 0.05).to(torch.bfloat16).cuda()
+    x = torch.randn(4096, 1024, generator=generator) * torch.linspace(0.2, 3.0, 1024)
+    args = GPTQArgs(actorder=actorder)
+    factor = inverse_hessian((x.T @ x / 4096).cuda(), args)
+    results = []
+    for graphs in (None, False):
+        grid = _Grid.up_front(weight.float(), torch.bfloat16, spec, dynamic=not actorder)
+        wt = weight.T.float().contiguous()
+        wt = wt[factor.perm] if factor.perm is not None else wt
+        errors = torch.zeros(512, device="cuda")
+        results.append((_quantize_columns(wt, factor.upper, grid, factor.order, 128, errors, graphs=graphs), errors))
+    assert gptq_graphs._STATE["enabled"]
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
 R4_RECIPES = {  # R1+R2 fused and R4 online (the tiny model's MLP is 256 wide: type hadamard takes it)
     "r4-w4a8-rtn": "scheme: {weights: {dtype: int4, granularity: group, group_size: 32, symmetric: true}, "
                    "activations: {dtype: int8, granularity: token, dynamic: true, symmetric: false}}\nalgorithm: {name: rtn}\n",

@@ -360,25 +360,31 @@ def test_row_shares_of_the_inverse_cover_every_row_once_cut_by_work(world_size):
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: ID[id(s)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_sub_block_path_cuda_replays_as_a_graph_is_the_column_loop_bit_for_bit(spec, dtype):
+@pytest.mark.parametrize("actorder", [False, True], ids=["left-to-right", "actorder"])
+def test_the_sub_block_path_cuda_replays_as_a_graph_is_the_column_loop_bit_for_bit(spec, dtype, actorder):
     """`gptq_graphs`: a sub-block's columns copied into tensors of their own, looped over there, and the grid
     integers and scaled errors copied out (what a CUDA graph replays) give the column loop's qdata, scales and
     rows' squared errors bit for bit; 200 rows (not a multiple of a row block); per channel 264 columns (a short
-    last sub-block, which runs column by column)."""
+    last sub-block, which runs column by column). In actorder's order (static groups) each column's group qparams
+    go in beside it."""
     from quantkit.algorithms.gptq import _Grid, _aligned_block_size, _quantize_columns, inverse_hessian
 
     columns = 384 if spec.granularity is Granularity.GROUP else 264
     weight = _weight(dtype, out=200, inp=columns)
     hessian = HessianObserver()
-    hessian.update(_inputs(inp=columns))
-    factor = inverse_hessian(hessian.hessian())
-    args = GPTQArgs()
-    dynamic = spec.granularity is Granularity.GROUP
+    hessian.update(_inputs(inp=columns) * torch.linspace(0.2, 3.0, columns))  # a diagonal actorder reorders
+    args = GPTQArgs(actorder=actorder)
+    factor = inverse_hessian(hessian.hessian(), args)
+    assert (factor.order != list(range(columns))) == actorder
+    dynamic = spec.granularity is Granularity.GROUP and not actorder
     results = []
     for graphs in (None, False):  # None on the CPU: the column loop
         grid = _Grid.up_front(weight.float(), dtype, spec, dynamic=dynamic)
         errors = torch.zeros(weight.shape[0])
-        qdata = _quantize_columns(weight.T.float().contiguous(), factor.upper, grid, factor.order,
+        wt = weight.T.float().contiguous()
+        if factor.perm is not None:
+            wt = wt[factor.perm]
+        qdata = _quantize_columns(wt, factor.upper, grid, factor.order,
                                   _aligned_block_size(args.block_size, spec), errors, graphs=graphs)
         results.append((qdata, grid.scale, grid.zero, errors))
     (q1, s1, z1, e1), (q2, s2, z2, e2) = results
