@@ -207,20 +207,26 @@ def calibration_bytes(plan: list[ModulePlan], quantized: dict[str, ModulePlan], 
 
     layer = _first_layer(plan)
     leaders = shared_input_leaders([e.name for e in layer])  # modules sharing an input share one Hessian
-    inputs = {leaders[e.name]: e.in_features for e in layer}
-    widest = max((e.in_features for e in layer), default=hidden)
+    stages: dict[str, list[int]] = {}  # each Hessian's inputs and the rows of the weights solved on it, stacked
+    for e in layer:
+        stages.setdefault(leaders[e.name], [e.in_features, 0])[1] += e.out_features
     outer = max((max(e.out_features, e.in_features) for e in layer), default=hidden)
+    solve = max((4 * width * 2 * width + STACKED_SOLVE_BYTES * rows * width for width, rows in stages.values()), default=0)
     found = {
         "grid integers of finished layers": sum(numel[n] for n in quantized),
         _HIDDEN_STATES: 2 * samples * seq_len * hidden * element,
         "one batch's activations in a layer": 3 * min(samples, batch_size) * seq_len * outer * 4,
-        "Hessians of one layer": sum(map(HessianObserver.accumulator_bytes, inputs.values())) + 3 * widest * widest * 4,
+        "Hessians of one layer": sum(HessianObserver.accumulator_bytes(width) for width, _ in stages.values()) + solve,
     }
     if held_stage_inputs:
         found[_HELD_STAGE_INPUTS] = stage_input_bytes(plan, samples, seq_len, hidden, element)
     return found
 
 
+STACKED_SOLVE_BYTES = 10  # a GPTQ solve, per weight of the Linears stacked on one Hessian: the stacked copy in the
+# model's dtype, its float32 work copy, the int8 grid integers and their transposed copy (10.0 measured on the
+# gates and ups of a Qwen3-30B-A3B layer's 128 experts, 196608 x 2048, which share one Hessian), beside the
+# float32 Hessian and its factor (2 x 4 x in x in)
 MLP_PASS_COPIES = 2.3  # a batch through the MLP on the CPU, in the MLP's width x the batch's tokens x the model's
 # element: the gate and up outputs and act(gate) beside their product (which the staged pass keeps); the growth
 # of the resident size over the held inputs, measured with 8 x 2048 tokens on Llama layers of widths 2048 / 7168

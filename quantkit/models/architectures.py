@@ -203,8 +203,9 @@ def kernel_fused_groups(names: list[str]) -> list[list[str]]:
 
 def shared_input_leaders(names: list[str]) -> dict[str, str]:
     """For planned Linear names (`model.layers.3.self_attn.q_proj`), the first module of its input-sharing group
-    (q/k/v; gate/up; itself otherwise), as `observe` finds them at run time on these layers; `--dry-run` plans
-    with this before any weight is loaded."""
+    (q/k/v; gate/up; the gates and ups of all of a layer's MoE experts, which calibration runs on every token;
+    itself otherwise), as `observe` finds them at run time on these layers; `--dry-run` plans with this before
+    any weight is loaded."""
     present = set(names)
     leaders = {name: name for name in names}
     for wiring in WIRINGS:
@@ -213,7 +214,18 @@ def shared_input_leaders(names: list[str]) -> dict[str, str]:
                 members = [f"{layer}.{n}" for n in stage if f"{layer}.{n}" in present]
                 for name in members:
                     leaders[name] = members[0]
+    experts: dict[str, str] = {}  # calibrating, every expert reads every token: one input for all gates and ups
+    for name in names:
+        found = expert_projection(name)
+        shared = SHARED_EXPERT_INPUT.match(name)
+        if found is not None and found[2] in ("gate", "up"):
+            leaders[name] = experts.setdefault(found[0], name)
+        elif shared is not None:  # Qwen2-MoE's shared expert reads the routed experts' input
+            leaders[name] = experts.setdefault(f"{shared['block']}.experts", name)
     return leaders
+
+
+SHARED_EXPERT_INPUT = re.compile(r"^(?P<block>.+)\.shared_expert\.(gate_proj|up_proj)$")
 
 
 class _Reached(Exception):

@@ -105,6 +105,41 @@ def test_modules_reading_one_input_share_a_hessian():
     assert leaders["layers.0.mlp.down_proj"] == "layers.0.mlp.down_proj"
 
 
+MOE = {  # tiny configs (tests/unit/models/test_moe.py's)
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=96),
+    "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=96, shared_expert_intermediate_size=64),
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=96, head_dim=16),
+}
+
+
+@pytest.mark.parametrize("model_type", MOE)
+def test_moe_experts_share_hessians_at_run_time_as_the_dry_run_plans(model_type):
+    """`observe` shares one observer among the Linears fed one tensor (calibrating, every expert reads every token:
+    all the experts' gates and ups); the dry run's `shared_input_leaders`, which counts the Hessians the run holds
+    and the rows GPTQ stacks, groups them alike."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from quantkit.calibration.hooks import capture_inputs, observer_groups
+    from quantkit.models import moe
+    from quantkit.quant.plan import plan_model
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(model_type, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                  num_key_value_heads=2, vocab_size=128, experts_implementation="eager", **MOE[model_type])
+    model = moe.linearize(AutoModelForCausalLM.from_config(config).eval())
+    layer = model.model.layers[0]
+    layer.mlp.experts.all_tokens = True  # every expert sees every token, as calibration runs them
+    plan = [e for e in plan_model(model, resolve("gptq-w4a16")) if e.quantized and e.name.startswith("model.layers.0.")]
+    modules = {e.name: model.get_submodule(e.name) for e in plan}
+    inputs = capture_inputs(model, model.model.layers, [torch.randint(0, 128, (2, 16))], torch.device("cpu"))
+    groups = observer_groups(observe(modules, HessianObserver, layer, inputs))
+    leaders = shared_input_leaders(list(modules))
+    assert sorted(sorted(g) for g in groups) == sorted(sorted(n for n in modules if leaders[n] == leader)
+                                                       for leader in set(leaders.values()))
+    experts = [n for n in modules if ".experts." in n]
+    assert len({leaders[n] for n in experts}) == 1 + len(experts) // 3  # one for the gates and ups, one per down
+
+
 def test_awq_error_through_the_hessian_equals_running_the_linear():
     """For a block that is one Linear, tr(dW H dW^T) is the summed squared output error of the candidate."""
     from quantkit.algorithms.awq import awq_scales, hessian_error, scaled_candidate
