@@ -12,8 +12,9 @@ of the run's phases:
   their pages count in the resident size but are not copied; a tensor converted to another dtype or rotated has
   its copy beside it while it is made); the decoder layers are read one at a time, the largest
   STREAMED_LAYER_COPIES times (read, its dequantized weights, its packed tensors being written) and the widest
-  Linear's float32 copy while it is packed (PACKING_COPIES), with the calibration work of a layer. On a Llama-3.1-8B-shaped checkpoint (16 GB) the measured peak of
-  round-to-nearest was the fixed cost plus the embeddings and lm_head (2.1 GB);
+  Linear's float32 copy while it is packed (PACKING_COPIES), with the calibration work of a layer. On a
+  Llama-3.1-8B-shaped checkpoint (16 GB) the measured peak of round-to-nearest was the fixed cost plus the
+  embeddings and lm_head (2.1 GB);
 - loaded whole (`--in-memory`, torchao, a checkpoint transformers converts): the model held once, plus a
   transient copy of it while transformers loads it and the exporter packs it (the format's LOAD_AND_WRITE_COPIES,
   `export.Hooks`; torchao converts while loading, so its transient is smaller);
@@ -202,21 +203,17 @@ def calibration_bytes(plan: list[ModulePlan], quantized: dict[str, ModulePlan], 
                       held_stage_inputs: bool = False) -> dict[str, int]:
     """What calibration adds to the model in RAM (see the module docstring); with `held_stage_inputs`, GPTQ's
     down-projection inputs for every sample (`stage_input_bytes`)."""
-    from quantkit.models.architectures import shared_input_leaders
     from quantkit.quant.observers import HessianObserver
 
     layer = _first_layer(plan)
-    leaders = shared_input_leaders([e.name for e in layer])  # modules sharing an input share one Hessian
-    stages: dict[str, list[int]] = {}  # each Hessian's inputs and the rows of the weights solved on it, stacked
-    for e in layer:
-        stages.setdefault(leaders[e.name], [e.in_features, 0])[1] += e.out_features
+    stages = _hessian_stages(layer)
     outer = max((max(e.out_features, e.in_features) for e in layer), default=hidden)
-    solve = max((4 * width * 2 * width + STACKED_SOLVE_BYTES * rows * width for width, rows in stages.values()), default=0)
+    solve = max((4 * width * 2 * width + STACKED_SOLVE_BYTES * rows * width for width, rows in stages), default=0)
     found = {
         "grid integers of finished layers": sum(numel[n] for n in quantized),
         _HIDDEN_STATES: 2 * samples * seq_len * hidden * element,
         "one batch's activations in a layer": 3 * min(samples, batch_size) * seq_len * outer * 4,
-        "Hessians of one layer": sum(HessianObserver.accumulator_bytes(width) for width, _ in stages.values()) + solve,
+        "Hessians of one layer": sum(HessianObserver.accumulator_bytes(width) for width, _ in stages) + solve,
     }
     if held_stage_inputs:
         found[_HELD_STAGE_INPUTS] = stage_input_bytes(plan, samples, seq_len, hidden, element)
@@ -231,8 +228,6 @@ MLP_PASS_COPIES = 2.3  # a batch through the MLP on the CPU, in the MLP's width 
 # element: the gate and up outputs and act(gate) beside their product (which the staged pass keeps); the growth
 # of the resident size over the held inputs, measured with 8 x 2048 tokens on Llama layers of widths 2048 / 7168
 # and 4096 / 14336 (bf16)
-# GPTQ's solve of a stage: the float32 Hessian and its inverse factor (2 x in x in) and the weight's float32 work
-# copy (rows x in); measured 2.05 x in x in on an 8B's down projection (rows x in is a quarter of it there)
 HESSIAN_CHUNK_COPIES = 3  # summing a Hessian: float32 copies of a chunk of tokens beside the float64 accumulator
 # (2.6 measured on an 8B's down projection)
 
@@ -258,24 +253,33 @@ def staged_gptq_bytes(calib: dict[str, int], plan: list[ModulePlan], samples: in
     where the general estimate adds every stage's Hessian and a float32 batch of activations. The steps: a
     batch through the MLP (MLP_PASS_COPIES), summing the widest Hessian (its float64 upper triangle and float32
     chunks of tokens, with the batch's MLP pass where the inputs are computed again), and a stage's solve."""
-    from quantkit.models.architectures import shared_input_leaders
     from quantkit.quant.observers import HESSIAN_CHUNK_TOKENS, HessianObserver
 
-    layer = _first_layer(plan)
-    leaders = shared_input_leaders([e.name for e in layer])
-    stages: dict[str, list[int]] = {}  # a Hessian's inputs and the rows of the weights it solves
-    for e in layer:
-        stages.setdefault(leaders[e.name], [e.in_features, 0])[1] += e.out_features
-    widest = max(width for width, _ in stages.values())
+    stages = _hessian_stages(_first_layer(plan))
+    widest = max(width for width, _ in stages)
     tokens = min(samples, batch_size) * seq_len
     mlp_pass = int(MLP_PASS_COPIES * tokens * widest * element)
     observe = HessianObserver.accumulator_bytes(widest) + HESSIAN_CHUNK_COPIES * 4 * min(HESSIAN_CHUNK_TOKENS, tokens) * widest
     if not held:
         observe += mlp_pass
-    solve = max(4 * width * (2 * width + rows) for width, rows in stages.values())
+    # a stage's solve: the float32 Hessian and its inverse factor (2 x in x in) and the weight's float32 work copy
+    # (rows x in); measured 2.05 x in x in on an 8B's down projection (rows x in is a quarter of it there)
+    solve = max(4 * width * (2 * width + rows) for width, rows in stages)
     found = {k: v for k, v in calib.items() if k not in ("one batch's activations in a layer", "Hessians of one layer")}
     found[_STAGED_STEP] = max(mlp_pass, observe, solve)
     return found
+
+
+def _hessian_stages(layer: list[ModulePlan]) -> list[tuple[int, int]]:
+    """(inputs, rows) of each Hessian a layer's GPTQ sums: the modules reading one input share it
+    (`shared_input_leaders`), and their weights are solved on it stacked."""
+    from quantkit.models.architectures import shared_input_leaders
+
+    leaders = shared_input_leaders([e.name for e in layer])
+    stages: dict[str, list[int]] = {}
+    for e in layer:
+        stages.setdefault(leaders[e.name], [e.in_features, 0])[1] += e.out_features
+    return [(width, rows) for width, rows in stages.values()]
 
 
 def stage_input_bytes(plan: list[ModulePlan], samples: int, seq_len: int, hidden: int, element: int) -> int:
