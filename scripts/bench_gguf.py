@@ -110,6 +110,29 @@ KLD = re.compile(r"Mean +KLD: +([0-9.]+) ± +([0-9.]+)")
 SAME_TOP = re.compile(r"Same top p: +([0-9.]+) ± +([0-9.]+) %")
 PAIRED = re.compile(r"Mean PPL\(Q\)/PPL\(base\) +: +([0-9.]+) ± +([0-9.]+)")
 
+# Both converters' patches (llama.cpp's, and auto-round's bundled copy), after a runner's `base` (the converter's
+# conversion.base) and its `unknown_hash(self)` (the pre-tokenizer name of a hash the converter does not know)
+CONVERTER_PATCH = '''
+hashed, spm_vocab = base.TextModel.get_vocab_base_pre, base.TextModel._create_vocab_sentencepiece
+
+
+def named(self, tokenizer):
+    try:
+        return hashed(self, tokenizer)
+    except NotImplementedError:
+        return unknown_hash(self)
+
+
+def sentencepiece_vocab(self):
+    path = Path(self.dir_model) / "tokenizer.model"
+    if not path.is_file():  # what the converter raises, before it imports sentencepiece
+        raise FileNotFoundError(f"File not found: {path}")
+    return spm_vocab(self)
+
+
+base.TextModel.get_vocab_base_pre, base.TextModel._create_vocab_sentencepiece = named, sentencepiece_vocab
+'''
+
 CONVERT_RUNNER = '''\
 """llama.cpp's convert_hf_to_gguf.py (beside this file), written by scripts/bench_gguf.py, with two changes: a
 byte-level BPE tokenizer whose hash llama.cpp's table does not know is named by its pre-tokenizer (quantkit's rule,
@@ -123,28 +146,12 @@ sys.path[:0] = [str(here), str(here / "gguf-py")]  # the converter's own gguf, n
 import conversion.base as base
 from quantkit.export.gguf_vocab import pre_tokenizer
 
-hashed = base.TextModel.get_vocab_base_pre
 
-
-def named(self, tokenizer):
-    try:
-        return hashed(self, tokenizer)
-    except NotImplementedError:
-        name = pre_tokenizer(json.loads((Path(self.dir_model) / "tokenizer.json").read_text(encoding="utf-8")))
-        print(f"bench_gguf: tokenizer hash unknown to llama.cpp; pre-tokenizer named {name!r}", file=sys.stderr)
-        return name
-
-
-def sentencepiece_vocab(self):
-    path = Path(self.dir_model) / "tokenizer.model"
-    if not path.is_file():  # what the converter raises, before it imports sentencepiece
-        raise FileNotFoundError(f"File not found: {path}")
-    return spm_vocab(self)
-
-
-spm_vocab = base.TextModel._create_vocab_sentencepiece
-base.TextModel.get_vocab_base_pre = named
-base.TextModel._create_vocab_sentencepiece = sentencepiece_vocab
+def unknown_hash(self):
+    name = pre_tokenizer(json.loads((Path(self.dir_model) / "tokenizer.json").read_text(encoding="utf-8")))
+    print(f"bench_gguf: tokenizer hash unknown to llama.cpp; pre-tokenizer named {name!r}", file=sys.stderr)
+    return name
+''' + CONVERTER_PATCH + '''
 sys.argv[0] = str(here / "convert_hf_to_gguf.py")
 runpy.run_path(sys.argv[0], run_name="__main__")
 '''
@@ -172,24 +179,11 @@ from auto_round import AutoRound
 from auto_round.export.export_to_gguf.llama_cpp_conversion import get_conversion
 
 base = sys.modules[get_conversion(src).module.__name__ + ".base"]  # its bundled converter, imported once
-hashed, spm_vocab = base.TextModel.get_vocab_base_pre, base.TextModel._create_vocab_sentencepiece
 
 
-def named(self, tokenizer):
-    try:
-        return hashed(self, tokenizer)
-    except NotImplementedError:
-        return pre
-
-
-def sentencepiece_vocab(self):
-    path = Path(self.dir_model) / "tokenizer.model"
-    if not path.is_file():  # what the converter raises, before it imports sentencepiece
-        raise FileNotFoundError(f"File not found: {path}")
-    return spm_vocab(self)
-
-
-base.TextModel.get_vocab_base_pre, base.TextModel._create_vocab_sentencepiece = named, sentencepiece_vocab
+def unknown_hash(self):
+    return pre
+''' + CONVERTER_PATCH + '''
 ids = load_file(calib)["input_ids"]
 rounder = AutoRound(src, scheme=scheme.upper(), iters=int(iters), dataset=[row[None] for row in ids],
                     nsamples=len(ids), seqlen=ids.shape[1], seed=0, device_map="cpu", enable_torch_compile=False)
@@ -687,15 +681,9 @@ LLAMA_084B = {"hidden_size": 1536, "intermediate_size": 4608, "num_attention_hea
 def large_model(workdir: Path, text: Path, threads: int) -> Path:
     """The 0.84B Llama of random bf16 weights, built once in `workdir` by build_large_checkpoint.py's writer, in a
     child process (a measured command forked from this one would count this process's pages in its peak RSS)."""
-    import multiprocessing
-
     dst = workdir / "llama-0.84b-random"
     if not (dst / "config.json").is_file():
-        child = multiprocessing.get_context("fork").Process(target=_build_large, args=(dst, text, threads))
-        child.start()
-        child.join()
-        if child.exitcode:
-            sys.exit(f"building {dst} failed (exit {child.exitcode})")
+        harness.in_child(_build_large, dst, text, threads, what=f"building {dst}")
     return dst
 
 

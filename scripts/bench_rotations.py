@@ -58,7 +58,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import shutil
 import subprocess
 import sys
@@ -266,11 +265,7 @@ def folded_model(outlier: Path, workdir: Path, args: argparse.Namespace) -> Path
     dst = workdir / f"{outlier.name}-folded"
     if (dst / "config.json").is_file():
         return dst
-    child = multiprocessing.get_context("fork").Process(target=_fold_norms, args=(outlier, dst, args.threads))
-    child.start()
-    child.join()
-    if child.exitcode:
-        sys.exit(f"folding the norms of {outlier} failed (exit {child.exitcode})")
+    harness.in_child(_fold_norms, outlier, dst, args.threads, what=f"folding the norms of {outlier}")
     return dst
 
 

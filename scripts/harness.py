@@ -120,6 +120,18 @@ def measure_logged(cmd: list[str], env: dict[str, str], log: Path, tail: int = 3
 # ---------------------------------------------------------------- the benchmark models
 
 
+def in_child(target, *args, what: str) -> None:
+    """`target(*args)` in a forked child process (its memory gone when it ends, so that commands measured later from
+    this process do not count its pages); exit naming `what` if it fails."""
+    import multiprocessing
+
+    child = multiprocessing.get_context("fork").Process(target=target, args=args)
+    child.start()
+    child.join()
+    if child.exitcode:
+        sys.exit(f"{what} failed (exit {child.exitcode})")
+
+
 def llama_shape(hidden: int = 1024, kv_heads: int | None = None) -> dict[str, int]:
     """4 layers, MLP 2.75x hidden, head_dim 64, vocab 8192; hidden 1024 is the ~70M-parameter shape."""
     heads = hidden // 64
