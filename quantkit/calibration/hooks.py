@@ -60,15 +60,16 @@ def hidden_state(args: tuple, kwargs: dict) -> torch.Tensor:
     return offload.hidden_of((args, kwargs))
 
 
-def cut_rows(call: tuple, start: int, stop: int) -> tuple[tuple, dict]:
+def cut_rows(call: tuple, start: int, stop: int, copy: bool = False) -> tuple[tuple, dict]:
     """Samples [start, stop) of a batched layer call: every tensor with the batch's leading size (and 2 dims or more)
-    cut to those rows; the rest (1-D cache positions, broadcast rotary tables, None masks) as it is."""
+    cut to those rows; the rest (1-D cache positions, broadcast rotary tables, None masks) as it is. `copy`: the
+    cut tensors are copies (a view would keep the whole batch's memory)."""
     args, kwargs = call
     size = hidden_state(args, kwargs).shape[0]
 
     def cut(value):
         if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[0] == size:
-            return value[start:stop].detach()
+            return value[start:stop].detach().clone() if copy else value[start:stop].detach()
         if isinstance(value, tuple):
             return tuple(cut(v) for v in value)
         return value

@@ -128,16 +128,19 @@ def estimate(prepared, recipe: Recipe, options, world_size: int, dst: str | Path
     if recipe.needs_calibration:
         num_samples = options.num_samples or recipe.calibration.num_samples
         seq_len = options.seq_len or recipe.calibration.seq_len
-        shares = [sum(map(len, data.rank_batches(num_samples, options.batch_size, r, world_size))) for r in range(world_size)]
+        batches = [data.rank_batches(num_samples, options.batch_size, r, world_size) for r in range(world_size)]
+        shares = [sum(map(len, rank)) for rank in batches]
         held = recipe.quantizer.name is Algorithm.GPTQ and _holds_stage_inputs(
             options.device, stage_input_bytes(prepared.plan, max(shares), seq_len, hidden, element))
         recomputed = recipe.quantizer.name is Algorithm.GPTQ and options.device == "cpu" and not held
         calib = calibration_bytes(prepared.plan, quantized, numel, max(shares), seq_len, hidden, element, options.batch_size,
                                   held)
-        awq = any(s.name is Algorithm.AWQ for s in recipe.before_quantizer)  # its search holds more than the pass
-        if options.device == "cpu" and recipe.quantizer.name is Algorithm.GPTQ and not awq and stages_gptq(prepared.plan):
+        awq = next((s.arguments for s in recipe.before_quantizer if s.name is Algorithm.AWQ), None)
+        if options.device == "cpu" and recipe.quantizer.name is Algorithm.GPTQ and awq is None and stages_gptq(prepared.plan):
             calib = staged_gptq_bytes(calib, prepared.plan, max(shares), seq_len, element, options.batch_size, held)
         streams = 1  # of hidden states in the resume state
+        grid_share = 1.0 if awq is None else awq_grid_share(awq.grid_tokens, batches[shares.index(max(shares))],
+                                                             num_samples, seq_len)
         if recipe.quantizer.name is Algorithm.AUTOROUND:
             passes = autoround_passes(recipe.quantizer.arguments, num_samples)
             calib.update(autoround_bytes(prepared.plan, max(shares), seq_len, hidden, element, num_samples, world_size,
@@ -152,11 +155,11 @@ def estimate(prepared, recipe: Recipe, options, world_size: int, dst: str | Path
             gpu = device_plan(
                 layer=max(_layer_bytes(headers, numel, size).values(), default=model_bytes // (layers + 2)),
                 copy=calib[_HIDDEN_STATES] // 2, batches=-(-max(shares) // options.batch_size), calib=calib,
-                algorithm=recipe.quantizer.name, awq=awq, positions=2 * max(shares) * seq_len * _head_dim(config) * element,
-                budget=options.max_device_bytes or free_device_bytes(options.device))
+                algorithm=recipe.quantizer.name, awq=awq is not None, positions=2 * max(shares) * seq_len * _head_dim(config) * element,
+                budget=options.max_device_bytes or free_device_bytes(options.device), grid_share=grid_share)
             device = gpu["peak_bytes"]
-            if gpu["mode"] == "offloaded" and awq:
-                ram[_AWQ_OFFLOADED] = calib[_HIDDEN_STATES]
+            if gpu["mode"] == "offloaded" and awq is not None:
+                ram[_AWQ_OFFLOADED] = int(calib[_HIDDEN_STATES] * grid_share)
     if learning is not None and options.device != "cpu":  # the whole model on the device while it learns
         device = max(device or 0, model_bytes + learning)
     if sum(outside_layers.values()) > sum(ram.values()) - fixed:
@@ -298,13 +301,14 @@ IN_FLIGHT_BATCHES = 4  # offloaded: a batch read, the next one being copied in, 
 
 
 def device_plan(layer: int, copy: int, batches: int, calib: dict[str, int], algorithm: Algorithm, awq: bool,
-                budget: int | None, positions: int = 0) -> dict:
+                budget: int | None, positions: int = 0, grid_share: float = 1.0) -> dict:
     """Where the calibration hidden states live on a GPU with `budget` bytes (None: not known), and the peak that
-    follows. `copy`: one copy of this rank's hidden states (every batch); `calib`: `calibration_bytes`' terms.
+    follows. `copy`: one copy of this rank's hidden states (every batch); `calib`: `calibration_bytes`' terms;
+    `grid_share`: the share of the rows AWQ's grid keeps (`awq_grid_share`).
 
     - resident (the fastest): every batch's hidden states on the GPU. A layer holds its inputs and its outputs (GPTQ's
-      staged pass: the residual stream, updated in place), AWQ four copies while it searches (the inputs, the
-      attention's and the MLP's block inputs, and one block's float outputs);
+      staged pass: the residual stream, updated in place); AWQ, while it searches, its inputs and the scored rows
+      of the attention's and the MLP's block inputs and of one block's float outputs;
     - offloaded (`calibration.offload`): they wait in pinned CPU memory and move batch by batch, overlapped with the
       compute; the GPU holds IN_FLIGHT_BATCHES batches (AWQ: a group of GROUP_BYTES, and its outputs, as well).
 
@@ -320,13 +324,23 @@ def device_plan(layer: int, copy: int, batches: int, calib: dict[str, int], algo
     if algorithm is Algorithm.AUTOROUND:
         fixed += sum(v for k, v in calib.items() if k.startswith("AutoRound"))
     batch = -(-copy // max(1, batches))
-    resident = fixed + (4 if awq else 2) * copy
-    offloaded = fixed + IN_FLIGHT_BATCHES * batch + (2 * min(GROUP_BYTES, copy) if awq else 0)
+    resident = fixed + int((max(2.0, 1 + 3 * grid_share) if awq else 2) * copy)
+    offloaded = fixed + IN_FLIGHT_BATCHES * batch + (2 * min(GROUP_BYTES, int(grid_share * copy)) if awq else 0)
     if algorithm is Algorithm.AUTOROUND:  # tunes against the float model's hidden states, kept beside them
         offloaded = resident
     mode = "resident" if budget is None or resident <= budget else "offloaded"
     return {"mode": mode, "peak_bytes": resident if mode == "resident" else offloaded, "resident_bytes": resident,
             "offloaded_bytes": offloaded, "budget_bytes": budget}
+
+
+def awq_grid_share(grid_tokens: int | None, batches: list[range], num_samples: int, seq_len: int) -> float:
+    """The share of a rank's rows (`batches`) AWQ's grid scores, and so keeps of its blocks' inputs
+    (`calibration.steps.awq.scored_rows` over all ranks' `num_samples` x `seq_len` tokens): 1 without a limit."""
+    total = num_samples * seq_len
+    rows = sum(map(len, batches))
+    if grid_tokens is None or total <= grid_tokens or not rows:
+        return 1.0
+    return sum(max(1, math.ceil(len(b) * grid_tokens / total)) for b in batches) / rows
 
 
 def _head_dim(config: dict) -> int:

@@ -356,7 +356,7 @@ def test_awq_block_error_is_no_worse_than_rtn(tiny_models, calib_file):
     layer = layers[0]
     linears = [layer.mlp.gate_proj, layer.mlp.up_proj]
     specs = [plan[f"model.layers.0.mlp.{n}"].scheme.weights for n in ("gate_proj", "up_proj")]
-    ((calls, act, _),) = capture_blocks(layer, [(layer.mlp, layer.mlp.gate_proj)], inputs)
+    ((calls, act, _, _),) = capture_blocks(layer, [(layer.mlp, layer.mlp.gate_proj)], inputs)
     reference = [layer.mlp(*a, **k) for a, k in calls]
     error_of = lambda s: block_error(layer.mlp, calls, reference, linears, specs, s)  # noqa: E731
     _, awq_error = search_scales(act.mean(), error_of)

@@ -26,7 +26,7 @@ from quantkit.algorithms import Algorithm
 from quantkit.algorithms.arguments import AWQArgs
 from quantkit.algorithms.awq import candidate_scales, fold_scales, hessian_error, least_error, scaled_candidate
 from quantkit.calibration import offload
-from quantkit.calibration.hooks import cut_rows, run_layer
+from quantkit.calibration.hooks import cut_rows, hidden_state, run_layer
 from quantkit.calibration.layer import Layer
 from quantkit.calibration.steps import register
 from quantkit.models.architectures import norm_weight_offset, scales_fold
@@ -40,11 +40,16 @@ from quantkit.runtime import distributed
 def awq_step(layer: Layer, args: AWQArgs) -> None:
     started = time.perf_counter()
     mappings = _mappings(layer)
-    captured = capture_blocks(layer.module, [(block, linears[0]) for _, block, linears, _, _ in mappings], layer.inputs)
-    for (prev, block, linears, specs, along), (calls, act, hessian) in zip(mappings, captured):
+    rows = scored_rows(offload.batch_shapes(layer.inputs), args.grid_tokens, layer.ctx)
+    captured = capture_blocks(layer.module, [(block, linears[0]) for _, block, linears, _, _ in mappings], layer.inputs,
+                              rows)
+    for (prev, block, linears, specs, along), (calls, act, hessian, cut) in zip(mappings, captured):
         distributed.all_reduce_observer(act, layer.ctx)
         candidates = candidate_scales(act.mean(), args)
-        scored = _errors(block, linears, specs, calls, hessian, layer.ctx, candidates, args.grid_tokens)
+        # a block run on the layer's batches was cut to the scored rows as it was captured; one run on part of
+        # them (an MoE expert on its tokens) is cut here, on its own tokens
+        grid_tokens = None if cut else args.grid_tokens
+        scored = _errors(block, linears, specs, calls, hessian, layer.ctx, candidates, grid_tokens)
         scales, _ = least_error(candidates, scored)
         weights = [m.weight for m in linears + along]
         offset = 0.0 if isinstance(prev, nn.Linear) else norm_weight_offset(prev)
@@ -129,27 +134,56 @@ def scored_rows(shapes: list[torch.Size], grid_tokens: int | None, ctx) -> list[
     return [max(1, math.ceil(s[0] * grid_tokens / total)) for s in shapes]
 
 
-def capture_blocks(layer: nn.Module, blocks: list[tuple[nn.Module, nn.Module]],
-                   inputs: list[tuple]) -> list[tuple[list[tuple], Observer, HessianObserver | None]]:
+def capture_blocks(layer: nn.Module, blocks: list[tuple[nn.Module, nn.Module]], inputs: list[tuple],
+                   rows: list[int] | None = None) -> list[tuple[list[tuple], Observer, HessianObserver | None, bool]]:
     """For each (block, its first Linear), from one run of the layer: the (args, kwargs) of every call of the block
     (none kept for a block that is that Linear: its input Hessian, accumulated instead, is all its scores need, and
     an MoE layer's every expert down projection would keep experts x tokens x intermediate values), mean |x| of
-    the Linear's input, and that Hessian (None for other blocks)."""
+    the Linear's input over every token, and that Hessian (None for other blocks).
+
+    `rows` (`scored_rows`, one count per batch): a block call on the layer's batch (its hidden states have the
+    batch's rows and tokens) is kept, as a copy, and enters the Hessian with only its first rows (the last item
+    then says the block's calls were cut). Calls on other shapes (an expert's routed tokens) are kept whole."""
+    batch = {"index": -1, "shape": None}  # the layer call being run
+
+    def next_batch(module, args, kwargs):
+        batch["index"] += 1
+        batch["shape"] = hidden_state(args, kwargs).shape[:-1]
+
+    def scored(x: torch.Tensor) -> int | None:
+        """The rows of `x` to keep when it is on the layer's batch, else None."""
+        if rows is None or x.shape[:-1] != batch["shape"]:
+            return None
+        return rows[batch["index"]]
+
+    def keep_call(k, args, kwargs):
+        count = scored(hidden_state(args, kwargs))
+        if count is not None:
+            cut[k] = True
+        captured[k][0].append((args, kwargs) if count is None else cut_rows((args, kwargs), 0, count, copy=True))
+
+    def add_to_hessian(hessian, x):
+        count = scored(x)
+        hessian.update(x if count is None else x[:count])
+
     captured = [(offload.calls_collector(inputs), ChannelAbsMean(), HessianObserver() if block is first else None)
                 for block, first in blocks]
-    handles = []
-    for (block, first), (calls, act, hessian) in zip(blocks, captured):
+    cut = [False] * len(blocks)
+    handles = [layer.register_forward_pre_hook(next_batch, with_kwargs=True)]
+    for k, ((block, first), (calls, act, hessian)) in enumerate(zip(blocks, captured)):
         if hessian is None:
-            handles.append(block.register_forward_pre_hook(lambda m, a, k, calls=calls: calls.append((a, k)), with_kwargs=True))
+            handles.append(block.register_forward_pre_hook(lambda m, a, kw, k=k: keep_call(k, a, kw), with_kwargs=True))
         else:
-            handles.append(block.register_forward_pre_hook(lambda m, a, hessian=hessian: hessian.update(a[0])))
+            handles.append(block.register_forward_pre_hook(lambda m, a, hessian=hessian: add_to_hessian(hessian, a[0])))
         handles.append(first.register_forward_pre_hook(lambda m, a, act=act: act.update(a[0])))
     try:
-        run_layer(layer, inputs)
+        with torch.no_grad():
+            for args, kwargs in inputs:  # the outputs are not kept: the hooks took what the search needs
+                layer(*args, **kwargs)
     finally:
         for handle in handles:
             handle.remove()
-    return captured
+    return [(calls, act, hessian, was_cut) for (calls, act, hessian), was_cut in zip(captured, cut)]
 
 
 def block_error(block: nn.Module, calls: list[tuple], reference: list[torch.Tensor], linears: list[nn.Module],

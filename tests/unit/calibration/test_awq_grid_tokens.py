@@ -58,3 +58,34 @@ def test_the_grid_runs_on_fewer_rows_and_every_token_is_scored_without_a_limit(t
     for name, q in every.items():
         assert torch.equal(q.qdata, same[name].qdata), name
     assert part.keys() == every.keys()
+
+
+def test_the_capture_keeps_only_the_scored_rows_and_sums_their_hessian():
+    """With scored rows, a block run on the layer's batch keeps copies of its first rows only (not views holding the
+    whole batch), a one-Linear block's Hessian sums only those rows, and the activation statistic reads every token."""
+    from quantkit.calibration.hooks import capture_inputs
+    from quantkit.calibration.steps.awq import capture_blocks
+    from quantkit.quant.observers import ChannelAbsMean, HessianObserver
+
+    model = _model()
+    layers = decoder_layers(model)
+    samples = torch.randint(0, 300, (8, 16), generator=torch.Generator().manual_seed(0))
+    inputs = capture_inputs(model, layers, list(samples.split(4)), torch.device("cpu"))
+    layer = layers[0]
+    blocks = [(layer.mlp, layer.mlp.gate_proj), (layer.mlp.down_proj, layer.mlp.down_proj)]
+    (calls, act, _, cut), (_, _, hessian, _) = capture_blocks(layer, blocks, inputs, rows=[1, 3])
+    ((whole_calls, whole_act, _, whole_cut), (_, _, whole_hessian, _)) = capture_blocks(layer, blocks, inputs)
+    assert cut and not whole_cut
+    assert [args[0].shape[0] for args, _ in calls] == [1, 3]
+    for (args, _), (whole, _) in zip(calls, whole_calls):
+        assert args[0].untyped_storage().nbytes() == args[0].numel() * args[0].element_size()  # a copy
+        assert torch.equal(args[0], whole[0][: args[0].shape[0]])
+    assert torch.equal(act.mean(), whole_act.mean())  # every token
+    expected = HessianObserver()
+    for (whole, _), count in zip(whole_calls, [1, 3]):
+        expected.update(layer.mlp.act_fn(layer.mlp.gate_proj(whole[0][:count])) * layer.mlp.up_proj(whole[0][:count]))
+    assert hessian.state["count"].item() == expected.state["count"].item() == (1 + 3) * 16
+    for got, want in zip(hessian.state["xtx"], expected.state["xtx"]):
+        torch.testing.assert_close(got, want)
+    assert whole_hessian.state["count"].item() == 8 * 16
+    assert isinstance(act, ChannelAbsMean)

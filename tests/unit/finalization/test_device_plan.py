@@ -37,6 +37,23 @@ def test_awq_holds_more_copies_than_gptq():
     assert _plan(None)["mode"] == "resident"  # no budget known (no CUDA): as before
 
 
+def test_awq_holds_only_the_rows_its_grid_scores():
+    """512 x 2048 tokens with grid_tokens 128 x 2048: the blocks' inputs and the float outputs are a quarter of a
+    copy each, so the inputs and outputs of the layer (2 copies) are the peak, as for GPTQ."""
+    batches = [range(s, s + 8) for s in range(0, 512, 8)]
+    share = preflight.awq_grid_share(128 * 2048, batches, 512, 2048)
+    assert share == 0.25
+    assert preflight.awq_grid_share(None, batches, 512, 2048) == 1.0
+    assert preflight.awq_grid_share(1024 * 2048, batches, 512, 2048) == 1.0  # fewer tokens than the limit
+    assert preflight.awq_grid_share(2048, batches, 512, 2048) == 64 / 512  # at least a row a batch
+    quarter = preflight.device_plan(layer=GIB // 2, copy=8 * GIB, batches=64, calib=CALIB, algorithm=Algorithm.GPTQ,
+                                    awq=True, budget=None, grid_share=share)
+    assert quarter["resident_bytes"] == _plan(None)["resident_bytes"]
+    half = preflight.device_plan(layer=GIB // 2, copy=8 * GIB, batches=64, calib=CALIB, algorithm=Algorithm.GPTQ,
+                                 awq=True, budget=None, grid_share=0.5)
+    assert half["resident_bytes"] == _plan(None)["resident_bytes"] + 4 * GIB  # 1 + 3 x 0.5 copies
+
+
 def test_a_budget_below_one_layer_s_work_is_refused_naming_the_minimum():
     plan = _plan(4 * GIB)
     with pytest.raises(UsageError, match=r"needs about (\d+\.\d|\d+)GiB of GPU memory .* budget is 4GiB: pass "
