@@ -39,19 +39,24 @@ def test_awq_holds_more_copies_than_gptq():
 
 def test_awq_holds_only_the_rows_its_grid_scores():
     """512 x 2048 tokens with grid_tokens 128 x 2048: the blocks' inputs and the float outputs are a quarter of a
-    copy each, so the inputs and outputs of the layer (2 copies) are the peak, as for GPTQ."""
+    copy each; beside the inputs and the Hessians that is the peak of AWQ with round to nearest (1.75 copies and
+    3 GiB, over 2 copies without Hessians), and of AWQ with GPTQ the layer's inputs and outputs with GPTQ's."""
     batches = [range(s, s + 8) for s in range(0, 512, 8)]
     share = preflight.awq_grid_share(128 * 2048, batches, 512, 2048)
     assert share == 0.25
     assert preflight.awq_grid_share(None, batches, 512, 2048) == 1.0
     assert preflight.awq_grid_share(1024 * 2048, batches, 512, 2048) == 1.0  # fewer tokens than the limit
     assert preflight.awq_grid_share(2048, batches, 512, 2048) == 64 / 512  # at least a row a batch
-    quarter = preflight.device_plan(layer=GIB // 2, copy=8 * GIB, batches=64, calib=CALIB, algorithm=Algorithm.GPTQ,
-                                    awq=True, budget=None, grid_share=share)
-    assert quarter["resident_bytes"] == _plan(None)["resident_bytes"]
-    half = preflight.device_plan(layer=GIB // 2, copy=8 * GIB, batches=64, calib=CALIB, algorithm=Algorithm.GPTQ,
-                                 awq=True, budget=None, grid_share=0.5)
-    assert half["resident_bytes"] == _plan(None)["resident_bytes"] + 4 * GIB  # 1 + 3 x 0.5 copies
+    fixed = _plan(None)["resident_bytes"] - 2 * 8 * GIB
+
+    def resident(algorithm, grid_share):
+        return preflight.device_plan(layer=GIB // 2, copy=8 * GIB, batches=64, calib=CALIB, algorithm=algorithm,
+                                     awq=True, budget=None, grid_share=grid_share)["resident_bytes"]
+
+    assert resident(Algorithm.RTN, share) == fixed + 14 * GIB  # 1.75 copies, with the Hessians
+    assert resident(Algorithm.GPTQ, share) == fixed + 16 * GIB  # GPTQ's Hessians after the search
+    assert resident(Algorithm.RTN, 0.5) == fixed + 20 * GIB  # 1 + 3 x 0.5 copies
+    assert resident(Algorithm.RTN, 1.0) == _plan(None, awq=True)["resident_bytes"]  # every row: 4 copies
 
 
 def test_a_budget_below_one_layer_s_work_is_refused_naming_the_minimum():
