@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Callable
 
 import torch
 from torch import nn
@@ -53,6 +54,17 @@ class Layer:
     # model (AutoRound); such a step replaces them with the float layer's outputs on them (the next layer's).
     # None: the pipeline does not carry them for this recipe
     float_hidden: list[torch.Tensor] | None = None
+    # set by the pipeline when no step after the quantizer reads `inputs` (no KV cache scales): called by a step that
+    # then overwrites them in place, to drop what else references them (a resume checkpoint held back)
+    release_inputs: Callable[[], None] | None = None
+
+    def take_inputs(self) -> bool:
+        """Whether a step may overwrite `inputs` in place (GPTQ's staged pass builds the residual stream in them);
+        if so, nothing else reads them once this returns."""
+        if self.release_inputs is None:
+            return False
+        self.release_inputs()
+        return True
 
     @cached_property
     def linears(self) -> dict[str, nn.Module]:

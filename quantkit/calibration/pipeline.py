@@ -163,6 +163,8 @@ def _calibrate_one(i: int, module: nn.Module, prefix: str, inputs: list[tuple], 
     against the float model, the float model's hidden states after it."""
     module.to(device, non_blocking=True)  # from pinned memory where the stream read it ahead (`LayerStream.prefetch`)
     layer = Layer(module, prefix, i, inputs, by_name, recipe, result, ctx, float_hidden)
+    if steps[-1] is not kv_cache_step:  # nothing reads the inputs after the quantizer: it may overwrite them
+        layer.release_inputs = resumable.drop_pending if resumable is not None else lambda: None
     for name, linear in layer.linears.items():
         models.check_finite(name, linear.weight.data)
     outputs = calibrate_layer(layer, steps)

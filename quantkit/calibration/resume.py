@@ -147,6 +147,11 @@ class Resumable:
         if self._pending is not None and (self.ctx is None or self.ctx.world_size == 1):
             self._checkpoint(*self._pending)
 
+    def drop_pending(self) -> None:
+        """Forget the checkpoint held back: its hidden states (the next layer's inputs) are about to be overwritten
+        in place. An interrupted run then resumes from the last one written, as a killed run does."""
+        self._pending = None
+
     def _due(self) -> bool:
         """Whether `every` seconds have passed since the last checkpoint; rank 0's clock decides for every rank."""
         due = self.every <= 0 or time.monotonic() - self._last >= self.every

@@ -40,15 +40,17 @@ def split_call(args: tuple, kwargs: dict) -> tuple[torch.Tensor, dict] | None:
 
 
 def run_stages(layer: nn.Module, wiring: LayerWiring, calls: list[tuple[torch.Tensor, dict]],
-               quantize: Callable[[tuple[str, ...], Iterable[torch.Tensor]], None], hold: bool = True) -> list[torch.Tensor]:
+               quantize: Callable[[tuple[str, ...], Iterable[torch.Tensor]], None], hold: bool = True,
+               in_place: bool = False) -> list[torch.Tensor]:
     """The layer's outputs for each (hidden states, kwargs) call, quantizing stage by stage (see the module
     docstring). `quantize(stage, inputs)` gets the stage's module names and its input for every batch, which the
     next stage then runs through the stage's quantized modules. With `hold` (`runtime.placement.holds_stage_inputs`)
     the o and down projections' inputs are computed once and held for all batches; without it each batch's is
     computed when it is reached, twice (attention and the gate/up projections run again), so that they are never
     all in memory at once: the down projection's, 2.75x the hidden states, are the layer's largest tensors. The
-    norms' outputs are always computed batch by batch. Either way the layer's inputs and the residual stream after
-    attention (which becomes the layer's output, in place) are held across the stages."""
+    norms' outputs are always computed batch by batch. Either way the residual stream after attention (which
+    becomes the layer's output, in place) is held across the stages, and the layer's inputs beside it unless
+    `in_place` (resident calls only: the caller gives the inputs up), where the stream is built in them."""
     part = layer.get_submodule
     attn, mlp, o, down = part(wiring.attention), part(wiring.mlp), part(wiring.o), part(wiring.down)
     input_norm, post_attention_norm = part(wiring.input_norm), part(wiring.post_attention_norm)
@@ -70,8 +72,8 @@ def run_stages(layer: nn.Module, wiring: LayerWiring, calls: list[tuple[torch.Te
             for call in calls:
                 residual.append(call[0] + o.forward(attended(call)))
         else:
-            for (h, _), a in zip(calls, o_inputs):
-                residual.append(h + o.forward(a))  # `a` has been through o's pre-hooks
+            for (h, _), a in zip(calls, o_inputs):  # `a` has been through o's pre-hooks
+                residual.append(h.add_(o.forward(a)) if in_place else h + o.forward(a))
         del o_inputs
         quantize(gate_up, StageInputs(post_attention_norm, residual))
         down_inputs = StageInputs(activated, residual, hold)

@@ -138,6 +138,12 @@ def estimate(prepared, recipe: Recipe, options, world_size: int, dst: str | Path
         awq = next((s.arguments for s in recipe.before_quantizer if s.name is Algorithm.AWQ), None)
         if options.device == "cpu" and recipe.quantizer.name is Algorithm.GPTQ and awq is None and stages_gptq(prepared.plan):
             calib = staged_gptq_bytes(calib, prepared.plan, max(shares), seq_len, element, options.batch_size, held)
+        # GPTQ's staged pass builds the residual stream in the layer's inputs when no step reads them after it
+        # (`calibration.layer.Layer.take_inputs`): one copy of the hidden states where they are not offloaded
+        in_place = recipe.quantizer.name is Algorithm.GPTQ and recipe.kv_cache is None and stages_gptq(prepared.plan)
+        copy = calib[_HIDDEN_STATES] // 2
+        if in_place and options.device == "cpu":
+            calib[_HIDDEN_STATES] = copy
         streams = 1  # of hidden states in the resume state
         grid_share = 1.0 if awq is None else awq_grid_share(awq.grid_tokens, batches[shares.index(max(shares))],
                                                              num_samples, seq_len)
@@ -154,9 +160,10 @@ def estimate(prepared, recipe: Recipe, options, world_size: int, dst: str | Path
         if options.device != "cpu":
             gpu = device_plan(
                 layer=max(_layer_bytes(headers, numel, size).values(), default=model_bytes // (layers + 2)),
-                copy=calib[_HIDDEN_STATES] // 2, batches=-(-max(shares) // options.batch_size), calib=calib,
+                copy=copy, batches=-(-max(shares) // options.batch_size), calib=calib,
                 algorithm=recipe.quantizer.name, awq=awq is not None, positions=2 * max(shares) * seq_len * _head_dim(config) * element,
-                budget=options.max_device_bytes or free_device_bytes(options.device), grid_share=grid_share)
+                budget=options.max_device_bytes or free_device_bytes(options.device), grid_share=grid_share,
+                copies=1 if in_place else 2)
             device = gpu["peak_bytes"]
             if gpu["mode"] == "offloaded" and awq is not None:
                 ram[_AWQ_OFFLOADED] = int(calib[_HIDDEN_STATES] * grid_share)
@@ -301,13 +308,14 @@ IN_FLIGHT_BATCHES = 4  # offloaded: a batch read, the next one being copied in, 
 
 
 def device_plan(layer: int, copy: int, batches: int, calib: dict[str, int], algorithm: Algorithm, awq: bool,
-                budget: int | None, positions: int = 0, grid_share: float = 1.0) -> dict:
+                budget: int | None, positions: int = 0, grid_share: float = 1.0, copies: int = 2) -> dict:
     """Where the calibration hidden states live on a GPU with `budget` bytes (None: not known), and the peak that
     follows. `copy`: one copy of this rank's hidden states (every batch); `calib`: `calibration_bytes`' terms;
-    `grid_share`: the share of the rows AWQ's grid keeps (`awq_grid_share`).
+    `grid_share`: the share of the rows AWQ's grid keeps (`awq_grid_share`); `copies`: of the hidden states a
+    layer holds resident (1: GPTQ's staged pass building the residual stream in its inputs).
 
     - resident (the fastest): every batch's hidden states on the GPU. A layer holds its inputs and its outputs (GPTQ's
-      staged pass: the residual stream, updated in place); AWQ, while it searches, its inputs and the scored rows
+      staged pass, when no step reads the inputs after it: the residual stream, built in them); AWQ, while it searches, its inputs and the scored rows
       of the attention's and the MLP's block inputs and of one block's float outputs (measured at 8B with 512 x
       2048 tokens: 20121 MiB, the two copies after the search, 0.93x this estimate);
     - offloaded (`calibration.offload`): they wait in pinned CPU memory and move batch by batch, overlapped with the
@@ -325,7 +333,7 @@ def device_plan(layer: int, copy: int, batches: int, calib: dict[str, int], algo
     if algorithm is Algorithm.AUTOROUND:
         fixed += sum(v for k, v in calib.items() if k.startswith("AutoRound"))
     batch = -(-copy // max(1, batches))
-    resident = fixed + 2 * copy
+    resident = fixed + copies * copy
     if awq:  # the search: the scored rows with the block's Hessians; after it, the inputs and outputs (and the
         # quantizer's Hessians: only GPTQ's stay; GPTQ's are counted as the bound on AWQ's o and down ones)
         hessians = calib["Hessians of one layer"]

@@ -115,6 +115,21 @@ def test_autoround_dry_run_counts_the_float_models_hidden_states_and_every_ranks
     assert (three["ranks"], three["autoround_passes_per_step"]) == (3, 2)
 
 
+def test_gptqs_staged_pass_counts_one_copy_of_the_hidden_states_unless_kv_scales_read_them(model_dir, calib, tmp_path):
+    """GPTQ's staged pass builds the residual stream in the layer's inputs; KV cache scales, computed after it on
+    those inputs, keep them, and the outputs beside them."""
+    counted = {}
+    for extra in ((), ("--kv-cache", "fp8")):
+        done = finalize(str(model_dir), str(tmp_path / "out"), "-q", "gptq-w4a16", "--calib-data", str(calib),
+                        "--num-samples", "16", "--seq-len", "64", "--dry-run", "--json", "-", *extra)
+        assert done.returncode == 0, done.stderr[-2000:]
+        counted[bool(extra)] = json.loads(done.stdout)["preflight"]["peak_ram_breakdown"]["calibration hidden states (this rank)"]
+    config = json.loads((model_dir / "config.json").read_text())
+    element = 4 if (config.get("dtype") or config.get("torch_dtype")) == "float32" else 2
+    copy = 16 * 64 * config["hidden_size"] * element
+    assert counted == {False: copy, True: 2 * copy}
+
+
 def test_the_time_estimate_counts_the_rotations(model_dir, calib, tmp_path):
     """A rotated recipe's dry run times the rotation of one layer (with R4's hooks then in place for the timed
     calibration) and adds it for every layer, the embeddings and lm_head."""

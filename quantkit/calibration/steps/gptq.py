@@ -84,7 +84,8 @@ def _staged(layer: Layer, args: GPTQArgs) -> list[torch.Tensor]:
     first = calls[0][0]
     hold = placement.holds_stage_inputs(first.device, _held_bytes(layer, first, len(calls)))
     layer.result.stage_inputs_held = hold
-    outputs = true_sequential.run_stages(layer.module, layer.wiring, calls, quantize, hold)
+    in_place = not calls.offloaded and layer.take_inputs()  # the residual stream in the inputs: one copy less
+    outputs = true_sequential.run_stages(layer.module, layer.wiring, calls, quantize, hold, in_place)
     seconds = layer.result.seconds
     seconds["observe"] += spent["observe"]
     seconds["quantize"] += spent["quantize"]

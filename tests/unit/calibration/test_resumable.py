@@ -128,3 +128,15 @@ def test_ranks_of_a_distributed_run_do_not_save_alone_when_interrupted(tmp_path)
     work._pending = (1, LAYERS, [torch.randn(2, 4, 8)], [], torch.get_rng_state(), {})
     work.save_pending()
     assert not work.path.exists()
+
+
+def test_a_checkpoint_whose_hidden_states_are_overwritten_is_dropped_and_not_saved(tmp_path):
+    """GPTQ's staged pass builds the residual stream in the layer's inputs (`Layer.take_inputs`): the checkpoint
+    held back, which references them, is dropped first, and an interrupted run keeps the last one written."""
+    work = rank(tmp_path / "out.partial", 0, every=3600.0)
+    work.open()
+    save(work, 0)
+    save(work, 1)
+    work.drop_pending()
+    work.save_pending()
+    assert not (work.path / "state.json").exists() and hidden_files(work.path) == []

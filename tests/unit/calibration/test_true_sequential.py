@@ -126,3 +126,55 @@ def test_gptq_computes_the_same_qparams_whether_stage_inputs_are_held_or_recompu
     for name, held in found[True].items():
         again = found[False][name]
         assert torch.equal(held.qdata, again.qdata) and torch.equal(held.scale, again.scale), name
+
+
+@pytest.mark.parametrize("hold", [True, False])
+def test_in_place_the_residual_stream_is_built_in_the_inputs_with_the_same_outputs(hold):
+    """`in_place`: the layer's outputs are its input tensors, updated (one copy of the hidden states less), and equal
+    to the outputs of the pass that keeps its inputs."""
+    model = _model("llama")
+    layers, inputs = _inputs(model)
+    calls = [true_sequential.split_call(a, k) for a, k in inputs]
+    expected = true_sequential.run_stages(layers[0], LLAMA, calls, lambda stage, xs: None, hold)
+    before = [h.clone() for h, _ in calls]
+    assert all(torch.equal(h, b) for (h, _), b in zip(calls, before))  # the pass that keeps them left them alone
+    staged = true_sequential.run_stages(layers[0], LLAMA, calls, lambda stage, xs: None, hold, in_place=True)
+    for ours, reference, (h, _), b in zip(staged, expected, calls, before):
+        assert torch.equal(ours, reference)
+        assert ours.data_ptr() == h.data_ptr() and not torch.equal(h, b)
+
+
+class _Pending:
+    """A resume state whose held-back checkpoint references the layer's inputs."""
+
+    def __init__(self):
+        self.dropped = self.saved = 0
+
+    def drop_pending(self):
+        self.dropped += 1
+
+    def save_layer(self, *args, **kwargs):
+        self.saved += 1
+
+
+@pytest.mark.parametrize("kv_cache, in_place", [(None, True), ("fp8", False)])
+def test_gptq_overwrites_a_layers_inputs_only_when_no_later_step_reads_them(kv_cache, in_place):
+    """GPTQ's staged pass takes the inputs (and the resume checkpoint that references them is dropped first) when
+    the quantizer is the layer's last step; with KV cache scales computed after it, the inputs stay as they were."""
+    from quantkit.calibration import pipeline
+    from quantkit.calibration.layer import CalibrationResult
+    from quantkit.quant.registry import with_kv_cache
+
+    recipe = with_kv_cache(resolve("gptq-w4a16"), kv_cache)
+    model = _model("llama")
+    layers, inputs = _inputs(model)
+    plan = {e.name: e for e in plan_model(model, recipe)}
+    before = [a[0].clone() for a, _ in inputs]
+    pending, result = _Pending(), CalibrationResult()
+    outputs, _ = pipeline._calibrate_one(0, layers[0], "model.layers.0", inputs, None, plan, recipe, result, None,
+                                         pipeline.layer_steps(recipe), torch.device("cpu"), pending, 2)
+    assert result.true_sequential and pending.saved == 1
+    assert pending.dropped == int(in_place)
+    kept = all(torch.equal(a[0], b) for (a, _), b in zip(inputs, before))
+    assert kept is not in_place
+    assert (outputs[0].data_ptr() == inputs[0][0][0].data_ptr()) is in_place

@@ -25,6 +25,13 @@ def test_hidden_states_stay_on_the_gpu_when_they_fit():
     assert plan["resident_bytes"] == fixed + 2 * 8 * GIB  # inputs and outputs (GPTQ: the residual stream)
 
 
+def test_gptqs_staged_pass_in_the_inputs_holds_one_copy_and_fits_a_smaller_budget():
+    one = preflight.device_plan(layer=GIB // 2, copy=8 * GIB, batches=64, calib=CALIB, algorithm=Algorithm.GPTQ,
+                                awq=False, budget=22 * GIB, copies=1)
+    assert one["resident_bytes"] == _plan(None)["resident_bytes"] - 8 * GIB
+    assert one["mode"] == "resident" and _plan(22 * GIB)["mode"] == "offloaded"
+
+
 def test_a_smaller_budget_offloads_them_and_the_peak_drops_below_it():
     plan = _plan(22 * GIB)
     assert plan["mode"] == "offloaded" and plan["peak_bytes"] == plan["offloaded_bytes"] <= 22 * GIB
