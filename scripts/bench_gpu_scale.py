@@ -171,6 +171,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=8)
     p.add_argument("--timeout", type=float, default=300, help="seconds a job may run")
     p.add_argument("--deadline", type=float, default=1e9, help="start no job after this many seconds")
+    p.add_argument("--min-left", type=float, default=30, help="start no job with fewer seconds than this left before "
+                   "the deadline (a job stopped by it measured nothing)")
     p.add_argument("--device", default="cuda", help="quantkit's --device (cpu: a dry run of this script without a GPU)")
     p.add_argument("--json", type=Path)
     p.add_argument("--done", type=Path, help="a file of the jobs already measured (one spec a line): they are "
@@ -213,7 +215,7 @@ def main(argv: list[str] | None = None) -> None:
     models: dict[str, tuple[Path, int]] = {}
     for job in jobs:
         left = args.deadline - (time.perf_counter() - started)
-        if left < 30:
+        if left < args.min_left:
             job.error = "not started: the deadline passed"
             continue
         if job.model not in models:
