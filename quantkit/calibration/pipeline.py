@@ -117,7 +117,7 @@ def _calibrate(model: nn.Module, plan: list[ModulePlan], recipe: Recipe, samples
     batches = [samples[i.start : i.stop] for i in data.rank_batches(samples.shape[0], batch_size, rank, world)]
     started = time.perf_counter()
     if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+        torch.cuda.reset_peak_memory_stats(device)  # allocated and reserved
     if stream is not None:
         stream.load_rest()
     inputs = capture_inputs(model, layers, batches, device, offloaded)
@@ -169,6 +169,8 @@ def _calibrate_one(i: int, module: nn.Module, prefix: str, inputs: list[tuple], 
         models.check_finite(name, linear.weight.data)
     outputs = calibrate_layer(layer, steps)
     result.peak_device_bytes = max(result.peak_device_bytes, _device_bytes(module, with_hidden(inputs, outputs), device))
+    if device.type == "cuda":
+        result.peak_device_reserved_bytes = max(result.peak_device_reserved_bytes, torch.cuda.max_memory_reserved(device))
     placement.offload_layer(module, prefix, result)  # the layer and its qparams: on the CPU for the writer and resume
     if resumable is not None:
         resumable.save_layer(i, module, prefix, result, offload.on_host(outputs), num_layers, layer.float_hidden)

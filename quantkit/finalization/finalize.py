@@ -80,6 +80,7 @@ def calibration_summary(result, samples, options: CalibrationOptions, recipe: Re
         "seconds": {phase: round(value, 3) for phase, value in result.seconds.items()},
         "gptq_order": _gptq_order(result) if recipe.quantizer.name is Algorithm.GPTQ else None,
         "peak_device_bytes": result.peak_device_bytes,
+        "peak_device_reserved_bytes": result.peak_device_reserved_bytes or None,  # GPU: the allocator's cache included
         "hidden_states": "offloaded to CPU memory" if offloaded else "on the device",  # `preflight.device_plan`
         "skipped": result.skipped,
         "routed_tokens": result.routed_tokens or None,  # MoE: tokens the router sent to each expert, all ranks
