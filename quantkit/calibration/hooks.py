@@ -55,6 +55,30 @@ def run_layer(layer: nn.Module, inputs: list[tuple]) -> list[torch.Tensor]:
     return outputs
 
 
+def run_layer_consuming(layer: nn.Module, inputs: list[tuple]) -> list[torch.Tensor]:
+    """`run_layer` on resident calls the caller gives up (`Layer.take_inputs`): each entry of `inputs` becomes the
+    next layer's call (its hidden states the output) as soon as its output is made, so that its own hidden states
+    are freed. One copy of the hidden states and a batch, where `run_layer` holds two copies."""
+    outputs = []
+    with torch.no_grad():
+        for b in range(len(inputs)):
+            args, kwargs = inputs[b]
+            out = layer(*args, **kwargs)
+            out = out[0] if isinstance(out, tuple) else out
+            inputs[b] = offload.with_hidden(inputs[b : b + 1], [out])[0]
+            outputs.append(out)
+            del args, kwargs
+    return outputs
+
+
+def run_layer_last(layer) -> list[torch.Tensor]:
+    """A `calibration.layer.Layer`'s outputs on its inputs, read for the last time (the propagation after the steps,
+    or the KV cache step that makes them): consumed batch by batch (`run_layer_consuming`) where the layer can give
+    them up (`Layer.take_inputs`), else as `run_layer`."""
+    consumed = not offload.is_offloaded(layer.inputs) and layer.take_inputs(last=True)
+    return (run_layer_consuming if consumed else run_layer)(layer.module, layer.inputs)
+
+
 def hidden_state(args: tuple, kwargs: dict) -> torch.Tensor:
     """The hidden states of one captured call."""
     return offload.hidden_of((args, kwargs))

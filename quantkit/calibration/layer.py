@@ -55,14 +55,16 @@ class Layer:
     # model (AutoRound); such a step replaces them with the float layer's outputs on them (the next layer's).
     # None: the pipeline does not carry them for this recipe
     float_hidden: list[torch.Tensor] | None = None
-    # set by the pipeline when no step after the quantizer reads `inputs` (no KV cache scales): called by a step that
-    # then overwrites them in place, to drop what else references them (a resume checkpoint held back)
+    # set by the pipeline: drops what else references `inputs` (a resume checkpoint held back), for `take_inputs`
     release_inputs: Callable[[], None] | None = None
+    inputs_read_after_quantizer: bool = False  # a step after the quantizer reads `inputs` (KV cache scales)
 
-    def take_inputs(self) -> bool:
-        """Whether a step may overwrite `inputs` in place (GPTQ's staged pass builds the residual stream in them);
-        if so, nothing else reads them once this returns."""
-        if self.release_inputs is None:
+    def take_inputs(self, last: bool = False) -> bool:
+        """Whether the caller may consume `inputs`: overwrite them in place (GPTQ's staged pass builds the residual
+        stream in them) or free them batch by batch (`last`: their last reader, the propagation after the steps or
+        the KV cache step). The quantizer may when no step after it reads them; their last reader always may. If so, nothing else reads them once this
+        returns."""
+        if self.release_inputs is None or (self.inputs_read_after_quantizer and not last):
             return False
         self.release_inputs()
         return True

@@ -25,7 +25,7 @@ from quantkit.algorithms import Algorithm
 from quantkit.algorithms.rtn import rtn_quantize
 from quantkit.calibration import offload
 from quantkit.calibration.experts import calibrating
-from quantkit.calibration.hooks import capture_inputs, hidden_states, run_layer, with_hidden
+from quantkit.calibration.hooks import capture_inputs, hidden_states, run_layer_last, with_hidden
 from quantkit.calibration.layer import CalibrationResult, Layer, relative_error
 from quantkit.calibration.resume import Resumable
 from quantkit.calibration.steps import STEPS
@@ -163,8 +163,8 @@ def _calibrate_one(i: int, module: nn.Module, prefix: str, inputs: list[tuple], 
     against the float model, the float model's hidden states after it."""
     module.to(device, non_blocking=True)  # from pinned memory where the stream read it ahead (`LayerStream.prefetch`)
     layer = Layer(module, prefix, i, inputs, by_name, recipe, result, ctx, float_hidden)
-    if steps[-1] is not kv_cache_step:  # nothing reads the inputs after the quantizer: it may overwrite them
-        layer.release_inputs = resumable.drop_pending if resumable is not None else lambda: None
+    layer.release_inputs = resumable.drop_pending if resumable is not None else lambda: None
+    layer.inputs_read_after_quantizer = steps[-1] is kv_cache_step
     for name, linear in layer.linears.items():
         models.check_finite(name, linear.weight.data)
     outputs = calibrate_layer(layer, steps)
@@ -186,7 +186,7 @@ def calibrate_layer(layer: Layer, steps: list[Step]) -> list[torch.Tensor]:
             outputs = step(layer)
         if outputs is None:
             started = time.perf_counter()
-            outputs = run_layer(layer.module, layer.inputs)
+            outputs = run_layer_last(layer)
             layer.result.seconds["propagate"] += time.perf_counter() - started
     check_layer(layer, outputs)
     return outputs

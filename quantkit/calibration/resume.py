@@ -148,8 +148,9 @@ class Resumable:
             self._checkpoint(*self._pending)
 
     def drop_pending(self) -> None:
-        """Forget the checkpoint held back: its hidden states (the next layer's inputs) are about to be overwritten
-        in place. An interrupted run then resumes from the last one written, as a killed run does."""
+        """Forget the checkpoint held back: its hidden states (the layer's inputs) are about to be overwritten in
+        place or freed (`Layer.take_inputs`). An interrupted run then resumes from the last one written, as a killed
+        run does."""
         self._pending = None
 
     def _due(self) -> bool:

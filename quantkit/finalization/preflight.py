@@ -138,15 +138,13 @@ def estimate(prepared, recipe: Recipe, options, world_size: int, dst: str | Path
         awq = next((s.arguments for s in recipe.before_quantizer if s.name is Algorithm.AWQ), None)
         if options.device == "cpu" and recipe.quantizer.name is Algorithm.GPTQ and awq is None and stages_gptq(prepared.plan):
             calib = staged_gptq_bytes(calib, prepared.plan, max(shares), seq_len, element, options.batch_size, held)
-        # GPTQ's staged pass builds the residual stream in the layer's inputs when no step reads them after it
-        # (`calibration.layer.Layer.take_inputs`): one copy of the hidden states where they are not offloaded
-        in_place = recipe.quantizer.name is Algorithm.GPTQ and recipe.kv_cache is None and stages_gptq(prepared.plan)
-        copy = calib[_HIDDEN_STATES] // 2
-        if in_place and options.device == "cpu":
-            calib[_HIDDEN_STATES] = copy
-        streams = 1  # of hidden states in the resume state
         grid_share = 1.0 if awq is None else awq_grid_share(awq.grid_tokens, batches[shares.index(max(shares))],
                                                              num_samples, seq_len)
+        copy = calib[_HIDDEN_STATES] // 2
+        copies = resident_copies(recipe, stages_gptq(prepared.plan))
+        if options.device == "cpu":  # AWQ's search holds its blocks' scored rows beside the inputs
+            calib[_HIDDEN_STATES] = int(copy * (max(copies, 1 + 3 * grid_share) if awq is not None else copies))
+        streams = 1  # of hidden states in the resume state
         if recipe.quantizer.name is Algorithm.AUTOROUND:
             passes = autoround_passes(recipe.quantizer.arguments, num_samples)
             calib.update(autoround_bytes(prepared.plan, max(shares), seq_len, hidden, element, num_samples, world_size,
@@ -163,7 +161,7 @@ def estimate(prepared, recipe: Recipe, options, world_size: int, dst: str | Path
                 copy=copy, batches=-(-max(shares) // options.batch_size), calib=calib,
                 algorithm=recipe.quantizer.name, awq=awq is not None, positions=2 * max(shares) * seq_len * _head_dim(config) * element,
                 budget=options.max_device_bytes or free_device_bytes(options.device), grid_share=grid_share,
-                copies=1 if in_place else 2)
+                copies=copies)
             device = gpu["peak_bytes"]
             if gpu["mode"] == "offloaded" and awq is not None:
                 ram[_AWQ_OFFLOADED] = int(calib[_HIDDEN_STATES] * grid_share)
@@ -312,12 +310,13 @@ def device_plan(layer: int, copy: int, batches: int, calib: dict[str, int], algo
     """Where the calibration hidden states live on a GPU with `budget` bytes (None: not known), and the peak that
     follows. `copy`: one copy of this rank's hidden states (every batch); `calib`: `calibration_bytes`' terms;
     `grid_share`: the share of the rows AWQ's grid keeps (`awq_grid_share`); `copies`: of the hidden states a
-    layer holds resident (1: GPTQ's staged pass building the residual stream in its inputs).
+    layer holds resident (`resident_copies`).
 
-    - resident (the fastest): every batch's hidden states on the GPU. A layer holds its inputs and its outputs (GPTQ's
-      staged pass, when no step reads the inputs after it: the residual stream, built in them); AWQ, while it searches, its inputs and the scored rows
-      of the attention's and the MLP's block inputs and of one block's float outputs (measured at 8B with 512 x
-      2048 tokens: 20121 MiB, the two copies after the search, 0.93x this estimate);
+    - resident (the fastest): every batch's hidden states on the GPU. A layer holds one copy (its outputs replace
+      its inputs as they are made), or its inputs beside its outputs (`resident_copies`); AWQ, while it searches,
+      its inputs and the scored rows of the attention's and the MLP's block inputs and of one block's float
+      outputs (at 8B with 512 x 2048 tokens, when its propagation held two copies: 20121 MiB measured, 0.93x this
+      estimate with copies=2);
     - offloaded (`calibration.offload`): they wait in pinned CPU memory and move batch by batch, overlapped with the
       compute; the GPU holds IN_FLIGHT_BATCHES batches (AWQ: a group of GROUP_BYTES, and its outputs, as well).
 
@@ -345,6 +344,18 @@ def device_plan(layer: int, copy: int, batches: int, calib: dict[str, int], algo
     mode = "resident" if budget is None or resident <= budget else "offloaded"
     return {"mode": mode, "peak_bytes": resident if mode == "resident" else offloaded, "resident_bytes": resident,
             "offloaded_bytes": offloaded, "budget_bytes": budget}
+
+
+def resident_copies(recipe: Recipe, staged: bool) -> int:
+    """Copies of the calibration hidden states a layer holds where they are not offloaded (`Layer.take_inputs`): one,
+    as GPTQ's staged pass builds the residual stream in the layer's inputs and the propagation after the other steps
+    frees each batch's inputs once its outputs are made; two for GPTQ's staged pass when KV cache scales read the
+    inputs after it, and for AutoRound (its own pass keeps them)."""
+    if recipe.quantizer.name is Algorithm.AUTOROUND:
+        return 2
+    if recipe.quantizer.name is Algorithm.GPTQ and staged and recipe.kv_cache is not None:
+        return 2
+    return 1
 
 
 def awq_grid_share(grid_tokens: int | None, batches: list[range], num_samples: int, seq_len: int) -> float:

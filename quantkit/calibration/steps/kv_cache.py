@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from quantkit.calibration.hooks import run_layer
+from quantkit.calibration.hooks import run_layer_last
 from quantkit.calibration.layer import Layer
 from quantkit.quant import kv_cache
 from quantkit.quant.observers import Observer, activation_observer
@@ -37,7 +37,7 @@ def kv_cache_step(layer: Layer) -> list[torch.Tensor]:
 
     attentions = kv_cache.cached_attentions(layer.module, layer.prefix)
     with kv_cache.recording(attentions, observe):
-        outputs = run_layer(layer.module, layer.inputs)
+        outputs = run_layer_last(layer)  # the inputs' last reader
     missing = [f"{name}.k_scale" for name in attentions if f"{name}.k_scale" not in observers]
     if missing:
         raise RuntimeError(f"{', '.join(missing)}: the attention never handed its keys to the cache")

@@ -66,3 +66,72 @@ def test_a_module_whose_error_is_as_large_as_its_output_stops_the_run(error):
 
     with pytest.raises(CalibrationError, match="m.0: relative output error"):
         check_layer(_layer_with(error), [torch.ones(2, 3)])
+
+
+def _tiny_llama_inputs():
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from quantkit.calibration.hooks import capture_inputs
+    from quantkit.models.loading import decoder_layers
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, vocab_size=300, max_position_embeddings=64)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    layers = decoder_layers(model)
+    ids = torch.randint(0, 300, (6, 16), generator=torch.Generator().manual_seed(0))
+    return model, layers, capture_inputs(model, layers, list(ids.split(3)), torch.device("cpu"))
+
+
+def test_the_propagation_frees_each_batchs_inputs_as_it_makes_its_outputs():
+    """`run_layer_consuming`: the same outputs as `run_layer`, each call becoming the next layer's (its hidden states
+    the output), and the inputs' hidden states gone once their outputs are made: one copy held, not two."""
+    import gc
+    import weakref
+
+    import torch
+
+    from quantkit.calibration.hooks import run_layer, run_layer_consuming
+
+    _, layers, inputs = _tiny_llama_inputs()
+    expected = run_layer(layers[0], inputs)
+    gone = [weakref.ref(args[0]) for args, _ in inputs]
+    kwargs_before = [kwargs for _, kwargs in inputs]
+    outputs = run_layer_consuming(layers[0], inputs)
+    gc.collect()
+    assert all(ref() is None for ref in gone)
+    for out, ref, (args, kwargs), before in zip(outputs, expected, inputs, kwargs_before):
+        assert torch.equal(out, ref) and args[0] is out and kwargs is before
+
+
+class _Pending:
+    def __init__(self):
+        self.dropped = self.saved = 0
+
+    def drop_pending(self):
+        self.dropped += 1
+
+    def save_layer(self, *args, **kwargs):
+        self.saved += 1
+
+
+@pytest.mark.parametrize("kv_cache", [None, "fp8"])
+def test_after_awq_the_inputs_last_reader_consumes_them(kv_cache):
+    """The propagation, or the KV cache step that makes the outputs, is the inputs' last reader: the held-back resume
+    checkpoint is dropped, and the next layer's calls are the same list, its hidden states the outputs."""
+    import torch
+
+    from quantkit.calibration import pipeline
+    from quantkit.calibration.layer import CalibrationResult
+    from quantkit.quant.plan import plan_model
+
+    recipe = registry.with_kv_cache(registry.resolve("awq-w4a16"), kv_cache)
+    model, layers, inputs = _tiny_llama_inputs()
+    plan = {e.name: e for e in plan_model(model, recipe)}
+    pending, result = _Pending(), CalibrationResult()
+    outputs, _ = pipeline._calibrate_one(0, layers[0], "model.layers.0", inputs, None, plan, recipe, result, None,
+                                         pipeline.layer_steps(recipe), torch.device("cpu"), pending, 2)
+    assert (result.seconds["propagate"] > 0) is (kv_cache is None) and (result.seconds["kv cache"] > 0) is bool(kv_cache)
+    assert pending.dropped == 1 and pending.saved == 1
+    assert all(args[0] is out for (args, _), out in zip(inputs, outputs))

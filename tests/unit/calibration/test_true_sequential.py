@@ -160,7 +160,8 @@ class _Pending:
 @pytest.mark.parametrize("kv_cache, in_place", [(None, True), ("fp8", False)])
 def test_gptq_overwrites_a_layers_inputs_only_when_no_later_step_reads_them(kv_cache, in_place):
     """GPTQ's staged pass takes the inputs (and the resume checkpoint that references them is dropped first) when
-    the quantizer is the layer's last step; with KV cache scales computed after it, the inputs stay as they were."""
+    the quantizer is the layer's last step; with KV cache scales computed after it, it leaves them as they were,
+    and the KV cache step, their last reader, takes them."""
     from quantkit.calibration import pipeline
     from quantkit.calibration.layer import CalibrationResult
     from quantkit.quant.registry import with_kv_cache
@@ -169,12 +170,12 @@ def test_gptq_overwrites_a_layers_inputs_only_when_no_later_step_reads_them(kv_c
     model = _model("llama")
     layers, inputs = _inputs(model)
     plan = {e.name: e for e in plan_model(model, recipe)}
-    before = [a[0].clone() for a, _ in inputs]
+    originals = [a[0] for a, _ in inputs]
+    before = [h.clone() for h in originals]
     pending, result = _Pending(), CalibrationResult()
     outputs, _ = pipeline._calibrate_one(0, layers[0], "model.layers.0", inputs, None, plan, recipe, result, None,
                                          pipeline.layer_steps(recipe), torch.device("cpu"), pending, 2)
-    assert result.true_sequential and pending.saved == 1
-    assert pending.dropped == int(in_place)
-    kept = all(torch.equal(a[0], b) for (a, _), b in zip(inputs, before))
+    assert result.true_sequential and pending.saved == 1 and pending.dropped == 1
+    kept = all(torch.equal(h, b) for h, b in zip(originals, before))
     assert kept is not in_place
-    assert (outputs[0].data_ptr() == inputs[0][0][0].data_ptr()) is in_place
+    assert (outputs[0].data_ptr() == originals[0].data_ptr()) is in_place

@@ -119,3 +119,15 @@ def test_finalize_refuses_before_reading_a_weight_when_the_activations_cannot_fi
     with pytest.raises(UsageError, match="of RAM and this machine has"):
         finalize(tiny_model_dir, tmp_path / "out", resolve("gptq-w4a16"), calibration=options)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_layer_holds_one_copy_of_the_hidden_states_but_where_its_inputs_are_read_beside_its_outputs():
+    from quantkit.quant import registry
+
+    def copies(name, kv_cache=None, staged=True):
+        return preflight.resident_copies(registry.with_kv_cache(registry.resolve(name), kv_cache), staged)
+
+    assert copies("gptq-w4a16") == copies("awq-w4a16") == copies("int8-dynamic-act-int8-weight") == 1
+    assert copies("awq-w4a16", "fp8") == copies("gptq-w4a16", "fp8", staged=False) == 1  # the KV step consumes them
+    assert copies("gptq-w4a16", "fp8") == 2  # the staged pass's outputs beside the inputs the KV step reads
+    assert copies("autoround-w4a16") == 2
