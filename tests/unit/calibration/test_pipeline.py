@@ -1,4 +1,5 @@
-"""The pipeline's plan of layer steps, checked before any weight moves."""
+"""The pipeline's plan of layer steps, checked before any weight moves, and what a layer's turn does with its inputs:
+the last pass over them (or GPTQ's staged pass) consumes them, dropping the resume checkpoint that references them."""
 
 import pytest
 
@@ -106,6 +107,8 @@ def test_the_propagation_frees_each_batchs_inputs_as_it_makes_its_outputs():
 
 
 class _Pending:
+    """A resume state whose held-back checkpoint references the layer's inputs."""
+
     def __init__(self):
         self.dropped = self.saved = 0
 
@@ -135,3 +138,28 @@ def test_after_awq_the_inputs_last_reader_consumes_them(kv_cache):
     assert (result.seconds["propagate"] > 0) is (kv_cache is None) and (result.seconds["kv cache"] > 0) is bool(kv_cache)
     assert pending.dropped == 1 and pending.saved == 1
     assert all(args[0] is out for (args, _), out in zip(inputs, outputs))
+
+
+@pytest.mark.parametrize("kv_cache, in_place", [(None, True), ("fp8", False)])
+def test_gptq_overwrites_a_layers_inputs_only_when_no_later_step_reads_them(kv_cache, in_place):
+    """GPTQ's staged pass takes the inputs (and the resume checkpoint that references them is dropped first) when
+    the quantizer is the layer's last step; with KV cache scales computed after it, it leaves them as they were,
+    and the KV cache step, their last reader, takes them."""
+    import torch
+
+    from quantkit.calibration import pipeline
+    from quantkit.calibration.layer import CalibrationResult
+    from quantkit.quant.plan import plan_model
+
+    recipe = registry.with_kv_cache(registry.resolve("gptq-w4a16"), kv_cache)
+    model, layers, inputs = _tiny_llama_inputs()
+    plan = {e.name: e for e in plan_model(model, recipe)}
+    originals = [a[0] for a, _ in inputs]
+    before = [h.clone() for h in originals]
+    pending, result = _Pending(), CalibrationResult()
+    outputs, _ = pipeline._calibrate_one(0, layers[0], "model.layers.0", inputs, None, plan, recipe, result, None,
+                                         pipeline.layer_steps(recipe), torch.device("cpu"), pending, 2)
+    assert result.true_sequential and pending.saved == 1 and pending.dropped == 1
+    kept = all(torch.equal(h, b) for h, b in zip(originals, before))
+    assert kept is not in_place
+    assert (outputs[0].data_ptr() == originals[0].data_ptr()) is in_place
