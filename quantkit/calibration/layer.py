@@ -62,8 +62,8 @@ class Layer:
     def take_inputs(self, last: bool = False) -> bool:
         """Whether the caller may consume `inputs`: overwrite them in place (GPTQ's staged pass builds the residual
         stream in them) or free them batch by batch (`last`: their last reader, the propagation after the steps or
-        the KV cache step). The quantizer may when no step after it reads them; their last reader always may. If so, nothing else reads them once this
-        returns."""
+        the KV cache step). The quantizer may when no step after it reads them; their last reader always may. If
+        so, nothing else reads them once this returns."""
         if self.release_inputs is None or (self.inputs_read_after_quantizer and not last):
             return False
         self.release_inputs()

@@ -19,8 +19,8 @@ of the run's phases:
   transient copy of it while transformers loads it and the exporter packs it (the format's LOAD_AND_WRITE_COPIES,
   `export.Hooks`; torchao converts while loading, so its transient is smaller);
 - calibration: (loaded whole) the grid integers of every finished layer (one byte per quantized weight, kept until written),
-  the calibration hidden states of this rank (inputs and outputs of a layer), one batch's activations inside
-  the widest layer, and the Hessian accumulators of a layer (float64 upper triangles) plus GPTQ's float32 work
+  the calibration hidden states of this rank (one copy, or a layer's inputs and outputs: `resident_copies`), one
+  batch's activations inside the widest layer, and the Hessian accumulators of a layer (float64 upper triangles) plus GPTQ's float32 work
   copies; GPTQ on the CPU also holds down_proj's inputs for every batch where they take at most a share of the machine's memory
   (`runtime.placement.holds_stage_inputs`; else they are computed again batch by batch). GPTQ's staged pass on
   the CPU works one stage at a time, so its batch of activations, its Hessian and its solve are never held
@@ -136,12 +136,13 @@ def estimate(prepared, recipe: Recipe, options, world_size: int, dst: str | Path
         calib = calibration_bytes(prepared.plan, quantized, numel, max(shares), seq_len, hidden, element, options.batch_size,
                                   held)
         awq = next((s.arguments for s in recipe.before_quantizer if s.name is Algorithm.AWQ), None)
-        if options.device == "cpu" and recipe.quantizer.name is Algorithm.GPTQ and awq is None and stages_gptq(prepared.plan):
+        staged = stages_gptq(prepared.plan)
+        if options.device == "cpu" and recipe.quantizer.name is Algorithm.GPTQ and awq is None and staged:
             calib = staged_gptq_bytes(calib, prepared.plan, max(shares), seq_len, element, options.batch_size, held)
         grid_share = 1.0 if awq is None else awq_grid_share(awq.grid_tokens, batches[shares.index(max(shares))],
                                                              num_samples, seq_len)
         copy = calib[_HIDDEN_STATES] // 2
-        copies = resident_copies(recipe, stages_gptq(prepared.plan))
+        copies = resident_copies(recipe, staged)
         if options.device == "cpu":  # AWQ's search holds its blocks' scored rows beside the inputs
             calib[_HIDDEN_STATES] = int(copy * (max(copies, 1 + 3 * grid_share) if awq is not None else copies))
         streams = 1  # of hidden states in the resume state
