@@ -2,9 +2,11 @@
 quantization takes, before any weight is loaded.
 
 Sizes come from the safetensors headers and the plan: every quantized Linear's bytes in the written files are
-the exporter's `weight_bytes`, every other tensor keeps its bytes. Peak RAM is this process's resident size
-(torch, transformers and the recipe's code imported: the fixed cost of any run) plus the model-dependent terms
-of the run's phases:
+the exporter's `weight_bytes`, every other tensor keeps its bytes. Peak RAM is this process's resident size now
+(torch, transformers and the recipe's code imported, the calibration tokens read: the fixed cost of any run) plus
+the model-dependent terms of the run's phases, or this process's peak so far where that is higher (reading a
+large calibration text peaks above what a small model's run adds; it is over by the time the run starts: counting
+that peak under the run's work put a Qwen3-30B-A3B layer's estimate 0.7 GiB high):
 
 - streamed (the default, `quantkit.models.streaming`): the larger of two phases that never overlap. The modules
   outside the decoder layers (embeddings, final norm, lm_head) are read for the first layer's calibration inputs,
@@ -24,7 +26,9 @@ of the run's phases:
   copies; GPTQ on the CPU also holds down_proj's inputs for every batch where they take at most a share of the machine's memory
   (`runtime.placement.holds_stage_inputs`; else they are computed again batch by batch). GPTQ's staged pass on
   the CPU works one stage at a time, so its batch of activations, its Hessian and its solve are never held
-  together: the largest of the three counts (`staged_gptq_bytes`; measured within 5% on 8B-shaped layers).
+  together: the largest of the three counts (`staged_gptq_bytes`; measured within 5% on 8B-shaped layers). GPTQ
+  calibrating a streamed layer at once (an MoE layer) solves its stages while the layer is held about once, not
+  beside the layer's later copies (`layerwise_gptq_bytes`).
 
 The formats' LOAD_AND_WRITE_COPIES were measured with `/usr/bin/time` on Llama models of 20M (float32) to 270M parameters (bf16):
 the peak above the fixed cost was 1.8 to 2.8 times the model for compressed-tensors (allocator reuse varies from
@@ -90,9 +94,9 @@ def estimate(prepared, recipe: Recipe, options, world_size: int, dst: str | Path
     element = max((size(n) for n in headers), default=4) if dtype == "auto" else _LOAD_DTYPE_BYTES[dtype]
 
     _import_run_modules(recipe)
-    fixed = peak_resident_bytes()
+    fixed = resident_bytes()
     streamed = prepared.loading is None
-    ram = {"fixed (this process: python, torch, transformers)": fixed}
+    ram = {_FIXED: fixed}
     outside_layers = {}  # streamed: the phase that holds the modules outside the decoder layers instead of a layer
     if streamed:
         per_layer = _layer_bytes(headers, numel, size)
@@ -105,7 +109,7 @@ def estimate(prepared, recipe: Recipe, options, world_size: int, dst: str | Path
         rounding = 0 if recipe.needs_calibration else rounding_bytes(first)
         packing = int(PACKING_COPIES * 4 * max((e.in_features * e.out_features for e in first), default=0))
         copies = CALIBRATED_LAYER_COPIES * layer if recipe.needs_calibration else max(STREAMED_LAYER_COPIES * layer, layer + rounding)
-        ram["one decoder layer (read, quantized, packed)"] = int(copies) + packing
+        ram[_STREAMED_LAYER] = int(copies) + packing
     else:
         ram["model and its transient copy while loading and writing"] = int(write.LOAD_AND_WRITE_COPIES * model_bytes)
     if prepared.rotator is not None:  # float64 copies of CHUNK_ROWS rows of the widest weight (`algorithms.rotation`)
@@ -137,6 +141,7 @@ def estimate(prepared, recipe: Recipe, options, world_size: int, dst: str | Path
                                   held)
         awq = next((s.arguments for s in recipe.before_quantizer if s.name is Algorithm.AWQ), None)
         staged = stages_gptq(prepared.plan)
+        layerwise_gptq = recipe.quantizer.name is Algorithm.GPTQ and awq is None and not staged
         if options.device == "cpu" and recipe.quantizer.name is Algorithm.GPTQ and awq is None and staged:
             calib = staged_gptq_bytes(calib, prepared.plan, max(shares), seq_len, element, options.batch_size, held)
         grid_share = 1.0 if awq is None else awq_grid_share(awq.grid_tokens, batches[shares.index(max(shares))],
@@ -155,6 +160,8 @@ def estimate(prepared, recipe: Recipe, options, world_size: int, dst: str | Path
             calib.pop("grid integers of finished layers")
             outside_layers[_HIDDEN_STATES] = calib[_HIDDEN_STATES]
         ram.update(calib)
+        if streamed and layerwise_gptq:  # the solves overlap the layer's copies (`layerwise_gptq_bytes`)
+            ram.update(layerwise_gptq_bytes(ram.pop(_STREAMED_LAYER) - packing, packing, prepared.plan))
         work_dir = _work_dir_bytes(headers, numel, size, quantized, shares, seq_len, hidden, element, streams)
         if options.device != "cpu":
             gpu = device_plan(
@@ -170,6 +177,8 @@ def estimate(prepared, recipe: Recipe, options, world_size: int, dst: str | Path
         device = max(device or 0, model_bytes + learning)
     if sum(outside_layers.values()) > sum(ram.values()) - fixed:
         ram = {next(iter(ram)): fixed, **outside_layers}
+    # what this process did before (reading the calibration text) may have peaked higher than the run's work adds
+    ram[_FIXED] = max(fixed, peak_resident_bytes() - (sum(ram.values()) - fixed))
     free = _free_disk(dst) if dst is not None else None
     needed = output_bytes + (work_dir or 0)
     report = {
@@ -217,16 +226,49 @@ def calibration_bytes(plan: list[ModulePlan], quantized: dict[str, ModulePlan], 
     layer = _first_layer(plan)
     stages = _hessian_stages(layer)
     outer = max((max(e.out_features, e.in_features) for e in layer), default=hidden)
-    solve = max((4 * width * 2 * width + STACKED_SOLVE_BYTES * rows * width for width, rows in stages), default=0)
+    solve = max((stage_solve_bytes(width, rows) for width, rows in stages), default=0)
     found = {
         "grid integers of finished layers": sum(numel[n] for n in quantized),
         _HIDDEN_STATES: 2 * samples * seq_len * hidden * element,
         "one batch's activations in a layer": 3 * min(samples, batch_size) * seq_len * outer * 4,
-        "Hessians of one layer": sum(HessianObserver.accumulator_bytes(width) for width, _ in stages) + solve,
+        _HESSIANS: hessian_accumulator_bytes(stages) + solve,
     }
     if held_stage_inputs:
         found[_HELD_STAGE_INPUTS] = stage_input_bytes(plan, samples, seq_len, hidden, element)
     return found
+
+
+def stage_solve_bytes(width: int, rows: int) -> int:
+    """A GPTQ solve of the `rows` weight rows stacked on one `width`-input Hessian: the float32 Hessian and its
+    factor, and STACKED_SOLVE_BYTES a weight."""
+    return 4 * width * 2 * width + STACKED_SOLVE_BYTES * rows * width
+
+
+def hessian_accumulator_bytes(stages: list[tuple[int, int]]) -> int:
+    from quantkit.quant.observers import HessianObserver
+
+    return sum(HessianObserver.accumulator_bytes(width) for width, _ in stages)
+
+
+def layerwise_gptq_bytes(layer_copies: int, packing: int, plan: list[ModulePlan]) -> dict[str, int]:
+    """The streamed layer and GPTQ's solves, for GPTQ calibrating a layer at once (not staged: an MoE layer, a
+    wiring without stages), where the general estimate adds the layer's CALIBRATED_LAYER_COPIES and the largest
+    solve. They do not overlap: the Hessians of the whole layer are summed first, then its stages are solved in
+    order, each stage's quantized weights replacing its own (a copy beside the mapped ones), and the grid integers
+    are kept until the layer is written. While stage s solves, the layer is held once plus the extra copies of the
+    stages before it; the full CALIBRATED_LAYER_COPIES only once every solve is done. On a Qwen3-30B-A3B layer
+    the stacked solve of its 128 experts' gates and ups (two thirds of the layer, after attention's 3%) is the
+    peak: the general estimate counted 2.5 layers beside it (+42% over the measured 5.94 GiB)."""
+    stages = _hessian_stages(_first_layer(plan))
+    weights = sum(width * rows for width, rows in stages) or 1
+    extra = (CALIBRATED_LAYER_COPIES - 1) * layer_copies / CALIBRATED_LAYER_COPIES  # the replaced copies, the integers
+    layer = layer_copies - extra
+    done = 0
+    peak = layer_copies
+    for width, rows in stages:
+        peak = max(peak, int(layer + extra * done / weights) + stage_solve_bytes(width, rows))
+        done += width * rows
+    return {_LAYER_AND_SOLVE: peak + packing, _HESSIANS: hessian_accumulator_bytes(stages)}
 
 
 STACKED_SOLVE_BYTES = 10  # a GPTQ solve, per weight of the Linears stacked on one Hessian: the stacked copy in the
@@ -274,7 +316,7 @@ def staged_gptq_bytes(calib: dict[str, int], plan: list[ModulePlan], samples: in
     # a stage's solve: the float32 Hessian and its inverse factor (2 x in x in) and the weight's float32 work copy
     # (rows x in); measured 2.05 x in x in on an 8B's down projection (rows x in is a quarter of it there)
     solve = max(4 * width * (2 * width + rows) for width, rows in stages)
-    found = {k: v for k, v in calib.items() if k not in ("one batch's activations in a layer", "Hessians of one layer")}
+    found = {k: v for k, v in calib.items() if k not in ("one batch's activations in a layer", _HESSIANS)}
     found[_STAGED_STEP] = max(mlp_pass, observe, solve)
     return found
 
@@ -298,6 +340,10 @@ def stage_input_bytes(plan: list[ModulePlan], samples: int, seq_len: int, hidden
     return samples * seq_len * max((e.in_features for e in _first_layer(plan)), default=hidden) * element
 
 
+_FIXED = "fixed (this process: python, torch, transformers, the calibration tokens)"
+_STREAMED_LAYER = "one decoder layer (read, quantized, packed)"
+_LAYER_AND_SOLVE = "one decoder layer with GPTQ's largest solve beside it, or read, quantized and packed"
+_HESSIANS = "Hessians of one layer"
 _HIDDEN_STATES = "calibration hidden states (this rank)"
 _STAGED_STEP = "GPTQ's largest step (a batch through the MLP, a Hessian summed, or a stage solved)"
 _HELD_STAGE_INPUTS = "GPTQ's stage inputs (the MLP down projection's), held for every batch on the CPU"
@@ -328,7 +374,7 @@ def device_plan(layer: int, copy: int, batches: int, calib: dict[str, int], algo
     from quantkit.calibration.offload import GROUP_BYTES
     from quantkit.runtime.placement import CUDA_CONTEXT_BYTES
 
-    fixed = layer + CUDA_CONTEXT_BYTES + calib["one batch's activations in a layer"] + calib["Hessians of one layer"] + positions
+    fixed = layer + CUDA_CONTEXT_BYTES + calib["one batch's activations in a layer"] + calib[_HESSIANS] + positions
     fixed += calib.get(_HELD_STAGE_INPUTS, 0)
     if algorithm is Algorithm.AUTOROUND:
         fixed += sum(v for k, v in calib.items() if k.startswith("AutoRound"))
@@ -336,7 +382,7 @@ def device_plan(layer: int, copy: int, batches: int, calib: dict[str, int], algo
     resident = fixed + copies * copy
     if awq:  # the search: the scored rows with the block's Hessians; after it, the inputs and outputs (and the
         # quantizer's Hessians: only GPTQ's stay; GPTQ's are counted as the bound on AWQ's o and down ones)
-        hessians = calib["Hessians of one layer"]
+        hessians = calib[_HESSIANS]
         after = resident - (0 if algorithm is Algorithm.GPTQ else hessians)
         resident = max(after, fixed + int((1 + 3 * grid_share) * copy))
     offloaded = fixed + IN_FLIGHT_BATCHES * batch + (2 * min(GROUP_BYTES, int(grid_share * copy)) if awq else 0)
@@ -713,6 +759,18 @@ def reset_peak_resident() -> None:
             refs.write("5")
     except OSError:
         pass
+
+
+def resident_bytes() -> int:
+    """This process's resident size now: VmRSS on Linux, else its peak so far (`peak_resident_bytes`)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return peak_resident_bytes()
 
 
 def peak_resident_bytes() -> int:

@@ -131,3 +131,27 @@ def test_a_layer_holds_one_copy_of_the_hidden_states_but_where_its_inputs_are_re
     assert copies("awq-w4a16", "fp8") == copies("gptq-w4a16", "fp8", staged=False) == 1  # the KV step consumes them
     assert copies("gptq-w4a16", "fp8") == 2  # the staged pass's outputs beside the inputs the KV step reads
     assert copies("autoround-w4a16") == 2
+
+
+def test_the_fixed_cost_is_this_process_now_or_its_peak_so_far_where_that_was_higher(tiny_model_dir, text_file,
+                                                                                      monkeypatch):
+    """Reading the calibration text can peak above what the run's work adds; it is over before the run starts."""
+    from quantkit.finalization.checks import CalibrationOptions, prepare
+    from quantkit.quant.registry import resolve
+
+    recipe = resolve("gptq-w4a16")
+    options = CalibrationOptions(data=str(text_file), num_samples=4, seq_len=32)
+    prepared = prepare(tiny_model_dir, recipe, None, calibration=options)
+
+    def estimate(now: int, peak: int) -> dict:
+        monkeypatch.setattr(preflight, "resident_bytes", lambda: now)
+        monkeypatch.setattr(preflight, "peak_resident_bytes", lambda: peak)
+        return preflight.estimate(prepared, recipe, options, 1, None)
+
+    low = estimate(GIB, GIB)
+    work = low["peak_ram_bytes"] - GIB
+    assert next(iter(low["peak_ram_breakdown"].values())) == GIB and work > 0
+    high = estimate(GIB, 100 * GIB)  # an earlier peak above the fixed cost and the work together
+    assert high["peak_ram_bytes"] == sum(high["peak_ram_breakdown"].values()) == 100 * GIB
+    assert next(iter(high["peak_ram_breakdown"].values())) == 100 * GIB - work
+    assert estimate(2 * GIB, GIB)["peak_ram_bytes"] == 2 * GIB + work  # what it holds now, not its peak

@@ -1,5 +1,7 @@
 """The RAM terms of the preflight that are arithmetic on the plan: GPTQ's staged pass on the CPU
-(`preflight.stages_gptq`, `preflight.staged_gptq_bytes`), which holds the largest of its steps, not their sum."""
+(`preflight.stages_gptq`, `preflight.staged_gptq_bytes`), which holds the largest of its steps, not their sum;
+GPTQ calibrating a streamed layer at once (`preflight.layerwise_gptq_bytes`), whose solves overlap the layer held
+once and the copies of the stages solved before, not the layer's every copy."""
 
 from quantkit.finalization import preflight
 from quantkit.quant import registry
@@ -46,3 +48,41 @@ def test_inputs_computed_again_add_a_batch_through_the_mlp_to_the_hessian_sum():
     mlp_pass = int(preflight.MLP_PASS_COPIES * 64 * 2048 * MLP * 2)
     assert held == mlp_pass  # 64 samples a batch: the MLP's pass outweighs the solve
     assert recomputed == HessianObserver.accumulator_bytes(MLP) + preflight.HESSIAN_CHUNK_COPIES * 4 * 4096 * MLP + mlp_pass
+
+
+def _moe_layer(experts=128, hidden=2048, expert_mlp=768) -> list[ModulePlan]:
+    """A Qwen3-30B-A3B layer: attention (32 heads of 128, 4 KV heads) and `experts` expert MLPs."""
+    scheme = registry.resolve("gptq-w4a16").scheme
+    shapes = {"self_attn.q_proj": (hidden, 4096), "self_attn.k_proj": (hidden, 512), "self_attn.v_proj": (hidden, 512),
+              "self_attn.o_proj": (4096, hidden)}
+    for e in range(experts):
+        shapes |= {f"mlp.experts.{e}.gate_proj": (hidden, expert_mlp), f"mlp.experts.{e}.up_proj": (hidden, expert_mlp),
+                   f"mlp.experts.{e}.down_proj": (expert_mlp, hidden)}
+    return [ModulePlan(f"model.layers.0.{name}", i, o, scheme) for name, (i, o) in shapes.items()]
+
+
+def test_a_layer_calibrated_at_once_solves_its_experts_stacked_beside_the_layer_held_about_once():
+    layer = _moe_layer()
+    assert not preflight.stages_gptq(layer)
+    copies = int(preflight.CALIBRATED_LAYER_COPIES * (1 << 30))  # a 1 GiB layer's copies
+    found = preflight.layerwise_gptq_bytes(copies, 0, layer)
+    stacked = preflight.stage_solve_bytes(2048, 2 * 128 * 768)  # every expert's gate and up on one Hessian
+    attention = 2048 * (4096 + 512 + 512) + 4096 * 2048  # solved before it
+    weights = attention + 3 * 128 * 2048 * 768
+    before = int((1 << 30) + (copies - (1 << 30)) * attention / weights)
+    assert found[preflight._LAYER_AND_SOLVE] == before + stacked
+    assert found[preflight._LAYER_AND_SOLVE] < copies + stacked  # the general estimate: every copy beside the solve
+    # the Hessians: their float64 accumulators only (the solve is in the layer's term)
+    accumulators = sum(HessianObserver.accumulator_bytes(w) for w in (2048, 4096, 2048)) + 128 * HessianObserver.accumulator_bytes(768)
+    assert found[preflight._HESSIANS] == accumulators
+
+
+def test_a_solve_after_most_of_the_layer_counts_the_copies_already_made_and_never_less_than_all_of_them():
+    layer = _llama_layer()
+    copies = int(preflight.CALIBRATED_LAYER_COPIES * (1 << 30))
+    down = preflight.layerwise_gptq_bytes(copies, 0, layer)[preflight._LAYER_AND_SOLVE]
+    done = HIDDEN * (2 * HIDDEN + 2 * KV) + 2 * HIDDEN * MLP  # q, k, v, o, gate and up before the down projection
+    weights = done + MLP * HIDDEN
+    assert down == int((1 << 30) + (copies - (1 << 30)) * done / weights) + preflight.stage_solve_bytes(MLP, HIDDEN)
+    tiny = [ModulePlan("model.layers.0.mlp.down_proj", 8, 8, layer[0].scheme)]  # a solve smaller than the copies
+    assert preflight.layerwise_gptq_bytes(copies, 123, tiny)[preflight._LAYER_AND_SOLVE] == copies + 123
