@@ -56,6 +56,8 @@ class ScaleJob:
     torch_peak_mib: float | None = None  # quantkit: torch's allocator peak during calibration
     torch_reserved_mib: float | None = None  # quantkit: what the allocator reserved at most (its cache included):
     # NVML's peak minus it is the CUDA context and what is allocated outside torch's allocator
+    outside_mib: float | None = None  # quantkit: the most the GPU's memory in use exceeded torch's reserved at a
+    # layer's end (the CUDA context, the libraries' kernels and workspaces)
     estimate_mib: float | None = None  # quantkit: the preflight's GPU peak (with the CUDA context)
     mode: str | None = None  # quantkit: hidden states resident or offloaded
     split: dict = field(default_factory=dict)
@@ -142,6 +144,7 @@ def run(job: ScaleJob, cmd: list[str], dst: Path, sampler, logs: Path, timeout: 
         job.split = {k: round(v, 1) for k, v in (calib.get("seconds") or {}).items()}
         job.torch_peak_mib = (calib.get("peak_device_bytes") or 0) / harness.MIB or None
         job.torch_reserved_mib = (calib.get("peak_device_reserved_bytes") or 0) / harness.MIB or None
+        job.outside_mib = (calib.get("device_outside_allocator_bytes") or 0) / harness.MIB or None
         job.mode = calib.get("hidden_states")
         estimate = (result.get("preflight") or {}).get("peak_device_bytes")
         job.estimate_mib = estimate / harness.MIB if estimate else None
@@ -150,15 +153,15 @@ def run(job: ScaleJob, cmd: list[str], dst: Path, sampler, logs: Path, timeout: 
 
 def table(jobs: list[ScaleJob], seq_len: int) -> str:
     header = ["job", "model (layers)", "tokens", "wall s", "GPU peak MiB (NVML)", "torch peak MiB",
-              "torch reserved MiB", "preflight MiB",
+              "torch reserved MiB", "outside torch MiB", "preflight MiB",
               "hidden states", "GPU util %", "quantkit split (s)"]
     rows = [[f"{j.tool} {j.recipe}" + (f" --max-gpu-memory {j.budget}" if j.budget else ""), f"{j.model} ({j.layers})",
              f"{j.samples} x {seq_len}",
              fmt(j.seconds, ".1f") + ("" if not j.returncode else f" (FAILED rc {j.returncode})"),
-             fmt(j.gpu_peak_mib, ".0f"), fmt(j.torch_peak_mib, ".0f"), fmt(j.torch_reserved_mib, ".0f"),
+             fmt(j.gpu_peak_mib, ".0f"), fmt(j.torch_peak_mib, ".0f"), fmt(j.torch_reserved_mib, ".0f"), fmt(j.outside_mib, ".0f"),
              fmt(j.estimate_mib, ".0f"), j.mode or "",
              fmt(j.gpu_util_pct, ".0f"), ", ".join(f"{k} {v:g}" for k, v in j.split.items())] for j in jobs]
-    return harness.markdown_table(header, rows, "llrrrrrrlrl")
+    return harness.markdown_table(header, rows, "llrrrrrrrlrl")
 
 
 def save(jobs: list[ScaleJob], args: argparse.Namespace, facts: dict) -> None:

@@ -31,6 +31,7 @@ class CalibrationResult:
     seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))  # per phase
     peak_device_bytes: int = 0
     peak_device_reserved_bytes: int = 0  # on a GPU: what torch's allocator reserved at most (its cache included)
+    device_outside_allocator_bytes: int = 0  # on a GPU: the most its memory in use exceeded what torch reserved
     gptq_rows: list[int] | None = None  # distributed GPTQ: weight rows each rank solved
     skipped: dict[str, str] = field(default_factory=dict)  # transforms not applied: "smoothquant: q_proj, ..." -> why
     true_sequential: bool = False  # GPTQ ran stage by stage in one pass per layer (`true_sequential`)

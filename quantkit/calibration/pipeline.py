@@ -171,6 +171,7 @@ def _calibrate_one(i: int, module: nn.Module, prefix: str, inputs: list[tuple], 
     result.peak_device_bytes = max(result.peak_device_bytes, _device_bytes(module, with_hidden(inputs, outputs), device))
     if device.type == "cuda":
         result.peak_device_reserved_bytes = max(result.peak_device_reserved_bytes, torch.cuda.max_memory_reserved(device))
+        result.device_outside_allocator_bytes = max(result.device_outside_allocator_bytes, outside_allocator_bytes(device))
     placement.offload_layer(module, prefix, result)  # the layer and its qparams: on the CPU for the writer and resume
     if resumable is not None:
         resumable.save_layer(i, module, prefix, result, offload.on_host(outputs), num_layers, layer.float_hidden)
@@ -223,6 +224,13 @@ def _round_the_rest(model: nn.Module, plan: list[ModulePlan], result: Calibratio
             result.errors[entry.name] = relative_error(module.weight.data, qweight, None)
             module.weight.data = qweight.dequantize(module.weight.dtype)
             result.qweights[entry.name] = qweight
+
+
+def outside_allocator_bytes(device: torch.device) -> int:
+    """The GPU's memory in use (by every process: the driver's count, as nvidia-smi's) less what torch's allocator
+    has reserved now: the CUDA context, the libraries' kernels and workspaces, and anything allocated outside torch."""
+    free, total = torch.cuda.mem_get_info(device)
+    return max(0, total - free - torch.cuda.memory_reserved(device))
 
 
 def _device_bytes(layer: nn.Module, inputs: list[tuple], device: torch.device) -> int:

@@ -81,6 +81,7 @@ def calibration_summary(result, samples, options: CalibrationOptions, recipe: Re
         "gptq_order": _gptq_order(result) if recipe.quantizer.name is Algorithm.GPTQ else None,
         "peak_device_bytes": result.peak_device_bytes,
         "peak_device_reserved_bytes": result.peak_device_reserved_bytes or None,  # GPU: the allocator's cache included
+        "device_outside_allocator_bytes": result.device_outside_allocator_bytes or None,  # GPU: context, libraries
         "hidden_states": "offloaded to CPU memory" if offloaded else "on the device",  # `preflight.device_plan`
         "skipped": result.skipped,
         "routed_tokens": result.routed_tokens or None,  # MoE: tokens the router sent to each expert, all ranks

@@ -99,6 +99,7 @@ def test_every_recipe_finalizes_on_cuda_as_on_the_cpu(work, name):
         made = json.loads((on_gpu.dst / "quantkit.json").read_text())["calibration"]
         assert made["device"] == "cuda" and made["peak_device_bytes"] > 0, made
         assert made["peak_device_reserved_bytes"] >= made["peak_device_bytes"], made  # the allocator's cache included
+        assert made["device_outside_allocator_bytes"] > 0, made  # the CUDA context at least
     else:  # round to nearest: the same tensors, bit for bit
         _assert_same_tensors(on_gpu.dst, on_cpu.dst)
 

@@ -163,3 +163,16 @@ def test_gptq_overwrites_a_layers_inputs_only_when_no_later_step_reads_them(kv_c
     kept = all(torch.equal(h, b) for h, b in zip(originals, before))
     assert kept is not in_place
     assert (outputs[0].data_ptr() == originals[0].data_ptr()) is in_place
+
+
+def test_memory_outside_torchs_allocator_is_the_gpus_use_less_what_torch_reserved(monkeypatch):
+    import torch
+
+    from quantkit.calibration import pipeline
+
+    gib = 1 << 30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (70 * gib, 80 * gib))  # 10 GiB in use
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 7 * gib)
+    assert pipeline.outside_allocator_bytes(torch.device("cuda")) == 3 * gib
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 11 * gib)  # read at another moment
+    assert pipeline.outside_allocator_bytes(torch.device("cuda")) == 0
