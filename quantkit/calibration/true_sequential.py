@@ -76,15 +76,19 @@ def run_stages(layer: nn.Module, wiring: LayerWiring, calls: list[tuple[torch.Te
                 residual.append(h.add_(o.forward(a)) if in_place else h + o.forward(a))
         del o_inputs
         quantize(gate_up, StageInputs(post_attention_norm, residual))
-        down_inputs = StageInputs(activated, residual, hold)
+        rows = RowChunks.rows_for(down.in_features)
+        down_inputs = StageInputs(activated, RowChunks(residual, rows), hold)
         quantize((wiring.down,), down_inputs)
         if offload.is_offloaded(residual):  # each batch read once: its down input is computed from it here
             outputs = offload.collector(residual)
             for h in residual:
-                outputs.append(h + down.forward(activated(h)))
+                out = torch.empty_like(h)
+                for part, into in zip(RowChunks([h], rows), RowChunks([out], rows)):
+                    torch.add(part, down.forward(activated(part)), out=into)
+                outputs.append(out)
             return outputs
-        for h, a in zip(residual, down_inputs):  # in place: the residual stream is this function's own
-            h += down.forward(a)  # not down(a): `a` is down's input after its pre-hooks (R4's online rotation)
+        for h, a in zip(RowChunks(residual, rows), down_inputs):  # in place (views of the residual stream, this
+            h += down.forward(a)  # function's own); not down(a): `a` is down's input after its pre-hooks (R4)
         return residual
 
 
@@ -107,6 +111,31 @@ class Calls:
 
     def __iter__(self):
         return (split_call(a, k) for a, k in self.inputs)
+
+
+class RowChunks:
+    """The rows of each batch, a few at a time (views), every time it is iterated: the MLP's pass up to the down
+    projection's input runs on ROW_CHUNK_BYTES of that input at once, not on a batch. Its gate and up outputs, their
+    activation and product are the largest temporaries of a staged layer (a Llama-3.1-8B batch of 8 x 2048 tokens:
+    448 MiB each, about 1.3 GiB at once, on a GPU the staged pass's peak beside the hidden states); the Hessian
+    sums tokens, so the rows' grouping changes none of its terms, and each row's values are the batch's (a Linear's
+    rows do not mix)."""
+
+    def __init__(self, batches, rows: Callable[[torch.Tensor], int]):
+        self.batches, self.rows = batches, rows
+
+    @staticmethod
+    def rows_for(width: int) -> Callable[[torch.Tensor], int]:
+        """The rows of a batch (hidden states [rows, tokens..., hidden]) whose `width`-wide activations take at most
+        ROW_CHUNK_BYTES (one row at least)."""
+        return lambda h: max(1, ROW_CHUNK_BYTES // max(1, h[0, ..., 0].numel() * width * h.element_size()))
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        for h in self.batches:
+            yield from h.split(self.rows(h))
+
+
+ROW_CHUNK_BYTES = 128 << 20  # 2 rows of 2048 tokens of Llama-3.1-8B's 14336-wide MLP (112 MiB)
 
 
 class StageInputs:

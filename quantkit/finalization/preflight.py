@@ -301,14 +301,18 @@ def staged_gptq_bytes(calib: dict[str, int], plan: list[ModulePlan], samples: in
                       batch_size: int, held: bool) -> dict[str, int]:
     """`calibration_bytes` for GPTQ's staged pass on the CPU, which works one stage at a time: on top of the
     hidden states (and the down projection's held inputs) it holds the largest of three steps, never two at once,
-    where the general estimate adds every stage's Hessian and a float32 batch of activations. The steps: a
-    batch through the MLP (MLP_PASS_COPIES), summing the widest Hessian (its float64 upper triangle and float32
-    chunks of tokens, with the batch's MLP pass where the inputs are computed again), and a stage's solve."""
+    where the general estimate adds every stage's Hessian and a float32 batch of activations. The steps: rows of
+    a batch through the MLP (MLP_PASS_COPIES), summing the widest Hessian (its float64 upper triangle and float32
+    chunks of tokens, with the MLP pass where the inputs are computed again), and a stage's solve. The MLP pass runs
+    on `true_sequential.ROW_CHUNK_BYTES` of the down projection's input at once, not on a batch (`RowChunks`)."""
     from quantkit.quant.observers import HESSIAN_CHUNK_TOKENS, HessianObserver
 
     stages = _hessian_stages(_first_layer(plan))
     widest = max(width for width, _ in stages)
-    tokens = min(samples, batch_size) * seq_len
+    from quantkit.calibration.true_sequential import ROW_CHUNK_BYTES
+
+    rows = max(1, ROW_CHUNK_BYTES // (seq_len * widest * element))  # the MLP's pass: a few rows of a batch at once
+    tokens = min(samples, batch_size, rows) * seq_len
     mlp_pass = int(MLP_PASS_COPIES * tokens * widest * element)
     observe = HessianObserver.accumulator_bytes(widest) + HESSIAN_CHUNK_COPIES * 4 * min(HESSIAN_CHUNK_TOKENS, tokens) * widest
     if not held:
@@ -345,7 +349,7 @@ _STREAMED_LAYER = "one decoder layer (read, quantized, packed)"
 _LAYER_AND_SOLVE = "one decoder layer with GPTQ's largest solve beside it, or read, quantized and packed"
 _HESSIANS = "Hessians of one layer"
 _HIDDEN_STATES = "calibration hidden states (this rank)"
-_STAGED_STEP = "GPTQ's largest step (a batch through the MLP, a Hessian summed, or a stage solved)"
+_STAGED_STEP = "GPTQ's largest step (rows of a batch through the MLP, a Hessian summed, or a stage solved)"
 _HELD_STAGE_INPUTS = "GPTQ's stage inputs (the MLP down projection's), held for every batch on the CPU"
 
 

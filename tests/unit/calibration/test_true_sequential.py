@@ -142,3 +142,43 @@ def test_in_place_the_residual_stream_is_built_in_the_inputs_with_the_same_outpu
     for ours, reference, (h, _), b in zip(staged, expected, calls, before):
         assert torch.equal(ours, reference)
         assert ours.data_ptr() == h.data_ptr() and not torch.equal(h, b)
+
+
+@pytest.mark.parametrize("hold", [True, False])
+def test_the_down_projections_inputs_come_a_few_rows_at_a_time_with_the_same_outputs(hold, monkeypatch):
+    """The MLP's pass up to the down projection's input runs on ROW_CHUNK_BYTES of it at once, not on a whole batch:
+    the down stage sees one input per chunk of rows, and the layer's outputs are the same, in place too."""
+    model = _model("llama")
+    layers, inputs = _inputs(model)
+    calls = [true_sequential.split_call(a, k) for a, k in inputs]
+    expected = true_sequential.run_stages(layers[0], LLAMA, calls, lambda stage, xs: None, hold)
+    monkeypatch.setattr(true_sequential, "ROW_CHUNK_BYTES", 1)  # one row a chunk
+    seen = {}
+
+    def quantize(stage, xs):
+        seen[stage] = [x.shape for x in xs]
+
+    staged = true_sequential.run_stages(layers[0], LLAMA, calls, quantize, hold, in_place=True)
+    rows = sum(h.shape[0] for h, _ in calls)
+    assert seen[LLAMA.stages[3]] == [torch.Size([1, 16, 128])] * rows  # the down projection's: 6 rows of 16 tokens
+    assert len(seen[LLAMA.stages[2]]) == len(calls)  # the other stages: a batch at a time
+    for ours, reference, (h, _) in zip(staged, expected, calls):
+        assert torch.equal(ours, reference) and ours.data_ptr() == h.data_ptr()
+
+
+@pytest.mark.parametrize("offloaded", [False, True])
+def test_gptq_gives_the_same_qparams_and_outputs_with_the_down_inputs_in_chunks_of_rows(offloaded, monkeypatch):
+    recipe = resolve("gptq-w4a16")
+    samples = torch.randint(0, 300, (6, 16), generator=torch.Generator().manual_seed(2))
+    found = {}
+    for chunk in (true_sequential.ROW_CHUNK_BYTES, 1):
+        monkeypatch.setattr(true_sequential, "ROW_CHUNK_BYTES", chunk)
+        model = _model("llama")
+        result = calibrate(model, plan_model(model, recipe), recipe, samples, torch.device("cpu"), batch_size=3,
+                           offloaded=offloaded)
+        assert result.true_sequential
+        found[chunk] = result.qweights
+    whole, chunked = found.values()
+    assert whole.keys() == chunked.keys() and any(".down_proj" in name for name in whole)
+    for name, qweight in whole.items():
+        assert torch.equal(qweight.qdata, chunked[name].qdata) and torch.equal(qweight.scale, chunked[name].scale), name

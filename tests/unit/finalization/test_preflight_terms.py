@@ -9,7 +9,7 @@ from quantkit.quant.observers import HessianObserver
 from quantkit.quant.plan import ModulePlan
 
 HIDDEN, MLP, KV = 4096, 14336, 1024  # Llama-3.1-8B's widths
-STEP = "GPTQ's largest step (a batch through the MLP, a Hessian summed, or a stage solved)"
+STEP = "GPTQ's largest step (rows of a batch through the MLP, a Hessian summed, or a stage solved)"
 
 
 def _llama_layer(*skip: str) -> list[ModulePlan]:
@@ -45,8 +45,20 @@ def test_inputs_computed_again_add_a_batch_through_the_mlp_to_the_hessian_sum():
     layer = _llama_layer()
     held = preflight.staged_gptq_bytes(_general(64, 64), layer, 64, 2048, 2, 64, held=True)[STEP]
     recomputed = preflight.staged_gptq_bytes(_general(64, 64), layer, 64, 2048, 2, 64, held=False)[STEP]
+    mlp_pass = int(preflight.MLP_PASS_COPIES * 2 * 2048 * MLP * 2)  # 2 rows of the batch's 64 at once (ROW_CHUNK_BYTES)
+    solve = 4 * MLP * (2 * MLP + HIDDEN)
+    observe = HessianObserver.accumulator_bytes(MLP) + preflight.HESSIAN_CHUNK_COPIES * 4 * 4096 * MLP
+    assert held == recomputed == solve == max(solve, mlp_pass, observe + mlp_pass)  # however large the batch
+
+
+def test_the_mlp_pass_runs_on_a_few_rows_of_a_batch(monkeypatch):
+    from quantkit.calibration import true_sequential
+
+    layer = _llama_layer()
+    monkeypatch.setattr(true_sequential, "ROW_CHUNK_BYTES", 1 << 40)  # a whole batch of 64 at once
     mlp_pass = int(preflight.MLP_PASS_COPIES * 64 * 2048 * MLP * 2)
-    assert held == mlp_pass  # 64 samples a batch: the MLP's pass outweighs the solve
+    assert preflight.staged_gptq_bytes(_general(64, 64), layer, 64, 2048, 2, 64, held=True)[STEP] == mlp_pass
+    recomputed = preflight.staged_gptq_bytes(_general(64, 64), layer, 64, 2048, 2, 64, held=False)[STEP]
     assert recomputed == HessianObserver.accumulator_bytes(MLP) + preflight.HESSIAN_CHUNK_COPIES * 4 * 4096 * MLP + mlp_pass
 
 
