@@ -767,28 +767,30 @@ def reset_peak_resident() -> None:
 
 def resident_bytes() -> int:
     """This process's resident size now: VmRSS on Linux, else its peak so far (`peak_resident_bytes`)."""
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return peak_resident_bytes()
+    found = _status_bytes("VmRSS")
+    return found if found is not None else peak_resident_bytes()
 
 
 def peak_resident_bytes() -> int:
     """This process's peak resident size so far: VmHWM on Linux (ru_maxrss would include the memory of a parent
     that forked it, as it survives execve), else ru_maxrss (bytes on macOS)."""
+    found = _status_bytes("VmHWM")
+    if found is not None:
+        return found
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+def _status_bytes(field: str) -> int | None:
+    """A size from /proc/self/status (Linux), None elsewhere."""
     try:
         with open("/proc/self/status") as status:
             for line in status:
-                if line.startswith("VmHWM:"):
+                if line.startswith(f"{field}:"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024
+    return None
 
 
 def _free_disk(dst: str | Path) -> int:
