@@ -221,8 +221,6 @@ def calibration_bytes(plan: list[ModulePlan], quantized: dict[str, ModulePlan], 
                       held_stage_inputs: bool = False) -> dict[str, int]:
     """What calibration adds to the model in RAM (see the module docstring); with `held_stage_inputs`, GPTQ's
     down-projection inputs for every sample (`stage_input_bytes`)."""
-    from quantkit.quant.observers import HessianObserver
-
     layer = _first_layer(plan)
     stages = _hessian_stages(layer)
     outer = max((max(e.out_features, e.in_features) for e in layer), default=hidden)
@@ -305,12 +303,11 @@ def staged_gptq_bytes(calib: dict[str, int], plan: list[ModulePlan], samples: in
     a batch through the MLP (MLP_PASS_COPIES), summing the widest Hessian (its float64 upper triangle and float32
     chunks of tokens, with the MLP pass where the inputs are computed again), and a stage's solve. The MLP pass runs
     on `true_sequential.ROW_CHUNK_BYTES` of the down projection's input at once, not on a batch (`RowChunks`)."""
+    from quantkit.calibration.true_sequential import ROW_CHUNK_BYTES
     from quantkit.quant.observers import HESSIAN_CHUNK_TOKENS, HessianObserver
 
     stages = _hessian_stages(_first_layer(plan))
     widest = max(width for width, _ in stages)
-    from quantkit.calibration.true_sequential import ROW_CHUNK_BYTES
-
     rows = max(1, ROW_CHUNK_BYTES // (seq_len * widest * element))  # the MLP's pass: a few rows of a batch at once
     tokens = min(samples, batch_size, rows) * seq_len
     mlp_pass = int(MLP_PASS_COPIES * tokens * widest * element)
