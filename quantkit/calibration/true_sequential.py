@@ -76,18 +76,18 @@ def run_stages(layer: nn.Module, wiring: LayerWiring, calls: list[tuple[torch.Te
                 residual.append(h.add_(o.forward(a)) if in_place else h + o.forward(a))
         del o_inputs
         quantize(gate_up, StageInputs(post_attention_norm, residual))
-        rows = RowChunks.rows_for(down.in_features)
-        down_inputs = StageInputs(activated, RowChunks(residual, rows), hold)
+        width = down.in_features
+        down_inputs = StageInputs(activated, RowChunks(residual, width), hold)
         quantize((wiring.down,), down_inputs)
         if offload.is_offloaded(residual):  # each batch read once: its down input is computed from it here
             outputs = offload.collector(residual)
             for h in residual:
                 out = torch.empty_like(h)
-                for part, into in zip(RowChunks([h], rows), RowChunks([out], rows)):
+                for part, into in zip(RowChunks([h], width), RowChunks([out], width)):
                     torch.add(part, down.forward(activated(part)), out=into)
                 outputs.append(out)
             return outputs
-        for h, a in zip(RowChunks(residual, rows), down_inputs):  # in place (views of the residual stream, this
+        for h, a in zip(RowChunks(residual, width), down_inputs):  # in place (views of the residual stream, this
             h += down.forward(a)  # function's own); not down(a): `a` is down's input after its pre-hooks (R4)
         return residual
 
@@ -121,18 +121,17 @@ class RowChunks:
     sums tokens, so the rows' grouping changes none of its terms, and each row's values are the batch's (a Linear's
     rows do not mix)."""
 
-    def __init__(self, batches, rows: Callable[[torch.Tensor], int]):
-        self.batches, self.rows = batches, rows
-
-    @staticmethod
-    def rows_for(width: int) -> Callable[[torch.Tensor], int]:
-        """The rows of a batch (hidden states [rows, tokens..., hidden]) whose `width`-wide activations take at most
-        ROW_CHUNK_BYTES (one row at least)."""
-        return lambda h: max(1, ROW_CHUNK_BYTES // max(1, h[0, ..., 0].numel() * width * h.element_size()))
+    def __init__(self, batches, width: int):
+        self.batches, self.width = batches, width
 
     def __iter__(self) -> Iterator[torch.Tensor]:
-        for h in self.batches:
-            yield from h.split(self.rows(h))
+        for h in self.batches:  # hidden states [rows, tokens..., hidden]
+            yield from h.split(chunk_rows(h[0, ..., 0].numel(), self.width, h.element_size()))
+
+
+def chunk_rows(tokens_per_row: int, width: int, element: int) -> int:
+    """The rows of a batch whose `width`-wide activations take at most ROW_CHUNK_BYTES (one row at least)."""
+    return max(1, ROW_CHUNK_BYTES // max(1, tokens_per_row * width * element))
 
 
 ROW_CHUNK_BYTES = 128 << 20  # 2 rows of 2048 tokens of Llama-3.1-8B's 14336-wide MLP (112 MiB)

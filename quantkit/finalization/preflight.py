@@ -141,8 +141,8 @@ def estimate(prepared, recipe: Recipe, options, world_size: int, dst: str | Path
                                   held)
         awq = next((s.arguments for s in recipe.before_quantizer if s.name is Algorithm.AWQ), None)
         staged = stages_gptq(prepared.plan)
-        layerwise_gptq = recipe.quantizer.name is Algorithm.GPTQ and awq is None and not staged
-        if options.device == "cpu" and recipe.quantizer.name is Algorithm.GPTQ and awq is None and staged:
+        gptq_alone = recipe.quantizer.name is Algorithm.GPTQ and awq is None
+        if options.device == "cpu" and gptq_alone and staged:
             calib = staged_gptq_bytes(calib, prepared.plan, max(shares), seq_len, element, options.batch_size, held)
         grid_share = 1.0 if awq is None else awq_grid_share(awq.grid_tokens, batches[shares.index(max(shares))],
                                                              num_samples, seq_len)
@@ -160,8 +160,9 @@ def estimate(prepared, recipe: Recipe, options, world_size: int, dst: str | Path
             calib.pop("grid integers of finished layers")
             outside_layers[_HIDDEN_STATES] = calib[_HIDDEN_STATES]
         ram.update(calib)
-        if streamed and layerwise_gptq:  # the solves overlap the layer's copies (`layerwise_gptq_bytes`)
-            ram.update(layerwise_gptq_bytes(ram.pop(_STREAMED_LAYER) - packing, packing, prepared.plan))
+        if streamed and gptq_alone and not staged:  # the solves overlap the layer's copies (`layerwise_gptq_bytes`)
+            del ram[_STREAMED_LAYER]
+            ram.update(layerwise_gptq_bytes(layer, packing, prepared.plan))
         work_dir = _work_dir_bytes(headers, numel, size, quantized, shares, seq_len, hidden, element, streams)
         if options.device != "cpu":
             gpu = device_plan(
@@ -248,8 +249,8 @@ def hessian_accumulator_bytes(stages: list[tuple[int, int]]) -> int:
     return sum(HessianObserver.accumulator_bytes(width) for width, _ in stages)
 
 
-def layerwise_gptq_bytes(layer_copies: int, packing: int, plan: list[ModulePlan]) -> dict[str, int]:
-    """The streamed layer and GPTQ's solves, for GPTQ calibrating a layer at once (not staged: an MoE layer, a
+def layerwise_gptq_bytes(layer: int, packing: int, plan: list[ModulePlan]) -> dict[str, int]:
+    """The streamed layer (`layer` bytes, `packing` while it is packed) and GPTQ's solves, for GPTQ calibrating a layer at once (not staged: an MoE layer, a
     wiring without stages), where the general estimate adds the layer's CALIBRATED_LAYER_COPIES and the largest
     solve. They do not overlap: the Hessians of the whole layer are summed first, then its stages are solved in
     order, each stage's quantized weights replacing its own (a copy beside the mapped ones), and the grid integers
@@ -259,10 +260,10 @@ def layerwise_gptq_bytes(layer_copies: int, packing: int, plan: list[ModulePlan]
     peak: the general estimate counted 2.5 layers beside it (+42% over the measured 5.94 GiB)."""
     stages = _hessian_stages(_first_layer(plan))
     weights = sum(width * rows for width, rows in stages) or 1
-    extra = (CALIBRATED_LAYER_COPIES - 1) * layer_copies / CALIBRATED_LAYER_COPIES  # the replaced copies, the integers
-    layer = layer_copies - extra
+    copies = int(CALIBRATED_LAYER_COPIES * layer)
+    extra = copies - layer  # the replaced weights' copies, the grid integers
     done = 0
-    peak = layer_copies
+    peak = copies
     for width, rows in stages:
         peak = max(peak, int(layer + extra * done / weights) + stage_solve_bytes(width, rows))
         done += width * rows
@@ -303,13 +304,12 @@ def staged_gptq_bytes(calib: dict[str, int], plan: list[ModulePlan], samples: in
     a batch through the MLP (MLP_PASS_COPIES), summing the widest Hessian (its float64 upper triangle and float32
     chunks of tokens, with the MLP pass where the inputs are computed again), and a stage's solve. The MLP pass runs
     on `true_sequential.ROW_CHUNK_BYTES` of the down projection's input at once, not on a batch (`RowChunks`)."""
-    from quantkit.calibration.true_sequential import ROW_CHUNK_BYTES
+    from quantkit.calibration.true_sequential import chunk_rows
     from quantkit.quant.observers import HESSIAN_CHUNK_TOKENS, HessianObserver
 
     stages = _hessian_stages(_first_layer(plan))
     widest = max(width for width, _ in stages)
-    rows = max(1, ROW_CHUNK_BYTES // (seq_len * widest * element))  # the MLP's pass: a few rows of a batch at once
-    tokens = min(samples, batch_size, rows) * seq_len
+    tokens = min(samples, batch_size, chunk_rows(seq_len, widest, element)) * seq_len  # the MLP's pass: a few rows
     mlp_pass = int(MLP_PASS_COPIES * tokens * widest * element)
     observe = HessianObserver.accumulator_bytes(widest) + HESSIAN_CHUNK_COPIES * 4 * min(HESSIAN_CHUNK_TOKENS, tokens) * widest
     if not held:

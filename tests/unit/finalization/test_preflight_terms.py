@@ -77,7 +77,7 @@ def test_a_layer_calibrated_at_once_solves_its_experts_stacked_beside_the_layer_
     layer = _moe_layer()
     assert not preflight.stages_gptq(layer)
     copies = int(preflight.CALIBRATED_LAYER_COPIES * (1 << 30))  # a 1 GiB layer's copies
-    found = preflight.layerwise_gptq_bytes(copies, 0, layer)
+    found = preflight.layerwise_gptq_bytes(1 << 30, 0, layer)
     stacked = preflight.stage_solve_bytes(2048, 2 * 128 * 768)  # every expert's gate and up on one Hessian
     attention = 2048 * (4096 + 512 + 512) + 4096 * 2048  # solved before it
     weights = attention + 3 * 128 * 2048 * 768
@@ -92,9 +92,9 @@ def test_a_layer_calibrated_at_once_solves_its_experts_stacked_beside_the_layer_
 def test_a_solve_after_most_of_the_layer_counts_the_copies_already_made_and_never_less_than_all_of_them():
     layer = _llama_layer()
     copies = int(preflight.CALIBRATED_LAYER_COPIES * (1 << 30))
-    down = preflight.layerwise_gptq_bytes(copies, 0, layer)[preflight._LAYER_AND_SOLVE]
+    down = preflight.layerwise_gptq_bytes(1 << 30, 0, layer)[preflight._LAYER_AND_SOLVE]
     done = HIDDEN * (2 * HIDDEN + 2 * KV) + 2 * HIDDEN * MLP  # q, k, v, o, gate and up before the down projection
     weights = done + MLP * HIDDEN
     assert down == int((1 << 30) + (copies - (1 << 30)) * done / weights) + preflight.stage_solve_bytes(MLP, HIDDEN)
     tiny = [ModulePlan("model.layers.0.mlp.down_proj", 8, 8, layer[0].scheme)]  # a solve smaller than the copies
-    assert preflight.layerwise_gptq_bytes(copies, 123, tiny)[preflight._LAYER_AND_SOLVE] == copies + 123
+    assert preflight.layerwise_gptq_bytes(1 << 30, 123, tiny)[preflight._LAYER_AND_SOLVE] == copies + 123
