@@ -16,10 +16,11 @@ import torch
 from torch import nn
 
 from quantkit.errors import FormatError, HardwareError, UsageError
-from quantkit.export import atomic, check_destination_name, check_supported, exporter, metadata, single_file
+from quantkit.export import atomic, check_destination_name, check_supported, exporter, for_format, metadata, single_file
 from quantkit.models import loading as models
 from quantkit.models import moe, sources
 from quantkit.quant.plan import ModulePlan, coverage, plan_model
+from quantkit.quant import registry
 from quantkit.quant.registry import Format, Recipe
 from quantkit.runtime import hardware
 
@@ -153,7 +154,8 @@ def check_qat_recipe(src: Path, recipe: Recipe, fmt: Format, force: bool = False
     if not trained:
         return None
     name = trained["recipe"]["name"]
-    if trained["recipe"]["scheme"] != recipe.to_dict()["scheme"] and not force:
+    trained = {**trained["recipe"], "scheme": quantized_scheme(trained["recipe"]["scheme"], recipe, fmt)}
+    if trained["scheme"] != recipe.to_dict()["scheme"] and not force:
         raise UsageError(
             f"{src} was trained with --qat-recipe {name}; finalize it with --quantize {name}, "
             f"or pass --force-recipe to quantize it under {recipe.name} anyway"
@@ -163,7 +165,16 @@ def check_qat_recipe(src: Path, recipe: Recipe, fmt: Format, force: bool = False
                    and exporter(f).qat_mismatch(recipe.scheme) is None]
         hint = f": use --format {keeping[0]}, which keeps the trained weights exactly" if keeping else ""
         raise FormatError(f"{src} was trained with QAT on the scheme's grid, which {mismatch}{hint}")
-    return trained["recipe"]
+    return trained
+
+
+def quantized_scheme(scheme: dict, recipe: Recipe, fmt: Format) -> dict:
+    """A recorded scheme (quantkit.json's QAT recipe) as `fmt` quantizes it (`export.for_format`), the way `recipe`,
+    which finalize runs, already is: a GGUF recipe's model-dtype scales are fp16 scales in either, whether training
+    recorded its recipe before or after that step."""
+    from dataclasses import replace
+
+    return for_format(replace(recipe, scheme=registry.scheme_from_dict(scheme)), fmt).to_dict()["scheme"]
 
 
 def convert_recipe(recipe: Recipe, trained: dict | None) -> Recipe:

@@ -365,6 +365,11 @@ def _parse_learning(value: Any, where: str, online: bool) -> Learning:
     return Learning(steps, float(rate))
 
 
+def scheme_from_dict(data: dict[str, Any]) -> QuantScheme:
+    """A scheme as `Recipe.to_dict` (quantkit.json) writes it, parsed back."""
+    return _parse_scheme(data)
+
+
 def _parse_scheme(data: dict[str, Any]) -> QuantScheme:
     try:
         return _build_scheme(data)

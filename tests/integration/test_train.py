@@ -201,11 +201,14 @@ def _as_llama_cpp(weights: dict[str, torch.Tensor], config) -> dict[str, torch.T
     ("gguf-q4-k-m", {"output.weight": "Q6_K", "blk.0.attn_q.weight": "Q4_K", "blk.1.attn_v.weight": "Q6_K",
                      "blk.0.ffn_down.weight": "Q5_0", "blk.1.ffn_down.weight": "Q8_0", "token_embd.weight": "Q4_K"}),
     ("gguf-q4-0", {"blk.0.attn_q.weight": "Q4_0", "blk.0.ffn_down.weight": "Q4_0", "output.weight": "F32"}),
+    ("my-q4.yaml", {"blk.0.attn_q.weight": "Q4_0", "blk.0.ffn_down.weight": "Q4_0", "output.weight": "F32"}),
 ])
 def test_qat_train_finalize_gguf(workspace, recipe, types, tmp_path):
     """`train --qat-recipe R` then `finalize -q R` to .gguf, no calibration data: every quantized tensor in the file
     dequantizes to the weight the trained model computes with under its fake quantizers (K grids: llama.cpp's search
-    on the trained weights), bit for bit, the token embedding of a mixture too (trained on its K grid). A K mixture (calibrated by GPTQ after a plain model) is converted by rounding on the grids it trained on."""
+    on the trained weights), bit for bit, the token embedding of a mixture too (trained on its K grid). A K mixture (calibrated by GPTQ after a plain model) is converted by rounding on the grids it trained on.
+    A user's recipe file whose scales are in the model's dtype (GGUF stores fp16 ones: both commands quantize on
+    those) is finalized under its own name, not refused as another recipe."""
     import gguf
 
     from quantkit.finalization.finalize import finalize
@@ -214,12 +217,16 @@ def test_qat_train_finalize_gguf(workspace, recipe, types, tmp_path):
     from quantkit.quant import fake_quant
     from quantkit.training import qat
 
+    if recipe.endswith(".yaml"):  # Q4_0's grid, the scales left in the model's dtype
+        (tmp_path / recipe).write_text("scheme: {weights: {dtype: int4, granularity: group, group_size: 32}}\n"
+                                       "format: gguf\non_indivisible: skip\n")
+        recipe = str(tmp_path / recipe)
     k_model = {"hidden_size": 256, "intermediate_size": 352}  # q/k/v/o, gate/up: whole K super-blocks; down: falls back
-    config = config_dict(workspace, f"qat-{recipe}", max_steps=3)
+    config = config_dict(workspace, f"qat-{Path(recipe).stem}", max_steps=3)
     config["model"]["config"].update(k_model)
     result = train(train_config.from_dict({**config, "qat_recipe": recipe}))
     trained_recipe = json.loads((result.final_dir / "quantkit.json").read_text())["qat"]["recipe"]
-    assert (trained_recipe["name"], trained_recipe["steps"][0]["name"]) == (recipe, "rtn")
+    assert (trained_recipe["name"], trained_recipe["steps"][0]["name"]) == (Path(recipe).stem, "rtn")
 
     trained = load_model(result.final_dir, dtype="float32").eval()
     embedding = trained.get_input_embeddings().weight.detach().clone()
