@@ -141,7 +141,8 @@ def run(job: ScaleJob, cmd: list[str], dst: Path, sampler, logs: Path, timeout: 
         result = json.loads(report.read_text())
         result = result.get("result", result)
         calib = result.get("calibration") or {}
-        job.split = {k: round(v, 1) for k, v in (calib.get("seconds") or {}).items()}
+        job.split = {k: round(v, 1) for k, v in (calib.get("seconds") or {}).items()} | outside_phases(
+            calib, result.get("seconds"), measured.seconds)
         job.torch_peak_mib = (calib.get("peak_device_bytes") or 0) / harness.MIB or None
         job.torch_reserved_mib = (calib.get("peak_device_reserved_bytes") or 0) / harness.MIB or None
         job.outside_mib = (calib.get("device_outside_allocator_bytes") or 0) / harness.MIB or None
@@ -149,6 +150,22 @@ def run(job: ScaleJob, cmd: list[str], dst: Path, sampler, logs: Path, timeout: 
         estimate = (result.get("preflight") or {}).get("peak_device_bytes")
         job.estimate_mib = estimate / harness.MIB if estimate else None
     _remove(dst)  # the disk holds the models, not every artifact
+
+
+def outside_phases(calib: dict, finalize_seconds: float | None, wall: float) -> dict[str, float]:
+    """Where the rest of the process's wall went: calibration's time outside its phases, finalize's outside
+    calibration (the checks, tokenizing, the preflight, the modules outside the layers written at the end), and
+    the process's before finalize (imports, CUDA's start)."""
+    phases = sum((calib.get("seconds") or {}).values())
+    inside = calib.get("wall_seconds")
+    split = {}
+    if inside:
+        split["calibration's other"] = round(inside - phases, 1)
+        if finalize_seconds:
+            split["finalize's other"] = round(finalize_seconds - inside, 1)
+    if finalize_seconds:
+        split["start"] = round(wall - finalize_seconds, 1)
+    return split
 
 
 def table(jobs: list[ScaleJob], seq_len: int) -> str:

@@ -29,6 +29,7 @@ class CalibrationResult:
     kv_ranges: dict[str, float] = field(default_factory=dict)  # the same names -> largest |key| / |value| seen (the summary's)
     errors: dict[str, float] = field(default_factory=dict)  # relative output error per module
     seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))  # per phase
+    wall_seconds: float = 0.0  # the whole calibration's: its phases and what none of them counts
     peak_device_bytes: int = 0
     peak_device_reserved_bytes: int = 0  # on a GPU: what torch's allocator reserved at most (its cache included)
     device_outside_allocator_bytes: int = 0  # on a GPU: the most its memory in use exceeded what torch reserved

@@ -14,6 +14,7 @@ nearest. Works for models whose decoder layers `models.decoder_layers` finds.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any, Callable, Protocol
 
@@ -136,7 +137,8 @@ def _calibrate(model: nn.Module, plan: list[ModulePlan], recipe: Recipe, samples
                        completed=done) as advance:
         for i, module in enumerate(layers):
             if stream is not None:
-                stream.load(module)
+                with _timed(result, "read"):  # the read ahead waited for (or the read itself)
+                    stream.load(module)
                 if i + 1 < len(layers):
                     stream.prefetch(layers[i + 1])
             if i < done:
@@ -148,11 +150,24 @@ def _calibrate(model: nn.Module, plan: list[ModulePlan], recipe: Recipe, samples
                 worst = max((e for n, e in result.errors.items() if n.startswith(f"{prefix}.{i}.")), default=0.0)
                 advance(description=f"Calibrating layer {i + 1}/{len(layers)} (worst relative error {worst:.4f})")
             if stream is not None:
-                stream.done(module, f"{prefix}.{i}", result)
+                with _timed(result, "write"):  # the layer before it waited for, if still being written
+                    stream.done(module, f"{prefix}.{i}", result)
     if stream is not None:
-        stream.load_rest()
+        with _timed(result, "read"):
+            stream.load_rest()
     _round_the_rest(model, plan, result, prefix)
+    result.wall_seconds = time.perf_counter() - started
     return result
+
+
+@contextlib.contextmanager
+def _timed(result: CalibrationResult, phase: str):
+    """Add the block's wall time to `result.seconds[phase]`."""
+    started = time.perf_counter()
+    try:
+        yield
+    finally:
+        result.seconds[phase] += time.perf_counter() - started
 
 
 def _calibrate_one(i: int, module: nn.Module, prefix: str, inputs: list[tuple], float_hidden: list[torch.Tensor] | None,
@@ -172,9 +187,10 @@ def _calibrate_one(i: int, module: nn.Module, prefix: str, inputs: list[tuple], 
     if device.type == "cuda":
         result.peak_device_reserved_bytes = max(result.peak_device_reserved_bytes, torch.cuda.max_memory_reserved(device))
         result.device_outside_allocator_bytes = max(result.device_outside_allocator_bytes, outside_allocator_bytes(device))
-    placement.offload_layer(module, prefix, result)  # the layer and its qparams: on the CPU for the writer and resume
-    if resumable is not None:
-        resumable.save_layer(i, module, prefix, result, offload.on_host(outputs), num_layers, layer.float_hidden)
+    with _timed(result, "hand-off"):
+        placement.offload_layer(module, prefix, result)  # the layer and its qparams: on the CPU for the writer and resume
+        if resumable is not None:
+            resumable.save_layer(i, module, prefix, result, offload.on_host(outputs), num_layers, layer.float_hidden)
     return outputs, layer.float_hidden
 
 

@@ -78,6 +78,7 @@ def calibration_summary(result, samples, options: CalibrationOptions, recipe: Re
         "seed": options.seed,
         "device": options.device,
         "seconds": {phase: round(value, 3) for phase, value in result.seconds.items()},
+        "wall_seconds": round(result.wall_seconds, 3),  # the phases, and what none of them counts
         "gptq_order": _gptq_order(result) if recipe.quantizer.name is Algorithm.GPTQ else None,
         "peak_device_bytes": result.peak_device_bytes,
         "peak_device_reserved_bytes": result.peak_device_reserved_bytes or None,  # GPU: the allocator's cache included

@@ -252,6 +252,19 @@ def test_gptq_runs_true_sequential_where_the_stages_reproduce_the_layer(artifact
         assert info["gptq_order"] == "layer-wise" and "propagate" in info["seconds"]
 
 
+def test_the_time_split_counts_the_streamed_reads_and_writes_within_calibrations_wall(artifacts):
+    """quantkit.json's calibration phases: beside the algorithm's, the waits for a streamed layer's read and the
+    layer before it's write, and the hand-off of a finished layer; all within the calibration's own wall time."""
+    import json
+
+    root, _ = artifacts
+    info = json.loads((root / "llama-gptq-w4a16" / "quantkit.json").read_text())["calibration"]
+    seconds = info["seconds"]
+    assert {"capture", "observe", "quantize", "read", "write", "hand-off"} <= set(seconds)
+    assert all(value >= 0 for value in seconds.values())
+    assert sum(seconds.values()) <= info["wall_seconds"] + 0.01  # rounded to the millisecond, each
+
+
 def test_folding_is_skipped_and_reported_where_no_norm_feeds_the_linears(artifacts):
     """OLMo2 normalises after attention and MLP: q/k/v and gate/up read the residual stream, so AWQ keeps only its
     v -> o and up -> down mappings and SmoothQuant has nothing to fold into; both say so."""
