@@ -10,7 +10,7 @@
 #   5. (step "profile", not by default) profiles quantkit's GPTQ of the benchmark's 0.84B model (scripts/profile_cli.py);
 #   (step "scale-rest") the scale step's jobs not measured yet, most needed first; each completed job is recorded on
 #      the machine, so the same command in the next call on the same warm machine goes on where this one stopped:
-#        bash scripts/gpu_check.sh $OUT scale-rest        # twice, timeout_s 600 each
+#        bash scripts/gpu_check.sh $OUT scale-rest        # twice: timeout_s 600, then what the budget has left
 # Usage, from the repository root:  bash scripts/gpu_check.sh [OUT_DIR] [STEPS]
 #   STEPS: any of "tests bench scale scale-rest profile" (default "tests bench": about 9 minutes on an H100); logs, JUnit XML, the
 #   benchmark's JSON and the profile land in OUT_DIR.
@@ -22,16 +22,23 @@ STEPS=${2:-tests bench}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 QUANTKIT_DIST_TIMEOUT=120
 
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-qk .whl/quantkit/*.whl || exit 1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-llmc .whl/llmc/*.whl || exit 1
+# installed once a machine: a second call on the same warm machine finds the same wheels in place (their digest)
+wheels=$(cat .whl/quantkit/*.whl .whl/llmc/*.whl | sha256sum | cut -c1-16)
 export PYTHONPATH=/tmp/site-qk PATH=/tmp/site-qk/bin:$PATH
-# bytecode, as a normal pip install leaves it: without it every process of either tool compiles torchao,
-# compressed-tensors and the rest again (7.6 s of a 38.6 s run in the first H100 profile)
 echo "PYTHONDONTWRITEBYTECODE=${PYTHONDONTWRITEBYTECODE-unset}" > "$OUT/bytecode.txt"
 unset PYTHONDONTWRITEBYTECODE
-tf=$(cd /tmp && python3 -c "import importlib.util, os; print(os.path.dirname(importlib.util.find_spec('transformers').origin))")
-ls "$tf"/__pycache__/*.pyc >/dev/null 2>&1 && echo "transformers has bytecode" >> "$OUT/bytecode.txt" || compile_tf=$tf
-( time python3 -m compileall -q -j 16 /tmp/site-qk /tmp/site-llmc ${compile_tf:-} ) >> "$OUT/bytecode.txt" 2>&1
+if [[ "$(cat /tmp/site-qk/.wheels 2>/dev/null)" != "$wheels" ]]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-qk .whl/quantkit/*.whl || exit 1
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-llmc .whl/llmc/*.whl || exit 1
+    # bytecode, as a normal pip install leaves it: without it every process of either tool compiles torchao,
+    # compressed-tensors and the rest again (7.6 s of a 38.6 s run in the first H100 profile)
+    tf=$(cd /tmp && python3 -c "import importlib.util, os; print(os.path.dirname(importlib.util.find_spec('transformers').origin))")
+    ls "$tf"/__pycache__/*.pyc >/dev/null 2>&1 && echo "transformers has bytecode" >> "$OUT/bytecode.txt" || compile_tf=$tf
+    ( time python3 -m compileall -q -j 16 /tmp/site-qk /tmp/site-llmc ${compile_tf:-} ) >> "$OUT/bytecode.txt" 2>&1
+    echo "$wheels" > /tmp/site-qk/.wheels
+else
+    echo "the same wheels are installed already (an earlier call on this machine)" >> "$OUT/bytecode.txt"
+fi
 printf '#!/bin/sh\nPYTHONPATH=/tmp/site-llmc exec python3 "$@"\n' > /tmp/llmc-python && chmod +x /tmp/llmc-python
 {
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -66,18 +73,21 @@ if [[ " $STEPS " == *" bench "* ]]; then
     tar czf "$OUT/bench-logs.tgz" -C /tmp/bench-gpu logs 2>/dev/null || true
 fi
 if [[ " $STEPS " == *" scale-rest "* ]]; then
-    # what issue 44 still needs on a GPU: the whole 8B's GPTQ against llm-compressor at 128 x 2048 (quantkit's GPU
-    # peak with one copy of the hidden states and the MLP's pass on a few rows; how much of NVML's peak is outside
-    # torch's allocator), the same under a budget at llm-compressor's 4-layer peak (7596 MiB: the hidden states
-    # offloaded), the whole 8B's AWQ at 512 x 2048 again (301.6 s in its one run; its propagation now frees the
-    # inputs), AutoRound on a reduced copy, GPTQ at 512 x 2048 with one copy; while the models are built, the GPU
-    # tests of actorder's CUDA graphs and the offloaded path. A job is not started with less than SCALE_MIN_LEFT
-    # seconds before the deadline. About 1100 s of device time in all: more than one task's 900, so the second call
-    # ends after the AWQ job.
-    SCALE_JOBS=${SCALE_JOBS:-qk:gptq-w4a16:8b:128 llmc:gptq-w4a16:8b:128 qk:gptq-w4a16:8b:128:7.3GiB qk:awq-w4a16:8b:512 qk:autoround-w4a16:8b-l2:128 qk:gptq-w4a16:8b:512}
-    SCALE_DONE=/tmp/bench-scale/done.txt SCALE_DEADLINE=${SCALE_DEADLINE:-450} SCALE_JOB_TIMEOUT=${SCALE_JOB_TIMEOUT:-440}
-    SCALE_MIN_LEFT=${SCALE_MIN_LEFT:-120}
-    SCALE_TESTS=${SCALE_TESTS:-graphs_replay or offloaded} STEPS="$STEPS scale"
+    # what issue 44 still needs on a GPU, in two calls on one warm machine (one task's 15 minutes, the machine's
+    # start included):
+    #   call 1: the whole GPU suite (not run since one copy of the hidden states, the freeing propagation and the
+    #     MLP's pass on a few rows) while the models are built; GPTQ against llm-compressor at 128 x 2048 on a
+    #     16-layer copy of the 8B (the whole model's llm-compressor run alone would take 4 of the 15 minutes; the
+    #     per-layer times extrapolate, as the 4-layer runs did); quantkit under a budget at llm-compressor's peak
+    #     (7.3 GiB: the hidden states offloaded; the peak is a layer's, the same at any depth); AutoRound on 2 layers.
+    #   call 2: the whole 8B's AWQ at 512 x 2048 (301.6 s in its one run), and what call 1 left.
+    # A job is not started with less than SCALE_MIN_LEFT seconds before the call's deadline (call 1's is shorter,
+    # so that AWQ's 5 minutes never start there to be killed).
+    SCALE_JOBS=${SCALE_JOBS:-qk:gptq-w4a16:8b-l16:128 qk:gptq-w4a16:8b-l4:128:7.3GiB llmc:gptq-w4a16:8b-l16:128 qk:autoround-w4a16:8b-l2:128 qk:awq-w4a16:8b:512}
+    if [[ -f /tmp/bench-scale/tested ]]; then first_call=; else first_call=1; fi
+    SCALE_DONE=/tmp/bench-scale/done.txt SCALE_DEADLINE=${SCALE_DEADLINE:-${first_call:+380}} SCALE_DEADLINE=${SCALE_DEADLINE:-450}
+    SCALE_JOB_TIMEOUT=${SCALE_JOB_TIMEOUT:-440} SCALE_MIN_LEFT=${SCALE_MIN_LEFT:-120}
+    SCALE_TESTS=${SCALE_TESTS:-all} STEPS="$STEPS scale"
 fi
 if [[ " $STEPS " == *" scale "* ]]; then
     # real sizes (scripts/bench_gpu_scale.py): the offloaded path's GPU test first, then the jobs in SCALE_JOBS, in
@@ -86,13 +96,15 @@ if [[ " $STEPS " == *" scale "* ]]; then
     scale=(python3 "$REPO/scripts/bench_gpu_scale.py" --llmc-python /tmp/llmc-python --workdir /tmp/bench-scale
         --text "$data/wikitext-2/valid.txt" "$data/wikitext-2/test.txt" "$data/tinyshakespeare/input.txt"
         --jobs ${SCALE_JOBS:-qk:gptq-w4a16:8b:512 qk:awq-w4a16:8b:512 qk:gptq-w4a16:8b-l4:512:22GiB} ${SCALE_DONE:+--done $SCALE_DONE})
-    # the jobs' models are built (CPU and disk) while the GPU runs the offloaded path's tests
+    # the jobs' models are built (CPU and disk) while the GPU runs the GPU tests (SCALE_TESTS: a -k selection, or all)
     ( time "${scale[@]}" --build-only ) > "$OUT/scale-build.txt" 2>&1 &
     building=$!
     if [[ ! -f /tmp/bench-scale/tested ]]; then  # once a machine (scale-rest's second call skips them)
-        timeout ${OFFLOAD_TEST_TIMEOUT:-120} python3 -m pytest -c "$REPO/pyproject.toml" --rootdir "$REPO" -q -m gpu \
-            "$REPO/tests/gpu/test_cuda.py" -k "${SCALE_TESTS:-offloaded or tf32 or gguf}" -p no:cacheprovider -rfE 2>&1 \
-            | tail -15 | tee "$OUT/offload-tests.txt" || status=1
+        selected=(-k "${SCALE_TESTS:-offloaded or tf32 or gguf}")  # SCALE_TESTS=all: the whole GPU suite
+        [[ "${SCALE_TESTS:-}" == all ]] && selected=(-n ${GPU_WORKERS:-6} --timeout 150 --durations 10 --junitxml="$OUT/gpu-tests.xml")
+        timeout ${OFFLOAD_TEST_TIMEOUT:-170} python3 -m pytest -c "$REPO/pyproject.toml" --rootdir "$REPO" -q -m gpu \
+            "$REPO/tests/gpu/test_cuda.py" "${selected[@]}" -p no:cacheprovider -rfE 2>&1 \
+            | tail -40 | tee "$OUT/offload-tests.txt" || status=1
         mkdir -p /tmp/bench-scale && touch /tmp/bench-scale/tested
     fi
     wait $building || status=1
