@@ -15,6 +15,7 @@ from typing import ClassVar
 import torch
 
 from quantkit.runtime.distributed import ReduceOp
+from quantkit.runtime.precision import tf32_products
 
 
 def reduce_parts(parts: list[torch.Tensor], op: ReduceOp) -> torch.Tensor:
@@ -198,21 +199,10 @@ def gram_blocks(rows: torch.Tensor, exact_tf32: bool = False) -> list[torch.Tens
     0.4 PFLOP a layer)."""
     size = rows.shape[1]
     if rows.device.type != "cpu":
-        with _tf32() if rows.device.type == "cuda" and exact_tf32 else contextlib.nullcontext():
+        with tf32_products(rows.device) if exact_tf32 else contextlib.nullcontext():
             return [rows[:, s : s + HESSIAN_ROWS].T @ rows[:, s:] for s in range(0, size, HESSIAN_ROWS)]
     array = rows.contiguous().numpy()
     return [torch.from_numpy(array[:, s : s + HESSIAN_ROWS].T @ array[:, s:]) for s in range(0, size, HESSIAN_ROWS)]
-
-
-class _tf32:
-    """CUDA float32 products in TF32 inside the block, as they were outside it after."""
-
-    def __enter__(self):
-        self.before = torch.backends.cuda.matmul.allow_tf32
-        torch.backends.cuda.matmul.allow_tf32 = True
-
-    def __exit__(self, *exc) -> None:
-        torch.backends.cuda.matmul.allow_tf32 = self.before
 
 
 def add_into(total: torch.Tensor, part: torch.Tensor) -> None:

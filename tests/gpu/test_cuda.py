@@ -342,6 +342,35 @@ def test_a_bf16_hessian_on_cuda_is_summed_in_tf32_as_in_float32():
     torch.testing.assert_close(found["cuda"], found["cpu"], rtol=1e-5, atol=1e-5 * found["cpu"].abs().max().item())
 
 
+def test_awqs_hessian_scored_candidates_on_cuda_are_the_float64_errors_within_tf32s_rounding():
+    """AWQ scores a lone Linear's candidates through tr(dW H dW^T), multiplied in TF32 on a GPU: within 1e-3 of the
+    float64 errors (a few channels 50x larger, as in trained models), the same best candidate as float64 where the
+    best leads by more than that, and the TF32 setting put back."""
+    from quantkit.algorithms.arguments import AWQArgs
+    from quantkit.algorithms.awq import candidate_scales, hessian_error, scaled_candidate
+    from quantkit.quant import registry
+    from quantkit.quant.observers import HessianObserver
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(8192, 1024, generator=g)
+    x[:, :8] *= 50  # outlier channels
+    x = x.to(torch.bfloat16)
+    weight = (torch.randn(512, 1024, generator=g) * 0.02).to(torch.bfloat16)
+    spec = registry.resolve("awq-w4a16").scheme.weights
+    observer = HessianObserver()
+    observer.update(x)
+    xtx = observer.xtx()
+    candidates = [scaled_candidate(weight, spec, s) for s in candidate_scales(x.float().abs().mean(0), AWQArgs())]
+    exact = [float(((c.double() - weight.double()) @ xtx.double() * (c.double() - weight.double())).sum()) for c in candidates]
+    before = torch.backends.cuda.matmul.allow_tf32
+    on_gpu = [hessian_error(weight.cuda(), c.cuda(), xtx.cuda()) for c in candidates]
+    assert torch.backends.cuda.matmul.allow_tf32 == before
+    assert max(abs(a / b - 1) for a, b in zip(on_gpu, exact)) < 1e-3
+    first, second = sorted(exact)[:2]
+    if second / first - 1 > 2e-3:
+        assert on_gpu.index(min(on_gpu)) == exact.index(first)
+
+
 @pytest.mark.parametrize("name", ["gguf-q4-0", "gguf-q4-k-m"])
 def test_a_gguf_file_made_on_cuda_is_the_cpus(work, tmp_path, name):
     """GGUF from CUDA calibration: every tensor in the CPU-made file's type; round to nearest the same bytes, GPTQ on

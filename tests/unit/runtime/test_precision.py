@@ -41,3 +41,23 @@ def test_float32_models_and_native_cpus_are_left_alone(no_native_products, monke
     monkeypatch.setattr(precision, "_cpu_flags", lambda: frozenset({"avx512_bf16"}))
     with precision.float32_products(torch.bfloat16, torch.device("cpu")) as on:
         assert not on
+
+
+def test_tf32_products_change_nothing_off_cuda_and_put_the_setting_back():
+    """TF32 is a CUDA tensor-core mode: on the CPU the block runs as it would without it; the CUDA flag is only
+    set inside a CUDA block and restored after it (the GPU suite checks a CUDA block's products)."""
+    from quantkit.runtime.precision import tf32_products
+
+    before = torch.backends.cuda.matmul.allow_tf32
+    a = torch.randn(64, 64, generator=torch.Generator().manual_seed(0))
+    with tf32_products("cpu"):
+        assert torch.backends.cuda.matmul.allow_tf32 == before
+        product = a @ a
+    torch.testing.assert_close(product, a @ a, rtol=0, atol=0)
+    try:
+        with tf32_products(torch.device("cuda")):  # sets the flag without touching a GPU
+            assert torch.backends.cuda.matmul.allow_tf32 is True
+            raise RuntimeError("a failure inside the block")
+    except RuntimeError:
+        pass
+    assert torch.backends.cuda.matmul.allow_tf32 == before
