@@ -73,7 +73,7 @@ def factor_(work: torch.Tensor, sharing: Sharing = ALONE) -> bool:
         return False
     _invert_upper_(work, sharing)
     work.triu_()
-    _reverse_(work)
+    reverse_(work)
     _transpose_(work)
     return True
 
@@ -179,13 +179,13 @@ def row_share(rows: int, world_size: int, rank: int) -> slice:
 _REVERSE_CHUNK = 1 << 18
 
 
-def _reverse_(matrix: torch.Tensor) -> None:
+def reverse_(matrix: torch.Tensor, chunk: int = _REVERSE_CHUNK) -> None:
     """`matrix.flip(0, 1)`, in place: for a contiguous matrix that is the reversal of its flat memory, done by
-    swapping mirrored chunks."""
+    swapping mirrored chunks of `chunk` elements."""
     flat = matrix.view(-1)
     n = flat.numel()
-    for start in range(0, n // 2, _REVERSE_CHUNK):
-        stop = min(start + _REVERSE_CHUNK, n // 2)
+    for start in range(0, n // 2, chunk):
+        stop = min(start + chunk, n // 2)
         head = flat[start:stop].clone()
         flat[start:stop] = flat[n - stop : n - start].flip(0)
         flat[n - stop : n - start] = head.flip(0)

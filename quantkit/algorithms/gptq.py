@@ -35,7 +35,7 @@ import torch
 
 from quantkit.algorithms import Algorithm, register
 from quantkit.algorithms.arguments import GPTQArgs
-from quantkit.algorithms.factor import ALONE, Sharing, factor_
+from quantkit.algorithms.factor import ALONE, Sharing, factor_, reverse_
 from quantkit.errors import QuantkitError
 from quantkit.quant import float_grids
 from quantkit.quant.qparams import QuantizedWeight, choose_qparams, is_float_grid, weight_global_scale
@@ -80,23 +80,30 @@ def gptq_quantize(
 
 
 def inverse_hessian(hessian: torch.Tensor, args: GPTQArgs = GPTQArgs(), damping_retries: int = 3,
-                    sharing: Sharing = ALONE) -> InverseHessian:
+                    sharing: Sharing = ALONE, *, reuse: bool = False) -> InverseHessian:
     """Dead inputs get H_ii = 1, actorder's permutation, then the damped inverse's upper Cholesky factor
     (`algorithms.factor`: with a `sharing` of several ranks, each computes its blocks and they are exchanged;
-    the same values as one process's, bit for bit)."""
+    the same values as one process's, bit for bit).
+
+    `reuse`: the caller gives `hessian` up (pass it as a temporary, `inverse_hessian(observer.pop_hessian(), ...,
+    reuse=True)`, holding no other reference to it). On a CUDA device the factor is then computed in its memory
+    rather than in a copy: two [in, in] float32 matrices at the solve's peak, not three (784 MiB less for an 8B
+    model's down projection, 3 GiB for a 70B's), the same values bit for bit. Elsewhere it changes nothing."""
     if not all(torch.isfinite(rows).all() for rows in hessian.split(_CHECK_ROWS)):
         raise ValueError("the Hessian has NaN or inf entries; check the calibration activations")
-    h = hessian.to(torch.float32)  # the caller's, unless it needs a change: read only
+    reuse = reuse and hessian.is_cuda
+    h = hessian.to(torch.float32)  # the caller's, unless it needs a change (or is given up): read only
+    del hessian  # given up: freed once `h` is a copy of it (permuted)
     dead = h.diagonal() == 0
     if dead.any():
-        h = h.clone()
+        h = h if reuse else h.clone()
         h[dead, dead] = 1.0
     perm = torch.argsort(h.diagonal(), descending=True, stable=True) if args.actorder else None
     importance = h.diagonal().clone()  # before the permutation: each input's mean squared activation (an imatrix)
     if perm is not None:
         h = h[perm[:, None], perm]
-    return InverseHessian(_inverse_hessian_cholesky(h, args.dampening_frac, damping_retries, sharing), perm, dead,
-                          importance)
+    return InverseHessian(_inverse_hessian_cholesky(h, args.dampening_frac, damping_retries, sharing, reuse), perm,
+                          dead, importance)
 
 
 @torch.no_grad()
@@ -156,27 +163,44 @@ def _aligned_block_size(block_size: int, spec: WeightSpec) -> int:
 
 
 def _inverse_hessian_cholesky(hessian: torch.Tensor, dampening_frac: float, retries: int,
-                              sharing: Sharing = ALONE) -> torch.Tensor:
+                              sharing: Sharing = ALONE, in_place: bool = False) -> torch.Tensor:
     """Upper Cholesky factor of (H + damp * I)^-1, damp = frac * mean(diag H), frac x10 on each failed try.
 
     With J the reversal permutation and J H J = R^T R (upper Cholesky factor R), H^-1 = U^T U for the upper
     triangular U = J R^-T J: one Cholesky and one triangular inverse, instead of a Cholesky, an inverse from it
     and a second Cholesky. Everything after the one copy of H happens in that copy's memory
-    (`algorithms.factor.factor_`; for the 5632-column down_proj of a 1B model, 127 MB at the peak)."""
+    (`algorithms.factor.factor_`; for the 5632-column down_proj of a 1B model, 127 MB at the peak).
+
+    `in_place` (a CUDA H the caller gave up): J H J is made in H's own memory instead of a copy. The device's
+    factor leaves its input as it was when the Cholesky fails, so a retry only rewrites the damped diagonal; a
+    factor that overflows after a Cholesky that did not fail leaves nothing to retry from, and is refused."""
     mean_diag = hessian.diagonal().mean()
     frac = dampening_frac
+    if in_place:
+        reverse_(hessian, REVERSE_CHUNK_ON_DEVICE)  # J H J, in place
+        undamped = hessian.diagonal().clone()
     for _ in range(retries + 1):
-        work = hessian.flip(0, 1)  # J H J, a copy: H stays as it is for a retry, and for the caller
-        work.diagonal().add_(frac * mean_diag)
+        if in_place:
+            work = hessian
+            work.diagonal().copy_(undamped + frac * mean_diag)  # the values a fresh copy's add_ gives
+        else:
+            work = hessian.flip(0, 1)  # J H J, a copy: H stays as it is for a retry, and for the caller
+            work.diagonal().add_(frac * mean_diag)
         if factor_(work, sharing):
             if all(torch.isfinite(rows).all() for rows in work.split(_CHECK_ROWS)):  # no [in, in] mask
                 return work
+            if in_place:
+                raise GPTQDampingError(f"GPTQ's inverse Hessian factor overflowed with dampening_frac {frac:g}; "
+                                       "raise dampening_frac")
         del work
         frac *= 10
     raise GPTQDampingError(
         f"GPTQ damping failed: the Hessian is not positive definite even with dampening_frac up to {frac / 10:g} "
         f"({retries + 1} tries from {dampening_frac:g}); calibrate with more tokens or raise dampening_frac"
     )
+
+
+REVERSE_CHUNK_ON_DEVICE = 1 << 24  # elements swapped at once reversing a GPU's H in place: 64 MiB, a few kernels
 
 
 _CHECK_ROWS = 256

@@ -229,6 +229,32 @@ def test_the_inverse_hessian_factor_on_cuda_is_the_cpus():
 
 
 @pytest.mark.parametrize("actorder", [False, True], ids=["left-to-right", "actorder"])
+def test_a_hessian_given_up_on_cuda_is_factored_in_its_own_memory(actorder):
+    """`inverse_hessian(h, reuse=True)` on a GPU: the same factor, bit for bit, as from a copy of h, with one
+    [in, in] float32 matrix less at the peak (h and the Cholesky factor, without a copy of h beside them)."""
+    from quantkit.algorithms.arguments import GPTQArgs
+    from quantkit.algorithms.gptq import inverse_hessian
+
+    n = 4096
+    x = torch.randn(2 * n, n, generator=torch.Generator().manual_seed(0))
+    hessian = (x.T @ x / (2 * n)).cuda()
+    args = GPTQArgs(actorder=actorder)
+    peaks = {}
+    for reuse in (False, True):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
+        factor = inverse_hessian(hessian.clone(), args, reuse=reuse)  # a temporary: given up with reuse
+        peaks[reuse] = (torch.cuda.max_memory_allocated() - start) / (4 * n * n)
+        if not reuse:
+            from_copy = factor.upper.clone()
+        else:
+            assert torch.equal(factor.upper, from_copy)
+        del factor
+    assert peaks[True] <= peaks[False] - 0.9, peaks  # in [in, in] float32 matrices
+
+
+@pytest.mark.parametrize("actorder", [False, True], ids=["left-to-right", "actorder"])
 def test_gptqs_cuda_graphs_replay_the_eager_loop_in_either_column_order(actorder):
     """`gptq_graphs` on CUDA: the captured sub-blocks give the eager column loop's integers and errors bit for bit,
     left to right and in actorder's order (each column's group qparams copied in beside it), and stay on (a

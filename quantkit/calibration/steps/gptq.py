@@ -117,13 +117,17 @@ def _solve(layer: Layer, names: list[str], observer: HessianObserver, args: GPTQ
     row-wise (rows are independent given the factor, so this equals one run per module, for a third of the
     per-column work on q/k/v; one run per module when their grids differ), each rank solving its share of the
     rows. Every rank records the same qweights and relative errors."""
-    hessian = observer.pop_hessian()  # popped here, so that this frame holds its only reference
-    return_freed_memory()  # the solve's copies are the layer's largest allocations: not on top of freed heap memory
+    device = layer.linears[names[0]].weight.device
     try:
-        factor = inverse_hessian(hessian.to(layer.linears[names[0]].weight.device), args, sharing=_sharing(layer))
+        if device.type == "cuda":  # given up as a temporary: the factor is made in the Hessian's own memory
+            factor = inverse_hessian(observer.pop_hessian().to(device), args, sharing=_sharing(layer), reuse=True)
+        else:
+            hessian = observer.pop_hessian()  # popped here, so that this frame holds its only reference
+            return_freed_memory()  # the solve's copies are the layer's largest allocations: not on top of freed heap
+            factor = inverse_hessian(hessian.to(device), args, sharing=_sharing(layer))
+            del hessian  # the factor stands for it from here on (the errors too): not held beside the solve's copies
     except ValueError as exc:
         raise UsageError(f"GPTQ failed on {', '.join(names)}: {exc}") from exc
-    del hessian  # the factor stands for it from here on (the errors too): not held beside the solve's copies
     global_scales = layer.global_scales()
     for same_grid in _by_grid(layer, names, global_scales):
         weights = [layer.linears[n].weight.data for n in same_grid]

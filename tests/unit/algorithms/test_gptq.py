@@ -411,6 +411,28 @@ def test_the_gpus_dense_factor_is_the_blocked_factor(size):
     assert not _factor_dense_(not_positive)
 
 
+@pytest.mark.parametrize("first_frac, tries", [(0.01, 1), (1e-4, 3)])  # 1e-4: two Cholesky fail, the third succeeds
+def test_the_factor_made_in_the_hessians_own_memory_is_the_copys(monkeypatch, first_frac, tries):
+    """A CUDA Hessian the caller gives up (`inverse_hessian(..., reuse=True)`) is reversed in place and factored in
+    its own memory (`factor._factor_dense_`, run here on the CPU): the same factor, bit for bit, as from a copy,
+    through a failed Cholesky and its retry too (the device's Cholesky leaves its input as it was: only the damped
+    diagonal is written again)."""
+    from quantkit.algorithms import gptq
+    from quantkit.algorithms.factor import _factor_dense_
+
+    calls = []
+    monkeypatch.setattr(gptq, "factor_", lambda work, sharing: calls.append(1) or _factor_dense_(work))
+    hessian = _hessian(_inputs(tokens=48, inp=96))  # fewer tokens than inputs: singular
+    hessian.diagonal().sub_(hessian.diagonal().mean() * 2e-3)  # indefinite until damped by more than 2e-3
+    from_copy = gptq._inverse_hessian_cholesky(hessian, first_frac, 3)
+    assert len(calls) == tries
+    given_up = hessian.clone()
+    in_place = gptq._inverse_hessian_cholesky(given_up, first_frac, 3, in_place=True)
+    assert len(calls) == 2 * tries
+    assert in_place.data_ptr() == given_up.data_ptr()  # no second [in, in] matrix
+    assert torch.equal(in_place, from_copy)
+
+
 K_SPECS = {  # llama.cpp's K grids (schemes.K_QUANT_TYPES)
     "Q2_K": (QDtype.INT2, 16, False), "Q3_K": (QDtype.INT3, 16, True), "Q4_K": (QDtype.INT4, 32, False),
     "Q5_K": (QDtype.INT5, 32, False), "Q6_K": (QDtype.INT6, 16, True),
