@@ -19,8 +19,8 @@ from quantkit.errors import FormatError, HardwareError, UsageError
 from quantkit.export import atomic, check_destination_name, check_supported, exporter, for_format, metadata, single_file
 from quantkit.models import loading as models
 from quantkit.models import moe, sources
-from quantkit.quant.plan import ModulePlan, coverage, plan_model
 from quantkit.quant import registry
+from quantkit.quant.plan import ModulePlan, coverage, plan_model
 from quantkit.quant.registry import Format, Recipe
 from quantkit.runtime import hardware
 
@@ -174,7 +174,13 @@ def quantized_scheme(scheme: dict, recipe: Recipe, fmt: Format) -> dict:
     recorded its recipe before or after that step."""
     from dataclasses import replace
 
-    return for_format(replace(recipe, scheme=registry.scheme_from_dict(scheme)), fmt).to_dict()["scheme"]
+    from quantkit.quant.schemes import SchemeError
+
+    try:
+        parsed = registry.scheme_from_dict(scheme)
+    except SchemeError:  # recorded by a quantkit that spelt schemes otherwise: compared as it is
+        return scheme
+    return for_format(replace(recipe, scheme=parsed), fmt).to_dict()["scheme"]
 
 
 def convert_recipe(recipe: Recipe, trained: dict | None) -> Recipe:

@@ -70,6 +70,20 @@ def test_a_model_qat_trained_for_another_recipe_needs_force_recipe(tiny_model_di
     prepare(src, registry.resolve("int8-weight-only"), force_recipe=True)
 
 
+def test_a_model_qat_trained_for_a_gguf_recipe_with_model_dtype_scales_is_finalized_under_it(tiny_model_dir, tmp_path):
+    """A user's GGUF recipe leaves its scales in the model's dtype; both training and finalize quantize on fp16 ones
+    (GGUF's). The record holds the recipe as written, and finalize compares it as the format quantizes it."""
+    from quantkit.export import for_format
+
+    path = tmp_path / "my-q4.yaml"
+    path.write_text("scheme: {weights: {dtype: int4, granularity: group, group_size: 32}}\nformat: gguf\n")
+    recipe = registry.resolve(str(path))
+    src = _qat_trained(tiny_model_dir, tmp_path, recipe)  # scale_dtype "model" in the record
+    prepare(src, for_format(recipe, recipe.format))  # as finalize passes it
+    with pytest.raises(UsageError, match="trained with --qat-recipe my-q4"):
+        prepare(src, registry.resolve("int4-weight-only"))
+
+
 @pytest.mark.parametrize("name, exact", [("nvfp4-a16", False), ("int4-weight-only", True)])
 def test_qat_nvfp4_in_torchao_format_is_refused_for_its_other_grid(tiny_model_dir, tmp_path, name, exact):
     """QAT trains on the scheme's grid (NVFP4's global scale shared by q/k/v); torchao's NVFP4 has one per Linear,
