@@ -334,7 +334,9 @@ def compare(
 def _prepare_previews(models: list[str], recipe_names: Sequence[str], trust_remote_code: bool,
                       calibration=None) -> dict[str, list]:
     """Each full-precision model's recipes checked as `finalize` checks them (`checks.prepare`: the model, the
-    calibration data), before any model loads: (recipe, Prepared) pairs by model label."""
+    calibration data), before any model loads: (recipe, Prepared) pairs by model label. A QAT-trained model is
+    measured under each recipe asked for: its own runs as its convert step, another as `finalize --force-recipe`
+    would quantize it (a measurement writes nothing, so nothing needs refusing)."""
     if not recipe_names:
         return {}
     from quantkit.export import for_format
@@ -346,8 +348,8 @@ def _prepare_previews(models: list[str], recipe_names: Sequence[str], trust_remo
     for label in (m for m in models if not gguf.is_gguf(m)):
         path = resolve_source(label)
         if quantization_method(path) is None:  # recipes preview full-precision models only
-            found = [prepare(path, recipe, trust_remote_code=trust_remote_code, calibration=calibration or CalibrationOptions())
-                     for recipe in recipes]
+            found = [prepare(path, recipe, trust_remote_code=trust_remote_code, force_recipe=True,
+                             calibration=calibration or CalibrationOptions()) for recipe in recipes]
             previews[label] = [(prepared.recipe, prepared) for prepared in found]  # a QAT model's convert step
     return previews
 

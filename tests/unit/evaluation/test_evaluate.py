@@ -234,6 +234,23 @@ def test_compare_models_and_a_preview_recipe(eval_model_dir, tmp_path, keep_thre
     assert artifact.recipe == "int8-weight-only" and 0 < artifact.size_bytes < base.size_bytes
 
 
+def test_a_qat_model_is_measured_under_its_recipe_and_under_another(eval_model_dir, tmp_path, keep_threads):
+    """`eval QAT_MODEL -q OTHER`: a measurement, not an artifact, so another recipe than the one QAT trained for is
+    measured (as `finalize --force-recipe` would quantize), and its own recipe is its convert step."""
+    import shutil
+
+    from quantkit.quant.registry import resolve
+
+    src = tmp_path / "qat"
+    shutil.copytree(eval_model_dir, src)
+    (src / "quantkit.json").write_text(json.dumps({"qat": {"recipe": resolve("int4-weight-only").to_dict()}}))
+    data = tmp_path / "eval.txt"
+    data.write_text(_text(400, seed=3))
+    reports = compare([str(src)], str(data), recipes=["int4-weight-only", "int8-weight-only"], seq_len=64, threads=1)
+    assert [r.recipe for r in reports] == [None, "int4-weight-only", "int8-weight-only"]
+    assert len({r.perplexity.perplexity for r in reports}) == 3
+
+
 def test_compare_measures_each_model_on_the_same_tokens(eval_model_dir, tmp_path, keep_threads):
     data = tmp_path / "eval.jsonl"
     data.write_text("\n".join(json.dumps({"text": _text(100, seed=s)}) for s in range(4)))
