@@ -345,7 +345,7 @@ def print_summary(result) -> None:
     if result.recipe.online_rotations:
         from quantkit.quant.rotations import ONLINE_RUNTIMES
         table.add_row("online rotation", ONLINE_RUNTIMES)
-    table.add_row("time", f"{result.seconds:.1f} s on {result.threads} threads")
+    table.add_row("time", f"{result.seconds:.1f} s on {result.threads} thread{'' if result.threads == 1 else 's'}")
     if result.loading:
         table.add_row("model held", result.loading)
     if result.peak_ram_bytes and result.preflight:
