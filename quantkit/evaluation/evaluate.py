@@ -344,13 +344,19 @@ def _prepare_previews(models: list[str], recipe_names: Sequence[str], trust_remo
     from quantkit.quant.registry import resolve
 
     recipes = [for_format(recipe, recipe.format) for recipe in map(resolve, recipe_names)]  # as finalize quantizes
-    previews = {}
-    for label in (m for m in models if not gguf.is_gguf(m)):
-        path = resolve_source(label)
-        if quantization_method(path) is None:  # recipes preview full-precision models only
-            found = [prepare(path, recipe, trust_remote_code=trust_remote_code, force_recipe=True,
-                             calibration=calibration or CalibrationOptions()) for recipe in recipes]
-            previews[label] = [(prepared.recipe, prepared) for prepared in found]  # a QAT model's convert step
+    previews, quantized = {}, []
+    for label in models:
+        path = None if gguf.is_gguf(label) else resolve_source(label)
+        method = "a GGUF file" if path is None else quantization_method(path)
+        if method is not None:  # recipes preview full-precision models only
+            quantized.append(f"{label} ({method})")
+            continue
+        found = [prepare(path, recipe, trust_remote_code=trust_remote_code, force_recipe=True,
+                         calibration=calibration or CalibrationOptions()) for recipe in recipes]
+        previews[label] = [(prepared.recipe, prepared) for prepared in found]  # a QAT model's convert step
+    if not previews:
+        raise UsageError(f"--quantize quantizes full-precision models, and every model here is quantized already: "
+                         f"{', '.join(quantized)}; evaluate them without -q, or pass the model they were made from")
     return previews
 
 

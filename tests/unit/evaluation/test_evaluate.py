@@ -251,6 +251,21 @@ def test_a_qat_model_is_measured_under_its_recipe_and_under_another(eval_model_d
     assert len({r.perplexity.perplexity for r in reports}) == 3
 
 
+def test_quantize_with_only_quantized_models_is_refused_naming_them(eval_model_dir, tmp_path, keep_threads):
+    """-q previews full-precision models; when every model is quantized already, nothing would take it: one line,
+    before any model loads (with a full-precision model beside them, the quantized ones are measured as they are)."""
+    from quantkit.finalization.finalize import finalize
+    from quantkit.quant.registry import resolve
+
+    data = tmp_path / "eval.txt"
+    data.write_text(_text(400, seed=3))
+    written = finalize(eval_model_dir, tmp_path / "int8", resolve("int8-weight-only")).dst
+    with pytest.raises(UsageError, match=r"every model here is quantized already: .*int8 \(compressed-tensors\); evaluate"):
+        compare([str(written)], str(data), recipes=["int4-weight-only"], seq_len=64, threads=1)
+    reports = compare([str(eval_model_dir), str(written)], str(data), recipes=["int4-weight-only"], seq_len=64, threads=1)
+    assert [r.recipe for r in reports] == [None, "int4-weight-only", "int8-weight-only"]
+
+
 def test_compare_measures_each_model_on_the_same_tokens(eval_model_dir, tmp_path, keep_threads):
     data = tmp_path / "eval.jsonl"
     data.write_text("\n".join(json.dumps({"text": _text(100, seed=s)}) for s in range(4)))
