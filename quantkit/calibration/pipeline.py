@@ -202,9 +202,8 @@ def calibrate_layer(layer: Layer, steps: list[Step]) -> list[torch.Tensor]:
         for step in steps:
             outputs = step(layer)
         if outputs is None:
-            started = time.perf_counter()
-            outputs = run_layer_last(layer)
-            layer.result.seconds["propagate"] += time.perf_counter() - started
+            with _timed(layer.result, "propagate"):
+                outputs = run_layer_last(layer)
     check_layer(layer, outputs)
     return outputs
 

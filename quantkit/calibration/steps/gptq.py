@@ -118,14 +118,8 @@ def _solve(layer: Layer, names: list[str], observer: HessianObserver, args: GPTQ
     per-column work on q/k/v; one run per module when their grids differ), each rank solving its share of the
     rows. Every rank records the same qweights and relative errors."""
     device = layer.linears[names[0]].weight.device
-    try:
-        if device.type == "cuda":  # given up as a temporary: the factor is made in the Hessian's own memory
-            factor = inverse_hessian(observer.pop_hessian().to(device), args, sharing=_sharing(layer), reuse=True)
-        else:
-            hessian = observer.pop_hessian()  # popped here, so that this frame holds its only reference
-            return_freed_memory()  # the solve's copies are the layer's largest allocations: not on top of freed heap
-            factor = inverse_hessian(hessian.to(device), args, sharing=_sharing(layer))
-            del hessian  # the factor stands for it from here on (the errors too): not held beside the solve's copies
+    try:  # the Hessian given up as a temporary: on a GPU the factor is made in its own memory (`reuse`)
+        factor = inverse_hessian(_popped(observer, device), args, sharing=_sharing(layer), reuse=True)
     except ValueError as exc:
         raise UsageError(f"GPTQ failed on {', '.join(names)}: {exc}") from exc
     global_scales = layer.global_scales()
@@ -143,6 +137,15 @@ def _solve(layer: Layer, names: list[str], observer: HessianObserver, args: GPTQ
         for name, weight, qweight, errors in zip(same_grid, weights, split_rows(whole, sizes), row_errors.split(sizes)):
             layer.record(name, qweight, relative_error_of_solve(weight, errors, factor))
         del stacked
+
+
+def _popped(observer: HessianObserver, device: torch.device) -> torch.Tensor:
+    """The observer's Hessian on `device`, its float64 sums freed and their heap memory returned first (the solve's
+    copies are the layer's largest allocations: not on top of freed heap memory). No frame keeps a reference to it
+    once returned: the factor stands for it from there on (the errors too)."""
+    hessian = observer.pop_hessian().to(device)
+    return_freed_memory()
+    return hessian
 
 
 def _sharing(layer: Layer) -> Sharing:
