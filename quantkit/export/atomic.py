@@ -101,6 +101,24 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def umask() -> int:
+    """This process's umask (the permissions a new file or directory leaves out)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _with_umask_modes(root: Path) -> None:
+    """The modes a plain mkdir and open() give under this umask, for `root` and everything in it: mkdtemp makes the
+    directory owner-only, and transformers' save_pretrained writes its weights so (0600), where the artifact is
+    read by servers running as other users too."""
+    mask = umask()
+    root.chmod(0o777 & ~mask)
+    for path in root.rglob("*"):
+        if not path.is_symlink():
+            path.chmod((0o777 if path.is_dir() else 0o666) & ~mask)
+
+
 @contextlib.contextmanager
 def atomic_directory(dst: str | Path, overwrite: bool = False, single_file: str | None = None) -> Iterator[Path]:
     """Yield a temporary directory; on success it replaces `dst`. On any failure or Ctrl-C nothing is left.
@@ -113,6 +131,7 @@ def atomic_directory(dst: str | Path, overwrite: bool = False, single_file: str 
     tmp = Path(tempfile.mkdtemp(prefix=f"{_tmp_prefix(dst)}{socket.gethostname()}-{os.getpid()}-", dir=dst.parent))
     try:
         yield tmp
+        _with_umask_modes(tmp)
         if single_file is not None:
             (tmp / single_file).replace(dst)
             shutil.rmtree(tmp, ignore_errors=True)

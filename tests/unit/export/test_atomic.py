@@ -75,3 +75,25 @@ def test_an_abandoned_temporary_output_is_removed_by_the_next_write(tmp_path):
     with atomic_directory(tmp_path / "out") as tmp:
         (tmp / "a.txt").write_text("x")
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["out", alive.name, other_host.name])
+
+
+@pytest.mark.parametrize("mask, directory, file", [(0o022, 0o755, 0o644), (0o077, 0o700, 0o600)])
+def test_the_artifact_has_the_umasks_modes(tmp_path, mask, directory, file):
+    """mkdtemp's directory is owner-only and transformers writes its weights 0600: the artifact ends with what a
+    plain mkdir and open() give under the umask, so a server running as another user can read it."""
+    import os
+
+    old = os.umask(mask)
+    try:
+        with atomic_directory(tmp_path / "out") as tmp:
+            (tmp / "sub").mkdir(mode=0o700)
+            (tmp / "sub" / "weights.bin").write_bytes(b"\0")
+            os.chmod(tmp / "sub" / "weights.bin", 0o600)
+        with atomic_directory(tmp_path / "one.gguf", single_file="one.gguf") as tmp:
+            (tmp / "one.gguf").write_bytes(b"\0")
+            os.chmod(tmp / "one.gguf", 0o600)
+    finally:
+        os.umask(old)
+    modes = {p.relative_to(tmp_path).as_posix(): p.stat().st_mode & 0o777 for p in [tmp_path / "out", *(tmp_path / "out").rglob("*")]}
+    assert modes == {"out": directory, "out/sub": directory, "out/sub/weights.bin": file}
+    assert (tmp_path / "one.gguf").stat().st_mode & 0o777 == file
