@@ -88,9 +88,10 @@ def load_model(path: Path, dtype: str = "auto", trust_remote_code: bool = False,
         raise SourceModelError(f"unknown dtype '{dtype}'; use one of {', '.join(DTYPES)}")
     compute_as_newer_releases()  # compressed-tensors 0.17: FP8 blocks as written
     with packed_zero_points_on_load():
-        model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code, **kwargs
+        model, info = AutoModelForCausalLM.from_pretrained(
+            path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code, output_loading_info=True, **kwargs
         )
+    check_loaded(path, info)
     if hasattr(model, "ct_decompress_hook"):
         _match_dequantized_dtype(model)
     config = read_config_json(path)
@@ -101,6 +102,30 @@ def load_model(path: Path, dtype: str = "auto", trust_remote_code: bool = False,
 
     apply_online_transforms(model, Path(path), config)  # R4 and the like: transformers ignores transform_config
     return model.eval()
+
+
+def check_loaded(path: str | Path, info) -> None:
+    """Refuse a checkpoint that lacks tensors the model needs: transformers loads it anyway, with those tensors
+    left as random initial values (a checkpoint saved under other names, e.g. torch.compile's `_orig_mod.`)."""
+    info = info if isinstance(info, dict) else vars(info)
+    missing, unexpected = sorted(info.get("missing_keys") or ()), sorted(info.get("unexpected_keys") or ())
+    if not missing:
+        return
+    hint = f"; it holds {unexpected[0]} and {len(unexpected) - 1} more not in the model" if unexpected else ""
+    prefix = _extra_prefix(missing, unexpected)
+    fix = (f"save the weights without the prefix '{prefix}' in their names" if prefix
+           else "pass the model directory its config belongs to, with all its weights")
+    raise SourceModelError(f"{path} lacks {len(missing)} of the model's tensors ({missing[0]}{hint}): they would be "
+                           f"random; {fix}")
+
+
+def _extra_prefix(missing: list[str], unexpected: list[str]) -> str | None:
+    """The prefix that every unexpected name has over a missing one (`_orig_mod.model.x` for `model.x`), or None."""
+    if not unexpected or not unexpected[0].endswith(missing[0]) or unexpected[0] == missing[0]:
+        return None
+    prefix = unexpected[0][: -len(missing[0])]
+    names = set(missing)
+    return prefix if all(n.startswith(prefix) and n[len(prefix):] in names for n in unexpected) else None
 
 
 def _match_dequantized_dtype(model: nn.Module) -> None:

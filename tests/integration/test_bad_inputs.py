@@ -54,6 +54,10 @@ def sources(tiny_model_dir, tmp_path_factory) -> dict[str, Path]:
     tensors["model.layers.0.mlp.up_proj.weight"][0, 0] = float("nan")
     save_file(tensors, nan / "model.safetensors", metadata={"format": "pt"})
     found["nan"] = nan
+    compiled = variant("compiled")  # saved from a torch.compile'd model: every name under `_orig_mod.`
+    tensors = load_file(compiled / "model.safetensors")
+    save_file({f"_orig_mod.{k}": v for k, v in tensors.items()}, compiled / "model.safetensors", metadata={"format": "pt"})
+    found["compiled"] = compiled
     found["short"] = root / "short.txt"
     found["short"].write_text("a few words only\n")
     found["binary"] = root / "binary.txt"
@@ -107,6 +111,9 @@ CASES = {
     "--num-samples -1": (["finalize", "{model}", "{dst}", "-q", "gptq-w4a16", "--num-samples", "-1"], 2, "--num-samples"),
     "--seq-len 0": (["finalize", "{model}", "{dst}", "-q", "gptq-w4a16", "--seq-len", "0"], 2, "--seq-len"),
     "--nproc-per-node 0": (["finalize", "{model}", "{dst}", "-q", "gptq-w4a16", "--nproc-per-node", "0"], 2, "--nproc-per-node"),
+    "weights under other names": (["finalize", "{compiled}", "{dst}", "-q", "int4-weight-only"], 2,
+                                  "without the prefix '_orig_mod.'"),
+    "weights under other names, eval": (["eval", "{compiled}", "--data", "{short}"], 2, "lacks"),
     "NaN weights": (["finalize", "{nan}", "{dst}", "-q", "int4-weight-only"], 2, "non-finite values"),
     "bad shard size": (["finalize", "{model}", "{dst}", "-q", "int4-weight-only", "--max-shard-size", "huge"], 2, "5GB"),
     "--resume without an interrupted run": (["finalize", "{model}", "{dst}", "-q", "gptq-w4a16", "--calib-data", "{short}",

@@ -1,5 +1,7 @@
 """Model directories: checks, the tokenizer, decoder layers, fingerprints."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -74,3 +76,18 @@ def test_check_finite_names_every_kind_of_non_finite_value(bad, dtype):
 
 def test_the_background_fingerprint_is_the_fingerprint(tiny_model_dir):
     assert models.fingerprint_in_background(tiny_model_dir).result(timeout=60) == models.fingerprint(tiny_model_dir)
+
+
+def test_a_checkpoint_lacking_a_tensor_is_refused_not_loaded_random(tiny_model_dir, tmp_path):
+    """transformers loads a checkpoint without some of the model's tensors, those left random: refused, naming one."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    copy = Path(shutil.copytree(tiny_model_dir, tmp_path / "copy"))
+    tensors = load_file(copy / "model.safetensors")
+    del tensors["model.norm.weight"]
+    save_file(tensors, copy / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(SourceModelError, match=r"lacks 1 of the model's tensors \(model.norm.weight\): they would be "
+                                               "random; pass the model directory its config belongs to"):
+        models.load_model(copy)
