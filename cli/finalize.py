@@ -113,6 +113,7 @@ def finalize(
     if not dry_run:
         check_destination_name(dst, fmt or recipe.format)
         atomic.check_destination(dst, overwrite, single_file(fmt or recipe.format) is not None)
+        atomic.check_not_source(dst, src)
         atomic.check_work_dir(dst, resume, None if runtime.under_torchrun() else launch.world_size)
         if not runtime.under_torchrun():
             hardware.check_ranks(device, launch.nproc_per_node)  # CUDA: one GPU per rank, refused before launching

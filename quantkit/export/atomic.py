@@ -34,6 +34,15 @@ def check_destination(dst: Path, overwrite: bool, single_file: bool = False) -> 
         raise DestinationExistsError(f"{dst} cannot be created: {parent} is not writable; choose another path")
 
 
+def check_not_source(dst: str | Path, src: str | Path) -> None:
+    """Refuse a DST that is the source model's directory or holds it: writing it (with --overwrite) would delete
+    the model being read."""
+    dst, src = Path(dst).resolve(), Path(src).resolve()
+    if dst == src or dst in src.parents:
+        raise DestinationExistsError(f"{dst} {'is' if dst == src else 'holds'} the source model {src}, which writing "
+                                     "it would delete; choose another path")
+
+
 def work_dir(dst: str | Path) -> Path:
     """Where a calibrated finalize of DST keeps its per-layer state: beside DST."""
     dst = Path(dst)

@@ -88,6 +88,8 @@ def prepare(
     check_supported(recipe, fmt)
     check_hardware(recipe, fmt)
     src = sources.resolve_source(src, revision)
+    if dst is not None:
+        atomic.check_not_source(dst, src)
     models.check_full_precision(src)
     trained = check_qat_recipe(src, recipe, fmt, force_recipe)
     recipe = convert_recipe(recipe, trained)

@@ -176,3 +176,18 @@ def test_sigkill_of_one_rank_stops_every_rank_and_leaves_no_dst_or_process(sourc
     assert not (tmp_path / "out").exists()
     left = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True)
     assert left.stdout.strip() == "", f"orphan ranks: {left.stdout}"
+
+
+@pytest.mark.parametrize("dst", [".", ".."])
+def test_overwrite_never_deletes_the_source_model(sources, tmp_path, dst):
+    """DST that is SRC, or holds it, with --overwrite: refused in one line, the source model untouched."""
+    src = Path(shutil.copytree(sources["model"], tmp_path / "models" / "src"))
+    before = sorted(p.name for p in src.iterdir())
+    done = subprocess.run([*QUANTKIT, "finalize", str(src), str(src / dst), "-q", "int4-weight-only", "--overwrite"],
+                          capture_output=True, text=True, timeout=300,
+                          env={k: v for k, v in os.environ.items() if k != "QUANTKIT_DEBUG"})
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == 2 and len(lines) == 1, done.stderr
+    assert "the source model" in lines[0] and "choose another path" in lines[0]
+    assert sorted(p.name for p in src.iterdir()) == before
+    assert sorted(p.name for p in src.parent.iterdir()) == ["src"]
