@@ -69,9 +69,27 @@ CalibDataOpt = Annotated[
     Optional[str],
     typer.Option("--calib-data", help="Calibration text for calibrated recipes (gptq, smoothquant, static scales): a file or a datasets spec."),
 ]
+def _writable_json(target: Optional[Path]) -> Optional[Path]:
+    """--json FILE checked when the command line is read: a file that cannot be written is refused before the work
+    whose result it would hold (not after it, with the work's output written and the result lost)."""
+    if target is None or str(target) == "-":
+        return target
+    import os
+
+    if target.is_dir():
+        raise typer.BadParameter(f"{target} is a directory; give a file path")
+    parent = target.absolute().parent
+    if not parent.is_dir():
+        raise typer.BadParameter(f"{parent} does not exist; create it or give another path")
+    if not os.access(target if target.exists() else parent, os.W_OK):
+        raise typer.BadParameter(f"{target} is not writable; give another path")
+    return target
+
+
 JsonOpt = Annotated[
     Optional[Path],
-    typer.Option("--json", help="Also write the result as JSON to this file; `-` prints only the JSON to stdout.", show_default=False),
+    typer.Option("--json", help="Also write the result as JSON to this file; `-` prints only the JSON to stdout.", show_default=False,
+                 callback=_writable_json),
 ]
 NumSamplesOpt = Annotated[Optional[int], typer.Option("--num-samples", min=1, help="Calibration samples; default: the recipe's.")]
 SeqLenOpt = Annotated[Optional[int], typer.Option("--seq-len", min=2, help="Tokens per calibration sample; default: the recipe's.")]

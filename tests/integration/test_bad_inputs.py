@@ -114,6 +114,8 @@ CASES = {
     "weights under other names": (["finalize", "{compiled}", "{dst}", "-q", "int4-weight-only"], 2,
                                   "without the prefix '_orig_mod.'"),
     "weights under other names, eval": (["eval", "{compiled}", "--data", "{short}"], 2, "lacks"),
+    "--json into a missing directory": (["finalize", "{model}", "{dst}", "-q", "int4-weight-only", "--json",
+                                         "{dst}-missing/r.json"], 2, "does not exist; create it or give another path"),
     "NaN weights": (["finalize", "{nan}", "{dst}", "-q", "int4-weight-only"], 2, "non-finite values"),
     "bad shard size": (["finalize", "{model}", "{dst}", "-q", "int4-weight-only", "--max-shard-size", "huge"], 2, "5GB"),
     "--resume without an interrupted run": (["finalize", "{model}", "{dst}", "-q", "gptq-w4a16", "--calib-data", "{short}",
