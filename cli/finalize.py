@@ -129,9 +129,10 @@ def finalize(
     if max_gpu_memory is not None:
         every["max_device_bytes"] = gpu_budget(max_gpu_memory, device)
     options = CalibrationOptions(data=calib_data, num_samples=num_samples, seq_len=seq_len, device=device, **every)
-    if dry_run:
-        plan = library.dry_run(src, recipe, fmt, options, launch.world_size, trust_remote_code, revision, dst, dtype.value,
-                               in_memory)
+    if dry_run:  # minutes on a CPU at 8B, where the recipe calibrates: a terminal shows it working
+        with Progress(not quiet and not json_to_stdout(json_path)).task("Planning: one decoder layer of this shape timed here"):
+            plan = library.dry_run(src, recipe, fmt, options, launch.world_size, trust_remote_code, revision, dst,
+                                   dtype.value, in_memory)
         if json_path:
             write_json(json_path, "finalize --dry-run", plan)
         else:
