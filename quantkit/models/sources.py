@@ -21,6 +21,9 @@ def check_model_dir(path: str | Path) -> Path:
         raise SourceModelError(f"{path} does not exist; pass a Hugging Face model directory")
     if not path.is_dir():
         raise SourceModelError(f"{path} is a file; pass a Hugging Face model directory (config.json + *.safetensors)")
+    if not list(path.glob("*.safetensors")) and ((path / "final").is_dir() or (path / "checkpoints").is_dir()):
+        raise SourceModelError(f"{path} is a training run's output directory; pass its model, {path / 'final'} "
+                               f"(or a checkpoint under {path / 'checkpoints'})")
     if not (path / "config.json").is_file():
         raise SourceModelError(f"{path} has no config.json; it is not a Hugging Face model directory")
     if not list(path.glob("*.safetensors")):

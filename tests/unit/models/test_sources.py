@@ -17,6 +17,9 @@ def test_check_model_dir_says_what_is_missing(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(SourceModelError, match="no \\*.safetensors"):
         sources.check_model_dir(tmp_path)
+    (tmp_path / "checkpoints").mkdir()  # a training run's output directory (train writes its config.json there)
+    with pytest.raises(SourceModelError, match=f"training run's output directory; pass its model, {tmp_path / 'final'}"):
+        sources.check_model_dir(tmp_path)
 
 
 @pytest.mark.parametrize("text, size", [("5GB", 5 * 10**9), ("500MB", 500 * 10**6), ("2GiB", 2 * 2**30), ("1.5gb", 1_500_000_000),
