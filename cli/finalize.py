@@ -110,10 +110,10 @@ def finalize(
     recipe = registry.with_kv_cache(registry.resolve(quantize), kv_cache)
     fmt = format
     src = sources.resolve_source(src, revision)  # before torch loads: a wrong SRC or DST is reported at once
+    check_destination_name(dst, fmt or recipe.format)  # --dry-run too: it says what the run would refuse
+    atomic.check_destination(dst, overwrite, single_file(fmt or recipe.format) is not None)
+    atomic.check_not_source(dst, src)
     if not dry_run:
-        check_destination_name(dst, fmt or recipe.format)
-        atomic.check_destination(dst, overwrite, single_file(fmt or recipe.format) is not None)
-        atomic.check_not_source(dst, src)
         atomic.check_work_dir(dst, resume, None if runtime.under_torchrun() else launch.world_size)
         if not runtime.under_torchrun():
             hardware.check_ranks(device, launch.nproc_per_node)  # CUDA: one GPU per rank, refused before launching

@@ -116,6 +116,8 @@ CASES = {
     "weights under other names, eval": (["eval", "{compiled}", "--data", "{short}"], 2, "lacks"),
     "--json into a missing directory": (["finalize", "{model}", "{dst}", "-q", "int4-weight-only", "--json",
                                          "{dst}-missing/r.json"], 2, "does not exist; create it or give another path"),
+    "existing DST, dry run": (["finalize", "{model}", "{afile}", "-q", "int4-weight-only", "--dry-run"], 2,
+                              "already exists; pass --overwrite"),
     "NaN weights": (["finalize", "{nan}", "{dst}", "-q", "int4-weight-only"], 2, "non-finite values"),
     "bad shard size": (["finalize", "{model}", "{dst}", "-q", "int4-weight-only", "--max-shard-size", "huge"], 2, "5GB"),
     "--resume without an interrupted run": (["finalize", "{model}", "{dst}", "-q", "gptq-w4a16", "--calib-data", "{short}",
