@@ -9,7 +9,7 @@ import typer
 
 from quantkit.cli.console import human_bytes, json_to_stdout, out, quiet_libraries, write_json
 from quantkit.cli.launch import Launch, relaunch
-from quantkit.cli.options import CalibDataOpt, EvalDeviceOpt, JsonOpt, QuietOpt, ThreadsOpt, TrustRemoteCodeOpt
+from quantkit.cli.options import CalibDataOpt, EvalDeviceOpt, JsonOpt, QuietOpt, TextFieldOpt, ThreadsOpt, TrustRemoteCodeOpt
 from quantkit.errors import GateFailedError, UsageError
 from quantkit.evaluation import gguf
 from quantkit.models import sources
@@ -36,16 +36,22 @@ def evaluate(
     models: Annotated[list[str], typer.Argument(help="Model directories: plain or quantized (detected from config.json / quantkit.json); "
                                                      ".gguf files run in llama.cpp (needs `pip install 'quantkit-llm\\[gguf]'`).")],
     data: Annotated[str, typer.Option("--data", help="A .txt/.jsonl/.parquet file or a datasets spec like wikitext:wikitext-2-raw-v1:test.")],
+    text_field: TextFieldOpt = "text",
     quantize: Annotated[
         Optional[list[str]], typer.Option("--quantize", "-q", help="Also evaluate each model under this recipe, in memory (repeatable).")
     ] = None,
-    seq_len: Annotated[int, typer.Option("--seq-len", min=2, help="Tokens per window.")] = 512,
+    seq_len: Annotated[
+        Optional[int], typer.Option("--seq-len", min=2, help="Tokens per window, at most each model's positions (max_position_embeddings); "
+                                                             "default: 512, or a model's positions where fewer.", show_default=False)
+    ] = None,
     stride: Annotated[Optional[int], typer.Option("--stride", min=1, help="Window stride; default: --seq-len (no overlap).")] = None,
     max_samples: Annotated[Optional[int], typer.Option("--max-samples", min=1, help="Evaluate at most this many windows.")] = None,
     batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Windows per forward pass.")] = 1,
     tokenizer: Annotated[Optional[Path], typer.Option("--tokenizer", help="Tokenizer directory, for models saved without one.")] = None,
     json_path: JsonOpt = None,
-    baseline: Annotated[Optional[str], typer.Option("--baseline", help="The model the gate compares against (one of MODEL).")] = None,
+    baseline: Annotated[
+        Optional[str], typer.Option("--baseline", help="The model the gate compares against: one of MODEL (the same directory or file, however its path is written).")
+    ] = None,
     max_ppl_increase: Annotated[
         Optional[float], typer.Option("--max-ppl-increase", min=0, help="Gate: exit 3 if any model's perplexity exceeds the baseline's by more than this percent.")
     ] = None,
@@ -76,15 +82,16 @@ def evaluate(
     for model in models:  # before torch loads: a wrong MODEL is reported at once
         if not gguf.is_gguf(model):
             sources.resolve_source(model)
-    gguf.check_options(models + ([baseline] if baseline else []), tp, max_acc_drop, device)
+    check_gate_options(baseline, max_ppl_increase, max_acc_drop, tasks)
+    baseline = baseline_model(models, baseline) if baseline else None
+    gguf.check_options(models, tp, max_acc_drop, device)
     main = runtime.is_main_process()
     quiet = quiet or not main or json_to_stdout(json_path)  # stdout holds the JSON alone; the table would follow it
     quiet_libraries()
-    check_gate_options(baseline, max_ppl_increase, max_acc_drop, tasks)
     if tasks is None and (tasks_dir or limit is not None):
         raise UsageError("--tasks-dir and --limit apply to --tasks; pass --tasks NAMES too")
     if tp > 1:
-        check_tensor_parallel(models + ([baseline] if baseline else []), tp, quantize, tasks, trust_remote_code)
+        check_tensor_parallel(models, tp, quantize, tasks, trust_remote_code, seq_len)
         if not runtime.under_torchrun():
             device = tensor_parallel_device(device, tp)
         code = relaunch(Launch(nproc_per_node=tp), threads, explained=(GateFailedError.exit_code,))
@@ -100,13 +107,12 @@ def evaluate(
     task_options = None
     if tasks is not None:
         task_options = TaskOptions(parse_names(tasks), tuple(tasks_dir or ()), limit, trust_remote_code=trust_remote_code)
-    models = list(models) + ([baseline] if baseline and baseline not in models else [])
     device = hardware.eval_device(device) if tp == 1 else device
     reports = library.compare(
         models, data, recipes=quantize or [], seq_len=seq_len, stride=stride, max_samples=max_samples,
-        batch_size=batch_size, tokenizer=tokenizer, threads=threads, trust_remote_code=trust_remote_code,
+        batch_size=batch_size, tokenizer=tokenizer, threads=threads, trust_remote_code=trust_remote_code, text_field=text_field,
         progress=Progress(enabled=not quiet),
-        calibration=CalibrationOptions(data=calib_data, device=device) if calib_data else None, tasks=task_options,
+        calibration=CalibrationOptions(data=calib_data, device=device, text_field=text_field) if calib_data else None, tasks=task_options,
         tensor_parallel=tp, device=device,
     )
     if not main:  # every rank measured the same numbers; rank 0 reports them
@@ -122,13 +128,16 @@ def evaluate(
 
 
 def check_tensor_parallel(models: list[str], tp: int, quantize: list[str] | None, tasks: str | None,
-                          trust_remote_code: bool) -> None:
-    """What `--tp` cannot combine with, and models transformers cannot shard over `tp` ranks: refused before
-    anything is launched."""
+                          trust_remote_code: bool, seq_len: int | None = None) -> None:
+    """What `--tp` cannot combine with, models transformers cannot shard over `tp` ranks, and a --seq-len beyond a
+    model's positions: refused before anything is launched (not once by every rank)."""
     from quantkit.evaluation import tensor_parallel
     tensor_parallel.check_options(quantize, tasks)
     for model in models:
         tensor_parallel.check(sources.resolve_source(model), tp, trust_remote_code)
+    if seq_len is not None:
+        from quantkit.evaluation.evaluate import check_seq_len
+        check_seq_len(models, seq_len, trust_remote_code)
 
 
 def tensor_parallel_device(device: str, tp: int) -> str:
@@ -150,6 +159,19 @@ def check_gate_options(baseline: str | None, max_ppl_increase: float | None, max
         raise UsageError("--baseline needs a limit to gate on: --max-ppl-increase PCT and/or --max-acc-drop POINTS")
     if max_acc_drop is not None and tasks is None:
         raise UsageError("--max-acc-drop gates the scores of --tasks; pass --tasks NAMES too")
+
+
+def baseline_model(models: list[str], baseline: str) -> str:
+    """The MODEL that --baseline names: the same path however spelled (./run/final/ is run/final), else the same
+    hub id (or text)."""
+    for model in models:
+        if model == baseline or same_path(model, baseline):
+            return model
+    raise UsageError(f"--baseline {baseline} is not one of the models; pass it as a MODEL too")
+
+
+def same_path(a: str, b: str) -> bool:
+    return Path(a).exists() and Path(b).exists() and Path(a).resolve() == Path(b).resolve()
 
 
 def gate_dict(baseline: str | None, max_increase: float | None, max_drop: float | None, failures: list[str]) -> dict | None:
@@ -216,15 +238,26 @@ def results_table(reports, base, names: list[str]):
 
 
 def window_note(report, base) -> str | None:
-    """What the table says under it about the tokens a model was scored on: a .gguf's tokenization where it is not
-    simply the Hugging Face rows', and any model scored on other windows than the baseline (its change is n/a)."""
+    """What the table says under it about the tokens a model was scored on: how few, where the data is shorter than
+    one window; a .gguf's tokenization where it is not simply the Hugging Face rows'; and any model scored on other
+    windows than the baseline (its change is n/a)."""
     from quantkit.evaluation.evaluate import other_windows
 
     notes = [report.tokens_note] if report.tokens_note else []
     if other_windows(report, base):
         notes.append(f"its perplexity does not compare with {base.label}'s" if notes else
                      f"scored on other tokens than {base.label} (another tokenizer, or a shorter context): its perplexity does not compare")
-    return "; ".join(notes) or None
+    few = few_tokens_note(report.perplexity)
+    return "; ".join(([few] if few else []) + notes) or None
+
+
+def few_tokens_note(result) -> str | None:
+    """Where the data is shorter than one window (`result.seq_len`): how many tokens the perplexity is of."""
+    if result.tokens >= result.seq_len - 1:
+        return None
+    tokens = "1 token" if result.tokens == 1 else f"{result.tokens} tokens"
+    return (f"scored on {tokens} only, as the data is shorter than one {result.seq_len}-token window: "
+            "a perplexity of so few tokens says little; pass more text")
 
 
 def origin(report) -> str:

@@ -27,6 +27,7 @@ from quantkit.cli.options import (
     NodeRankOpt,
     NumSamplesOpt,
     QuantizeOpt,
+    TextFieldOpt,
     QuietOpt,
     RdzvBackend,
     RdzvBackendOpt,
@@ -57,6 +58,7 @@ def finalize(
     quantize: QuantizeOpt,
     format: FormatOpt = None,
     calib_data: CalibDataOpt = None,
+    text_field: TextFieldOpt = "text",
     kv_cache: Annotated[
         Optional[str], typer.Option("--kv-cache", metavar="fp8|fp8-head|none", show_default=False,
                                     help="Quantize the KV cache too (vLLM's FP8 cache): key and value scales measured on --calib-data, "
@@ -128,7 +130,8 @@ def finalize(
     every = {} if checkpoint_every is None else {"checkpoint_every": checkpoint_every}
     if max_gpu_memory is not None:
         every["max_device_bytes"] = gpu_budget(max_gpu_memory, device)
-    options = CalibrationOptions(data=calib_data, num_samples=num_samples, seq_len=seq_len, device=device, **every)
+    options = CalibrationOptions(data=calib_data, num_samples=num_samples, seq_len=seq_len, device=device, text_field=text_field,
+                                 **every)
     if dry_run:  # minutes on a CPU at 8B, where the recipe calibrates: a terminal shows it working
         with Progress(not quiet and not json_to_stdout(json_path)).task("Planning: one decoder layer of this shape timed here"):
             plan = library.dry_run(src, recipe, fmt, options, launch.world_size, trust_remote_code, revision, dst,

@@ -86,6 +86,9 @@ def _writable_json(target: Optional[Path]) -> Optional[Path]:
     return target
 
 
+TextFieldOpt = Annotated[
+    str, typer.Option("--text-field", metavar="NAME", help="The field of the data (a .jsonl key, a .parquet or datasets column) that holds the text.")
+]
 JsonOpt = Annotated[
     Optional[Path],
     typer.Option("--json", help="Also write the result as JSON to this file; `-` prints only the JSON to stdout.", show_default=False,

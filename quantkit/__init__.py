@@ -35,6 +35,7 @@ def finalize(
     *,
     format: str | None = None,
     calib_data: str | None = None,
+    text_field: str = "text",
     num_samples: int | None = None,
     seq_len: int | None = None,
     device: str = "cpu",
@@ -59,7 +60,8 @@ def finalize(
     if format is not None and format not in {f.value for f in Format}:
         raise FormatError(f"format '{format}' is not one quantkit writes; use {' or '.join(f.value for f in Format)}")
     chosen = with_kv_cache(recipe if not isinstance(recipe, (str, Path)) else resolve(str(recipe)), kv_cache)
-    calibration = CalibrationOptions(data=calib_data, num_samples=num_samples, seq_len=seq_len, device=device)
+    calibration = CalibrationOptions(data=calib_data, num_samples=num_samples, seq_len=seq_len, device=device,
+                                     text_field=text_field)
     return run(src, dst, chosen, Format(format) if format else None, overwrite=overwrite, dtype=dtype, threads=threads,
                trust_remote_code=trust_remote_code, calibration=calibration, progress=Progress() if progress else QUIET)
 
@@ -69,7 +71,7 @@ def evaluate(
     data: str,
     *,
     quantize: Sequence[str] = (),
-    seq_len: int = 512,
+    seq_len: int | None = None,
     stride: int | None = None,
     max_samples: int | None = None,
     batch_size: int = 1,
@@ -77,6 +79,7 @@ def evaluate(
     calib_data: str | None = None,
     threads: int | None = None,
     trust_remote_code: bool = False,
+    text_field: str = "text",
 ) -> list[ModelReport]:
     """`quantkit eval MODEL ... --data DATA`: each model's perplexity on `data` (a local file or a `datasets`
     spec), and for each recipe in `quantize`, each full-precision model quantized in memory as `finalize`
@@ -84,10 +87,10 @@ def evaluate(
     from quantkit.evaluation.evaluate import compare
     from quantkit.finalization.checks import CalibrationOptions
 
-    calibration = CalibrationOptions(data=calib_data, device=device) if calib_data else None
+    calibration = CalibrationOptions(data=calib_data, device=device, text_field=text_field) if calib_data else None
     return compare([str(m) for m in models], data, quantize, seq_len=seq_len, stride=stride, max_samples=max_samples,
                    batch_size=batch_size, threads=threads, trust_remote_code=trust_remote_code, calibration=calibration,
-                   device=device)
+                   device=device, text_field=text_field)
 
 
 def __getattr__(name: str):

@@ -23,20 +23,34 @@ NOT_TEXT_SHARE = 0.1  # more characters than this that are not printable text: t
 _NOT_PRINTABLE = re.compile(r"[\x00-\x08\x0e-\x1f\x7f-\x9f\ufffd]")
 
 
-def load_texts(spec: str, text_field: str = "text", default_split: str = DEFAULT_SPLIT) -> list[str]:
+class NoTextFieldError(DataError):
+    """The data has no field (or column) of the name asked for; `load_texts` ends the message with the caller's
+    advice on naming another."""
+
+
+def load_texts(spec: str, text_field: str = "text", default_split: str = DEFAULT_SPLIT,
+               field_advice: str | None = None) -> list[str]:
     """The documents named by `spec`: a local file if it exists or has a data suffix, else a `datasets` spec
     `name[:config][:split]` (split defaults to `default_split`: "test", or "train" for training data); `name` may
-    be a hub name or a local dataset directory."""
-    if Path(spec.split(":", 1)[0]).is_dir():  # a local dataset directory, loaded by `datasets` like a hub name
-        texts = _load_datasets(spec, text_field, default_split)
-    elif Path(spec).exists() or Path(spec).suffix.lower() in LOCAL_SUFFIXES:
-        texts = _load_local(Path(spec), text_field)
-    else:
-        texts = _load_datasets(spec, text_field, default_split)
+    be a hub name or a local dataset directory. Data without `text_field` is refused naming the fields it has, then
+    `field_advice`: how the caller's user names another field (e.g. "pass --text-field NAME"); without it, to put
+    the text under `text_field`."""
+    try:
+        texts = _read_texts(spec, text_field, default_split)
+    except NoTextFieldError as exc:
+        raise NoTextFieldError(f"{exc}; {field_advice or f'put the text under {text_field!r}'}") from None
     if not any(texts):
         raise DataError(f"{spec} has no text (every '{text_field}' value is empty)")
     check_text(texts, spec)
     return texts
+
+
+def _read_texts(spec: str, text_field: str, default_split: str) -> list[str]:
+    if Path(spec.split(":", 1)[0]).is_dir():  # a local dataset directory, loaded by `datasets` like a hub name
+        return _load_datasets(spec, text_field, default_split)
+    if Path(spec).exists() or Path(spec).suffix.lower() in LOCAL_SUFFIXES:
+        return _load_local(Path(spec), text_field)
+    return _load_datasets(spec, text_field, default_split)
 
 
 def check_text(texts: list[str], where: str) -> None:
@@ -96,7 +110,7 @@ def _parse_json_line(line: str, path: Path, number: int) -> dict:
 def _field_of(record: dict, text_field: str, where: str) -> str:
     if text_field not in record:
         keys = ", ".join(sorted(map(str, record))) or "none"
-        raise DataError(f"{where} has no field '{text_field}' (fields: {keys}); pass --text-field NAME")
+        raise NoTextFieldError(f"{where} has no field '{text_field}' (fields: {keys})")
     value = record[text_field]
     if not isinstance(value, str):
         raise DataError(f"{where}: field '{text_field}' is a {type(value).__name__}, not a string")
@@ -116,7 +130,7 @@ def _read_parquet(path: Path, text_field: str) -> list[str]:
 def _column_of(table, text_field: str, where: str) -> list[str]:
     if text_field not in table.column_names:
         columns = ", ".join(table.column_names) or "none"
-        raise DataError(f"{where} has no column '{text_field}' (columns: {columns}); pass --text-field NAME")
+        raise NoTextFieldError(f"{where} has no column '{text_field}' (columns: {columns})")
     return [value or "" for value in table[text_field]]
 
 
@@ -157,7 +171,7 @@ def tokenize(tokenizer, texts: list[str]) -> torch.Tensor:
     """The texts joined with blank lines (`joined_text`), encoded without special tokens: a 1-D LongTensor."""
     ids = tokenizer(joined_text(texts), add_special_tokens=False)["input_ids"]
     if not ids:
-        raise DataError("the dataset gives no tokens; check the file or --text-field")
+        raise DataError("the dataset gives no tokens; pass data with text in it")
     return torch.tensor(ids, dtype=torch.long)
 
 

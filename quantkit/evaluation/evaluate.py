@@ -23,12 +23,15 @@ from quantkit.evaluation.tensor_parallel import gather_ints
 from quantkit.evaluation.tensor_parallel import load as tensor_parallel_load
 from quantkit.export import metadata
 from quantkit.finalization.preflight import peak_resident_bytes, reset_peak_resident
-from quantkit.models.loading import load_model, load_tokenizer, quantization_method, read_config_json, weights_size
+from quantkit.models.loading import (load_config, load_model, load_tokenizer, max_positions, quantization_method,
+                                     read_config_json, weights_size)
 from quantkit.models.sources import resolve_source
 from quantkit.runtime.precision import float32_products, model_dtype
 from quantkit.runtime.progress import QUIET, Progress
 
 Window = tuple[int, int, int]
+DEFAULT_SEQ_LEN = 512  # compare's window when none is asked for, clipped to each model's positions
+TEXT_FIELD_ADVICE = "pass --text-field NAME"  # how an eval user names the field of --data that holds the text
 
 
 @dataclass
@@ -65,6 +68,24 @@ def effective_seq_len(model, seq_len: int) -> int:
     """`seq_len`, clipped to the model's max_position_embeddings when it has a smaller one."""
     limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     return min(seq_len, limit) if limit else seq_len
+
+
+def check_seq_len(models: Sequence[str], seq_len: int, trust_remote_code: bool = False) -> None:
+    """A window length asked for, no longer than any model's positions, checked before any weights load: a longer
+    one would be clipped, and the model scored on other windows than asked for."""
+    for label in models:
+        limit, recorded = model_positions(label, trust_remote_code)
+        if limit is not None and seq_len > limit:
+            raise UsageError(f"--seq-len {seq_len} is beyond {label}'s {limit} positions ({recorded}); use at most {limit}")
+
+
+def model_positions(label: str, trust_remote_code: bool = False) -> tuple[int | None, str]:
+    """(the longest window the model takes, where that is recorded), from its config or the GGUF's metadata, without
+    its weights; None where nothing records a limit."""
+    if gguf.is_gguf(label):
+        info = gguf.read_info(gguf.open_vocab(gguf.check_gguf_file(label)))
+        return info.context_length, "context_length in the GGUF"
+    return max_positions(load_config(resolve_source(label), trust_remote_code)), "max_position_embeddings"
 
 
 def plan_windows(num_tokens: int, seq_len: int, stride: int | None = None, max_samples: int | None = None,
@@ -284,7 +305,7 @@ def compare(
     models: list[str],
     data: str,
     recipes: Sequence[str] = (),
-    seq_len: int = 512,
+    seq_len: int | None = None,
     stride: int | None = None,
     max_samples: int | None = None,
     batch_size: int = 1,
@@ -302,15 +323,20 @@ def compare(
     model quantized under it in memory (labelled "PATH+RECIPE"), as `finalize` would quantize it. With
     `tensor_parallel` > 1 (under torchrun, one process per rank) each model is sharded over the ranks; every
     rank returns the same reports. Otherwise the models run on `device` (cpu, cuda, cuda:N). A MODEL ending in .gguf
-    runs in llama.cpp on the Hugging Face rows' token ids (`measure_gguf`)."""
+    runs in llama.cpp on the Hugging Face rows' token ids (`measure_gguf`). A `seq_len` beyond a model's positions is
+    refused (`check_seq_len`); without one, each model's windows are DEFAULT_SEQ_LEN tokens, or its positions where
+    fewer."""
     from quantkit.runtime import environment as runtime
     if tensor_parallel > 1:
         check_tensor_parallel_options(recipes, tasks)
+    if seq_len is not None:
+        check_seq_len(models, seq_len, trust_remote_code)
     threads = runtime.set_threads(threads)
     suite = load_tasks(tasks) if tasks else None  # a wrong task name or missing task data: before any model loads
-    texts = load_texts(data, text_field)
+    texts = load_texts(data, text_field, field_advice=TEXT_FIELD_ADVICE)
     previews = _prepare_previews(models, recipes, trust_remote_code, calibration)  # every check before any model loads
-    settings = dict(seq_len=seq_len, stride=stride, max_samples=max_samples, batch_size=batch_size, progress=progress)
+    settings = dict(seq_len=seq_len or DEFAULT_SEQ_LEN, stride=stride, max_samples=max_samples, batch_size=batch_size,
+                    progress=progress)
     reference = _reference_ids(models, tokenizer, texts, trust_remote_code) if any(map(gguf.is_gguf, models)) else None
     reports = []
     for label in models:

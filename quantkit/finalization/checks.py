@@ -39,6 +39,7 @@ class CalibrationOptions:
     device: str = "cpu"
     checkpoint_every: float = CHECKPOINT_EVERY  # seconds between the resume state's checkpoints (0: every layer)
     max_device_bytes: int | None = None  # --max-gpu-memory: the GPU memory calibration keeps within (None: what is free)
+    text_field: str = "text"  # --text-field: the field (a .jsonl key, a parquet or datasets column) holding the text
 
 
 @dataclass
@@ -235,7 +236,7 @@ def calibration_samples(src: Path, recipe: Recipe, options: CalibrationOptions, 
     spec = options.data or recipe.calibration.dataset
     tokenizer = models.load_tokenizer(src, trust_remote_code, fix="calibration tokenizes its data with the model's "
                                       "own tokenizer: copy its tokenizer files (tokenizer.json, tokenizer_config.json) into SRC")
-    ids = data.tokenize(tokenizer, data.load_texts(spec))
+    ids = data.tokenize(tokenizer, data.load_texts(spec, options.text_field, field_advice="pass --text-field NAME"))
     num_samples = options.num_samples or recipe.calibration.num_samples
     return data.sample_blocks(ids, num_samples, seq_len, seed=options.seed, source=f"the calibration data {spec}")
 

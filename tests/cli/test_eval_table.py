@@ -72,3 +72,21 @@ def test_a_preview_keeps_its_recipe_in_its_name():
     preview = report("runs/base+int4-weight-only", "int4-weight-only", "compressed-tensors", size=None)
     assert eval_cmd.short_name(preview) == "base+int4-weight-only"
     assert eval_cmd.short_name(report("./base/")) == "base" and eval_cmd.short_name(report(".")) == "."
+
+
+def test_data_shorter_than_one_window_says_how_many_tokens_were_scored(monkeypatch):
+    tiny = report("tiny")
+    tiny.perplexity = PerplexityResult(1078.2, 6.98, 1, 0.01, 200.0, 64)  # 2 tokens of data: 1 scored
+    lines = render(monkeypatch, [tiny])
+    assert [row.split("│")[3].strip() for row in rows(lines)] == ["1078.200*"]
+    note = " ".join(" ".join(line.split()) for line in lines if not line.startswith(("│", "┏", "┃", "┡", "└")))
+    assert ("* tiny: scored on 1 token only, as the data is shorter than one 64-token window: a perplexity of so few "
+            "tokens says little; pass more text") in note
+
+
+def test_a_full_window_needs_no_note(monkeypatch):
+    full = report("full")
+    full.perplexity = PerplexityResult(30.0, 3.4, 63, 0.01, 200.0, 64)  # --max-samples 1: one full window
+    lines = render(monkeypatch, [full])
+    assert [row.split("│")[3].strip() for row in rows(lines)] == ["30.000"]
+    assert not [line for line in lines if line.startswith("*")]

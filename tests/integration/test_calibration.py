@@ -6,6 +6,7 @@ to the in-memory model, and keeps about one layer on the compute device."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -396,3 +397,17 @@ def test_kv_cache_scales_are_written_per_head_for_every_attention(artifacts, tin
                    for t in scales.values()), arch
         scheme = json.loads((root / f"{arch}-{name}" / "config.json").read_text())["quantization_config"]["kv_cache_scheme"]
         assert scheme["strategy"] == "attn_head" and scheme["type"] == "float" and scheme["num_bits"] == 8
+
+
+def test_calibration_reads_the_text_field_asked_for(tiny_model_dir, tmp_path):
+    """`finalize --text-field NAME`: the .jsonl field that holds the text; without it, the error says so."""
+    from quantkit.errors import DataError
+
+    calib = tmp_path / "calib.jsonl"
+    calib.write_text("".join(json.dumps({"content": make_text(300, seed=i)}) + "\n" for i in range(4)))
+    recipe = registry.resolve("gptq-w4a16")
+    options = CalibrationOptions(data=str(calib), num_samples=4, seq_len=32)
+    with pytest.raises(DataError, match=r"has no field 'text' \(fields: content\); pass --text-field NAME"):
+        calibration_samples(tiny_model_dir, recipe, options)
+    samples = calibration_samples(tiny_model_dir, recipe, dataclasses.replace(options, text_field="content"))
+    assert samples.shape == (4, 32)

@@ -43,8 +43,19 @@ def test_jsonl_line_that_is_not_an_object(tmp_path):
 def test_jsonl_missing_field_names_field_line_and_fields(tmp_path):
     path = tmp_path / "corpus.jsonl"
     path.write_text('{"text": "ok"}\n{"content": "no text here"}\n')
-    with pytest.raises(DataError, match=r":2 has no field 'text' \(fields: content\); pass --text-field"):
+    with pytest.raises(DataError, match=r":2 has no field 'text' \(fields: content\); put the text under 'text'$"):
         load_texts(str(path))
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
+def test_a_missing_field_ends_with_the_callers_advice_not_a_flag_it_cannot_know(tmp_path, suffix):
+    """eval and finalize name their --text-field, train its config's data.text_field: data.py names neither itself."""
+    table, path = datasets.Dataset.from_dict({"content": ["alpha"]}), tmp_path / f"corpus{suffix}"
+    (table.to_json if suffix == ".jsonl" else table.to_parquet)(str(path))
+    with pytest.raises(DataError) as info:
+        load_texts(str(path), field_advice="set data.text_field in the config")
+    assert str(info.value).endswith(": content); set data.text_field in the config"), str(info.value)
+    assert "--text-field" not in str(info.value)
 
 
 def test_jsonl_non_string_field(tmp_path):

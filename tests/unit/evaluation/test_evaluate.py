@@ -290,3 +290,45 @@ def test_a_torchao_artifact_whose_kernels_need_a_gpu_is_refused_on_the_cpu_in_on
     made["format"] = "compressed-tensors"  # vLLM's format: dequantized on the CPU by plain transformers
     (tmp_path / "quantkit.json").write_text(json.dumps(made))
     _check_kernels_run_on(tmp_path, "cpu")
+
+
+def test_compare_reads_the_text_field_asked_for_and_names_the_option_when_it_is_missing(eval_model_dir, tmp_path, keep_threads):
+    data = tmp_path / "eval.jsonl"
+    data.write_text("\n".join(json.dumps({"content": _text(100, seed=s)}) for s in range(4)))
+    with pytest.raises(UsageError, match=r"eval\.jsonl:1 has no field 'text' \(fields: content\); pass --text-field NAME$"):
+        compare([str(eval_model_dir)], str(data), seq_len=64, threads=1)
+    (report,) = compare([str(eval_model_dir)], str(data), seq_len=64, threads=1, text_field="content")
+    assert report.perplexity.tokens > 64
+
+
+@pytest.fixture
+def short_model_dir(eval_model_dir, tmp_path) -> Path:
+    """The tiny Llama with 128 positions (max_position_embeddings) instead of 512: the same weights (RoPE has no
+    position table)."""
+    short = tmp_path / "short"
+    shutil.copytree(eval_model_dir, short)
+    config = json.loads((short / "config.json").read_text())
+    (short / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 128}))
+    return short
+
+
+def test_a_seq_len_beyond_a_models_positions_is_refused_before_any_weights_load(eval_model_dir, short_model_dir, tmp_path,
+                                                                                 keep_threads, monkeypatch):
+    import quantkit.evaluation.evaluate as evaluate
+
+    data = tmp_path / "eval.txt"
+    data.write_text(_text(400, seed=3))
+    monkeypatch.setattr(evaluate, "load_model", lambda *a, **k: pytest.fail("weights loaded"))
+    with pytest.raises(UsageError) as info:
+        compare([str(eval_model_dir), str(short_model_dir)], str(data), seq_len=200, threads=1)
+    assert str(info.value) == (f"--seq-len 200 is beyond {short_model_dir}'s 128 positions (max_position_embeddings); "
+                               "use at most 128")
+
+
+def test_without_a_seq_len_each_model_takes_512_tokens_or_its_positions(eval_model_dir, short_model_dir, tmp_path, keep_threads):
+    data = tmp_path / "eval.txt"
+    data.write_text(_text(400, seed=3))
+    full, short = compare([str(eval_model_dir), str(short_model_dir)], str(data), threads=1, max_samples=1)
+    assert (full.perplexity.seq_len, short.perplexity.seq_len) == (512, 128)
+    (exact,) = compare([str(short_model_dir)], str(data), seq_len=128, threads=1, max_samples=1)
+    assert exact.perplexity.perplexity == short.perplexity.perplexity
