@@ -1,4 +1,5 @@
-"""`quantkit train CONFIG.yaml`."""
+"""`quantkit train CONFIG.yaml`: the config, its model.config and the QAT recipe are checked before any process
+is launched; the loop (`quantkit.training.loop.train`) runs in each rank."""
 
 from __future__ import annotations
 
@@ -73,6 +74,8 @@ def train(
     overrides += [f"train.max_steps={max_steps}"] if max_steps else []
     overrides += [f"qat_recipe={qat_recipe}"] if qat_recipe else []
     cfg = train_config.load(config, overrides)  # validated before launching any process
+    if cfg.model.config is not None:
+        train_config.model_config(cfg.model)  # an unknown key or model_type, before any rank builds it
     train_config.resolve_sources(cfg)  # a missing directory or hub id too, before torch loads
     if cfg.qat_recipe:
         from quantkit.training import qat
@@ -88,14 +91,32 @@ def train(
     main_rank = runtime.is_main_process()
     quiet = quiet or json_to_stdout(json_path)
     threads = threads or runtime.launched_threads()
-    result = run(cfg, resume=resume, overwrite=overwrite, threads=threads, progress=Progress(enabled=not quiet and main_rank))
+    speak = not quiet and main_rank
+    note = (lambda line: out.print(line, highlight=False, soft_wrap=True)) if speak else (lambda line: None)
+    result = run(cfg, resume=resume, overwrite=overwrite, threads=threads, progress=Progress(enabled=speak), note=note)
     if json_path and main_rank:
         write_json(json_path, "train", {
             "output_dir": str(result.output_dir), "final_dir": str(result.final_dir), "steps": result.steps,
-            "final_loss": result.final_loss, "eval_perplexity": result.eval_perplexity, "seconds": round(result.seconds, 3),
-            "tokens_per_second": result.tokens_per_second, "qat_recipe": cfg.qat_recipe,
+            "start_step": result.start_step, "final_loss": result.final_loss, "eval_perplexity": result.eval_perplexity,
+            "seconds": round(result.seconds, 3), "tokens_per_second": result.tokens_per_second,
+            "qat_recipe": result.qat_recipe,
         })
-    if not quiet and main_rank:
-        ppl = f", eval perplexity {result.eval_perplexity:.3f}" if result.eval_perplexity is not None else ""
-        out.print(f"trained {result.steps} steps in {result.seconds:.1f} s (final loss {result.final_loss:.4f}{ppl}); "
-                  f"model: {result.final_dir}; log: {result.output_dir / 'log.jsonl'}", highlight=False)
+    if speak:
+        out.print(summary(result), highlight=False)
+
+
+def summary(result) -> str:
+    """The closing line: what was trained (from where a resumed run began), the final loss and perplexity."""
+    ppl = f"eval perplexity {result.eval_perplexity:.3f}" if result.eval_perplexity is not None else ""
+    where = f"model: {result.final_dir}; log: {result.output_dir / 'log.jsonl'}"
+    if result.final_loss is None:  # resumed at max_steps
+        measured = f" ({ppl})" if ppl else ""
+        return (f"nothing to train: the checkpoint is at step {result.steps}, which is max_steps; its weights are the "
+                f"final model{measured}; {where}")
+    trained = result.steps - result.start_step
+    began = ""
+    if result.start_step:
+        began = f" (steps {result.start_step + 1}-{result.steps}, resumed at step {result.start_step})"
+    ppl = f", {ppl}" if ppl else ""
+    loss = f"final loss {result.final_loss:.4f}{ppl}"
+    return f"trained {trained} steps{began} in {result.seconds:.1f} s ({loss}); {where}"

@@ -58,6 +58,15 @@ def resolve_resume(root: Path, resume: str) -> Path:
     return path
 
 
+def step_of(path: Path) -> int:
+    """The step checkpoint `path` was written at, as its quantkit.json records it (the trainer state, which holds
+    the optimizer's moments too, is read only when the run starts)."""
+    step = (metadata.read(path) or {}).get("step")
+    if not isinstance(step, int):
+        raise UsageError(f"--resume {path}: its {metadata.FILENAME} records no step; not a quantkit checkpoint")
+    return step
+
+
 def load_state(path: Path) -> dict[str, Any]:
     return torch.load(path / STATE_FILE, weights_only=True)
 

@@ -2,11 +2,15 @@
 
 Every key is checked against the dataclass fields below; an error names the key and what is allowed.
 `--set section.key=value` overrides a key (the value is parsed as YAML: `--set train.lr=1e-4`).
+`model.config` (a model trained from scratch) is checked against its model type's config class by `model_config`,
+which imports transformers (the rest of this module needs neither it nor torch).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import inspect
 import types
 import typing
 from dataclasses import dataclass, field
@@ -83,14 +87,21 @@ class TrainConfig:
 _CHOICES = {"train.schedule": ("cosine", "constant"), "train.precision": ("auto", "bf16", "fp32")}
 
 
+_MINIMAL = "model: {path: DIR} (or model.config) and data: {train: FILE}"
+
+
 def load(path: str | Path, overrides: list[str] = ()) -> TrainConfig:
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"config file {path} is a directory; pass the training config, a YAML file")
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML ({exc.__class__.__name__})") from exc
+    if data is None:
+        raise ConfigError(f"{path} is empty; a training config needs at least {_MINIMAL}")
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the config is a mapping of sections: model, data, train, output_dir, qat_recipe")
     for item in overrides:
@@ -125,6 +136,7 @@ def _build(cls: type, data: Any, where: str) -> Any:
     unknown = sorted(set(data) - names)
     if unknown:
         raise ConfigError(f"unknown key '{where}{unknown[0]}'; allowed: {', '.join(sorted(names))}")
+    _check_required(cls, data, where)
     values = {}
     for name, value in data.items():
         hint = hints[name]
@@ -133,6 +145,15 @@ def _build(cls: type, data: Any, where: str) -> Any:
         else:
             values[name] = _check_type(value, hint, f"{where}{name}")
     return cls(**values)
+
+
+def _check_required(cls: type, data: dict, where: str) -> None:
+    """A field without a default (the `model` and `data` sections) must be there."""
+    for f in dataclasses.fields(cls):
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        if required and f.name not in data:
+            raise ConfigError(f"the config has no '{where}{f.name}' section; "
+                              f"a training config needs at least {_MINIMAL}")
 
 
 def _check_type(value: Any, hint: Any, key: str) -> Any:
@@ -179,13 +200,47 @@ def validate(config: TrainConfig) -> None:
         value = getattr(getattr(config, section), name)
         if value not in choices:
             raise ConfigError(f"{key}: '{value}' is not allowed; allowed: {', '.join(choices)}")
-    positive = {"data.seq_len": d.seq_len, "train.micro_batch_size": t.micro_batch_size,
-                "train.global_batch_size": t.global_batch_size, "train.max_steps": t.max_steps, "train.keep_last": t.keep_last}
-    for key, value in positive.items():
-        if value < 1:
-            raise ConfigError(f"{key}: must be >= 1 (got {value})")
+    # (value, least allowed): a block of one token predicts nothing; evaluation needs a sample
+    least = {"data.seq_len": (d.seq_len, 2), "train.micro_batch_size": (t.micro_batch_size, 1),
+             "train.global_batch_size": (t.global_batch_size, 1), "train.max_steps": (t.max_steps, 1),
+             "train.keep_last": (t.keep_last, 1), "train.eval_max_samples": (t.eval_max_samples, 1)}
+    for key, (value, minimum) in least.items():
+        if value < minimum:
+            raise ConfigError(f"{key}: must be >= {minimum} (got {value})")
     if t.lr <= 0 or not 0 <= t.min_lr_ratio <= 1 or t.warmup_steps < 0:
         raise ConfigError("train.lr must be > 0, train.min_lr_ratio in [0, 1], train.warmup_steps >= 0")
+
+
+def model_config(section: ModelSection):
+    """model.config as a transformers config, checked: a known model_type, keys its config class knows (a typo
+    would otherwise be dropped silently and the default size built), values its validators accept."""
+    from transformers import CONFIG_MAPPING
+
+    params = dict(section.config)
+    model_type = params.pop("model_type")
+    if model_type not in CONFIG_MAPPING:
+        close = difflib.get_close_matches(str(model_type), list(CONFIG_MAPPING), n=3, cutoff=0.6)
+        hint = f"did you mean {', '.join(close)}?" if close else "e.g. llama, qwen2, qwen3, mistral, gemma2, phi3"
+        raise ConfigError(f"model.config.model_type: unknown model_type {model_type}; {hint}")
+    config_class = CONFIG_MAPPING[model_type]
+    _check_model_keys(config_class, params)
+    try:
+        return config_class(**params)
+    except Exception as exc:  # ValueError, TypeError, huggingface_hub's StrictDataclassError: the last line says why
+        reason = str(exc).strip().splitlines()[-1].strip().removeprefix("ValueError: ").removeprefix("TypeError: ")
+        raise ConfigError(f"model.config: {reason}") from exc
+
+
+def _check_model_keys(config_class: type, params: dict) -> None:
+    known = set(config_class().to_dict()) | set(getattr(config_class, "attribute_map", {}))
+    for cls in config_class.__mro__:
+        if "__init__" in vars(cls):
+            known |= set(inspect.signature(cls.__init__).parameters) - {"self", "kwargs"}
+    for key in params:
+        if key not in known:
+            close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
+            hint = f"did you mean '{close[0]}'?" if close else f"see {config_class.__name__} for the keys it takes"
+            raise ConfigError(f"unknown key 'model.config.{key}' for model_type {config_class.model_type}; {hint}")
 
 
 def resolve_sources(config: TrainConfig) -> Sources:

@@ -3,6 +3,9 @@
 One full model per rank (DDP); the global batch is `train.global_batch_size` sequences whatever the number of
 ranks (gradient accumulation adjusts); rank 0 alone logs, evaluates and writes. fp32 master weights, bf16
 autocast where the device supports it.
+
+Nothing is written to OUTPUT_DIR until the config, the data and the model have loaded: a run refused for its
+inputs leaves no directory behind. A resumed run takes its QAT recipe from the checkpoint.
 """
 
 from __future__ import annotations
@@ -11,9 +14,9 @@ import contextlib
 import json
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -30,18 +33,21 @@ from quantkit.runtime.distributed import Context
 from quantkit.runtime.progress import QUIET, Progress
 from quantkit.training import checkpoint
 from quantkit.training.config import Sources, TrainConfig, accumulation_steps, resolve_sources
+from quantkit.training.config import model_config as model_config_of
 
 
 @dataclass
 class TrainResult:
     output_dir: Path
     final_dir: Path
-    steps: int
-    final_loss: float
+    steps: int  # the step the final model is at
+    final_loss: float | None  # None: no step was trained (resumed at max_steps)
     eval_perplexity: float | None
     seconds: float
-    tokens_per_second: float
+    tokens_per_second: float | None  # None: no step was trained
     history: list[dict[str, Any]] = field(default_factory=list)
+    start_step: int = 0  # the checkpoint's step when resumed
+    qat_recipe: str | None = None  # as given, or as the resumed checkpoint recorded it
 
 
 @dataclass
@@ -86,27 +92,51 @@ def autocast(config: TrainConfig, device: torch.device):
     return torch.autocast(device.type, dtype=torch.bfloat16)
 
 
-def build_model(config: TrainConfig, path: Path | None) -> nn.Module:
+def build_model(config: TrainConfig, path: Path | None, device: torch.device = torch.device("cpu")) -> nn.Module:
     """fp32 master weights: from a model directory (a checkpoint being resumed, or model.path resolved), or
     model.config (from scratch) when `path` is None."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(config.train.seed)
     if path is not None:
         path = sources.check_model_dir(path)
         models.check_full_precision(path)  # QAT and other Linear transformations do not stack on a quantized model
         return models.load_model(path, dtype="float32").train()
-    params = dict(config.model.config)
-    model_config = AutoConfig.for_model(params.pop("model_type"), **params)
+    model_config = model_config_of(config.model)
+    check_fits(parameter_count(model_config), device)
     return AutoModelForCausalLM.from_config(model_config, dtype=torch.float32).train()
+
+
+def parameter_count(model_config) -> int:
+    """The parameters model.config gives, counted on the meta device (nothing allocated)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return sum(p.numel() for p in AutoModelForCausalLM.from_config(model_config).parameters())
+
+
+def check_fits(parameters: int, device: torch.device) -> None:
+    """A model from model.config is built in fp32 in RAM; training on the CPU adds its gradients and AdamW's two
+    moments (16 bytes a parameter in all). Left-out sizes are transformers' defaults (a 7B Llama): refused here in
+    one line, not after minutes of allocating."""
+    from quantkit.runtime.memory import physical_bytes
+
+    needed = parameters * (16 if device.type == "cpu" else 4)
+    ram = physical_bytes()
+    if ram is not None and needed > ram:
+        raise UsageError(f"model.config gives a model of {parameters / 1e9:.2f} B parameters, which needs about "
+                         f"{needed / 2**30:.0f} GiB of RAM to train here (this machine has {ram / 2**30:.0f} GiB); "
+                         "set its sizes in model.config (hidden_size, intermediate_size, num_hidden_layers, ...)")
 
 
 def load_blocks(config: TrainConfig, tokenizer) -> tuple[torch.Tensor, torch.Tensor | None]:
     d = config.data
-    train_texts = data.load_texts(d.train, d.text_field, default_split="train")  # a datasets spec's train split
+    advice = "set data.text_field to the field that holds the text"
+    # a datasets spec's train split
+    train_texts = data.load_texts(d.train, d.text_field, default_split="train", field_advice=advice)
     blocks = data.pack_blocks(data.tokenize(tokenizer, train_texts), d.seq_len)
-    eval_ids = data.tokenize(tokenizer, data.load_texts(d.eval, d.text_field)) if d.eval else None
-    return blocks, eval_ids
+    eval_texts = data.load_texts(d.eval, d.text_field, field_advice=advice) if d.eval else None
+    return blocks, data.tokenize(tokenizer, eval_texts) if eval_texts else None
 
 
 def make_optimizer(model: nn.Module, config: TrainConfig):
@@ -123,7 +153,9 @@ def setup(config: TrainConfig, ctx: Context, recipe: Recipe | None, resume_from:
     found = resolve_sources(config)
     tokenizer = models.load_tokenizer(found.tokenizer, fix="set model.tokenizer to a tokenizer directory or hub id")
     blocks, eval_ids = load_blocks(config, tokenizer)
-    model = build_model(config, resume_from or found.model)
+    t = config.train  # too few blocks for one global batch: refused now, before output_dir is written
+    data.micro_batches(len(blocks), t.global_batch_size, t.micro_batch_size, ctx.rank, ctx.world_size, t.seed, 0)
+    model = build_model(config, resume_from or found.model, ctx.device)
     if recipe is not None and recipe.fused_rotations and resume_from is None:  # a checkpoint is rotated already
         from quantkit.quant.rotations import Rotator
 
@@ -235,10 +267,12 @@ class Logger:
         self.update(record)
 
 
-def loop(run: Run, logger: Logger) -> tuple[int, float, float | None, float]:
+def loop(run: Run, logger: Logger) -> tuple[int, float | None, float | None, float | None]:
+    """Steps start_step..max_steps; returns the last step, its loss, the last eval perplexity and tokens/s (loss and
+    tokens/s None where no step was left to train)."""
     t = run.config.train
     tokens_per_step = t.global_batch_size * run.config.data.seq_len
-    loss, ppl, start = float("nan"), None, time.perf_counter()
+    loss, ppl, start = None, None, time.perf_counter()
     for step in range(run.start_step, t.max_steps):
         began = time.perf_counter()
         loss = train_step(run, step)
@@ -252,21 +286,54 @@ def loop(run: Run, logger: Logger) -> tuple[int, float, float | None, float]:
         if t.save_interval and done % t.save_interval == 0:
             save_checkpoint(run, done)
     trained_steps = t.max_steps - run.start_step
-    tps = tokens_per_step * trained_steps / max(1e-9, time.perf_counter() - start)
+    tps = tokens_per_step * trained_steps / max(1e-9, time.perf_counter() - start) if trained_steps else None
     return t.max_steps, loss, ppl, tps
 
 
 def prepare_output(config: TrainConfig, resume: str | None, overwrite: bool) -> Path | None:
+    """The checkpoint to resume from, or None for a new run; refuses an output_dir that a new run would mix with.
+    Reads only: nothing is written before the inputs have loaded (`start_output`)."""
     root = Path(config.output_dir)
+    if root.exists() and not root.is_dir():
+        raise UsageError(f"output_dir {root} is a file; pass a directory (it is created) with --output-dir "
+                         "or output_dir")
     if resume:
         return checkpoint.resolve_resume(root, resume)
-    if root.exists() and any(root.iterdir()) and not overwrite:
-        raise UsageError(f"{root} already holds a run; pass --resume latest to continue it, --overwrite to start over, or another output_dir")
+    held = [p for p in root.iterdir() if p.name != "config.json"] if root.exists() else []
+    if held and not overwrite:  # a config.json alone is what a run refused before its first step would have left
+        step = checkpoint.latest(root)
+        if step is not None:
+            raise UsageError(f"{root} already holds a run (checkpoint {step.name}); pass --resume latest to "
+                             "continue it, --overwrite to start over, or another output_dir")
+        raise UsageError(f"{root} is not empty and holds no checkpoint to resume; pass --overwrite to start over in it "
+                         "(its contents are deleted), or another output_dir")
     return None
 
 
+def resumed(config: TrainConfig, recipe: Recipe | None, resume_from: Path,
+            note: Callable[[str], None]) -> tuple[TrainConfig, Recipe | None]:
+    """The config and QAT recipe a resumed run goes on with: the checkpoint's recipe (a different --qat-recipe, or
+    one for a checkpoint trained without QAT, is refused), and a max_steps no lower than the checkpoint's step."""
+    from quantkit.training import qat
+
+    info = metadata.read(resume_from) or {}
+    step = checkpoint.step_of(resume_from)
+    if config.train.max_steps < step:
+        raise UsageError(f"--max-steps {config.train.max_steps} is below the checkpoint's step {step} "
+                         f"({resume_from}); pass a larger --max-steps (train.max_steps), or --max-steps {step} "
+                         "to write its model as final")
+    recorded = qat.recorded_recipe(info)
+    kept = qat.resumed_recipe(recipe, recorded, resume_from)
+    if kept is not None and recipe is None:
+        name = (info.get("train_config") or {}).get("qat_recipe") or kept.name
+        config = replace(config, qat_recipe=name)
+        note(f"resuming QAT with --qat-recipe {name}, as the checkpoint {resume_from} was trained")
+    return config, kept
+
+
 def train(config: TrainConfig, resume: str | None = None, overwrite: bool = False, threads: int | None = None,
-          progress: Progress = QUIET) -> TrainResult:
+          progress: Progress = QUIET, note: Callable[[str], None] = lambda line: None) -> TrainResult:
+    """Train as `config` says; `note` is told, in one line, what the run takes from a resumed checkpoint."""
     from quantkit.quant import registry
     from quantkit.training import qat
     recipe = registry.resolve(config.qat_recipe) if config.qat_recipe else None
@@ -278,12 +345,14 @@ def train(config: TrainConfig, resume: str | None = None, overwrite: bool = Fals
     with distributed.process_group() as ctx:
         accumulation_steps(config, ctx.world_size)  # a config error before any loading
         resume_from = prepare_output(config, resume, overwrite)
-        distributed.barrier(ctx)
+        if resume_from is not None:
+            config, recipe = resumed(config, recipe, resume_from, note if ctx.is_main else lambda line: None)
+        runtime.set_threads(threads)
+        run = setup(config, ctx, recipe, resume_from)
+        distributed.barrier(ctx)  # every rank loaded: only now is output_dir written
         if ctx.is_main:
             start_output(root, config, fresh=overwrite and not resume)
         distributed.barrier(ctx)
-        runtime.set_threads(threads)
-        run = setup(config, ctx, recipe, resume_from)
         with progress.training(config.train.max_steps, run.start_step, enabled=ctx.is_main) as update:
             logger = Logger(run, update)
             steps, loss, _, tps = loop(run, logger)
@@ -291,7 +360,8 @@ def train(config: TrainConfig, resume: str | None = None, overwrite: bool = Fals
         if ctx.is_main and ppl is not None:
             logger.log({"step": steps, "final_eval_perplexity": ppl})
         final = save_final(run, steps)
-    return TrainResult(root, final, steps, loss, ppl, time.perf_counter() - began, tps, logger.history)
+    return TrainResult(root, final, steps, loss, ppl, time.perf_counter() - began, tps, logger.history,
+                       run.start_step, config.qat_recipe)
 
 
 def start_output(root: Path, config: TrainConfig, fresh: bool) -> None:

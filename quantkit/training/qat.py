@@ -7,9 +7,15 @@ A GGUF recipe is trained on the plan `finalize` writes (`plan`): a mixture's typ
 lm_head and some attn_v / ffn_down, Q5_0 / Q8_0 where rows are not whole super-blocks). Its GPTQ is not run on a
 QAT model: `training_recipe` (the format's `qat_recipe`) rounds to nearest on the K grids, in training and in
 `finalize`'s convert step.
+
+A resumed run trains under the recipe its checkpoint recorded (`recorded_recipe`, `resumed_recipe`): leaving
+--qat-recipe out on resume keeps QAT on, and another recipe cannot be switched to halfway.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
 
 from torch import nn
 
@@ -17,7 +23,7 @@ from quantkit.algorithms import Algorithm
 from quantkit.errors import UsageError
 from quantkit.export import exporter, for_format
 from quantkit.quant.plan import ModulePlan, plan_model
-from quantkit.quant.registry import Recipe, recipe_names, resolve
+from quantkit.quant.registry import Recipe, parse_recipe, recipe_names, resolve
 from quantkit.quant.schemes import WeightObserver, WeightSpec
 
 
@@ -65,3 +71,32 @@ def check_recipe(recipe: Recipe) -> None:
         usable = [n for n in recipe_names() if qat_ready(resolve(n))]
         raise UsageError(f"--qat-recipe {recipe.name}: QAT takes round-to-nearest min/max recipes with dynamic activations "
                          f"({', '.join(usable)})")
+
+
+def recorded_recipe(info: dict[str, Any]) -> Recipe | None:
+    """The training recipe a checkpoint's quantkit.json records (`Recipe.to_dict`), read back without its recipe
+    file (a path given then may be gone); None for a checkpoint trained without QAT."""
+    recorded = (info.get("qat") or {}).get("recipe")
+    if recorded is None:
+        return None
+    data = {k: v for k, v in recorded.items() if k not in ("name", "source", "steps")}
+    steps = [{"name": step["name"], **step["args"]} for step in recorded["steps"]]
+    data["algorithm"] = steps[0] if len(steps) == 1 else steps
+    return parse_recipe(recorded["name"], data, source=recorded.get("source", ""))
+
+
+def resumed_recipe(given: Recipe | None, recorded: Recipe | None, checkpoint: Path) -> Recipe | None:
+    """The recipe a run resumed from `checkpoint` trains under: the recorded one. `given` (--qat-recipe, as its
+    `training_recipe`) must be that recipe, or absent."""
+    if given is None or _same(given, recorded):
+        return recorded
+    fix = "resume without --qat-recipe (the checkpoint's is used), or start a new run in another output_dir"
+    if recorded is None:
+        raise UsageError(f"--qat-recipe {given.name}: the checkpoint {checkpoint} was trained without QAT; {fix}")
+    raise UsageError(f"--qat-recipe {given.name}: the checkpoint {checkpoint} was trained with --qat-recipe "
+                     f"{recorded.name}; {fix}")
+
+
+def _same(a: Recipe, b: Recipe | None) -> bool:
+    """The same recipe wherever its file lies."""
+    return b is not None and {**a.to_dict(), "source": ""} == {**b.to_dict(), "source": ""}

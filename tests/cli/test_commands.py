@@ -325,7 +325,7 @@ def fake_train(monkeypatch):
     def fake(config, **kwargs):
         calls.append(SimpleNamespace(config=config, **kwargs))
         return SimpleNamespace(steps=3, seconds=1.0, final_loss=2.0, eval_perplexity=None, tokens_per_second=100.0,
-                               final_dir=Path("o/final"), output_dir=Path("o"))
+                               final_dir=Path("o/final"), output_dir=Path("o"), start_step=0, qat_recipe=None)
 
     monkeypatch.setattr(quantkit.training.loop, "train", fake)
     return calls
@@ -675,3 +675,9 @@ def test_json_that_cannot_be_written_is_refused_before_any_work(fake_finalize, f
         result = invoke(*args, "--json", target, env={"COLUMNS": "400"})
         assert result.exit_code == 2 and message in result.output, (args, result.output)
     assert fake_finalize == [] and fake_train == [] and fake_compare == []
+
+
+def test_finalize_passes_the_text_field(fake_finalize):
+    assert invoke("finalize", "src", "dst", "-q", "gptq-w4a16", "--calib-data", "c.jsonl", "--text-field", "content").exit_code == 0
+    assert invoke("finalize", "src", "dst", "-q", "gptq-w4a16", "--calib-data", "c.jsonl").exit_code == 0
+    assert [call.calibration.text_field for call in fake_finalize] == ["content", "text"]

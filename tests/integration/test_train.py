@@ -81,8 +81,9 @@ def test_existing_run_is_not_overwritten_silently(workspace):
     train(cfg)
     from quantkit.errors import UsageError
 
-    with pytest.raises(UsageError, match="--resume latest"):
+    with pytest.raises(UsageError, match="holds no checkpoint to resume; pass --overwrite") as refused:
         train(cfg)
+    assert "--resume" not in str(refused.value)  # there is nothing to resume
     train(cfg, overwrite=True)
 
 
@@ -91,6 +92,67 @@ def test_resume_latest_continues_to_a_longer_run(workspace):
     more = train(train_config.from_dict(config_dict(workspace, "longer", max_steps=4, save_interval=1)), resume="latest")
     assert more.steps == 4 and [r["step"] for r in map(json.loads, (first.output_dir / "log.jsonl").read_text().splitlines())
                                 if "loss" in r][-2:] == [3, 4]
+
+
+def test_a_qat_run_resumed_without_its_recipe_equals_an_uninterrupted_one(workspace):
+    """--qat-recipe left out on resume: QAT goes on under the checkpoint's recipe (said in one line), the final model
+    is recorded as QAT and its weights are the uninterrupted run's; another recipe is refused."""
+    qat_dict = {**config_dict(workspace, "qat-whole", save_interval=3), "qat_recipe": "int4-weight-only"}
+    whole = train(train_config.from_dict(qat_dict))
+    checkpoint = whole.output_dir / "checkpoints" / "step-000003"
+    said = []
+    resumed = train(train_config.from_dict(config_dict(workspace, "qat-resumed", save_interval=3)),
+                    resume=str(checkpoint), note=said.append)
+    assert len(said) == 1 and "--qat-recipe int4-weight-only" in said[0] and resumed.qat_recipe == "int4-weight-only"
+    info = json.loads((resumed.final_dir / "quantkit.json").read_text())
+    assert info["qat"]["recipe"]["name"] == info["train_config"]["qat_recipe"] == "int4-weight-only"
+    a, b = weights(whole.final_dir), weights(resumed.final_dir)
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=1e-6, rtol=1e-5, msg=name)
+    from quantkit.errors import UsageError
+
+    other = {**config_dict(workspace, "qat-other"), "qat_recipe": "int8-weight-only"}
+    with pytest.raises(UsageError, match="was trained with --qat-recipe int4-weight-only"):
+        train(train_config.from_dict(other), resume=str(checkpoint))
+    assert not (workspace / "qat-other").exists()
+
+
+def test_resumed_at_max_steps_trains_nothing_and_says_so(workspace):
+    """--max-steps equal to the checkpoint's step: no NaN loss, no throughput; the final model is the checkpoint's
+    weights at its step. Below it: refused, nothing written."""
+    from quantkit.errors import UsageError
+
+    first = train(train_config.from_dict(config_dict(workspace, "at-max", max_steps=2, save_interval=2)))
+    again = train(train_config.from_dict(config_dict(workspace, "at-max", max_steps=2)), resume="latest")
+    assert (again.steps, again.start_step, again.final_loss, again.tokens_per_second) == (2, 2, None, None)
+    assert json.loads((again.final_dir / "quantkit.json").read_text())["step"] == 2
+    checkpoint = first.output_dir / "checkpoints" / "step-000002"
+    for name, tensor in weights(checkpoint).items():
+        torch.testing.assert_close(weights(again.final_dir)[name], tensor, atol=0, rtol=0, msg=name)
+    log = (first.output_dir / "log.jsonl").read_text()
+    with pytest.raises(UsageError, match="--max-steps 1 is below the checkpoint's step 2"):
+        train(train_config.from_dict(config_dict(workspace, "at-max", max_steps=1)), resume="latest")
+    assert (first.output_dir / "log.jsonl").read_text() == log
+
+
+@pytest.mark.parametrize("name, data, message", [
+    ("long-blocks", {"seq_len": 4096}, "fewer than"),
+    ("no-train-file", {"train": "missing.txt"}, "does not exist"),
+    ("no-text-field", {"train": "content.jsonl"}, "set data.text_field"),
+    ("empty-eval", {"eval": "empty.txt"}, "has no text"),
+])
+def test_refused_inputs_leave_no_output_dir(workspace, name, data, message):
+    """A run refused for its data writes nothing: the corrected config then starts in the same output_dir."""
+    from quantkit.errors import UsageError
+
+    (workspace / "empty.txt").write_text("")
+    (workspace / "content.jsonl").write_text(json.dumps({"content": make_text(600)}) + "\n")
+    base = config_dict(workspace, f"refused-{name}", max_steps=1)
+    paths = {k: str(workspace / v) if k in ("train", "eval") else v for k, v in data.items()}
+    with pytest.raises(UsageError, match=message):
+        train(train_config.from_dict({**base, "data": {**base["data"], **paths}}))
+    assert not Path(base["output_dir"]).exists()
+    assert train(train_config.from_dict(base)).steps == 1
 
 
 def test_train_data_takes_a_datasets_spec_and_its_train_split(workspace, tmp_path):

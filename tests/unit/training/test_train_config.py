@@ -24,7 +24,8 @@ def test_defaults_and_float_coercion():
         ({"train": {"max_steps": 1.5}}, "train.max_steps"),
         ({"train": {"schedule": "linear"}}, "train.schedule: 'linear' is not allowed; allowed: cosine, constant"),
         ({"train": {"precision": "fp8"}}, "train.precision"),
-        ({"data": {"seq_len": 0, "train": "t.txt"}}, "data.seq_len: must be >= 1"),
+        ({"data": {"seq_len": 1, "train": "t.txt"}}, "data.seq_len: must be >= 2"),
+        ({"train": {"eval_max_samples": 0}}, "train.eval_max_samples: must be >= 1"),
         ({"data": {}}, "data.train is required"),
         ({"model": {"path": "m", "config": {"model_type": "llama"}}}, "either model.path"),
         ({"model": {"config": {"hidden_size": 8}, "tokenizer": "t"}}, "model_type is required"),
@@ -52,6 +53,11 @@ def test_overrides_parse_values_as_yaml(tmp_path):
 def test_missing_file_and_non_mapping(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         train_config.load(tmp_path / "nope.yaml")
+    with pytest.raises(ConfigError, match="is a directory; pass the training config, a YAML file"):
+        train_config.load(tmp_path)
+    (tmp_path / "empty.yaml").write_text("")
+    with pytest.raises(ConfigError, match=r"empty\.yaml is empty; a training config needs at least model: \{path"):
+        train_config.load(tmp_path / "empty.yaml")
     (tmp_path / "list.yaml").write_text("- a\n- b\n")
     with pytest.raises(ConfigError, match="mapping of sections"):
         train_config.load(tmp_path / "list.yaml")
@@ -67,3 +73,32 @@ def test_global_batch_not_divisible_says_what_to_change():
     cfg = config(train={"micro_batch_size": 4, "global_batch_size": 12})
     with pytest.raises(ConfigError, match="micro_batch_size or --nproc-per-node"):
         accumulation_steps(cfg, 2)
+
+
+@pytest.mark.parametrize("data, missing", [({"data": {"train": "t.txt"}}, "model"), ({"model": {"path": "m"}}, "data")])
+def test_a_missing_section_is_named(data, missing):
+    with pytest.raises(ConfigError, match=f"the config has no '{missing}' section; a training config needs at least"):
+        train_config.from_dict(data)
+
+
+def scratch(**params) -> train_config.ModelSection:
+    return train_config.ModelSection(config={"model_type": "llama", **params}, tokenizer="t")
+
+
+@pytest.mark.parametrize("params, message", [
+    ({"hidden_sizee": 64}, "unknown key 'model.config.hidden_sizee' for model_type llama; did you mean 'hidden_size'?"),
+    ({"model_type": "llamaX"}, "model.config.model_type: unknown model_type llamaX; did you mean llama"),
+    ({"hidden_size": 64, "num_attention_heads": 5},
+     "model.config: The hidden size (64) is not a multiple of the number of attention heads (5)."),
+])
+def test_model_config_mistakes_are_one_line(params, message):
+    with pytest.raises(ConfigError) as caught:
+        train_config.model_config(scratch(**params))
+    assert str(caught.value).startswith(message) and "\n" not in str(caught.value) and len(str(caught.value)) < 200
+
+
+def test_model_config_takes_the_config_class_keys_and_its_aliases():
+    built = train_config.model_config(scratch(hidden_size=64, num_attention_heads=4, tie_word_embeddings=True))
+    assert (built.hidden_size, built.num_attention_heads, built.tie_word_embeddings) == (64, 4, True)
+    gpt2 = train_config.ModelSection(config={"model_type": "gpt2", "hidden_size": 32, "n_layer": 1}, tokenizer="t")
+    assert (train_config.model_config(gpt2).n_embd, train_config.model_config(gpt2).n_layer) == (32, 1)
