@@ -28,7 +28,9 @@ that peak under the run's work put a Qwen3-30B-A3B layer's estimate 0.7 GiB high
   the CPU works one stage at a time, so its batch of activations, its Hessian and its solve are never held
   together: the largest of the three counts (`staged_gptq_bytes`; measured within 5% on 8B-shaped layers). GPTQ
   calibrating a streamed layer at once (an MoE layer) solves its stages while the layer is held about once, not
-  beside the layer's later copies (`layerwise_gptq_bytes`).
+  beside the layer's later copies (`layerwise_gptq_bytes`). AutoRound sums no Hessians: it holds its tuning state
+  and one tuning pass's activations instead (`autoround_bytes`; 12.8 GiB estimated against 12.0 measured on a
+  Llama-3.1-8B-shaped layer, 8 x 2048 tokens).
 
 The formats' LOAD_AND_WRITE_COPIES were measured with `/usr/bin/time` on Llama models of 20M (float32) to 270M parameters (bf16):
 the peak above the fixed cost was 1.8 to 2.8 times the model for compressed-tensors (allocator reuse varies from
@@ -152,9 +154,15 @@ def estimate(prepared, recipe: Recipe, options, world_size: int, dst: str | Path
             calib[_HIDDEN_STATES] = int(copy * (max(copies, 1 + 3 * grid_share) if awq is not None else copies))
         streams = 1  # of hidden states in the resume state
         if recipe.quantizer.name is Algorithm.AUTOROUND:
-            passes = autoround_passes(recipe.quantizer.arguments, num_samples)
+            args = recipe.quantizer.arguments
+            passes = autoround_passes(args, num_samples)
+            bf16 = _autoround_bf16(args, options.device)
+            for general in ("one batch's activations in a layer", _HESSIANS):  # a tuning pass instead; no Hessians
+                calib.pop(general)
             calib.update(autoround_bytes(prepared.plan, max(shares), seq_len, hidden, element, num_samples, world_size,
-                                         passes))
+                                         passes, min(args.samples_per_pass, args.batch_size, num_samples),
+                                         config.get("num_attention_heads", 1) if bf16 and options.device == "cpu" else 0,
+                                         2 if bf16 else element))
             streams = 2  # the float model's beside the quantized ones
         if streamed:  # each layer's grid integers are written with it
             calib.pop("grid integers of finished layers")
@@ -348,6 +356,7 @@ _HESSIANS = "Hessians of one layer"
 _HIDDEN_STATES = "calibration hidden states (this rank)"
 _STAGED_STEP = "GPTQ's largest step (rows of a batch through the MLP, a Hessian summed, or a stage solved)"
 _HELD_STAGE_INPUTS = "GPTQ's stage inputs (the MLP down projection's), held for every batch on the CPU"
+_AUTOROUND_PASS = "AutoRound activations of a tuning pass (forward and backward)"
 
 
 IN_FLIGHT_BATCHES = 4  # offloaded: a batch read, the next one being copied in, an output, the one being copied out
@@ -375,7 +384,7 @@ def device_plan(layer: int, copy: int, batches: int, calib: dict[str, int], algo
     from quantkit.calibration.offload import GROUP_BYTES
     from quantkit.runtime.placement import CUDA_CONTEXT_BYTES
 
-    fixed = layer + CUDA_CONTEXT_BYTES + calib["one batch's activations in a layer"] + calib[_HESSIANS] + positions
+    fixed = layer + CUDA_CONTEXT_BYTES + calib.get("one batch's activations in a layer", 0) + calib.get(_HESSIANS, 0) + positions
     fixed += calib.get(_HELD_STAGE_INPUTS, 0)
     if algorithm is Algorithm.AUTOROUND:
         fixed += sum(v for k, v in calib.items() if k.startswith("AutoRound"))
@@ -383,7 +392,7 @@ def device_plan(layer: int, copy: int, batches: int, calib: dict[str, int], algo
     resident = fixed + copies * copy
     if awq:  # the search: the scored rows with the block's Hessians; after it, the inputs and outputs (and the
         # quantizer's Hessians: only GPTQ's stay; GPTQ's are counted as the bound on AWQ's o and down ones)
-        hessians = calib[_HESSIANS]
+        hessians = calib.get(_HESSIANS, 0)
         after = resident - (0 if algorithm is Algorithm.GPTQ else hessians)
         resident = max(after, fixed + int((1 + 3 * grid_share) * copy))
     offloaded = fixed + IN_FLIGHT_BATCHES * batch + (2 * min(GROUP_BYTES, int(grid_share * copy)) if awq else 0)
@@ -470,30 +479,73 @@ def _holds_stage_inputs(device: str, held_bytes: int) -> bool:
     return placement.holds_stage_inputs(torch.device(device), held_bytes)
 
 
+def _autoround_bf16(args, device: str) -> bool:
+    """Whether AutoRound's tuning passes run in bfloat16 autocast (`amp` where the device multiplies bf16 natively);
+    on the CPU their attention then holds its scores (`calibration.tuning_attention`; sdpa's kernels do not)."""
+    import torch
+
+    from quantkit.runtime import precision
+
+    return args.amp and precision.native_bf16(torch.device(device))
+
+
 def autoround_passes(args, num_samples: int) -> int:
     """AutoRound's forward and backward passes a step (equal-length samples): a step's samples over samples_per_pass."""
     return math.ceil(min(args.batch_size, num_samples) / args.samples_per_pass)
 
 
-AUTOROUND_BYTES_PER_WEIGHT = 36  # V, its gradient, the float64 step sum, the best V, the fake-quantized weight, and
-# what the step's fake-quantization keeps for its backward pass while the passes run (the clamp's input, the grid
-# values, a float32 copy of a 16-bit weight)
+AUTOROUND_BYTES_PER_WEIGHT = 22  # held while the passes run, per weight of the layer (`algorithms.autoround.tune`):
+# V and the best V (float32, 4 + 4), the step's fake-quantized weights (float32, 4) and what their fake-quantization
+# keeps for its backward pass (the grid values, float32, and the clamp's mask: 4 + 1), the step's gradient sum
+# (float32, 4) and round-to-nearest's grid integers (1, kept for the loss it reports); the weights' float32 groups
+# beside (AUTOROUND_GROUPS_BYTES, none for float32 weights: `Groups` takes them as they are); and in the passes'
+# dtype, the leaves they take, a gradient row a pass and the pass's own gradients (`autoround_bytes`). Measured
+# 32.4 in all (bf16, two passes, without the grid integers and the pass's own gradients) on a hidden-1024 layer.
+AUTOROUND_GROUPS_BYTES = 4
+AUTOROUND_ATTENTION_COPIES = 3  # bf16 score-sized tensors while a tuning pass's backward goes through the CPU
+# attention's softmax (`calibration.tuning_attention`): its probabilities, kept from the forward pass, their
+# gradient and the scores' gradient
+AUTOROUND_TOKEN_HIDDEN_COPIES = 12  # hidden-wide activations a tuning pass keeps per token for its backward pass
+# (norms, projections' inputs and outputs, rotary embeddings, the residual stream); with the score-sized ones, a
+# pass of 4 x 2048 tokens through a hidden-1024 layer (16 heads) measured 1.75 GiB at its peak, 1.73 estimated
+AUTOROUND_TOKEN_MLP_COPIES = 5  # MLP-wide ones (gate, up, act(gate), their product, a gradient): the peak where the
+# scores are short
 
 
 def autoround_bytes(plan: list[ModulePlan], samples: int, seq_len: int, hidden: int, element: int,
-                    total: int = 0, world_size: int = 1, passes: int = 1) -> dict[str, int]:
+                    total: int = 0, world_size: int = 1, passes: int = 1, pass_samples: int = 1, heads: int = 0,
+                    pass_element: int | None = None) -> dict[str, int]:
     """What AutoRound adds: the float model's hidden states before and after the layer (its targets) for this rank's
-    samples, the tuning state of one layer's weights and, on several ranks, every rank's samples (the layer's inputs
-    and targets) so that each step's samples are dealt out evenly."""
-    weights = sum(e.in_features * e.out_features for e in _first_layer(plan))
+    samples, the tuning state of one layer's weights, the gradients of a step's `passes` (in the passes' dtype
+    `pass_element`: the leaves they take, a row a pass, and the pass being run's own), one pass's activations
+    (`autoround_pass_bytes`, of `pass_samples` samples; `heads`: the attention heads whose scores it holds, 0
+    where its attention holds none) and, on several ranks, every rank's samples (the layer's inputs and targets) so that each step's samples are
+    dealt out evenly. AutoRound sums no Hessians: the general estimate's are not counted beside these."""
+    layer = _first_layer(plan)
+    weights = sum(e.in_features * e.out_features for e in layer)
+    pass_element = pass_element or element
+    per_weight = AUTOROUND_BYTES_PER_WEIGHT + (AUTOROUND_GROUPS_BYTES if element < 4 else 0)
+    widest = max((max(e.in_features, e.out_features) for e in layer), default=hidden)
     needs = {"AutoRound float model's hidden states (before and after the layer, this rank)":
              2 * samples * seq_len * hidden * element,
-             "AutoRound tuning state of one layer": AUTOROUND_BYTES_PER_WEIGHT * weights,
-             # a step's gradient, a row a pass (float32, or bf16 under autocast), gathered from the ranks
-             "AutoRound gradients of a step's passes": 4 * passes * weights}
+             "AutoRound tuning state of one layer": per_weight * weights,
+             "AutoRound gradients of a step's passes": (passes + 2) * pass_element * weights,
+             _AUTOROUND_PASS: autoround_pass_bytes(pass_samples, seq_len, hidden, widest, heads, pass_element)}
     if world_size > 1:
         needs["AutoRound every rank's samples of the layer (inputs and targets)"] = 2 * total * seq_len * hidden * element
     return needs
+
+
+def autoround_pass_bytes(samples: int, seq_len: int, hidden: int, mlp: int, heads: int, element: int) -> int:
+    """A tuning pass's activations at its peak (forward and backward over `samples` x `seq_len` tokens, in `element`
+    bytes): the backward pass through attention's softmax (AUTOROUND_ATTENTION_COPIES score-sized tensors of `heads`
+    heads beside the hidden-wide activations kept for it), or, where the scores are short, the MLP's backward (one
+    score-sized tensor, and the MLP-wide activations as well)."""
+    tokens = samples * seq_len
+    scores = samples * heads * seq_len * seq_len * element
+    kept = tokens * AUTOROUND_TOKEN_HIDDEN_COPIES * hidden * element
+    return max(AUTOROUND_ATTENTION_COPIES * scores + kept,
+               scores + kept + tokens * AUTOROUND_TOKEN_MLP_COPIES * mlp * element)
 
 
 def rounding_bytes(layer: list[ModulePlan]) -> int:
@@ -550,7 +602,6 @@ def time_estimate(prepared, recipe: Recipe, options, samples: int, layers: int, 
     from quantkit.algorithms import get_algorithm
     from quantkit.models import loading as models
     from quantkit.models import moe
-    from quantkit.quant.plan import plan_model
 
     config = copy.deepcopy(models.load_config(prepared.src, trust_remote_code))
     config.num_hidden_layers = 1
@@ -559,8 +610,9 @@ def time_estimate(prepared, recipe: Recipe, options, samples: int, layers: int, 
     if getattr(config, "layer_types", None):
         config.layer_types = config.layer_types[:1]
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code).eval()
-    plan = plan_model(moe.linearize(model), recipe)
+    model = moe.linearize(AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype),
+                                                           trust_remote_code=trust_remote_code).eval())
+    plan = one_layer_plan(prepared.plan, model)
     # and R4's hooks in place for the timed layer
     rotations = _rotation_seconds(prepared, recipe, model, layers, vocab, plan, options)
     if not recipe.needs_calibration:
@@ -588,6 +640,19 @@ def time_estimate(prepared, recipe: Recipe, options, samples: int, layers: int, 
             "layers": layers, **_rotated(rotations),
             "measured": {"samples": count, "seconds": round(total, 3), "quantize_seconds": round(fixed, 3)},
             "note": "calibration only; loading and writing the weights are not included"}
+
+
+def one_layer_plan(plan: list[ModulePlan], model) -> list[ModulePlan]:
+    """The run's plan (`prepared.plan`, as the format holds it: GGUF's mixture types for this layer of the real
+    model's depth, llama.cpp's fallbacks for rows that are not whole K super-blocks) for the Linears of the
+    one-layer `model` the time is measured on, each with the shape it has there (its lm_head's vocabulary is small)."""
+    from dataclasses import replace
+
+    from torch import nn
+
+    by_name = {entry.name: entry for entry in plan}
+    return [replace(by_name[name], in_features=m.in_features, out_features=m.out_features)
+            for name, m in model.named_modules() if isinstance(m, nn.Linear)]
 
 
 def _rotation_seconds(prepared, recipe: Recipe, model, layers: int, vocab: int, plan, options) -> float | None:
