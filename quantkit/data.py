@@ -215,9 +215,10 @@ def sample_blocks(ids: torch.Tensor, num_samples: int, seq_len: int, seed: int =
         raise DataError(f"num_samples and seq_len must be positive (got {num_samples}, {seq_len})")
     if ids.numel() < num_samples * seq_len + 1:  # fewer would repeat the same tokens many times over
         most = max(0, (ids.numel() - 1) // seq_len)
+        fewer = f"at most --num-samples {most} at this --seq-len" if most else f"a --seq-len below {ids.numel()}"
         raise DataError(
             f"{source} gives {ids.numel()} tokens, fewer than --num-samples {num_samples} x --seq-len "
-            f"{seq_len} = {num_samples * seq_len}; pass more text, or at most --num-samples {most} at this --seq-len"
+            f"{seq_len} = {num_samples * seq_len}; pass more text, or {fewer}"
         )
     generator = torch.Generator().manual_seed(seed)
     starts = torch.randint(0, ids.numel() - seq_len, (num_samples,), generator=generator)

@@ -331,10 +331,13 @@ def test_sample_blocks_at_minimum_length():
     assert blocks.shape == (4, 10) and int(blocks.max()) <= 40
 
 
-@pytest.mark.parametrize("tokens, num_samples, most", [(10, 1, 0), (40, 4, 3), (100, 64, 9)])
-def test_too_little_calibration_text_is_refused_saying_how_much_there_is(tokens, num_samples, most):
+@pytest.mark.parametrize("tokens, num_samples, fewer", [(10, 1, "a --seq-len below 10$"),
+                                                        (40, 4, "at most --num-samples 3 at this --seq-len"),
+                                                        (100, 64, "at most --num-samples 9 at this --seq-len")])
+def test_too_little_calibration_text_is_refused_saying_how_much_there_is(tokens, num_samples, fewer):
+    """...and what would fit: fewer samples, or where not one sample fits (never --num-samples 0), shorter ones."""
     with pytest.raises(DataError, match=f"gives {tokens} tokens, fewer than --num-samples {num_samples} x --seq-len 10 "
-                                        f"= {num_samples * 10}; pass more text, or at most --num-samples {most}"):
+                                        f"= {num_samples * 10}; pass more text, or {fewer}"):
         sample_blocks(torch.arange(tokens), num_samples=num_samples, seq_len=10)
 
 
