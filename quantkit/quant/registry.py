@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import difflib
 import os
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from enum import Enum
 from importlib import resources
 from importlib.resources.abc import Traversable
@@ -378,8 +378,18 @@ def _parse_scheme(data: dict[str, Any]) -> QuantScheme:
         raise SchemeError(field_name, exc.message) from None
 
 
+def _only_known(data: dict[str, Any], allowed: list[str], where: str) -> None:
+    """Refuse a key the spec does not have: a misspelt one (`symetric`, `activation`) would otherwise leave its
+    default in place and write another scheme than the one asked for."""
+    unknown = sorted(set(data) - set(allowed))
+    if unknown:
+        raise SchemeError(f"{where}{unknown[0]}", f"unknown key; allowed keys are {sorted(allowed)}")
+
+
 def _build_scheme(data: dict[str, Any]) -> QuantScheme:
+    _only_known(data, ["weights", "activations"], "scheme.")
     w = _mapping(data, "weights", required=True, where="scheme.")
+    _only_known(w, [f.name for f in fields(WeightSpec)], "scheme.weights.")
     weights = WeightSpec(
         dtype=_enum(w.get("dtype"), QDtype, "scheme.weights.dtype", required=True),
         granularity=_enum(w.get("granularity"), Granularity, "scheme.weights.granularity", required=True),
@@ -393,6 +403,7 @@ def _build_scheme(data: dict[str, Any]) -> QuantScheme:
     a = _mapping(data, "activations", where="scheme.")
     activations = None
     if a:
+        _only_known(a, [f.name for f in fields(ActivationSpec)], "scheme.activations.")
         dynamic = _bool(a.get("dynamic", True), "scheme.activations.dynamic")
         activations = ActivationSpec(
             dtype=_enum(a.get("dtype"), QDtype, "scheme.activations.dtype", required=True),
@@ -489,6 +500,9 @@ def _parse_calibration(data: dict[str, Any]) -> Calibration:
             raise SchemeError(f"calibration.{key}", f"unknown key; allowed keys are {sorted(allowed)}")
         if value is not None and (not isinstance(value, allowed[key]) or isinstance(value, bool)):
             raise SchemeError(f"calibration.{key}", f"{value!r} is not allowed; expected {allowed[key].__name__}")
+    for key, least in (("num_samples", 1), ("seq_len", 2)):
+        if data.get(key) is not None and data[key] < least:
+            raise SchemeError(f"calibration.{key}", f"{data[key]} is not allowed; use at least {least}")
     return Calibration(**data)
 
 

@@ -91,6 +91,16 @@ def test_missing_recipe_file_is_not_parsed_as_a_name(tmp_path):
         ("scheme: {weights: {dtype: int4, granularity: channel}}\nformat: torchao\nkv_cache: {granularity: token}",
          "kv_cache.granularity"),
         ("scheme: {weights: {dtype: int4, granularity: channel}}\nformat: torchao\nkv_cache: {scale: 1}", "kv_cache.scale"),
+        # misspelt keys inside the scheme: each would leave its default and write another scheme than asked for
+        ("scheme: {weights: {dtype: int4, granularity: channel, symetric: false}}\nformat: torchao", "scheme.weights.symetric"),
+        ("scheme: {weights: {dtype: int8, granularity: channel}, activation: {dtype: int8}}\nformat: torchao",
+         "scheme.activation: unknown key"),
+        ("scheme: {weights: {dtype: int8, granularity: channel}, activations: {dtype: int8, dynamc: false}}\nformat: torchao",
+         "scheme.activations.dynamc"),
+        ("scheme: {weights: {dtype: int8, granularity: channel}}\nformat: torchao\ncalibration: {num_samples: 0}",
+         "calibration.num_samples: 0 is not allowed; use at least 1"),
+        ("scheme: {weights: {dtype: int8, granularity: channel}}\nformat: torchao\ncalibration: {seq_len: -5}",
+         "calibration.seq_len: -5 is not allowed; use at least 2"),
     ],
 )
 def test_invalid_recipe_names_the_field(tmp_path, body, field):
