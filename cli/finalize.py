@@ -9,6 +9,7 @@ import typer
 
 from quantkit.cli.console import human_bytes, json_to_stdout, out, quiet_libraries, write_json
 from quantkit.cli.launch import Launch, relaunch
+from quantkit.errors import UsageError
 from quantkit.export import atomic, check_destination_name, single_file
 from quantkit.models import sources
 from quantkit.quant import registry
@@ -111,7 +112,10 @@ def finalize(
     launch = Launch(nproc_per_node, nnodes, node_rank, rdzv_endpoint, rdzv_backend)
     recipe = registry.with_kv_cache(registry.resolve(quantize), kv_cache)
     fmt = format
+    hub = sources.is_hub_id(src)
     src = sources.resolve_source(src, revision)  # before torch loads: a wrong SRC or DST is reported at once
+    if revision is not None and not hub:  # the local directory would be quantized whatever revision it holds
+        raise UsageError(f"--revision applies to hub ids (org/name); {src} is a local directory: drop --revision")
     check_destination_name(dst, fmt or recipe.format)  # --dry-run too: it says what the run would refuse
     atomic.check_destination(dst, overwrite, single_file(fmt or recipe.format) is not None)
     atomic.check_not_source(dst, src)
@@ -158,7 +162,6 @@ def finalize(
 
 def gpu_budget(size: str, device: str) -> int:
     """--max-gpu-memory SIZE in bytes; refused for a run that computes on the CPU."""
-    from quantkit.errors import UsageError
     from quantkit.models.sources import parse_size
 
     if not device.startswith("cuda"):
@@ -271,13 +274,14 @@ def group_by_note(entries) -> dict[str, list[str]]:
 
 def coverage_line(coverage: dict) -> str:
     """`plan.coverage` in one line: "97.1% of Linear parameters, 74.0% of all; left in full precision: 1 x <reason>; ..."."""
-    share = coverage["quantized_parameters"] / max(1, coverage["linear_parameters"])
+    share = coverage.get("quantized_linear_parameters", coverage["quantized_parameters"]) / max(1, coverage["linear_parameters"])
     overall = coverage["quantized_parameters"] / max(1, coverage["all_parameters"])
     reasons: dict[str, int] = {}
     for tensor in coverage["full_precision"]:
         reasons[tensor["reason"]] = reasons.get(tensor["reason"], 0) + 1
     kept = "; ".join(f"{count} x {reason}" for reason, count in reasons.items())
-    return f"{share:.1%} of Linear parameters, {overall:.1%} of all; left in full precision: {kept or 'nothing'}"
+    also = "".join(f", {t['tensor']} as {t['type']}" for t in coverage.get("quantized_by_format", []))
+    return f"{share:.1%} of Linear parameters{also}, {overall:.1%} of all; left in full precision: {kept or 'nothing'}"
 
 
 def experts_line(routed: dict[str, list[int]]) -> str:

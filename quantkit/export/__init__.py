@@ -92,6 +92,12 @@ class Hooks:
         return None
 
     @staticmethod
+    def quantized_tensors(skeleton: nn.Module, plan: list[ModulePlan], recipe: Recipe) -> dict[str, str]:
+        """Parameters outside the plan that this format stores quantized, by name, with the type (GGUF: a mixture's
+        token embedding); `plan.coverage` counts them as quantized."""
+        return {}
+
+    @staticmethod
     def notes(skeleton: nn.Module, recipe: Recipe) -> list[str]:
         """Caveats for the summary (what plain transformers cannot load of what this recipe writes, ...)."""
         return []
@@ -156,16 +162,16 @@ def for_format(recipe: Recipe, fmt: Format) -> Recipe:
 
 
 def check_destination_name(dst: Path, fmt: Format) -> None:
-    """A one-file artifact is named with its suffix (model.gguf: *.gguf); a directory artifact is not named with a
-    one-file format's suffix (a user who meant that format forgot to say so)."""
-    suffix = Path(dst).suffix
+    """A one-file artifact is named with its suffix, in any case (model.gguf: *.gguf, *.GGUF); a directory artifact
+    is not named with a one-file format's suffix (a user who meant that format forgot to say so)."""
+    suffix = Path(dst).suffix.lower()
     if (name := single_file(fmt)) and suffix != Path(name).suffix:
         kind = Path(name).suffix.lstrip(".").upper()
         raise UsageError(f"a {kind} artifact is one file: name DST with {Path(name).suffix} "
                          f"(e.g. {Path(dst).name}{Path(name).suffix})")
     meant = [f for f, reg in FORMATS.items() if f is not fmt and reg.single_file and Path(reg.single_file).suffix == suffix]
     if suffix and meant and not single_file(fmt):
-        raise UsageError(f"{dst} ends in {suffix} but the format is {fmt.value}: pass --format {meant[0].value} "
+        raise UsageError(f"{dst} ends in {Path(dst).suffix} but the format is {fmt.value}: pass --format {meant[0].value} "
                          f"(or a {meant[0].value}-* recipe)")
 
 

@@ -221,6 +221,21 @@ def quantize_embedding(weight: torch.Tensor, recipe: Recipe, config):
     return quantize_k(weight, _gguf().GGMLQuantizationType[kind])
 
 
+def quantized_tensors(skeleton: nn.Module, plan: list[ModulePlan], recipe: Recipe) -> dict[str, str]:
+    """The parameters outside the plan that the file holds quantized, by name, with their GGML type (what
+    `plan.coverage` counts as quantized by the format): the token embedding, as `StreamWriter` writes it: tied to a
+    quantized lm_head, in lm_head's type; else in its mixture's type (`embedding_type`), if any. `skeleton` may be
+    on the meta device."""
+    embedding = skeleton.get_input_embeddings().weight
+    name = next(name for name, param in skeleton.named_parameters() if param is embedding)
+    tied = bool(getattr(skeleton.config, "tie_word_embeddings", False))
+    lm_head = next((entry for entry in plan if entry.name == "lm_head" and entry.quantized), None)
+    if tied and lm_head is not None:
+        return {name: ggml_type(lm_head.scheme.weights).name}
+    kind = embedding_type(recipe, skeleton.config)
+    return {name: kind} if kind else {}
+
+
 def weight_bytes(entry: ModulePlan, element_size: int) -> int:
     block, size = _gguf().GGML_QUANT_SIZES[ggml_type(entry.scheme.weights)]
     return entry.out_features * entry.in_features // block * size

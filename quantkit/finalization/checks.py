@@ -41,6 +41,23 @@ class CalibrationOptions:
     max_device_bytes: int | None = None  # --max-gpu-memory: the GPU memory calibration keeps within (None: what is free)
     text_field: str = "text"  # --text-field: the field (a .jsonl key, a parquet or datasets column) holding the text
 
+    def __post_init__(self):
+        """The limits the CLI's options state (--num-samples >= 1, --seq-len >= 2), for the Python API too."""
+        for flag, value, least in (("--num-samples", self.num_samples, 1), ("--seq-len", self.seq_len, 2)):
+            if value is not None and value < least:
+                raise UsageError(f"{flag} {value}: pass {least} or more")
+
+    def sizes(self, recipe: Recipe) -> tuple[int, int]:
+        """(num_samples, seq_len): the ones given, else the recipe's `calibration` defaults."""
+        calibration = recipe.calibration
+        return (calibration.num_samples if self.num_samples is None else self.num_samples,
+                calibration.seq_len if self.seq_len is None else self.seq_len)
+
+    def given(self) -> list[str]:
+        """The calibration options given (their flags), for a recipe that reads no data to say it ignores them."""
+        return [flag for flag, value in (("--calib-data", self.data), ("--num-samples", self.num_samples),
+                                         ("--seq-len", self.seq_len)) if value is not None]
+
 
 @dataclass
 class Prepared:
@@ -83,9 +100,9 @@ def prepare(
     if dst is not None:
         check_destination_name(Path(dst), fmt)
         atomic.check_destination(Path(dst), overwrite, single_file(fmt) is not None)
-    shard_bytes = sources.parse_size(max_shard_size) if max_shard_size else None
-    if recipe.needs_samples:
-        hardware.check_device(options.device)
+    shard_bytes = check_shard_size(max_shard_size, fmt)
+    hardware.check_device(options.device)
+    check_dtype(dtype)
     check_supported(recipe, fmt)
     check_hardware(recipe, fmt)
     src = sources.resolve_source(src, revision)
@@ -99,8 +116,8 @@ def prepare(
     exporter(fmt).check_model(src, config, skeleton)
     plan = exporter(fmt).adapt_plan(_check_model(src, skeleton, recipe), recipe, config)
     rotator = _check_rotations(skeleton, recipe, trained)
-    report = coverage(skeleton, plan)
-    report["notes"] = exporter(fmt).notes(skeleton, recipe)
+    report = coverage(skeleton, plan, exporter(fmt).quantized_tensors(skeleton, plan, recipe))
+    report["notes"] = exporter(fmt).notes(skeleton, recipe) + unused_calibration(recipe, options)
     prepared = Prepared(src=src, format=fmt, plan=plan, coverage=report, shard_bytes=shard_bytes, rotator=rotator,
                         recipe=recipe)
     prepared.loading = _whole_model_reason(src, fmt, skeleton, in_memory, rotator is not None,
@@ -114,6 +131,36 @@ def prepare(
             prepared.work_dir, prepared.resume = atomic.work_dir(Path(dst)), resume
         atomic.check_work_dir(Path(dst), resume)
     return prepared
+
+
+def check_shard_size(max_shard_size: str | None, fmt: Format) -> int | None:
+    """--max-shard-size in bytes (None: not given); refused for a one-file format, which it would not split."""
+    if not max_shard_size:
+        return None
+    if single_file(fmt):
+        raise UsageError(f"--max-shard-size applies to safetensors formats; a {fmt.value} artifact is one file: drop "
+                         "--max-shard-size")
+    return sources.parse_size(max_shard_size)
+
+
+def check_dtype(dtype: str) -> None:
+    if dtype not in models.DTYPES:
+        raise UsageError(f"--dtype {dtype}: use one of {', '.join(models.DTYPES)}")
+
+
+def check_threads(threads: int | None) -> None:
+    """--threads, where given, is 1 or more (None: the cores available)."""
+    if threads is not None and threads < 1:
+        raise UsageError(f"--threads {threads}: pass 1 or more, or leave it out for the cores available")
+
+
+def unused_calibration(recipe: Recipe, options: CalibrationOptions) -> list[str]:
+    """The summary's note for calibration options a recipe that reads no data ignores (scripts pass them to every
+    recipe alike: a note, not a refusal)."""
+    given = options.given()
+    if recipe.needs_samples or not given:
+        return []
+    return [f"{recipe.name} rounds to nearest: {', '.join(given)} {'is' if len(given) == 1 else 'are'} not used"]
 
 
 def _check_model(src: Path, skeleton: nn.Module, recipe: Recipe) -> list[ModulePlan]:
@@ -230,14 +277,13 @@ def calibration_samples(src: Path, recipe: Recipe, options: CalibrationOptions, 
     from quantkit import data
 
     check_calibration_data(recipe, options)
-    seq_len = options.seq_len or recipe.calibration.seq_len
+    num_samples, seq_len = options.sizes(recipe)
     check_seq_len(src, config or models.load_config(src, trust_remote_code), seq_len,
-                  None if options.seq_len else recipe.name)
+                  None if options.seq_len is not None else recipe.name)
     spec = options.data or recipe.calibration.dataset
     tokenizer = models.load_tokenizer(src, trust_remote_code, fix="calibration tokenizes its data with the model's "
                                       "own tokenizer: copy its tokenizer files (tokenizer.json, tokenizer_config.json) into SRC")
     ids = data.tokenize(tokenizer, data.load_texts(spec, options.text_field, field_advice="pass --text-field NAME"))
-    num_samples = options.num_samples or recipe.calibration.num_samples
     return data.sample_blocks(ids, num_samples, seq_len, seed=options.seed, source=f"the calibration data {spec}")
 
 

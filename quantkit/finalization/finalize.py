@@ -20,7 +20,7 @@ from torch import nn
 from quantkit.algorithms import Algorithm, get_algorithm
 from quantkit.errors import ExportError, InterruptedRunError, QuantkitError
 from quantkit.export import atomic, exporter, for_format, metadata, single_file
-from quantkit.finalization.checks import CalibrationOptions, Prepared, calibration_samples, prepare
+from quantkit.finalization.checks import CalibrationOptions, Prepared, calibration_samples, check_threads, prepare
 from quantkit.models import loading as models
 from quantkit.models import moe
 from quantkit.models.architectures import kernel_fused_groups
@@ -252,6 +252,7 @@ def finalize(
 
     start = time.perf_counter()
     dst = Path(dst)
+    check_threads(threads)
     recipe = for_format(recipe, fmt or recipe.format)
     prepared = prepare(src, recipe, fmt, trust_remote_code, force_recipe, revision, in_memory, dst=dst, overwrite=overwrite,
                        resume=resume, max_shard_size=max_shard_size, calibration=calibration or CalibrationOptions(),
@@ -506,7 +507,7 @@ def dry_run(src: str | Path, recipe: Recipe, fmt: Format | None, calibration: Ca
     return {
         "ranks": world_size,
         "samples_per_rank": report["samples_per_rank"],
-        "seq_len": (options.seq_len or recipe.calibration.seq_len) if recipe.needs_calibration else None,
+        "seq_len": options.sizes(recipe)[1] if recipe.needs_calibration else None,
         "gptq_rows_per_rank": rows,
         "preflight": report,
     }

@@ -109,22 +109,32 @@ def check_experts(plan: list[ModulePlan], experts: set[str], recipe: Recipe) -> 
         )
 
 
-def coverage(model: nn.Module, plan: list[ModulePlan]) -> dict:
-    """How much of the model the plan quantizes: Linear and all parameters, and every tensor left in full
-    precision with the reason. Works on a meta-device model."""
+def coverage(model: nn.Module, plan: list[ModulePlan], stored: dict[str, str] | None = None) -> dict:
+    """How much of the model the artifact holds quantized: Linear and all parameters, and every tensor left in full
+    precision with the reason. `stored`: parameters outside the plan that the format quantizes itself, by name, with
+    the type it stores them in (GGUF: a mixture's token embedding, `gguf.quantized_tensors`); they count as
+    quantized, and are listed in `quantized_by_format` with their type. Works on a meta-device model."""
     quantized = {entry.name for entry in plan if entry.quantized}
     notes = {entry.name: entry.note for entry in plan}
-    kept, quantized_count = [], 0
+    stored = stored or {}
+    kept, by_format, linear_count = [], [], 0
     notes.update({name: moe.GATE_NOTE for name in moe.gates(model)})
     for name, param in model.named_parameters():
         owner, _, kind = name.rpartition(".")
         if owner in quantized and kind == "weight":
-            quantized_count += param.numel()
+            linear_count += param.numel()
+        elif name in stored:
+            by_format.append({"tensor": name, "parameters": param.numel(), "type": stored[name]})
         else:
             kept.append({"tensor": name, "parameters": param.numel(), "reason": _full_precision_reason(owner, kind, param, notes)})
+    unknown = set(stored) - {t["tensor"] for t in by_format}
+    if unknown:
+        raise ValueError(f"coverage: {sorted(unknown)} are not parameters of the model, or are planned Linear weights")
     linear = sum(entry.in_features * entry.out_features for entry in plan)
+    quantized_count = linear_count + sum(t["parameters"] for t in by_format)
     total = quantized_count + sum(k["parameters"] for k in kept)
-    return {"quantized_parameters": quantized_count, "linear_parameters": linear, "all_parameters": total, "full_precision": kept}
+    return {"quantized_parameters": quantized_count, "quantized_linear_parameters": linear_count,
+            "linear_parameters": linear, "all_parameters": total, "quantized_by_format": by_format, "full_precision": kept}
 
 
 def _full_precision_reason(owner: str, kind: str, param, notes: dict[str, str]) -> str:

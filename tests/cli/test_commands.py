@@ -681,3 +681,13 @@ def test_finalize_passes_the_text_field(fake_finalize):
     assert invoke("finalize", "src", "dst", "-q", "gptq-w4a16", "--calib-data", "c.jsonl", "--text-field", "content").exit_code == 0
     assert invoke("finalize", "src", "dst", "-q", "gptq-w4a16", "--calib-data", "c.jsonl").exit_code == 0
     assert [call.calibration.text_field for call in fake_finalize] == ["content", "text"]
+
+
+def test_finalize_refuses_a_revision_of_a_local_directory(fake_finalize, tmp_path):
+    result = invoke("finalize", str(tmp_path), "dst", "-q", "int4-weight-only", "--revision", "v2")
+    assert result.exit_code == 2 and "--revision applies to hub ids" in result.output and not fake_finalize
+
+
+def test_finalize_takes_a_gguf_suffix_in_any_case(fake_finalize):
+    assert invoke("finalize", "src", "model.GGUF", "-q", "gguf-q8-0", "--quiet").exit_code == 0
+    assert str(fake_finalize[0].dst) == "model.GGUF"

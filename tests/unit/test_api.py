@@ -8,7 +8,7 @@ import sys
 import pytest
 
 import quantkit
-from quantkit.errors import FormatError, RecipeNotFoundError
+from quantkit.errors import FormatError, HardwareError, RecipeNotFoundError, UsageError
 from quantkit.quant import registry
 
 
@@ -48,3 +48,40 @@ def test_a_wrong_format_is_a_quantkit_error(tiny_model_dir, tmp_path):
     with pytest.raises(FormatError, match="compressed-tensors or torchao or gguf"):
         quantkit.finalize(tiny_model_dir, tmp_path / "out", "int8-weight-only", format="safetensors")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("recipe, options, error, message", [
+    ("gptq-w4a16", {"num_samples": 0}, UsageError, "--num-samples 0: pass 1 or more"),
+    ("gptq-w4a16", {"num_samples": 4, "seq_len": 1}, UsageError, "--seq-len 1: pass 2 or more"),
+    ("int4-weight-only", {"threads": 0}, UsageError, "--threads 0: pass 1 or more"),
+    ("int4-weight-only", {"dtype": "int7"}, UsageError, "--dtype int7: use one of auto, float32, bfloat16, float16"),
+    ("int4-weight-only", {"device": "tpu"}, HardwareError, "--device tpu: not a device"),
+])
+def test_finalize_makes_the_commands_checks(tiny_model_dir, text_file, tmp_path, recipe, options, error, message):
+    with pytest.raises(error, match=message):
+        quantkit.finalize(tiny_model_dir, tmp_path / "out", recipe, calib_data=str(text_file), **options)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("options, error, message", [
+    ({"seq_len": 1}, UsageError, "--seq-len 1: pass 2 or more"),
+    ({"batch_size": 0}, UsageError, "--batch-size 0: pass 1 or more"),
+    ({"threads": 0}, UsageError, "--threads 0: pass 1 or more"),
+    ({"device": "tpu"}, HardwareError, "--device tpu: not a device"),
+])
+def test_evaluate_makes_the_commands_checks(tiny_model_dir, text_file, options, error, message):
+    with pytest.raises(error, match=message):
+        quantkit.evaluate([tiny_model_dir], data=str(text_file), **options)
+
+
+def test_evaluate_takes_one_model_and_runs_where_the_command_does(monkeypatch):
+    import torch
+
+    import quantkit.evaluation.evaluate
+
+    calls = []
+    monkeypatch.setattr(quantkit.evaluation.evaluate, "compare", lambda models, data, *args, **kwargs: calls.append((models, kwargs)))
+    quantkit.evaluate("./my-model", data="test.txt")
+    models, kwargs = calls[0]
+    assert models == ["./my-model"]  # one model, not its path's characters
+    assert kwargs["device"] == ("cuda" if torch.cuda.is_available() else "cpu")  # eval --device auto

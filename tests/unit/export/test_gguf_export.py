@@ -79,13 +79,15 @@ def test_every_tensor_dequantizes_to_the_quantized_models(wide_model_dir, tmp_pa
     assert field(fields, "general.file_type") == gguf.LlamaFileType[f"MOSTLY_{qtype}"]
 
 
-def k_recipe(qtype: str) -> registry.Recipe:
-    """A round-to-nearest recipe on one K grid (llama.cpp's own rounding, as llama-quantize without an imatrix)."""
+def k_recipe(qtype: str, **fields) -> registry.Recipe:
+    """A round-to-nearest recipe on one K grid (llama.cpp's own rounding, as llama-quantize without an imatrix);
+    `fields`: more of the recipe's (`ignore`)."""
     from quantkit.quant.gguf_mixtures import k_spec
 
     weights = {k: v.value if hasattr(v, "value") else v for k, v in vars(k_spec(qtype)).items()
                if k in ("dtype", "granularity", "group_size", "symmetric", "scale_dtype")}
-    return registry.parse_recipe(f"rtn-{qtype}", {"scheme": {"weights": weights}, "format": "gguf", "on_indivisible": "skip"})
+    return registry.parse_recipe(f"rtn-{qtype}", {"scheme": {"weights": weights}, "format": "gguf", "on_indivisible": "skip",
+                                                    **fields})
 
 
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q3_K"])
@@ -369,3 +371,79 @@ def test_legacy_blocks_are_packed_a_block_of_rows_at_a_time(spec_args, qtype, mo
     assert np.array_equal(gguf_export.pack(values, qweight.qparams)[1], whole)
     decoded = quants.dequantize(whole, GGMLQuantizationType[qtype]).reshape(9, 128)
     assert torch.equal(torch.from_numpy(decoded).float(), qweight.dequantize(torch.float32))
+
+
+FLOAT_TYPES = ("F32", "F16", "BF16")
+
+
+def recorded_types(path) -> tuple[dict[str, str], dict[str, str | None]]:
+    """(GGML type of each tensor the file holds, by llama.cpp's name; the type its embedded quantkit.json records
+    for each: a quantized Linear's file type is its plan's, so recorded as 'quantized'; a tensor the format quantizes
+    itself, its recorded type; a full-precision one, None)."""
+    fields, tensors = read(path)
+    info = json.loads(field(fields, "quantkit.json"))
+    coverage = info["modules"]["coverage"]
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2)
+    recorded = {f"{module}.weight": "quantized" for module in info["modules"]["quantized"]}
+    recorded.update({t["tensor"]: t["type"] for t in coverage.get("quantized_by_format", [])})
+    recorded.update({t["tensor"]: None for t in coverage["full_precision"]})
+    return ({name: t.tensor_type.name for name, t in tensors.items()},
+            {names.get_name(key, try_suffixes=(".weight", ".bias")): kind for key, kind in recorded.items()})
+
+
+@pytest.mark.parametrize("recipe, tied", [("gguf-q4-k-m", False), ("gguf-q8-0", False), ("gguf-q4-0", False),
+                                          ("rtn-Q4_K", True), ("gguf-q4-k-m", True)])
+def test_the_recorded_coverage_is_the_files_tensor_types(k_model_dir, text_file, tmp_path_factory, tmp_path, recipe, tied):
+    """quantkit.json's coverage (which the finalize summary prints) agrees with the file, tensor by tensor: every
+    tensor the file holds in a quantized type is recorded quantized (a mixture's token embedding, Q4_K, and a tied
+    one, in lm_head's type where lm_head is quantized, else the mixture's output type, with that type), every float one as full precision
+    (gguf-q8-0 / gguf-q4-0: the embedding and the ignored lm_head)."""
+    from conftest import make_text
+    from quantkit.models.tiny import build_tiny_llama
+
+    src = k_model_dir
+    if tied:
+        src = build_tiny_llama(tmp_path_factory.mktemp("models") / "k-llama-tied", make_text(3000), hidden_size=256,
+                               intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+                               tie_word_embeddings=True)
+    resolved = k_recipe("Q4_K", ignore=[]) if recipe == "rtn-Q4_K" else registry.resolve(recipe)
+    options = CalibrationOptions(data=str(text_file), num_samples=4, seq_len=32) if resolved.needs_samples else None
+    finalize(src, tmp_path / "m.gguf", resolved, calibration=options)
+    held, recorded = recorded_types(tmp_path / "m.gguf")
+    assert set(recorded) - set(held) == ({"output.weight"} if tied else set())  # tied: llama.cpp reads token_embd
+    assert set(held) <= set(recorded)
+    for name, kind in held.items():
+        if kind in FLOAT_TYPES:
+            assert recorded[name] is None, f"{name}: {kind} in the file, recorded as {recorded[name]}"
+        else:
+            assert recorded[name] in ("quantized", kind), f"{name}: {kind} in the file, recorded as {recorded[name]}"
+    embedding = {("gguf-q4-k-m", False): "Q4_K", ("gguf-q8-0", False): "F32", ("gguf-q4-0", False): "F32",
+                 ("rtn-Q4_K", True): "Q4_K", ("gguf-q4-k-m", True): "Q6_K"}[recipe, tied]
+    assert held["token_embd.weight"] == embedding
+    assert ("output.weight" in held) is not tied
+
+
+def test_the_quantized_tensors_outside_the_plan_are_the_embeddings_the_writer_quantizes():
+    """`quantized_tensors` names the token embedding where the writer quantizes it: a mixture's base type, a tied
+    one in a quantized lm_head's type (the mixture's output type, Q6_K, else the recipe's); else nothing."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from quantkit.export import gguf as gguf_export
+    from quantkit.quant.plan import plan_model
+
+    def stored(recipe, width=256, **config):
+        config = AutoConfig.for_model("llama", hidden_size=width, intermediate_size=512, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=100, **config)
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(config)
+        recipe = for_format(recipe, GGUF)
+        plan = gguf_export.adapt_plan(plan_model(skeleton, recipe), recipe, config)
+        return gguf_export.quantized_tensors(skeleton, plan, recipe)
+
+    assert stored(registry.resolve("gguf-q4-k-m")) == {"model.embed_tokens.weight": "Q4_K"}
+    assert stored(registry.resolve("gguf-q2-k")) == {"model.embed_tokens.weight": "Q2_K"}
+    assert stored(registry.resolve("gguf-q4-k-m"), tie_word_embeddings=True) == {"model.embed_tokens.weight": "Q6_K"}
+    assert stored(k_recipe("Q4_K", ignore=[]), tie_word_embeddings=True) == {"model.embed_tokens.weight": "Q4_K"}
+    assert stored(k_recipe("Q4_K"), tie_word_embeddings=True) == stored(k_recipe("Q4_K", ignore=[])) == {}
+    assert stored(registry.resolve("gguf-q8-0")) == stored(registry.resolve("gguf-q8-0"), tie_word_embeddings=True) == {}
+    assert stored(registry.resolve("gguf-q4-k-m"), width=128) == {}  # rows not whole super-blocks: left float

@@ -277,3 +277,37 @@ def test_calibration_without_a_tokenizer_says_what_to_copy(tiny_model_dir, tmp_p
     with pytest.raises(SourceModelError, match="has no tokenizer files; calibration tokenizes its data with the model's "
                                                "own tokenizer: copy its tokenizer files"):
         calibration_samples(src, registry.resolve("gptq-w4a16"), options)
+
+
+@pytest.mark.parametrize("options, message", [({"num_samples": 0}, "--num-samples 0: pass 1 or more"),
+                                              ({"num_samples": -1}, "--num-samples -1"),
+                                              ({"seq_len": 1}, "--seq-len 1: pass 2 or more")])
+def test_calibration_options_refuse_what_the_command_refuses(options, message):
+    with pytest.raises(UsageError, match=message):
+        checks.CalibrationOptions(**options)
+
+
+def test_calibration_sizes_given_or_the_recipes():
+    recipe = registry.resolve("gptq-w4a16")
+    defaults = (recipe.calibration.num_samples, recipe.calibration.seq_len)
+    assert checks.CalibrationOptions().sizes(recipe) == defaults
+    assert checks.CalibrationOptions(num_samples=3, seq_len=2).sizes(recipe) == (3, 2)
+
+
+@pytest.mark.parametrize("recipe, dst, options, message", [
+    ("int4-weight-only", "out", {"dtype": "int7"}, "--dtype int7: use one of auto, float32"),
+    ("int4-weight-only", "out", {"calibration": checks.CalibrationOptions(device="tpu")}, "--device tpu: not a device"),
+    ("gguf-q8-0", "out.gguf", {"max_shard_size": "500KB"}, "--max-shard-size applies to safetensors formats"),
+])
+def test_a_round_to_nearest_finalize_checks_its_options_too(tiny_model_dir, tmp_path, recipe, dst, options, message):
+    with pytest.raises(UsageError, match=message):
+        prepare(tiny_model_dir, registry.resolve(recipe), dst=tmp_path / dst, **options)
+
+
+def test_calibration_options_a_round_to_nearest_recipe_ignores_are_noted(tiny_model_dir):
+    recipe = registry.resolve("int4-weight-only")
+    given = checks.CalibrationOptions(data="calib.txt", num_samples=5)
+    notes = prepare(tiny_model_dir, recipe, calibration=given).coverage["notes"]
+    assert "int4-weight-only rounds to nearest: --calib-data, --num-samples are not used" in notes
+    assert not checks.unused_calibration(recipe, checks.CalibrationOptions())
+    assert not checks.unused_calibration(registry.resolve("gptq-w4a16"), given)

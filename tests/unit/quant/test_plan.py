@@ -92,3 +92,27 @@ def test_coverage_counts_parameters_and_names_every_full_precision_tensor():
     assert reasons["model.embed_tokens.weight"].startswith("not an nn.Linear weight")
     assert reasons["model.norm.weight"].startswith("a norm")
     assert found["quantized_parameters"] + sum(t["parameters"] for t in found["full_precision"]) == found["all_parameters"]
+
+
+def test_coverage_counts_a_tensor_the_format_quantizes_as_quantized_with_its_type():
+    """A tensor outside the plan that the format stores quantized (GGUF: a mixture's token embedding) is counted as
+    quantized, with its type, and not listed as full precision; the Linear share counts Linear weights only."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from quantkit.quant.plan import coverage
+
+    config = AutoConfig.for_model("llama", hidden_size=64, intermediate_size=176, num_hidden_layers=1,
+                                  num_attention_heads=4, num_key_value_heads=2, vocab_size=100)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    plan = plan_model(model, registry.resolve("int4-weight-only"))
+    linear = sum(e.in_features * e.out_features for e in plan if e.quantized)
+    found = coverage(model, plan, {"model.embed_tokens.weight": "Q4_K"})
+    assert found["quantized_by_format"] == [{"tensor": "model.embed_tokens.weight", "parameters": 64 * 100, "type": "Q4_K"}]
+    assert "model.embed_tokens.weight" not in {t["tensor"] for t in found["full_precision"]}
+    assert found["quantized_linear_parameters"] == linear
+    assert found["quantized_parameters"] == linear + 64 * 100
+    assert found["quantized_parameters"] + sum(t["parameters"] for t in found["full_precision"]) == found["all_parameters"]
+    with pytest.raises(ValueError, match="model.embed_token.weight"):
+        coverage(model, plan, {"model.embed_token.weight": "Q4_K"})  # a name the model does not have: not dropped
