@@ -9,8 +9,10 @@ from typing import Any
 from rich.console import Console
 
 # In a log or a pipe (no terminal) rich would fold tables at 80 columns; give them room unless COLUMNS says.
-out = Console(width=None if sys.stdout.isatty() or "COLUMNS" in os.environ else 160)
-err = Console(stderr=True, width=None if sys.stderr.isatty() or "COLUMNS" in os.environ else 160)
+# Results hold the user's paths, recipe names and values: printed as given, never read as rich markup (`[exp]`,
+# `[/red]`) or emoji codes (`:x:`). Errors are marked up (`[red]error:[/red]`), the user's text in them escaped.
+out = Console(width=None if sys.stdout.isatty() or "COLUMNS" in os.environ else 160, markup=False, emoji=False)
+err = Console(stderr=True, width=None if sys.stderr.isatty() or "COLUMNS" in os.environ else 160, emoji=False)
 
 
 SCHEMA_VERSION = 1  # of every --json document; README "JSON output" lists their fields

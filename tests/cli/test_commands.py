@@ -691,3 +691,13 @@ def test_finalize_refuses_a_revision_of_a_local_directory(fake_finalize, tmp_pat
 def test_finalize_takes_a_gguf_suffix_in_any_case(fake_finalize):
     assert invoke("finalize", "src", "model.GGUF", "-q", "gguf-q8-0", "--quiet").exit_code == 0
     assert str(fake_finalize[0].dst) == "model.GGUF"
+
+
+def test_user_text_is_printed_as_given_not_as_markup_or_emoji(fake_finalize):
+    """Paths and names are the user's: `[exp]` is not a rich markup tag and `:x:` not an emoji code (a path with
+    `[/red]` in it failed after the artifact was written)."""
+    result = invoke("finalize", "src", "runs/[exp]/x[/red]", "-q", "int4-weight-only", env={"COLUMNS": "400"})
+    assert result.exit_code == 0, result.output
+    assert "runs/[exp]/x[/red]" in result.output
+    refused = invoke("finalize", "src", "dst", "-q", "my:x:recipe", env={"COLUMNS": "400"})
+    assert refused.exit_code == 2 and "'my:x:recipe'" in refused.output and "\N{CROSS MARK}" not in refused.output
