@@ -86,27 +86,19 @@ def evaluate(
     would; one `ModelReport` per row of the command's table, in the same order. `models`: one model (a path or
     a hub id) or several; `device`: auto, as the command's, is a GPU when there is one, else the CPU."""
     from quantkit.evaluation.evaluate import compare
-    from quantkit.finalization.checks import CalibrationOptions, check_threads
+    from quantkit.finalization.checks import CalibrationOptions, check_at_least, check_threads
     from quantkit.runtime.hardware import eval_device
 
     models = [models] if isinstance(models, (str, Path)) else models
-    _check_eval_sizes(seq_len=seq_len, stride=stride, max_samples=max_samples, batch_size=batch_size)
+    check_at_least("--seq-len", seq_len, 2)  # eval's limits, which the command's options state
+    for flag, value in (("--stride", stride), ("--max-samples", max_samples), ("--batch-size", batch_size)):
+        check_at_least(flag, value, 1)
     check_threads(threads)
     device = eval_device(device)
     calibration = CalibrationOptions(data=calib_data, device=device, text_field=text_field) if calib_data else None
     return compare([str(m) for m in models], data, quantize, seq_len=seq_len, stride=stride, max_samples=max_samples,
                    batch_size=batch_size, threads=threads, trust_remote_code=trust_remote_code, calibration=calibration,
                    device=device, text_field=text_field)
-
-
-def _check_eval_sizes(**given: int | None) -> None:
-    """`eval`'s limits (--seq-len >= 2; --stride, --max-samples, --batch-size >= 1), which the command's options state."""
-    from quantkit.errors import UsageError
-
-    for name, value in given.items():
-        least = 2 if name == "seq_len" else 1
-        if value is not None and value < least:
-            raise UsageError(f"--{name.replace('_', '-')} {value}: pass {least} or more")
 
 
 def __getattr__(name: str):

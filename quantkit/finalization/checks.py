@@ -43,9 +43,8 @@ class CalibrationOptions:
 
     def __post_init__(self):
         """The limits the CLI's options state (--num-samples >= 1, --seq-len >= 2), for the Python API too."""
-        for flag, value, least in (("--num-samples", self.num_samples, 1), ("--seq-len", self.seq_len, 2)):
-            if value is not None and value < least:
-                raise UsageError(f"{flag} {value}: pass {least} or more")
+        check_at_least("--num-samples", self.num_samples, 1)
+        check_at_least("--seq-len", self.seq_len, 2)
 
     def sizes(self, recipe: Recipe) -> tuple[int, int]:
         """(num_samples, seq_len): the ones given, else the recipe's `calibration` defaults."""
@@ -148,10 +147,15 @@ def check_dtype(dtype: str) -> None:
         raise UsageError(f"--dtype {dtype}: use one of {', '.join(models.DTYPES)}")
 
 
+def check_at_least(flag: str, value: int | None, least: int, otherwise: str = "") -> None:
+    """A size the command's option bounds (`flag`), given through the Python API, where it is given."""
+    if value is not None and value < least:
+        raise UsageError(f"{flag} {value}: pass {least} or more{otherwise}")
+
+
 def check_threads(threads: int | None) -> None:
     """--threads, where given, is 1 or more (None: the cores available)."""
-    if threads is not None and threads < 1:
-        raise UsageError(f"--threads {threads}: pass 1 or more, or leave it out for the cores available")
+    check_at_least("--threads", threads, 1, ", or leave it out for the cores available")
 
 
 def unused_calibration(recipe: Recipe, options: CalibrationOptions) -> list[str]:

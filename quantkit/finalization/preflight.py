@@ -126,14 +126,12 @@ def estimate(prepared, recipe: Recipe, options, world_size: int, dst: str | Path
     passes = None
     learning = None
     recomputed = False  # GPTQ on the CPU computing its stages' inputs twice, where holding them would take too much
+    num_samples, seq_len = options.sizes(recipe)  # the ones given, else the recipe's
     if prepared.rotator is not None and prepared.rotator.learning is not None:
-        count = min(options.batch_size, options.num_samples or recipe.calibration.num_samples)
-        learning = learning_bytes(config, -(-count // world_size), options.seq_len or recipe.calibration.seq_len,
-                                  model_bytes)
+        count = min(options.batch_size, num_samples)
+        learning = learning_bytes(config, -(-count // world_size), seq_len, model_bytes)
         ram["learning the rotations (activations for the backward pass, rotated weights)"] = learning
     if recipe.needs_calibration:
-        num_samples = options.num_samples or recipe.calibration.num_samples
-        seq_len = options.seq_len or recipe.calibration.seq_len
         batches = [data.rank_batches(num_samples, options.batch_size, r, world_size) for r in range(world_size)]
         shares = [sum(map(len, rank)) for rank in batches]
         held = recipe.quantizer.name is Algorithm.GPTQ and _holds_stage_inputs(
@@ -626,7 +624,7 @@ def time_estimate(prepared, recipe: Recipe, options, samples: int, layers: int, 
     from quantkit.calibration import calibrate
 
     count = min(samples, options.batch_size)  # one batch, timed by phase
-    ids = torch.randint(0, 256, (count, options.seq_len or recipe.calibration.seq_len))
+    ids = torch.randint(0, 256, (count, options.sizes(recipe)[1]))
     timed, scale = _timed(recipe, samples, count)
     started = time.perf_counter()
     result = calibrate(model, plan, timed, ids, torch.device(options.device), options.batch_size)
@@ -693,8 +691,9 @@ def _learning_seconds(rotator, model, plan, recipe: Recipe, options) -> float:
     transform = rotator.learning
     timed = dataclasses.replace(transform, learn=Learning(TIMED_LEARNING_STEPS, transform.learn.learning_rate))
     rotator.learning = timed
-    count = min(options.batch_size, options.num_samples or recipe.calibration.num_samples)  # a step's batch
-    ids = torch.randint(0, model.config.vocab_size, (count, options.seq_len or recipe.calibration.seq_len))
+    num_samples, seq_len = options.sizes(recipe)
+    count = min(options.batch_size, num_samples)  # a step's batch
+    ids = torch.randint(0, model.config.vocab_size, (count, seq_len))
     summary = learn_rotations(model, rotator, plan, recipe, ids, torch.device(options.device), options.batch_size)
     return summary["seconds_per_step"] * transform.learn.steps  # the median step after the first
 
