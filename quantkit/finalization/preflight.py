@@ -126,12 +126,13 @@ def estimate(prepared, recipe: Recipe, options, world_size: int, dst: str | Path
     passes = None
     learning = None
     recomputed = False  # GPTQ on the CPU computing its stages' inputs twice, where holding them would take too much
-    num_samples, seq_len = options.sizes(recipe)  # the ones given, else the recipe's
     if prepared.rotator is not None and prepared.rotator.learning is not None:
+        num_samples, seq_len = options.sizes(recipe)  # the ones given, else the recipe's
         count = min(options.batch_size, num_samples)
         learning = learning_bytes(config, -(-count // world_size), seq_len, model_bytes)
         ram["learning the rotations (activations for the backward pass, rotated weights)"] = learning
     if recipe.needs_calibration:
+        num_samples, seq_len = options.sizes(recipe)
         batches = [data.rank_batches(num_samples, options.batch_size, r, world_size) for r in range(world_size)]
         shares = [sum(map(len, rank)) for rank in batches]
         held = recipe.quantizer.name is Algorithm.GPTQ and _holds_stage_inputs(
