@@ -145,7 +145,7 @@ def windows_digest(ids: torch.Tensor, windows: list[Window]) -> str:
     """A short sha256 of the windows and the tokens they hold: two models with the same digest were scored on the
     same token ids in the same windows, so their perplexities compare."""
     hashed = hashlib.sha256(repr(windows).encode())
-    hashed.update(ids[: windows[-1][1]].to(torch.int64).numpy().tobytes())
+    hashed.update(ids[: windows[-1][1]].to("cpu", torch.int64).numpy().tobytes())  # ids may be on a GPU
     return hashed.hexdigest()[:16]
 
 

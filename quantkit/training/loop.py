@@ -214,7 +214,7 @@ def evaluate(run: Run) -> float | None:
     if run.ctx.is_main and run.eval_ids is not None:
         run.model.eval()
         seq_len = run.config.data.seq_len
-        result = perplexity(run.model, run.eval_ids.to(run.ctx.device), seq_len=seq_len,
+        result = perplexity(run.model, run.eval_ids, seq_len=seq_len,
                             max_samples=run.config.train.eval_max_samples).perplexity
         run.model.train()
     distributed.barrier(run.ctx)

@@ -505,3 +505,21 @@ def test_gptq_chooses_a_k_grid_by_the_inputs_importance(name):
     weighted = loss(quantize_k(weight, qtype, hessian.diagonal()).dequantize())
     plain = loss(quantize_k(weight, qtype).dequantize())
     assert ours < weighted and ours < 0.1 * plain, (ours, weighted, plain)
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_actorders_permutation_is_the_two_sided_gather_bit_for_bit(monkeypatch, in_place):
+    """actorder's H[perm][:, perm] gathered one dimension at a time (no broadcast [in, in] index tensors, which a
+    GPU would make contiguous), and with `in_place` in H's own memory, a few rows at a time."""
+    from quantkit.algorithms import gptq
+
+    monkeypatch.setattr(gptq, "REVERSE_CHUNK_ON_DEVICE", 3 * 37 + 5)  # chunks of 3 rows, the last one short
+    h = _hessian(torch.randn(64, 37, generator=torch.Generator().manual_seed(3)))
+    perm = torch.randperm(37, generator=torch.Generator().manual_seed(4))
+    expected = h[perm[:, None], perm]
+    given = h.clone()
+    permuted = gptq._permuted(given, perm, in_place=in_place)
+    assert torch.equal(permuted, expected)
+    assert (permuted.data_ptr() == given.data_ptr()) is in_place
+    if not in_place:
+        assert torch.equal(given, h)  # the caller's H as it was
