@@ -93,12 +93,12 @@ def finalize(
         bool, typer.Option("--force-recipe", help="Quantize a QAT-trained model under a recipe other than its own.")
     ] = False,
     resume: Annotated[
-        bool, typer.Option("--resume", help="Continue an interrupted calibrated run from its last finished layer (saved in DST.partial).")
+        bool, typer.Option("--resume", help="Continue an interrupted calibrated run from its last checkpoint (saved in DST.partial).")
     ] = False,
     checkpoint_every: Annotated[
         Optional[float], typer.Option("--checkpoint-every", metavar="SECONDS", min=0, show_default=False,
                                       help="Save the resume state (the next layer's inputs) at most every SECONDS (default 600); "
-                                           "0 saves it after every layer. Ctrl-C saves the last finished layer in any case.")
+                                           "0 saves it after every layer. A crash or Ctrl-C resumes from the last one saved.")
     ] = None,
     in_memory: Annotated[
         bool, typer.Option("--in-memory", help="Load the whole model instead of streaming it one decoder layer at a time (needs RAM for about twice the model).")

@@ -4,9 +4,13 @@ as this machine's share of M machines that meet at `--rdzv-endpoint`."""
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
+from quantkit.cli import interrupts
+from quantkit.cli.console import err
 from quantkit.cli.options import RdzvBackend
 from quantkit.errors import UsageError
 from quantkit.runtime.environment import THREADS_VARIABLE, available_cores, under_torchrun
@@ -68,32 +72,63 @@ def relaunch(launch: Launch, threads: int | None = None, explained: tuple[int, .
 
 
 def run_torchrun(args: list[str], explained: tuple[int, ...] = ()) -> int:
-    """torch.distributed.run in this process, so that a failed rank is reported in one line (its own error is
-    already printed above it) instead of torchrun's traceback; not at all when its exit code is one of `explained`.
-    Returns the first failed rank's exit code (1 for a rank killed by a signal), 0 when all succeed. torchrun's
-    per-run log directory (its ranks' error files) is a temporary one, removed afterwards: left to itself, torchrun
-    makes a `torchelastic_*` directory under the temporary directory on every run and never removes it."""
-    import logging
+    """torch.distributed.run in this process, its ranks' one-line errors printed once each (`interrupts.said`)
+    instead of once a rank, and no torchrun traceback or log line. Returns the first failed rank's exit code (1
+    for a rank killed by a signal), 128 + signum when this process was interrupted (Ctrl-C: 130; its ranks, told
+    by torchrun, say what they kept), 0 when all succeed. A failed rank that said nothing (killed, or crashed
+    outside Python) is named in one line; so is one whose exit code is not in `explained` (eval's failed gate
+    has printed its results). torchrun's per-run log directory is a temporary one, removed afterwards: left to
+    itself, torchrun makes a `torchelastic_*` directory under the temporary directory on every run and never
+    removes it."""
     import tempfile
 
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
-    from quantkit.cli.console import err
-
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # its own per-failure log lines
-    try:
-        with tempfile.TemporaryDirectory(prefix="quantkit-torchrun-") as logs:
+    _quiet_torchrun()
+    with tempfile.TemporaryDirectory(prefix="quantkit-torchrun-") as logs:
+        messages = Path(logs) / "messages"
+        messages.mkdir()
+        # what the ranks inherit: where their error lines go, and this process's id (each rank stops when it dies)
+        os.environ.update({interrupts.RANK_MESSAGES: str(messages), interrupts.LAUNCHER_PID: str(os.getpid())})
+        try:
             run(parse_args([f"--log-dir={logs}", *args]))
-    except ChildFailedError as exc:
-        rank, failure = exc.get_first_failure()
-        if failure.exitcode in explained:
-            return failure.exitcode
-        killed = f" (killed by {failure.signal_name()})" if failure.exitcode < 0 else f" (exit code {failure.exitcode})"
-        err.print(f"[red]error:[/red] rank {rank} of {_world(args)} failed{killed}; "
-                  "every rank stopped and nothing was written", highlight=False, soft_wrap=True)
-        return failure.exitcode if failure.exitcode > 0 else 1
+        except SignalException as exc:  # every rank was told: rank 0's line (the writer's, where each may have
+            # stopped a moment apart: one after the next checkpoint, one before), else this machine's ranks'
+            _print(interrupts.said(messages, {0}) or interrupts.said(messages))
+            return 128 + int(exc.sigval)
+        except ChildFailedError as exc:
+            rank, failure = exc.get_first_failure()
+            # torchrun stops the other ranks with SIGTERM once one fails, and counts them as failed too: their
+            # "interrupted" is not news
+            stopped = {128 + signal.SIGTERM, -signal.SIGTERM}
+            lines = interrupts.said(messages, {r for r, f in exc.failures.items() if r == rank or f.exitcode not in stopped})
+            _print(lines)
+            if failure.exitcode in explained or (lines and failure.exitcode > 0):
+                return failure.exitcode
+            killed = f" (killed by {failure.signal_name()})" if failure.exitcode < 0 else f" (exit code {failure.exitcode})"
+            interrupts.say(f"[red]error:[/red] rank {rank} of {_world(args)} failed{killed}; the other ranks were stopped")
+            return failure.exitcode if failure.exitcode > 0 else 1
+        finally:
+            for name in (interrupts.RANK_MESSAGES, interrupts.LAUNCHER_PID):
+                os.environ.pop(name, None)
     return 0
+
+
+def _print(lines: list[str]) -> None:
+    for line in lines:
+        err.print(line, highlight=False, soft_wrap=True)
+
+
+def _quiet_torchrun() -> None:
+    """torchrun's own log lines ("Received 2 death signal, shutting down workers", per-failure reports) off: its
+    modules' loggers each have their own level, so the parent's is not enough."""
+    import logging
+
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith("torch.distributed"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
 def _world(args: list[str]) -> int:

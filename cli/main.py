@@ -13,6 +13,7 @@ import typer
 
 from quantkit.cli import eval as eval_cmd
 from quantkit.cli import finalize as finalize_cmd
+from quantkit.cli import interrupts
 from quantkit.cli import recipes as recipes_cmd
 from quantkit.cli import train as train_cmd
 from quantkit.cli.console import err
@@ -34,7 +35,7 @@ def handle_errors(fn: Callable) -> Callable:
     def wrapper(*args, **kwargs):
         from rich.markup import escape
 
-        from quantkit.errors import QuantkitError
+        from quantkit.errors import QuantkitError, interrupt_exit_code
 
         try:
             return fn(*args, **kwargs)
@@ -42,18 +43,17 @@ def handle_errors(fn: Callable) -> Callable:
             if debug_enabled():
                 raise
             # escaped: a message's own brackets ("quantkit-llm[tasks]", a path) are text, not rich markup
-            err.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False, markup=True, soft_wrap=True)
+            interrupts.say(f"[red]error:[/red] {escape(str(exc))}")
             raise typer.Exit(exc.exit_code) from None
-        except KeyboardInterrupt:
-            err.print("interrupted; nothing was written")
-            raise typer.Exit(130) from None
+        except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (`errors.Terminated`)
+            interrupts.say("interrupted; nothing was written")
+            raise typer.Exit(interrupt_exit_code(exc)) from None
         except (typer.Exit, typer.Abort):
             raise
         except Exception as exc:  # a failure we did not anticipate: still one line, exit 1
             if debug_enabled():
                 raise
-            err.print(f"[red]error:[/red] {type(exc).__name__}: {escape(str(exc))} (set QUANTKIT_DEBUG=1 for the traceback)",
-                      highlight=False, soft_wrap=True)
+            interrupts.say(f"[red]error:[/red] {type(exc).__name__}: {escape(str(exc))} (set QUANTKIT_DEBUG=1 for the traceback)")
             raise typer.Exit(1) from None
 
     return wrapper
@@ -89,6 +89,9 @@ app.add_typer(recipes_app, name="recipes")
 def main() -> None:
     """Run the app. A usage error (unknown option, value out of range, missing argument) is one line on stderr
     and exit 2, like every other user mistake; typer's own display would be a multi-line panel."""
+    if not interrupts.follow_launcher():  # a rank whose launcher died before it started
+        sys.exit(143)
+    interrupts.install()  # SIGTERM stops a run as Ctrl-C does
     advise_huge_pages()  # before torch's first CPU allocation, which reads it
     configure_cuda_allocator()  # and its first CUDA allocation
     try:
@@ -101,9 +104,11 @@ def main() -> None:
             where = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
             err.print(f"[red]error:[/red] {exc.format_message()}{where}", highlight=False, soft_wrap=True)
         code = getattr(exc, "exit_code", 2)
-    except typer.Abort:
-        err.print("interrupted; nothing was written")
-        code = 130
+    except typer.Abort as exc:  # an interrupt outside a command's own handling (click's: while parsing)
+        from quantkit.errors import interrupt_exit_code
+
+        interrupts.say("interrupted; nothing was written")
+        code = interrupt_exit_code(exc.__cause__) if isinstance(exc.__cause__, KeyboardInterrupt) else 130
     sys.exit(code if isinstance(code, int) else 0)
 
 

@@ -1,5 +1,7 @@
 """Typed errors. The library raises them; the CLI maps each to a one-line message and an exit code."""
 
+import signal
+
 
 class QuantkitError(Exception):
     """Base class. `exit_code` is what the CLI exits with; the message says what to do."""
@@ -60,7 +62,27 @@ class GateFailedError(QuantkitError):
     exit_code = 3
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a `kill`, a CI job cancelled, a launcher stopping its ranks), met as Ctrl-C is: the run stops the
+    way an interrupt does, keeps what `--resume` can use and leaves nothing half-written (exit 128 + signum)."""
+
+    def __init__(self, signum: int = signal.SIGTERM) -> None:
+        super().__init__()
+        self.signum = signum
+
+
+def interrupt_exit_code(interrupt: BaseException) -> int:
+    """The shell's code for a process stopped by a signal: 130 for Ctrl-C (SIGINT), 143 for SIGTERM."""
+    return 128 + int(getattr(interrupt, "signum", signal.SIGINT))
+
+
 class InterruptedRunError(QuantkitError):
-    """Ctrl-C during calibration, with finished layers saved for `--resume` (exit 130, like any interrupt)."""
+    """An interrupted run that kept its work for `--resume` (finished layers, a training checkpoint): the message
+    says where; exit 130 for Ctrl-C, 143 for SIGTERM, as any interrupt."""
 
     exit_code = 130
+
+    def __init__(self, message: str, interrupt: BaseException | None = None) -> None:
+        super().__init__(message)
+        if interrupt is not None:
+            self.exit_code = interrupt_exit_code(interrupt)

@@ -102,14 +102,30 @@ class Resumable:
             self._check(state["fingerprint"])
             self.completed = state["completed"]
         distributed.barrier(self.ctx)  # every rank has read the state before rank 0 touches the directory
-        if state is None and self.is_main and self.path.exists():
-            kept = set(self.path.glob(LEARNED_ROTATIONS.format(rank="*")))
-            for entry in self.path.iterdir():
-                if entry not in kept:
-                    shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+        if state is None and self.is_main:
+            self._clear()
         distributed.barrier(self.ctx)
         self._last = time.monotonic()
         return state
+
+    def _clear(self) -> None:
+        """Everything in the directory but the learned rotations this run has written."""
+        if not self.path.exists():
+            return
+        kept = set(self.path.glob(LEARNED_ROTATIONS.format(rank="*")))
+        for entry in self.path.iterdir():
+            if entry not in kept:
+                shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+
+    def discard(self) -> None:
+        """An interrupted run with no checkpoint written: its finished layers cannot be resumed from (a new run
+        would discard them), so rank 0 removes them now, and the directory when nothing else is in it (learned
+        rotations stay, for the next run to reuse). No barrier: the other ranks are being interrupted too."""
+        if not self.is_main or self.completed:
+            return
+        self._clear()
+        with contextlib.suppress(OSError):  # not empty (learned rotations), or gone
+            self.path.rmdir()
 
     def _read_state(self) -> dict:
         try:

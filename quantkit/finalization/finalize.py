@@ -299,16 +299,23 @@ def _resumable_errors(prepared: Prepared):
     failed on its own terms (a broken layer, bad data: a rerun would fail the same way)."""
     try:
         yield
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as interrupt:  # Ctrl-C, or SIGTERM (`errors.Terminated`)
         work = prepared.resumable
         if work is not None:
             with contextlib.suppress(Exception):  # the last finished layer's checkpoint, if the interval held it back
                 work.save_pending()
         if work is None or not work.completed:
-            raise
+            if work is None or prepared.resume:
+                raise
+            with contextlib.suppress(Exception):  # finished layers without a checkpoint: nothing to resume from
+                work.discard()
+            raise InterruptedRunError(
+                f"interrupted before the run's first resume checkpoint (every {work.every:g} s, --checkpoint-every; "
+                "0: after every layer); nothing was written", interrupt,
+            ) from None
         raise InterruptedRunError(
-            f"interrupted after {work.completed} finished layers, saved in {work.path}; "
-            "run the same command with --resume to continue from there"
+            f"interrupted after {work.completed} finished layer{'' if work.completed == 1 else 's'}, saved in {work.path}; "
+            "run the same command with --resume to continue from there", interrupt,
         ) from None
     except QuantkitError:
         if prepared.resumable is not None and not prepared.resume:

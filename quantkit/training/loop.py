@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from quantkit import data
-from quantkit.errors import UsageError
+from quantkit.errors import InterruptedRunError, UsageError
 from quantkit.export import atomic, metadata
 from quantkit.models import loading as models
 from quantkit.models import sources
@@ -139,6 +139,17 @@ def load_blocks(config: TrainConfig, tokenizer) -> tuple[torch.Tensor, torch.Ten
     return blocks, data.tokenize(tokenizer, eval_texts) if eval_texts else None
 
 
+def check_token_ids(model: nn.Module, tokenizer, *ids: torch.Tensor | None) -> None:
+    """Every token id of the data has a row in the model's embedding (a tokenizer larger than model.config's
+    vocab_size failed at the first step with torch's "index out of range in self")."""
+    rows = model.get_input_embeddings().num_embeddings
+    top = max(int(t.max()) for t in ids if t is not None and t.numel())
+    if top >= rows:
+        raise UsageError(f"the data's token ids reach {top}, but the model has {rows} token embeddings; the tokenizer "
+                         f"has {len(tokenizer)} tokens: set model.config's vocab_size to at least {len(tokenizer)}, or "
+                         "use the tokenizer the model was made for")
+
+
 def make_optimizer(model: nn.Module, config: TrainConfig):
     t = config.train
     params = [p for p in model.parameters() if p.requires_grad]
@@ -156,6 +167,7 @@ def setup(config: TrainConfig, ctx: Context, recipe: Recipe | None, resume_from:
     t = config.train  # too few blocks for one global batch: refused now, before output_dir is written
     data.micro_batches(len(blocks), t.global_batch_size, t.micro_batch_size, ctx.rank, ctx.world_size, t.seed, 0)
     model = build_model(config, resume_from or found.model, ctx.device)
+    check_token_ids(model, tokenizer, blocks, eval_ids)
     if recipe is not None and recipe.fused_rotations and resume_from is None:  # a checkpoint is rotated already
         from quantkit.quant.rotations import Rotator
 
@@ -353,15 +365,29 @@ def train(config: TrainConfig, resume: str | None = None, overwrite: bool = Fals
         if ctx.is_main:
             start_output(root, config, fresh=overwrite and not resume)
         distributed.barrier(ctx)
-        with progress.training(config.train.max_steps, run.start_step, enabled=ctx.is_main) as update:
-            logger = Logger(run, update)
-            steps, loss, _, tps = loop(run, logger)
-        ppl = evaluate(run)
-        if ctx.is_main and ppl is not None:
-            logger.log({"step": steps, "final_eval_perplexity": ppl})
-        final = save_final(run, steps)
+        try:
+            with progress.training(config.train.max_steps, run.start_step, enabled=ctx.is_main) as update:
+                logger = Logger(run, update)
+                steps, loss, _, tps = loop(run, logger)
+            ppl = evaluate(run)
+            if ctx.is_main and ppl is not None:
+                logger.log({"step": steps, "final_eval_perplexity": ppl})
+            final = save_final(run, steps)
+        except KeyboardInterrupt as interrupt:  # Ctrl-C, or SIGTERM (`errors.Terminated`): output_dir is written
+            raise InterruptedRunError(interrupted(root, config.train.save_interval), interrupt) from None
     return TrainResult(root, final, steps, loss, ppl, time.perf_counter() - began, tps, logger.history,
                        run.start_step, config.qat_recipe)
+
+
+def interrupted(root: Path, save_interval: int) -> str:
+    """What an interrupted run left in `root`, and the command that goes on from it."""
+    newest = checkpoint.latest(root)
+    if newest is not None:
+        return (f"interrupted; the newest checkpoint, {newest}, is kept: run the same command with --resume latest to "
+                "continue from it")
+    every = f"every {save_interval} steps" if save_interval else "save_interval is 0: only the final model is saved"
+    return (f"interrupted before the first checkpoint ({every}); {root} holds only the run's config and log: run the "
+            "same command with --overwrite to start again")
 
 
 def start_output(root: Path, config: TrainConfig, fresh: bool) -> None:

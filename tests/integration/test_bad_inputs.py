@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from conftest import make_text
 
@@ -72,6 +73,13 @@ def sources(tiny_model_dir, tmp_path_factory) -> dict[str, Path]:
     found["evil-config"].write_text(f"model: !!python/object/apply:os.system ['touch {root / 'PWNED'}']\n")
     found["typo-config"] = root / "typo.yaml"
     found["typo-config"].write_text(f"model: {{path: {tiny_model_dir}}}\ndata: {{train: x.txt}}\ntrian: {{max_steps: 1}}\n")
+    found["vocab-config"] = root / "vocab.yaml"  # a tokenizer larger than model.config's vocab_size
+    (root / "train.txt").write_text(make_text(2000, seed=3))
+    found["vocab-config"].write_text(yaml.safe_dump({
+        "model": {"config": {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                             "num_attention_heads": 2, "vocab_size": 64}, "tokenizer": str(tiny_model_dir)},
+        "data": {"train": str(root / "train.txt"), "seq_len": 32}, "train": {"max_steps": 1},
+        "output_dir": str(root / "vocab-run")}))
     return found
 
 
@@ -124,6 +132,7 @@ CASES = {
                                              "--resume"], 2, "no interrupted run"),
     "train config with a python tag": (["train", "{evil-config}"], 2, "not valid YAML"),
     "mistyped train config key": (["train", "{typo-config}"], 2, "trian"),
+    "tokenizer larger than the model's vocabulary": (["train", "{vocab-config}"], 2, "set model.config's vocab_size to at least"),
 }
 if not torch.cuda.is_available():
     CASES["--device cuda without a GPU"] = (["finalize", "{model}", "{dst}", "-q", "gptq-w4a16", "--calib-data", "{short}",
