@@ -70,7 +70,7 @@ def evaluate(
     models: str | Path | Sequence[str | Path],
     data: str,
     *,
-    quantize: Sequence[str] = (),
+    quantize: str | Sequence[str] = (),
     seq_len: int | None = None,
     stride: int | None = None,
     max_samples: int | None = None,
@@ -82,14 +82,19 @@ def evaluate(
     text_field: str = "text",
 ) -> list[ModelReport]:
     """`quantkit eval MODEL ... --data DATA`: each model's perplexity on `data` (a local file or a `datasets`
-    spec), and for each recipe in `quantize`, each full-precision model quantized in memory as `finalize`
-    would; one `ModelReport` per row of the command's table, in the same order. `models`: one model (a path or
+    spec), and for each recipe in `quantize` (one, or several), each full-precision model quantized in memory as
+    `finalize` would; one `ModelReport` per row of the command's table, in the same order. `models`: one model (a path or
     a hub id) or several; `device`: auto, as the command's, is a GPU when there is one, else the CPU."""
     from quantkit.evaluation.evaluate import compare
     from quantkit.finalization.checks import CalibrationOptions, check_at_least, check_threads
     from quantkit.runtime.hardware import eval_device
 
-    models = [models] if isinstance(models, (str, Path)) else models
+    models = [models] if isinstance(models, (str, Path)) else list(models)
+    quantize = [quantize] if isinstance(quantize, (str, Path)) else list(quantize)
+    if not models:
+        from quantkit.errors import UsageError
+
+        raise UsageError("evaluate needs at least one model")
     check_at_least("--seq-len", seq_len, 2)  # eval's limits, which the command's options state
     for flag, value in (("--stride", stride), ("--max-samples", max_samples), ("--batch-size", batch_size)):
         check_at_least(flag, value, 1)

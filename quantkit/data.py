@@ -213,13 +213,14 @@ def sample_blocks(ids: torch.Tensor, num_samples: int, seq_len: int, seed: int =
     num_samples x seq_len + 1 tokens."""
     if num_samples < 1 or seq_len < 1:
         raise DataError(f"num_samples and seq_len must be positive (got {num_samples}, {seq_len})")
-    if ids.numel() < num_samples * seq_len + 1:  # fewer would repeat the same tokens many times over
-        most = max(0, (ids.numel() - 1) // seq_len)
-        fewer = f"at most --num-samples {most} at this --seq-len" if most else f"a --seq-len below {ids.numel()}"
-        raise DataError(
-            f"{source} gives {ids.numel()} tokens, fewer than --num-samples {num_samples} x --seq-len "
-            f"{seq_len} = {num_samples * seq_len}; pass more text, or {fewer}"
-        )
+    tokens, need = ids.numel(), num_samples * seq_len + 1  # one more: the blocks start at random offsets
+    if tokens < need:  # fewer would repeat the same tokens many times over
+        most, shorter = (tokens - 1) // seq_len, (tokens - 1) // num_samples
+        fewer = (f", or at most --num-samples {most} at this --seq-len" if most else
+                 f", or at most --seq-len {shorter} at this --num-samples" if shorter >= 2 else
+                 f", or --num-samples 1 --seq-len {tokens - 1}" if tokens >= 3 else "")
+        raise DataError(f"{source} gives {tokens} tokens; --num-samples {num_samples} x --seq-len {seq_len} needs at "
+                        f"least {need}; pass more text{fewer}")
     generator = torch.Generator().manual_seed(seed)
     starts = torch.randint(0, ids.numel() - seq_len, (num_samples,), generator=generator)
     return torch.stack([ids[start : start + seq_len] for start in starts.tolist()])

@@ -64,10 +64,25 @@ def _snapshot(repo_id: str, revision: str | None, patterns: list[str], what: str
         return Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns))
     except Exception as exc:  # noqa: BLE001 - offline misses, unknown repos and revisions, network failures alike
         reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        at = f" at revision {revision}" if revision else ""
+        download = f"hf download {repo_id}" + (f" --revision {revision}" if revision else "")
+        other = (f", or another --revision (the cache holds {repo_id}, but not {revision})"
+                 if revision and _cached(repo_id, patterns) else "")
         raise SourceModelError(
-            f"{repo_id} is neither a directory nor a {what} in the Hugging Face cache ({reason}); pass a {what} "
-            f"directory, or download it first (`hf download {repo_id}`)"
+            f"{repo_id}{at} is neither a directory nor a {what} in the Hugging Face cache ({reason}); pass a {what} "
+            f"directory, or download it first (`{download}`){other}"
         ) from exc
+
+
+def _cached(repo_id: str, patterns: list[str]) -> bool:
+    """Whether the cache holds `repo_id` at its default revision (offline: a lookup, no download)."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        snapshot_download(repo_id, allow_patterns=patterns, local_files_only=True)
+    except Exception:  # noqa: BLE001 - not cached
+        return False
+    return True
 
 
 def check_safetensors(path: Path) -> None:

@@ -52,7 +52,11 @@ def latest(root: Path) -> Path | None:
 def resolve_resume(root: Path, resume: str) -> Path:
     path = latest(root) if resume == "latest" else Path(resume)
     if path is None:
-        raise UsageError(f"--resume latest: no checkpoint under {root / 'checkpoints'}; start without --resume")
+        held = [p for p in root.iterdir() if p.name != "config.json"] if root.is_dir() else []
+        finished = f" (the run finished without checkpoints: its model is {root / 'final'})" if (root / "final").is_dir() else ""
+        again = ("start without --resume, with --overwrite (the directory's contents are deleted) or another output_dir"
+                 if held else "start without --resume")
+        raise UsageError(f"--resume latest: no checkpoint under {root / 'checkpoints'}{finished}; {again}")
     if not (path / STATE_FILE).is_file():
         raise UsageError(f"--resume {path}: not a quantkit checkpoint (no {STATE_FILE})")
     return path

@@ -311,6 +311,8 @@ def prepare_output(config: TrainConfig, resume: str | None, overwrite: bool) -> 
                          "or output_dir")
     if resume:
         return checkpoint.resolve_resume(root, resume)
+    if overwrite and root.exists():
+        check_inputs_outside(config, root)
     held = [p for p in root.iterdir() if p.name != "config.json"] if root.exists() else []
     if held and not overwrite:  # a config.json alone is what a run refused before its first step would have left
         step = checkpoint.latest(root)
@@ -320,6 +322,17 @@ def prepare_output(config: TrainConfig, resume: str | None, overwrite: bool) -> 
         raise UsageError(f"{root} is not empty and holds no checkpoint to resume; pass --overwrite to start over in it "
                          "(its contents are deleted), or another output_dir")
     return None
+
+
+def check_inputs_outside(config: TrainConfig, root: Path) -> None:
+    """--overwrite empties output_dir: refuse it when the model, tokenizer or data the run reads is in there."""
+    inside = root.resolve()
+    for what, given in [("model.path", config.model.path), ("model.tokenizer", config.model.tokenizer),
+                        ("data.train", config.data.train), ("data.eval", config.data.eval)]:
+        path = Path(given) if given else None
+        if path is not None and path.exists() and (path.resolve() == inside or inside in path.resolve().parents):
+            raise UsageError(f"--overwrite would delete {what} {given}: it is in output_dir {root}; choose another "
+                             "output_dir, or move it out first")
 
 
 def resumed(config: TrainConfig, recipe: Recipe | None, resume_from: Path,

@@ -46,7 +46,9 @@ def test_a_hub_id_missing_from_the_cache_is_a_one_line_usage_error(hub_home, tmp
 
 def test_an_unknown_revision_is_refused(hub_home, tmp_path):
     run = _quantkit(hub_home, "finalize", "org/tiny", str(tmp_path / "out"), "-q", "int8-weight-only", "--revision", "v9")
-    assert run.returncode == 2 and "neither a directory nor a model" in run.stderr
+    assert run.returncode == 2 and "org/tiny at revision v9 is neither a directory nor a model" in run.stderr
+    # the model is there at its default revision: the advice names the revision, and another one
+    assert "`hf download org/tiny --revision v9`), or another --revision (the cache holds org/tiny, but not v9)" in run.stderr
 
 
 def test_max_shard_size_writes_shards_and_an_index_that_load_like_one_file(tiny_model_dir, tmp_path):

@@ -363,7 +363,7 @@ def test_the_tokenizer_defaults_to_the_models_snapshot(hub_home):
 
 @pytest.mark.parametrize("model, message", [
     ({"path": "org/absent"}, "model.path: org/absent is neither a directory nor a model in the Hugging Face cache"),
-    ({"path": "org/tiny", "revision": "v9"}, "model.path: org/tiny is neither a directory nor a model"),
+    ({"path": "org/tiny", "revision": "v9"}, "model.path: org/tiny at revision v9 is neither a directory nor a model"),
     ({"path": "org/tiny", "tokenizer": "org/absent"}, "model.tokenizer: org/absent is neither a directory nor a tokenizer"),
 ])
 def test_a_hub_id_missing_from_the_cache_is_a_one_line_usage_error(workspace, hub_home, tmp_path, model, message):

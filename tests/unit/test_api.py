@@ -85,3 +85,15 @@ def test_evaluate_takes_one_model_and_runs_where_the_command_does(monkeypatch):
     models, kwargs = calls[0]
     assert models == ["./my-model"]  # one model, not its path's characters
     assert kwargs["device"] == ("cuda" if torch.cuda.is_available() else "cpu")  # eval --device auto
+
+
+def test_evaluate_takes_one_recipe_as_it_takes_one_model(monkeypatch):
+    import quantkit.evaluation.evaluate
+
+    calls = []
+    monkeypatch.setattr(quantkit.evaluation.evaluate, "compare", lambda models, data, quantize, **kwargs: calls.append(quantize))
+    quantkit.evaluate("./my-model", data="test.txt", quantize="int8-weight-only")
+    quantkit.evaluate("./my-model", data="test.txt", quantize=["int8-weight-only", "gptq-w4a16"])
+    assert calls == [["int8-weight-only"], ["int8-weight-only", "gptq-w4a16"]]  # not the name's characters
+    with pytest.raises(UsageError, match="at least one model"):
+        quantkit.evaluate([], data="test.txt")

@@ -331,18 +331,33 @@ def test_sample_blocks_at_minimum_length():
     assert blocks.shape == (4, 10) and int(blocks.max()) <= 40
 
 
-@pytest.mark.parametrize("tokens, num_samples, fewer", [(10, 1, "a --seq-len below 10$"),
-                                                        (40, 4, "at most --num-samples 3 at this --seq-len"),
-                                                        (100, 64, "at most --num-samples 9 at this --seq-len")])
+@pytest.mark.parametrize("tokens, num_samples, fewer", [(10, 1, ", or at most --seq-len 9 at this --num-samples$"),
+                                                        (9, 2, ", or at most --seq-len 4 at this --num-samples$"),
+                                                        (40, 4, ", or at most --num-samples 3 at this --seq-len$"),
+                                                        (100, 64, ", or at most --num-samples 9 at this --seq-len$"),
+                                                        (3, 2, ", or --num-samples 1 --seq-len 2$"),
+                                                        (2, 1, "$")])
 def test_too_little_calibration_text_is_refused_saying_how_much_there_is(tokens, num_samples, fewer):
-    """...and what would fit: fewer samples, or where not one sample fits (never --num-samples 0), shorter ones."""
-    with pytest.raises(DataError, match=f"gives {tokens} tokens, fewer than --num-samples {num_samples} x --seq-len 10 "
-                                        f"= {num_samples * 10}; pass more text, or {fewer}"):
+    """...and what would fit, a setting that does (never --num-samples 0): fewer samples, shorter ones, or one."""
+    with pytest.raises(DataError, match=f"gives {tokens} tokens; --num-samples {num_samples} x --seq-len 10 needs at "
+                                        f"least {num_samples * 10 + 1}; pass more text{fewer}"):
         sample_blocks(torch.arange(tokens), num_samples=num_samples, seq_len=10)
 
 
+@pytest.mark.parametrize("tokens, num_samples", [(10, 1), (9, 2), (3, 2), (40, 4), (100, 64)])
+def test_the_advice_for_too_little_text_fits(tokens, num_samples):
+    import re
+
+    with pytest.raises(DataError) as refused:
+        sample_blocks(torch.arange(tokens), num_samples=num_samples, seq_len=10)
+    advice = dict(re.findall(r"--(num-samples|seq-len) (\d+)", str(refused.value).split("; pass more text")[1]))
+    fits = sample_blocks(torch.arange(tokens), num_samples=int(advice.get("num-samples", num_samples)),
+                         seq_len=int(advice.get("seq-len", 10)))
+    assert fits.numel() > 0
+
+
 def test_too_little_calibration_text_names_the_data():
-    with pytest.raises(DataError, match=r"^the calibration data calib\.txt gives 40 tokens, fewer than --num-samples 4"):
+    with pytest.raises(DataError, match=r"^the calibration data calib\.txt gives 40 tokens; --num-samples 4 x --seq-len 10 needs at least 41"):
         sample_blocks(torch.arange(40), num_samples=4, seq_len=10, source="the calibration data calib.txt")
 
 

@@ -243,7 +243,7 @@ def test_the_checked_calibration_blocks_are_the_ones_the_run_uses(tiny_model_dir
 @pytest.mark.parametrize("content, seq_len, message", [
     (None, 100_000, "--seq-len 100000 is longer than the 512 positions"),
     (bytes(range(256)) * 100, 32, "calib.txt is not text"),
-    (b"a few words only\n", 32, "tokens, fewer than --num-samples 4 x --seq-len 32"),
+    (b"a few words only\n", 32, "tokens; --num-samples 4 x --seq-len 32 needs at least 129"),
 ])
 def test_calibration_data_is_refused_before_any_weight_is_read(tiny_model_dir, tmp_path, monkeypatch, content, seq_len,
                                                                message):

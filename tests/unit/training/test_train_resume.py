@@ -100,3 +100,27 @@ def test_a_model_config_too_large_for_ram_is_refused_before_it_is_built(monkeypa
                                          r"\(this machine has 64 GiB\); set its sizes in model.config"):
         loop.check_fits(count, torch.device("cpu"))
     loop.check_fits(count, torch.device("cuda"))  # 4 bytes a parameter in RAM: the rest is on the GPU
+
+
+@pytest.mark.parametrize("inside", ["model.path", "model.tokenizer", "data.train"])
+def test_overwrite_never_deletes_the_runs_own_inputs(tmp_path, inside):
+    """--overwrite empties output_dir: a model, tokenizer or data file in there is refused, and stays."""
+    run = tmp_path / "run"
+    held = run / "base"
+    held.mkdir(parents=True)
+    (held / "config.json").write_text("{}")
+    cfg = config(tmp_path)
+    section, field = inside.split(".")
+    setattr(getattr(cfg, section), field, str(held if field != "train" else held / "config.json"))
+    with pytest.raises(UsageError, match=rf"--overwrite would delete {inside} .*: it is in output_dir"):
+        loop.prepare_output(cfg, None, overwrite=True)
+    assert (held / "config.json").is_file()
+    setattr(getattr(cfg, section), field, str(tmp_path / "elsewhere"))
+    assert loop.prepare_output(cfg, None, overwrite=True) is None
+
+
+def test_resume_latest_without_a_checkpoint_says_what_would_start_over(tmp_path):
+    (tmp_path / "final").mkdir()
+    with pytest.raises(UsageError, match=r"the run finished without checkpoints: its model is .*final\); start without "
+                                         r"--resume, with --overwrite"):
+        checkpoint.resolve_resume(tmp_path, "latest")
