@@ -9,7 +9,9 @@ import typer
 
 from quantkit.cli.console import human_bytes, json_to_stdout, out, quiet_libraries, write_json
 from quantkit.cli.launch import Launch, relaunch
-from quantkit.cli.options import CalibDataOpt, EvalDeviceOpt, JsonOpt, QuietOpt, TextFieldOpt, ThreadsOpt, TrustRemoteCodeOpt
+from quantkit.cli.options import (
+    CalibDataOpt, EvalDeviceOpt, JsonOpt, NumSamplesOpt, QuietOpt, TextFieldOpt, ThreadsOpt, TrustRemoteCodeOpt,
+)
 from quantkit.errors import GateFailedError, UsageError
 from quantkit.evaluation import gguf
 from quantkit.models import sources
@@ -69,6 +71,11 @@ def evaluate(
                                                                     "this many points (percentage points) below the baseline's.")
     ] = None,
     calib_data: CalibDataOpt = None,
+    num_samples: NumSamplesOpt = None,
+    calib_seq_len: Annotated[
+        Optional[int], typer.Option("--calib-seq-len", min=2, help="Tokens per calibration sample (finalize's --seq-len); "
+                                                                   "default: the recipe's.", show_default=False)
+    ] = None,
     tp: Annotated[
         int, typer.Option("--tp", min=1, help="Shard each model over N processes (tensor parallel, transformers' tp_plan): "
                                               "one per GPU on CUDA, else N CPU processes; launches torchrun itself.")
@@ -108,11 +115,13 @@ def evaluate(
     if tasks is not None:
         task_options = TaskOptions(parse_names(tasks), tuple(tasks_dir or ()), limit, trust_remote_code=trust_remote_code)
     device = hardware.eval_device(device) if tp == 1 else device
+    calibrated = any(x is not None for x in (calib_data, num_samples, calib_seq_len))
+    calibration = CalibrationOptions(data=calib_data, num_samples=num_samples, seq_len=calib_seq_len, device=device,
+                                     text_field=text_field, seq_len_flag="--calib-seq-len") if calibrated else None
     reports = library.compare(
         models, data, recipes=quantize or [], seq_len=seq_len, stride=stride, max_samples=max_samples,
-        batch_size=batch_size, tokenizer=tokenizer, threads=threads, trust_remote_code=trust_remote_code, text_field=text_field,
-        progress=Progress(enabled=not quiet),
-        calibration=CalibrationOptions(data=calib_data, device=device, text_field=text_field) if calib_data else None, tasks=task_options,
+        batch_size=batch_size, tokenizer=tokenizer, threads=threads, trust_remote_code=trust_remote_code,
+        text_field=text_field, progress=Progress(enabled=not quiet), calibration=calibration, tasks=task_options,
         tensor_parallel=tp, device=device,
     )
     if not main:  # every rank measured the same numbers; rank 0 reports them

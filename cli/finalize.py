@@ -83,7 +83,8 @@ def finalize(
     rdzv_endpoint: RdzvEndpointOpt = None,
     rdzv_backend: RdzvBackendOpt = RdzvBackend.static,
     dry_run: Annotated[
-        bool, typer.Option("--dry-run", help="Print the plan (samples and GPTQ rows per rank, memory per rank) and exit.")
+        bool, typer.Option("--dry-run", help="Print the plan (samples and GPTQ rows per rank, memory per rank) and exit; "
+                                         "with --quiet, nothing but errors (--json FILE still gets the plan).")
     ] = False,
     revision: RevisionOpt = None,
     max_shard_size: Annotated[
@@ -142,7 +143,7 @@ def finalize(
                                    dtype.value, in_memory)
         if json_path:
             write_json(json_path, "finalize --dry-run", plan)
-        else:
+        if not quiet and not json_to_stdout(json_path):  # --quiet: errors only; the plan goes to --json FILE if given
             print_plan(plan, recipe.name, dst)
         return
     main = runtime.is_main_process()

@@ -10,6 +10,7 @@ import sys
 from typing import Annotated, Callable
 
 import typer
+from typer.core import TyperCommand, TyperGroup
 
 from quantkit.cli import eval as eval_cmd
 from quantkit.cli import finalize as finalize_cmd
@@ -19,7 +20,47 @@ from quantkit.cli import train as train_cmd
 from quantkit.cli.console import err
 from quantkit.runtime.environment import advise_huge_pages, configure_cuda_allocator, debug_enabled
 
+
+def plain_flag(param):
+    """A flag shown with no value after it (`--quiet`): typer 0.29 writes `--quiet <bool>`, and `--quiet true` is
+    refused. An empty metavar takes the type's place there; typer 0.28 and click show a flag's metavar nowhere."""
+    if param is not None and getattr(param, "is_flag", False) and param.metavar is None:
+        param.metavar = ""
+    return param
+
+
+class PlainFlags:
+    """Help that shows flags as flags (`plain_flag`), `--help` included: mixed into typer's command and group."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        for param in self.params:
+            plain_flag(param)
+
+    def get_help_option(self, ctx):
+        return plain_flag(super().get_help_option(ctx))
+
+
+class Group(PlainFlags, TyperGroup):
+    """`quantkit --help` and `quantkit recipes --help`."""
+
+
+class Command(PlainFlags, TyperCommand):
+    """A command's help as docs/commands.md writes it, on every typer pyproject allows, through click's own hooks
+    (a parameter's metavar, `collect_usage_pieces`): flags shown as flags, and the usage line naming the arguments
+    in capitals (`finalize [OPTIONS] SRC DST`, `eval [OPTIONS] MODELS...`) where typer writes `{src} {dst}`."""
+
+    def collect_usage_pieces(self, ctx) -> list[str]:
+        pieces = [self.options_metavar] if self.options_metavar else []
+        for param in self.get_params(ctx):
+            if param.param_type_name == "argument":
+                name = (param.metavar or param.name.upper()) + ("..." if param.nargs == -1 else "")
+                pieces.append(name if param.required else f"[{name}]")
+        return pieces
+
+
 app = typer.Typer(
+    cls=Group,
     name="quantkit",
     help="Make language models smaller and faster by quantization: train (QAT), finalize (PTQ / convert), evaluate, list recipes.",
     no_args_is_help=True,
@@ -77,12 +118,12 @@ def root(
 
 
 # Each command's examples end its --help (epilog) and docs/commands.md (scripts/gen_commands_doc.py)
-app.command("train", no_args_is_help=True, epilog=train_cmd.EXAMPLES)(handle_errors(train_cmd.train))
-app.command("finalize", no_args_is_help=True, epilog=finalize_cmd.EXAMPLES)(handle_errors(finalize_cmd.finalize))
-app.command("eval", no_args_is_help=True, epilog=eval_cmd.EXAMPLES)(handle_errors(eval_cmd.evaluate))
-recipes_app = typer.Typer(help="List and inspect quantization recipes.", no_args_is_help=True)
-recipes_app.command("list", epilog=recipes_cmd.LIST_EXAMPLES)(handle_errors(recipes_cmd.list_recipes))
-recipes_app.command("show", epilog=recipes_cmd.SHOW_EXAMPLES)(handle_errors(recipes_cmd.show))
+app.command("train", cls=Command, no_args_is_help=True, epilog=train_cmd.EXAMPLES)(handle_errors(train_cmd.train))
+app.command("finalize", cls=Command, no_args_is_help=True, epilog=finalize_cmd.EXAMPLES)(handle_errors(finalize_cmd.finalize))
+app.command("eval", cls=Command, no_args_is_help=True, epilog=eval_cmd.EXAMPLES)(handle_errors(eval_cmd.evaluate))
+recipes_app = typer.Typer(cls=Group, help="List and inspect quantization recipes.", no_args_is_help=True)
+recipes_app.command("list", cls=Command, epilog=recipes_cmd.LIST_EXAMPLES)(handle_errors(recipes_cmd.list_recipes))
+recipes_app.command("show", cls=Command, epilog=recipes_cmd.SHOW_EXAMPLES)(handle_errors(recipes_cmd.show))
 app.add_typer(recipes_app, name="recipes")
 
 

@@ -7,7 +7,7 @@ from typing import Annotated
 import typer
 import yaml
 
-from quantkit.cli.console import out, write_json
+from quantkit.cli.console import json_to_stdout, out, write_json
 from quantkit.cli.options import JsonOpt
 from quantkit.quant import registry
 from quantkit.quant.schemes import ActivationSpec, ScaleDtype, WeightObserver, WeightSpec
@@ -40,6 +40,7 @@ def list_recipes(json_path: JsonOpt = None) -> None:
     """
     if json_path:
         write_json(json_path, "recipes list", {"recipes": [recipe.to_dict() for recipe in registry.list_recipes()]})
+    if json_to_stdout(json_path):  # stdout holds the JSON alone; a file leaves it the table
         return
 
     from rich import box
@@ -78,6 +79,7 @@ def show(name: Annotated[str, typer.Argument(help="Recipe name or path to a reci
     recipe = registry.resolve(name)
     if json_path:
         write_json(json_path, "recipes show", {"recipe": recipe.to_dict()})
+    if json_to_stdout(json_path):
         return
     header = f"# quantkit recipe {recipe.name}: saved as FILE.yaml and passed as -q FILE.yaml, it is this recipe, named FILE\n"
     if recipe.online_rotations:

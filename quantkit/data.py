@@ -199,7 +199,7 @@ def _check_window_args(num_tokens: int, seq_len: int, stride: int | None, max_sa
     if seq_len < 2:
         raise DataError(f"seq_len must be at least 2 (got {seq_len})")
     if stride is not None and not 0 < stride <= seq_len:
-        raise DataError(f"stride must be between 1 and seq_len={seq_len} (got {stride})")
+        raise DataError(f"--stride must be between 1 and --seq-len {seq_len} (got {stride})")
     if max_samples is not None and max_samples < 1:
         raise DataError(f"max_samples must be at least 1 (got {max_samples})")
     if num_tokens < 2:
@@ -207,19 +207,20 @@ def _check_window_args(num_tokens: int, seq_len: int, stride: int | None, max_sa
 
 
 def sample_blocks(ids: torch.Tensor, num_samples: int, seq_len: int, seed: int = 0,
-                  source: str = "the calibration data") -> torch.Tensor:
+                  source: str = "the calibration data", seq_len_flag: str = "--seq-len") -> torch.Tensor:
     """`num_samples` blocks of `seq_len` tokens at random offsets, [num_samples, seq_len]; the same seed
     gives the same blocks. Refused where `ids` (from `source`, as the message names it) hold fewer than
-    num_samples x seq_len + 1 tokens."""
+    num_samples x seq_len + 1 tokens, naming the caller's option for seq_len (`seq_len_flag`)."""
     if num_samples < 1 or seq_len < 1:
         raise DataError(f"num_samples and seq_len must be positive (got {num_samples}, {seq_len})")
     tokens, need = ids.numel(), num_samples * seq_len + 1  # one more: the blocks start at random offsets
     if tokens < need:  # fewer would repeat the same tokens many times over
         most, shorter = (tokens - 1) // seq_len, (tokens - 1) // num_samples
-        fewer = (f", or at most --num-samples {most} at this --seq-len" if most else
-                 f", or at most --seq-len {shorter} at this --num-samples" if shorter >= 2 else
-                 f", or --num-samples 1 --seq-len {tokens - 1}" if tokens >= 3 else "")
-        raise DataError(f"{source} gives {tokens} tokens; --num-samples {num_samples} x --seq-len {seq_len} needs at "
+        flag = seq_len_flag
+        fewer = (f", or at most --num-samples {most} at this {flag}" if most else
+                 f", or at most {flag} {shorter} at this --num-samples" if shorter >= 2 else
+                 f", or --num-samples 1 {flag} {tokens - 1}" if tokens >= 3 else "")
+        raise DataError(f"{source} gives {tokens} tokens; --num-samples {num_samples} x {flag} {seq_len} needs at "
                         f"least {need}; pass more text{fewer}")
     generator = torch.Generator().manual_seed(seed)
     starts = torch.randint(0, ids.numel() - seq_len, (num_samples,), generator=generator)

@@ -40,11 +40,12 @@ class CalibrationOptions:
     checkpoint_every: float = CHECKPOINT_EVERY  # seconds between the resume state's checkpoints (0: every layer)
     max_device_bytes: int | None = None  # --max-gpu-memory: the GPU memory calibration keeps within (None: what is free)
     text_field: str = "text"  # --text-field: the field (a .jsonl key, a parquet or datasets column) holding the text
+    seq_len_flag: str = "--seq-len"  # the option messages name for seq_len: finalize's --seq-len, eval's --calib-seq-len
 
     def __post_init__(self):
         """The limits the CLI's options state (--num-samples >= 1, --seq-len >= 2), for the Python API too."""
         check_at_least("--num-samples", self.num_samples, 1)
-        check_at_least("--seq-len", self.seq_len, 2)
+        check_at_least(self.seq_len_flag, self.seq_len, 2)
 
     def sizes(self, recipe: Recipe) -> tuple[int, int]:
         """(num_samples, seq_len): the ones given, else the recipe's `calibration` defaults."""
@@ -55,7 +56,7 @@ class CalibrationOptions:
     def given(self) -> list[str]:
         """The calibration options given (their flags), for a recipe that reads no data to say it ignores them."""
         return [flag for flag, value in (("--calib-data", self.data), ("--num-samples", self.num_samples),
-                                         ("--seq-len", self.seq_len)) if value is not None]
+                                         (self.seq_len_flag, self.seq_len)) if value is not None]
 
 
 @dataclass
@@ -283,23 +284,25 @@ def calibration_samples(src: Path, recipe: Recipe, options: CalibrationOptions, 
     check_calibration_data(recipe, options)
     num_samples, seq_len = options.sizes(recipe)
     check_seq_len(src, config or models.load_config(src, trust_remote_code), seq_len,
-                  None if options.seq_len is not None else recipe.name)
+                  None if options.seq_len is not None else recipe.name, options.seq_len_flag)
     spec = options.data or recipe.calibration.dataset
     tokenizer = models.load_tokenizer(src, trust_remote_code, fix="calibration tokenizes its data with the model's "
                                       "own tokenizer: copy its tokenizer files (tokenizer.json, tokenizer_config.json) into SRC")
     ids = data.tokenize(tokenizer, data.load_texts(spec, options.text_field, field_advice="pass --text-field NAME"))
-    return data.sample_blocks(ids, num_samples, seq_len, seed=options.seed, source=f"the calibration data {spec}")
+    return data.sample_blocks(ids, num_samples, seq_len, seed=options.seed, source=f"the calibration data {spec}",
+                              seq_len_flag=options.seq_len_flag)
 
 
-def check_seq_len(src: Path, config, seq_len: int, recipe_name: str | None = None) -> None:
+def check_seq_len(src: Path, config, seq_len: int, recipe_name: str | None = None, flag: str = "--seq-len") -> None:
     """Calibration blocks no longer than the model's positions (config.json's max_position_embeddings): a longer
-    one computes for minutes on positions the model never learned. `recipe_name`: the length is the recipe's."""
+    one computes for minutes on positions the model never learned. `recipe_name`: the length is the recipe's;
+    `flag`: the option that sets it."""
     limit = models.max_positions(config)
     if limit is None or seq_len <= limit:
         return
-    asked = f"recipe '{recipe_name}' calibrates on {seq_len}-token samples," if recipe_name else f"--seq-len {seq_len} is"
+    asked = f"recipe '{recipe_name}' calibrates on {seq_len}-token samples," if recipe_name else f"{flag} {seq_len} is"
     raise UsageError(f"{asked} longer than the {limit} positions of {src} (max_position_embeddings in config.json); "
-                     f"pass --seq-len {limit} or less")
+                     f"pass {flag} {limit} or less")
 
 
 def artifact_dtype(prepared: Prepared, recipe: Recipe, dtype: str, trust_remote_code: bool = False) -> str:

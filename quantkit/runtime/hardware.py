@@ -14,14 +14,15 @@ def cuda_capability() -> tuple[int, int] | None:
     return torch.cuda.get_device_capability()
 
 
-def check_device(name: str) -> None:
-    """A compute device this machine has (`--device cuda` on a CPU-only machine is refused before any work)."""
+def check_device(name: str, choices: str = "cpu, cuda or cuda:N") -> None:
+    """A compute device this machine has (`--device cuda` on a CPU-only machine is refused before any work);
+    `choices`: what the option takes, for the message."""
     import torch
 
     try:
         device = torch.device(name)
     except (RuntimeError, ValueError):
-        raise HardwareError(f"--device {name}: not a device; use cpu, cuda or cuda:N") from None
+        raise HardwareError(f"--device {name}: not a device; use {choices}") from None
     if device.type == "cuda":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if count == 0:
@@ -58,5 +59,5 @@ def eval_device(name: str) -> str:
         import torch
 
         return "cuda" if torch.cuda.is_available() else "cpu"
-    check_device(name)
+    check_device(name, "auto, cpu, cuda or cuda:N")
     return name

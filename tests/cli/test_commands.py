@@ -502,6 +502,43 @@ def test_recipes_list_and_show_json():
     assert shown["recipe"] == registry.resolve("gptq-w4a16").to_dict()
 
 
+def test_json_to_a_file_keeps_what_recipes_and_dry_run_print(monkeypatch, tmp_path):
+    """--json FILE: "Also write the result as JSON to this file"; only `--json -` leaves the output out."""
+    monkeypatch.setattr(quantkit.finalization.finalize, "dry_run", lambda *args: DRY_RUN_PLAN)
+    for args, printed in ((["recipes", "list"], "int8-dynamic-act-int4-weight"),
+                          (["recipes", "show", "int4-weight-only"], "group_size: 128"),
+                          (["finalize", "src", "dst", "-q", "int4-weight-only", "--dry-run"], "preflight (nothing loaded)")):
+        target = tmp_path / "r.json"
+        result = invoke(*args, "--json", str(target), env={"COLUMNS": "400"})
+        assert result.exit_code == 0 and printed in result.stdout, result.output
+        assert json.loads(target.read_text())["schema_version"] == 1
+        target.unlink()
+
+
+DRY_RUN_PLAN = {"ranks": 1, "samples_per_rank": [], "seq_len": 0, "gptq_rows_per_rank": [], "preflight": {
+    "peak_ram_bytes": 10, "streamed": True, "peak_ram_breakdown": {}, "peak_device_bytes": 0, "output_bytes": 5,
+    "model_bytes": 20, "work_dir_bytes": 0, "fits_on_disk": True, "free_disk_bytes": 100, "disk_needed_bytes": 5}}
+
+
+def test_dry_run_quiet_prints_nothing_and_still_writes_the_json(monkeypatch, tmp_path):
+    monkeypatch.setattr(quantkit.finalization.finalize, "dry_run", lambda *args: DRY_RUN_PLAN)
+    result = invoke("finalize", "src", "dst", "-q", "int4-weight-only", "--dry-run", "--quiet")
+    assert result.exit_code == 0 and result.output == ""
+    result = invoke("finalize", "src", "dst", "-q", "int4-weight-only", "--dry-run", "--quiet", "--json", str(tmp_path / "p.json"))
+    assert result.exit_code == 0 and result.output == ""
+    assert json.loads((tmp_path / "p.json").read_text())["preflight"]["output_bytes"] == 5
+
+
+def test_help_names_arguments_in_capitals_and_shows_flags_without_a_value():
+    """As docs/commands.md writes them; typer 0.29 writes `{src} {dst}` and `--overwrite <bool>`."""
+    shown = invoke("finalize", "--help", env={"COLUMNS": "400"}).output
+    assert "finalize [OPTIONS] SRC DST" in shown and "<bool>" not in shown
+    shown = invoke("eval", "--help", env={"COLUMNS": "400"}).output
+    assert "eval [OPTIONS] MODELS..." in shown and "<bool>" not in shown
+    assert "<bool>" not in invoke("--help", env={"COLUMNS": "400"}).output
+    assert "recipes show [OPTIONS] NAME" in invoke("recipes", "show", "--help", env={"COLUMNS": "400"}).output
+
+
 def test_train_json_to_stdout(fake_train, train_yaml):
     document = _only_json(invoke("train", str(train_yaml), "--json", "-"))
     assert (document["command"], document["steps"], document["final_dir"]) == ("train", 3, str(Path("o/final")))

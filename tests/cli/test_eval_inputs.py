@@ -102,3 +102,28 @@ def test_with_tp_the_seq_len_is_checked_before_any_rank_is_launched(tiny_model_d
     result = invoke("eval", tiny_model_dir, "--data", text_file, "--seq-len", "513", "--tp", "2", "--device", "cpu")
     assert result.exit_code == 2
     assert one_line(result).startswith(f"error: --seq-len 513 is beyond {tiny_model_dir}'s 512 positions")
+
+
+def test_calibration_sizes_reach_compare(fake_compare):
+    """-q previews calibrate as finalize does: --num-samples, and --calib-seq-len (finalize's --seq-len; eval's
+    --seq-len is the window)."""
+    result = invoke("eval", "a", "--data", "t.txt", "-q", "gptq-w4a16", "--calib-data", "c.txt", "--num-samples", "4",
+                    "--calib-seq-len", "64", "--seq-len", "128")
+    assert result.exit_code == 0, result.output
+    call = fake_compare[0]
+    assert (call.seq_len, call.calibration.num_samples, call.calibration.seq_len) == (128, 4, 64)
+    assert invoke("eval", "a", "--data", "t.txt", "-q", "gptq-w4a16", "--num-samples", "4").exit_code == 0
+    assert fake_compare[1].calibration.num_samples == 4  # the recipe's own dataset, fewer samples
+    assert invoke("eval", "a", "--data", "t.txt").exit_code == 0 and fake_compare[2].calibration is None
+
+
+def test_too_little_calibration_text_names_evals_options(tiny_model_dir, text_file, tmp_path):
+    """The library names the option that set the calibration length: eval's --calib-seq-len, not its window's."""
+    short = tmp_path / "short.txt"
+    short.write_text("a few words, not nearly enough for the recipe's samples\n" * 20)
+    result = invoke("eval", tiny_model_dir, "--data", text_file, "-q", "gptq-w4a16", "--calib-data", short,
+                    "--seq-len", "64", "--calib-seq-len", "32")
+    assert result.exit_code == 2
+    line = one_line(result)
+    assert "; --num-samples 128 x --calib-seq-len 32 needs at least 4097" in line
+    assert "at this --calib-seq-len" in line and " --seq-len" not in line

@@ -290,8 +290,8 @@ def test_max_samples_keeps_the_first_windows():
     "args, match",
     [
         ((100, 1, None, None), "seq_len must be at least 2"),
-        ((100, 10, 0, None), "stride must be between 1 and seq_len=10"),
-        ((100, 10, 11, None), "stride must be between 1 and seq_len=10"),
+        ((100, 10, 0, None), "--stride must be between 1 and --seq-len 10"),
+        ((100, 10, 11, None), "--stride must be between 1 and --seq-len 10"),
         ((100, 10, None, 0), "max_samples must be at least 1"),
         ((1, 10, None, None), "perplexity needs at least 2"),
     ],

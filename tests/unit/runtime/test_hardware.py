@@ -45,3 +45,8 @@ def test_eval_device_auto_is_the_gpu_when_there_is_one(monkeypatch):
         hardware.eval_device("cuda")
     with pytest.raises(HardwareError, match="not a device"):
         hardware.eval_device("gpu0")
+
+
+def test_evals_device_error_names_auto_its_default():
+    with pytest.raises(HardwareError, match=r"^--device foo: not a device; use auto, cpu, cuda or cuda:N$"):
+        hardware.eval_device("foo")
