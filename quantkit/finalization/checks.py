@@ -117,12 +117,14 @@ def prepare(
     plan = exporter(fmt).adapt_plan(_check_model(src, skeleton, recipe), recipe, config)
     rotator = _check_rotations(skeleton, recipe, trained)
     report = coverage(skeleton, plan, exporter(fmt).quantized_tensors(skeleton, plan, recipe))
-    report["notes"] = exporter(fmt).notes(skeleton, recipe) + unused_calibration(recipe, options)
+    report["notes"] = exporter(fmt).notes(skeleton, recipe) + unused_calibration(recipe, options) + unmatched_ignore(plan, recipe)
     prepared = Prepared(src=src, format=fmt, plan=plan, coverage=report, shard_bytes=shard_bytes, rotator=rotator,
                         recipe=recipe)
     prepared.loading = _whole_model_reason(src, fmt, skeleton, in_memory, rotator is not None,
                                            rotator is not None and rotator.learning is not None)
     prepared.dtype = artifact_dtype(prepared, recipe, dtype, trust_remote_code)
+    if trained is not None and not force_recipe:
+        check_qat_dtype(prepared, recipe, dtype, trust_remote_code)
     if recipe.needs_samples and (dst is not None or calibration is not None):
         prepared.samples = calibration_samples(src, recipe, options, trust_remote_code, config)
         prepared.samples_options = options
@@ -208,19 +210,46 @@ def check_qat_recipe(src: Path, recipe: Recipe, fmt: Format, force: bool = False
     trained = (metadata.read(src) or {}).get("qat")
     if not trained:
         return None
-    name = trained["recipe"]["name"]
-    trained = {**trained["recipe"], "scheme": quantized_scheme(trained["recipe"]["scheme"], recipe, fmt)}
+    recorded, name = trained["recipe"], _trained_recipe_arg(trained["recipe"])
+    trained = {**recorded, "scheme": quantized_scheme(recorded["scheme"], recipe, fmt)}
     if trained["scheme"] != recipe.to_dict()["scheme"] and not force:
         raise UsageError(
             f"{src} was trained with --qat-recipe {name}; finalize it with --quantize {name}, "
             f"or pass --force-recipe to quantize it under {recipe.name} anyway"
         )
+    own = Format(recorded.get("format", fmt.value))
+    if own is not fmt and not force and quantized_scheme(recorded["scheme"], recipe, own) != trained["scheme"]:
+        raise FormatError(  # e.g. int4 g128 trained for compressed-tensors, written as GGUF's Q4_0 (fp16 scales, g32)
+            f"{src} was trained with QAT on {name}'s grid in format {own.value}, and {fmt.value} writes another grid: "
+            f"the weights would not be the trained ones; write --format {own.value}, train with a {fmt.value} recipe "
+            f"(quantkit recipes list), or pass --force-recipe to accept the difference")
     if mismatch := exporter(fmt).qat_mismatch(recipe.scheme):
         keeping = [f.value for f in Format if f is not fmt and exporter(f).unsupported(recipe) is None
                    and exporter(f).qat_mismatch(recipe.scheme) is None]
         hint = f": use --format {keeping[0]}, which keeps the trained weights exactly" if keeping else ""
         raise FormatError(f"{src} was trained with QAT on the scheme's grid, which {mismatch}{hint}")
     return trained
+
+
+def _trained_recipe_arg(recorded: dict) -> str:
+    """What to pass as --quantize to convert a model QAT trained under `recorded` (quantkit.json's recipe): its name
+    when that is the shipped recipe it trained with, else the file it was read from."""
+    name, source = recorded["name"], recorded.get("source") or ""
+    if name in registry.recipe_names() and registry.resolve(name).to_dict()["scheme"] == recorded["scheme"]:
+        return name
+    return source or name
+
+
+def check_qat_dtype(prepared: Prepared, recipe: Recipe, dtype: str, trust_remote_code: bool = False) -> None:
+    """A QAT model converts exactly in the dtype `--dtype auto` gives; another re-rounds the weights it trained."""
+    exact = artifact_dtype(prepared, recipe, "auto", trust_remote_code)
+    if exact == "auto":
+        exact = str(_source_dtype(prepared, trust_remote_code)).removeprefix("torch.")
+    if dtype in ("auto", exact):
+        return
+    raise UsageError(f"--dtype {dtype} re-rounds the weights {prepared.src} was QAT-trained in, so the artifact would "
+                     "not be the trained model; leave --dtype auto to convert them exactly, or pass --force-recipe "
+                     "to accept the difference")
 
 
 def quantized_scheme(scheme: dict, recipe: Recipe, fmt: Format) -> dict:
@@ -236,6 +265,15 @@ def quantized_scheme(scheme: dict, recipe: Recipe, fmt: Format) -> dict:
     except SchemeError:  # recorded by a quantkit that spelt schemes otherwise: compared as it is
         return scheme
     return for_format(replace(recipe, scheme=parsed), fmt).to_dict()["scheme"]
+
+
+def unmatched_ignore(plan: list[ModulePlan], recipe: Recipe) -> list[str]:
+    """A note for each `ignore` entry that leaves no Linear of this model out (a misspelt `lm_hed` quantized
+    lm_head without a word)."""
+    from quantkit.quant.plan import is_ignored
+
+    return [f"ignore: {entry!r} matches no Linear of this model, so it leaves nothing in full precision"
+            for entry in recipe.ignore if not any(is_ignored(module.name, (entry,)) for module in plan)]
 
 
 def convert_recipe(recipe: Recipe, trained: dict | None) -> Recipe:

@@ -9,7 +9,7 @@ import torch
 
 from conftest import make_text
 from quantkit.errors import FormatError, HardwareError, SourceModelError, UsageError
-from quantkit.export import check_supported
+from quantkit.export import check_supported, for_format
 from quantkit.finalization import checks
 from quantkit.finalization.checks import prepare
 from quantkit.finalization.finalize import round_to_nearest
@@ -63,6 +63,33 @@ def _qat_trained(tiny_model_dir, tmp_path, recipe):
     return src
 
 
+def test_a_qat_model_is_not_written_on_another_formats_grid_or_dtype_without_force(tiny_model_dir, tmp_path):
+    """int4 g128 trained for compressed-tensors, written as GGUF (Q4_0's fp16 scales, groups of 32) or in
+    bfloat16, would not hold the trained weights: refused unless --force-recipe; its own format and dtype pass."""
+    recipe = registry.resolve("int4-weight-only")
+    src = _qat_trained(tiny_model_dir, tmp_path, recipe)
+    with pytest.raises(FormatError, match=r"trained with QAT on int4-weight-only's grid in format compressed-tensors, "
+                                          r"and gguf writes another grid.*--format compressed-tensors"):
+        prepare(src, for_format(recipe, Format.GGUF), Format.GGUF)
+    prepare(src, for_format(recipe, Format.GGUF), Format.GGUF, force_recipe=True)
+    with pytest.raises(UsageError, match="--dtype bfloat16 re-rounds the weights"):
+        prepare(src, recipe, dtype="bfloat16")
+    prepare(src, recipe, dtype="bfloat16", force_recipe=True)
+    prepare(src, recipe, dtype="auto")
+    prepare(src, recipe, dtype="float32")  # what auto gives for this float32 model
+
+
+def test_an_ignore_entry_matching_nothing_is_noted(tiny_model_dir, tmp_path):
+    path = tmp_path / "ign.yaml"
+    path.write_text("scheme: {weights: {dtype: int4, granularity: group, group_size: 32}}\nformat: compressed-tensors\n"
+                    "ignore: [lm_hed, lm_head]\n")
+    notes = prepare(tiny_model_dir, registry.resolve(str(path))).coverage["notes"]
+    assert [n for n in notes if n.startswith("ignore:")] == [
+        "ignore: 'lm_hed' matches no Linear of this model, so it leaves nothing in full precision"]
+    assert not [n for n in prepare(tiny_model_dir, registry.resolve("int4-weight-only")).coverage["notes"]
+                if n.startswith("ignore:")]
+
+
 def test_a_model_qat_trained_for_another_recipe_needs_force_recipe(tiny_model_dir, tmp_path):
     src = _qat_trained(tiny_model_dir, tmp_path, registry.resolve("int4-weight-only"))
     with pytest.raises(UsageError, match="trained with --qat-recipe int4-weight-only; finalize it with --quantize int4-weight-only"):
@@ -80,8 +107,8 @@ def test_a_model_qat_trained_for_a_gguf_recipe_with_model_dtype_scales_is_finali
     recipe = registry.resolve(str(path))
     src = _qat_trained(tiny_model_dir, tmp_path, recipe)  # scale_dtype "model" in the record
     prepare(src, for_format(recipe, recipe.format))  # as finalize passes it
-    with pytest.raises(UsageError, match="trained with --qat-recipe my-q4"):
-        prepare(src, registry.resolve("int4-weight-only"))
+    with pytest.raises(UsageError, match=r"trained with --qat-recipe \S*my-q4\.yaml; finalize it with --quantize \S*my-q4\.yaml"):
+        prepare(src, registry.resolve("int4-weight-only"))  # a recipe file: the advice names the file, not "my-q4"
 
 
 @pytest.mark.parametrize("name, exact", [("nvfp4-a16", False), ("int4-weight-only", True)])
