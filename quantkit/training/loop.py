@@ -150,6 +150,14 @@ def check_token_ids(model: nn.Module, tokenizer, *ids: torch.Tensor | None) -> N
                          "use the tokenizer the model was made for")
 
 
+def check_positions(model: nn.Module, seq_len: int) -> None:
+    """Blocks no longer than the model's positions, as eval and finalize refuse longer windows and samples."""
+    limit = models.max_positions(model.config)
+    if limit is not None and seq_len > limit:
+        raise UsageError(f"data.seq_len {seq_len} is beyond the model's {limit} positions (max_position_embeddings); "
+                         f"set data.seq_len to {limit} or less")
+
+
 def make_optimizer(model: nn.Module, config: TrainConfig):
     t = config.train
     params = [p for p in model.parameters() if p.requires_grad]
@@ -168,6 +176,7 @@ def setup(config: TrainConfig, ctx: Context, recipe: Recipe | None, resume_from:
     data.micro_batches(len(blocks), t.global_batch_size, t.micro_batch_size, ctx.rank, ctx.world_size, t.seed, 0)
     model = build_model(config, resume_from or found.model, ctx.device)
     check_token_ids(model, tokenizer, blocks, eval_ids)
+    check_positions(model, config.data.seq_len)
     if recipe is not None and recipe.fused_rotations and resume_from is None:  # a checkpoint is rotated already
         from quantkit.quant.rotations import Rotator
 

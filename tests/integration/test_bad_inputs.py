@@ -80,6 +80,13 @@ def sources(tiny_model_dir, tmp_path_factory) -> dict[str, Path]:
                              "num_attention_heads": 2, "vocab_size": 64}, "tokenizer": str(tiny_model_dir)},
         "data": {"train": str(root / "train.txt"), "seq_len": 32}, "train": {"max_steps": 1},
         "output_dir": str(root / "vocab-run")}))
+    found["positions-config"] = root / "positions.yaml"  # blocks longer than the model's positions
+    found["positions-config"].write_text(yaml.safe_dump({
+        "model": {"config": {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                             "num_attention_heads": 2, "vocab_size": 4096, "max_position_embeddings": 16},
+                  "tokenizer": str(tiny_model_dir)},
+        "data": {"train": str(root / "train.txt"), "seq_len": 32}, "train": {"max_steps": 1},
+        "output_dir": str(root / "positions-run")}))
     return found
 
 
@@ -133,6 +140,7 @@ CASES = {
     "train config with a python tag": (["train", "{evil-config}"], 2, "not valid YAML"),
     "mistyped train config key": (["train", "{typo-config}"], 2, "trian"),
     "tokenizer larger than the model's vocabulary": (["train", "{vocab-config}"], 2, "set model.config's vocab_size to at least"),
+    "train blocks beyond the model's positions": (["train", "{positions-config}"], 2, "data.seq_len 32 is beyond the model's 16 positions"),
 }
 if not torch.cuda.is_available():
     CASES["--device cuda without a GPU"] = (["finalize", "{model}", "{dst}", "-q", "gptq-w4a16", "--calib-data", "{short}",
