@@ -75,7 +75,7 @@ def grid(spec: WeightSpec | ActivationSpec) -> str:
 
 
 def show(name: Annotated[str, typer.Argument(help="Recipe name or path to a recipe .yaml file.")], json_path: JsonOpt = None) -> None:
-    """One recipe as a recipe file, every default spelt out: save it, edit it, pass it to -q."""
+    """One recipe as a recipe file, its scheme's, algorithm's and calibration's defaults spelt out: save it, edit it, pass it to -q."""
     recipe = registry.resolve(name)
     if json_path:
         write_json(json_path, "recipes show", {"recipe": recipe.to_dict()})
