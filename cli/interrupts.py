@@ -61,6 +61,11 @@ def say(line: str) -> None:
         with open(Path(where) / f"rank-{int(rank):05d}.txt", "a", encoding="utf-8") as fh:
             fh.write(line.replace("\n", " ") + "\n")
         return
+    show(line)
+
+
+def show(line: str) -> None:
+    """A one-line message (rich markup) on stderr."""
     err.print(line, highlight=False, soft_wrap=True)
 
 

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from quantkit.cli import interrupts
-from quantkit.cli.console import err
 from quantkit.cli.options import RdzvBackend
 from quantkit.errors import UsageError
 from quantkit.runtime.environment import THREADS_VARIABLE, available_cores, under_torchrun
@@ -96,7 +95,8 @@ def run_torchrun(args: list[str], explained: tuple[int, ...] = ()) -> int:
             run(parse_args([f"--log-dir={logs}", *args]))
         except SignalException as exc:  # every rank was told: rank 0's line (the writer's, where each may have
             # stopped a moment apart: one after the next checkpoint, one before), else this machine's ranks'
-            _print(interrupts.said(messages, {0}) or interrupts.said(messages))
+            for line in interrupts.said(messages, {0}) or interrupts.said(messages):
+                interrupts.show(line)
             return 128 + int(exc.sigval)
         except ChildFailedError as exc:
             rank, failure = exc.get_first_failure()
@@ -104,7 +104,8 @@ def run_torchrun(args: list[str], explained: tuple[int, ...] = ()) -> int:
             # "interrupted" is not news
             stopped = {128 + signal.SIGTERM, -signal.SIGTERM}
             lines = interrupts.said(messages, {r for r, f in exc.failures.items() if r == rank or f.exitcode not in stopped})
-            _print(lines)
+            for line in lines:
+                interrupts.show(line)
             if failure.exitcode in explained or (lines and failure.exitcode > 0):
                 return failure.exitcode
             killed = f" (killed by {failure.signal_name()})" if failure.exitcode < 0 else f" (exit code {failure.exitcode})"
@@ -114,11 +115,6 @@ def run_torchrun(args: list[str], explained: tuple[int, ...] = ()) -> int:
             for name in (interrupts.RANK_MESSAGES, interrupts.LAUNCHER_PID):
                 os.environ.pop(name, None)
     return 0
-
-
-def _print(lines: list[str]) -> None:
-    for line in lines:
-        err.print(line, highlight=False, soft_wrap=True)
 
 
 def _quiet_torchrun() -> None:

@@ -18,6 +18,7 @@ from quantkit.cli import interrupts
 from quantkit.cli import recipes as recipes_cmd
 from quantkit.cli import train as train_cmd
 from quantkit.cli.console import err
+from quantkit.errors import interrupt_exit_code
 from quantkit.runtime.environment import advise_huge_pages, configure_cuda_allocator, debug_enabled
 
 
@@ -76,7 +77,7 @@ def handle_errors(fn: Callable) -> Callable:
     def wrapper(*args, **kwargs):
         from rich.markup import escape
 
-        from quantkit.errors import QuantkitError, interrupt_exit_code
+        from quantkit.errors import QuantkitError
 
         try:
             return fn(*args, **kwargs)
@@ -146,8 +147,6 @@ def main() -> None:
             err.print(f"[red]error:[/red] {exc.format_message()}{where}", highlight=False, soft_wrap=True)
         code = getattr(exc, "exit_code", 2)
     except typer.Abort as exc:  # an interrupt outside a command's own handling (click's: while parsing)
-        from quantkit.errors import interrupt_exit_code
-
         interrupts.say("interrupted; nothing was written")
         code = interrupt_exit_code(exc.__cause__) if isinstance(exc.__cause__, KeyboardInterrupt) else 130
     sys.exit(code if isinstance(code, int) else 0)

@@ -34,11 +34,17 @@ def check_destination(dst: Path, overwrite: bool, single_file: bool = False) -> 
         raise DestinationExistsError(f"{dst} cannot be created: {parent} is not writable; choose another path")
 
 
+def holds(folder: str | Path, path: str | Path) -> bool:
+    """Whether `path` is `folder` or lies inside it (both resolved): emptying `folder` would delete it."""
+    folder, path = Path(folder).resolve(), Path(path).resolve()
+    return path == folder or folder in path.parents
+
+
 def check_not_source(dst: str | Path, src: str | Path) -> None:
     """Refuse a DST that is the source model's directory or holds it: writing it (with --overwrite) would delete
     the model being read."""
     dst, src = Path(dst).resolve(), Path(src).resolve()
-    if dst == src or dst in src.parents:
+    if holds(dst, src):
         raise DestinationExistsError(f"{dst} {'is' if dst == src else 'holds'} the source model {src}, which writing "
                                      "it would delete; choose another path")
 

@@ -242,10 +242,10 @@ def _trained_recipe_arg(recorded: dict) -> str:
 
 def check_qat_dtype(prepared: Prepared, recipe: Recipe, dtype: str, trust_remote_code: bool = False) -> None:
     """A QAT model converts exactly in the dtype `--dtype auto` gives; another re-rounds the weights it trained."""
+    if dtype == "auto":
+        return
     exact = artifact_dtype(prepared, recipe, "auto", trust_remote_code)
-    if exact == "auto":
-        exact = str(_source_dtype(prepared, trust_remote_code)).removeprefix("torch.")
-    if dtype in ("auto", exact):
+    if dtype == (str(_source_dtype(prepared, trust_remote_code)).removeprefix("torch.") if exact == "auto" else exact):
         return
     raise UsageError(f"--dtype {dtype} re-rounds the weights {prepared.src} was QAT-trained in, so the artifact would "
                      "not be the trained model; leave --dtype auto to convert them exactly, or pass --force-recipe "

@@ -304,9 +304,9 @@ def _resumable_errors(prepared: Prepared):
         if work is not None:
             with contextlib.suppress(Exception):  # the last finished layer's checkpoint, if the interval held it back
                 work.save_pending()
-        if work is None or not work.completed:
-            if work is None or prepared.resume:
-                raise
+        if work is None or (prepared.resume and not work.completed):
+            raise
+        if not work.completed:
             with contextlib.suppress(Exception):  # finished layers without a checkpoint: nothing to resume from
                 work.discard()
             raise InterruptedRunError(

@@ -335,11 +335,9 @@ def prepare_output(config: TrainConfig, resume: str | None, overwrite: bool) -> 
 
 def check_inputs_outside(config: TrainConfig, root: Path) -> None:
     """--overwrite empties output_dir: refuse it when the model, tokenizer or data the run reads is in there."""
-    inside = root.resolve()
     for what, given in [("model.path", config.model.path), ("model.tokenizer", config.model.tokenizer),
                         ("data.train", config.data.train), ("data.eval", config.data.eval)]:
-        path = Path(given) if given else None
-        if path is not None and path.exists() and (path.resolve() == inside or inside in path.resolve().parents):
+        if given and Path(given).exists() and atomic.holds(root, given):
             raise UsageError(f"--overwrite would delete {what} {given}: it is in output_dir {root}; choose another "
                              "output_dir, or move it out first")
 
