@@ -144,7 +144,7 @@ def finalize(
         if json_path:
             write_json(json_path, "finalize --dry-run", plan)
         if not quiet and not json_to_stdout(json_path):  # --quiet: errors only; the plan goes to --json FILE if given
-            print_plan(plan, recipe.name, dst)
+            print_plan(plan, recipe, dst)
         return
     main = runtime.is_main_process()
     quiet = quiet or not main or json_to_stdout(json_path)
@@ -189,9 +189,8 @@ def announce(report: dict) -> None:
     gpu = device_line(report)
     if gpu:
         out.print(f"preflight: {gpu}", highlight=False, soft_wrap=True)
-    idle = _autoround_idle(report)
-    if idle:
-        out.print(f"note: {idle}", highlight=False, soft_wrap=True)
+    for note in report.get("notes", []):  # the algorithm's (`Algorithm.report`)
+        out.print(f"note: {note}", highlight=False, soft_wrap=True)
 
 
 def learned_line(learned: dict) -> str:
@@ -208,21 +207,12 @@ def learned_line(learned: dict) -> str:
     return line
 
 
-def _autoround_idle(report: dict) -> str | None:
-    """What to say where AutoRound has fewer passes a step than there are ranks (the others wait while it tunes)."""
-    passes, ranks = report.get("autoround_passes_per_step"), report["ranks"]
-    if passes is None or passes >= ranks:
-        return None
-    return (f"AutoRound tunes on {passes} of the {ranks} ranks at a time ({passes} forward and backward passes a step); "
-            "a user recipe with a smaller samples_per_pass (or a larger batch_size) keeps more of them busy")
-
-
-def print_plan(plan: dict, recipe: str, dst) -> None:
+def print_plan(plan: dict, recipe, dst) -> None:
     """`--dry-run` for people: the preflight, then the ranks' shares (the whole plan: --json)."""
     from rich.table import Table
 
     report = plan["preflight"]
-    table = Table(title=f"{recipe} -> {dst}: preflight (nothing loaded)", show_header=False)
+    table = Table(title=f"{recipe.name} -> {dst}: preflight (nothing loaded)", show_header=False)
     table.add_row("peak RAM", f"about {human_bytes(report['peak_ram_bytes'])} per rank")
     if report.get("memory_shortfall"):
         table.add_row("", f"DOES NOT FIT: {report['memory_shortfall']}")
@@ -245,12 +235,8 @@ def print_plan(plan: dict, recipe: str, dst) -> None:
                       f"{rotations} ({timing['note']})")
     if plan["samples_per_rank"]:
         table.add_row("ranks", f"{plan['ranks']}: samples per rank {' / '.join(map(str, plan['samples_per_rank']))} of {plan['seq_len']} tokens")
-    if report.get("autoround_passes_per_step"):
-        idle = _autoround_idle(report)
-        table.add_row("AutoRound", f"{report['autoround_passes_per_step']} forward and backward passes a step"
-                      + (f": {idle}" if idle else ""))
-    if plan["gptq_rows_per_rank"] and plan["ranks"] > 1:
-        table.add_row("GPTQ rows per rank", " / ".join(map(str, plan["gptq_rows_per_rank"])))
+    for label, text in recipe.quantizer.algorithm.plan_lines(plan):
+        table.add_row(label, text)
     out.print(table)
 
 
@@ -294,17 +280,6 @@ def experts_line(routed: dict[str, list[int]]) -> str:
             "(every expert is calibrated on every token)")
 
 
-def autoround_line(tuning: dict[str, dict]) -> str:
-    """AutoRound's layer output loss with round-to-nearest and after tuning, in one line (per layer in quantkit.json)."""
-    ratios = {layer: t["loss_tuned"] / t["loss_rtn"] for layer, t in tuning.items() if t["loss_rtn"] > 0}
-    if not ratios:
-        return f"{len(tuning)} layers tuned (no output error with round-to-nearest)"
-    worst = max(ratios, key=ratios.get)
-    mean = sum(ratios.values()) / len(ratios)
-    return (f"output loss {mean:.0%} of round-to-nearest's on average over {len(tuning)} layers, at most "
-            f"{ratios[worst]:.0%} ({worst}); per layer in quantkit.json")
-
-
 def print_summary(result) -> None:
     from rich.table import Table
 
@@ -339,16 +314,14 @@ def print_summary(result) -> None:
             table.add_row("  not applied", f"{what} ({why})")
         if calib.get("routed_tokens"):
             table.add_row("  tokens per expert", experts_line(calib["routed_tokens"]))
-        if calib.get("autoround"):
-            table.add_row("  AutoRound", autoround_line(calib["autoround"]))
         if calib.get("kv_cache"):
             kv = calib["kv_cache"]
             table.add_row("  KV cache", f"{kv['scheme']} in {kv['attention_modules']} attention modules; largest |key| {kv['max_abs_key']:.3g}, "
                           f"|value| {kv['max_abs_value']:.3g} (scale = that / 448); serve with vLLM's --kv-cache-dtype fp8")
         if calib.get("ranks", 1) > 1 and calib.get("peak_rss_per_rank"):
             table.add_row("  peak RAM per rank", " / ".join(human_bytes(b) for b in calib["peak_rss_per_rank"]))
-        if calib.get("gptq_rows_per_rank"):
-            table.add_row("  GPTQ rows per rank", " / ".join(map(str, calib["gptq_rows_per_rank"])))
+        for label, text in result.recipe.quantizer.algorithm.summary_lines(calib):
+            table.add_row(label, text)
     learned = (result.transforms or {}).get("learned")
     if learned:
         table.add_row("rotations learned", learned_line(learned))

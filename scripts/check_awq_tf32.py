@@ -14,7 +14,7 @@ import argparse
 
 import torch
 
-from quantkit.algorithms.arguments import AWQArgs
+from quantkit.algorithms.methods.awq import AWQArgs
 from quantkit.algorithms.awq import candidate_scales, scaled_candidate
 from quantkit.data import load_texts, tokenize
 from quantkit.models.loading import load_model, load_tokenizer

@@ -1,9 +1,5 @@
-"""Quantization algorithms: pure functions over tensors, registered by name.
-
-`Algorithm` names them (recipes say `algorithm: {name: gptq}`); `arguments.py` holds each one's recipe
-arguments as a dataclass that validates itself. Both import no torch, so recipes are checked without it.
-The implementations register themselves with `@register(Algorithm.X)` in their own modules, which
-`get_algorithm` imports on first use (one list, `_IMPLEMENTATIONS`):
+"""Quantization algorithms: each one object (`base.Algorithm`, one module each under `methods/`, torch-free) and
+its pure math over tensors beside it:
 
 - `rtn.rtn_quantize(weight, spec)`: round to nearest.
 - `gptq.gptq_quantize(weight, hessian, spec, args)`: Hessian-aware rounding.
@@ -11,39 +7,42 @@ The implementations register themselves with `@register(Algorithm.X)` in their o
 - `smoothquant.smoothing_scales(act_absmax, weights, args)`: activation outliers into weights (a transform).
 - `autoround.tune(weights, specs, sample_loss, ...)`: learned rounding and clipping (SignSGD) for one decoder layer.
 
-How a decoder layer feeds them data is `quantkit.calibration.steps`' business, not theirs.
+Recipes say `algorithm: {name: gptq, ...}`; `get(name)` is the object, which everything else asks (whether it
+needs data, what it refuses, its preflight terms, its summary). How a decoder layer feeds them data is
+`quantkit.calibration.steps`' business, not theirs. Adding an algorithm: its math module, its `methods/` module,
+its name in METHODS below (and a calibration step where it needs data).
 """
 
 from __future__ import annotations
 
-import importlib
-from enum import Enum
-from typing import Callable
+import difflib
+from importlib import import_module
 
-from quantkit.runtime.registration import Registry
+from quantkit.algorithms.base import ALGORITHMS, Algorithm
 
-
-class Algorithm(str, Enum):
-    RTN = "rtn"  # round-to-nearest: no calibration data
-    GPTQ = "gptq"  # Hessian-aware rounding: calibration data
-    SMOOTHQUANT = "smoothquant"  # a transform before the quantizer: migrates activation outliers into weights
-    AWQ = "awq"  # a transform before the quantizer: activation-aware weight scales, searched per block
-    AUTOROUND = "autoround"  # learned rounding and clipping per decoder layer (SignSGD): calibration data
-
-    @property
-    def is_quantizer(self) -> bool:
-        """A quantizer rounds the weights (the last step of a recipe); the others transform before it."""
-        return self in (Algorithm.RTN, Algorithm.GPTQ, Algorithm.AUTOROUND)
+METHODS = ("rtn", "gptq", "smoothquant", "awq", "autoround")  # the registration: modules under methods/
+DEFAULT = "rtn"  # a recipe without `algorithm:` rounds to nearest
 
 
-ALGORITHMS: Registry[Callable] = Registry("algorithm")
-register = ALGORITHMS.register
+def _load() -> None:
+    for module in METHODS:
+        import_module(f"quantkit.algorithms.methods.{module}")
 
-_IMPLEMENTATIONS = ("rtn", "gptq", "awq", "smoothquant", "autoround")
 
-
-def get_algorithm(name: Algorithm) -> Callable:
-    """The registered pure function for `name` (importing the implementations, and torch, on first use)."""
-    for module in _IMPLEMENTATIONS:
-        importlib.import_module(f"quantkit.algorithms.{module}")
+def get(name: str) -> Algorithm:
+    """The algorithm object registered as `name` (LookupError, with close matches, for an unknown one)."""
+    _load()
+    if name not in ALGORITHMS.keys():
+        close = difflib.get_close_matches(str(name), names(), n=2, cutoff=0.5)
+        hint = f"; did you mean {' or '.join(close)}?" if close else ""
+        raise LookupError(f"'{name}' is not an algorithm{hint} (allowed: {', '.join(names())})")
     return ALGORITHMS.get(name)
+
+
+def names(quantizer: bool | None = None) -> list[str]:
+    """The registered algorithms' names (only the quantizers, or only the transforms, if asked)."""
+    _load()
+    return [name for name in ALGORITHMS.keys() if quantizer is None or ALGORITHMS.get(name).quantizer is quantizer]
+
+
+__all__ = ["Algorithm", "DEFAULT", "METHODS", "get", "names"]

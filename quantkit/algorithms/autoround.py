@@ -27,8 +27,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 from torchao.quantization.quant_primitives import MappingType, choose_qparams_affine_with_min_max
 
-from quantkit.algorithms import Algorithm, register
-from quantkit.algorithms.arguments import AutoRoundArgs
+from quantkit.algorithms.methods.autoround import AutoRoundArgs
 from quantkit.quant.qparams import QuantizedWeight, block_size, scale_dtype
 from quantkit.quant.schemes import WeightSpec
 
@@ -287,7 +286,6 @@ def passes(chosen: list[int], per_pass: int) -> list[list[int]]:
     return [chosen[at : at + per_pass] for at in range(0, len(chosen), per_pass)]
 
 
-@register(Algorithm.AUTOROUND)
 def tune(weights: dict[str, torch.Tensor], specs: dict[str, WeightSpec], sample_loss: SampleLoss, num_samples: int,
          generator: torch.Generator, args: AutoRoundArgs = AutoRoundArgs(), per_pass: int = 1, share: Share = Share(),
          pass_dtype: torch.dtype | None = None) -> Tuned:

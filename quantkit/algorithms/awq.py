@@ -15,8 +15,7 @@ from typing import Callable
 
 import torch
 
-from quantkit.algorithms import Algorithm, register
-from quantkit.algorithms.arguments import AWQArgs
+from quantkit.algorithms.methods.awq import AWQArgs
 from quantkit.algorithms.smoothquant import divide_norm_output
 from quantkit.quant.qparams import fake_quantize_weight
 from quantkit.quant.schemes import WeightSpec
@@ -29,7 +28,6 @@ def awq_scales(act_mean: torch.Tensor, ratio: float) -> torch.Tensor:
     return scales / (scales.max() * scales.min()).sqrt()
 
 
-@register(Algorithm.AWQ)
 def search_scales(act_mean: torch.Tensor, error_of: Callable[[torch.Tensor], float], args: AWQArgs = AWQArgs()) -> tuple[torch.Tensor, float]:
     """The scales whose block-output error (`error_of(scales)`) is least over ratios k/grid, k = 0..grid-1."""
     candidates = candidate_scales(act_mean, args)

@@ -33,8 +33,7 @@ from typing import Callable
 
 import torch
 
-from quantkit.algorithms import Algorithm, register
-from quantkit.algorithms.arguments import GPTQArgs
+from quantkit.algorithms.methods.gptq import ROW_BLOCK, GPTQArgs, row_share  # noqa: F401  (row_share: the ranks' shares)
 from quantkit.algorithms.factor import ALONE, Sharing, factor_, reverse_
 from quantkit.errors import QuantkitError
 from quantkit.quant import float_grids
@@ -46,7 +45,6 @@ class GPTQDampingError(QuantkitError, ValueError):
     """The Hessian stayed non-positive-definite however much it was damped."""
 
 
-ROW_BLOCK = 128  # weight rows solved as one unit: every GEMM's shape is fixed, however the rows are shared out
 
 
 @dataclass
@@ -63,7 +61,6 @@ class InverseHessian:
         return self.perm.tolist() if self.perm is not None else list(range(self.upper.shape[0]))
 
 
-@register(Algorithm.GPTQ)
 @torch.no_grad()
 def gptq_quantize(
     weight: torch.Tensor, hessian: torch.Tensor, spec: WeightSpec, args: GPTQArgs = GPTQArgs(), *, damping_retries: int = 3,
@@ -135,14 +132,6 @@ def gptq_quantize_rows(weight: torch.Tensor, factor: InverseHessian, spec: Weigh
     if spec.k_quant_type:
         return QuantizedWeight(qdata=qdata, scale=grid.k.sub_block_scales()[0], zero_point=None, spec=spec, k=grid.k)
     return QuantizedWeight(qdata=qdata, scale=grid.scale, zero_point=grid.zero, spec=spec, global_scale=grid.global_scale)
-
-
-def row_share(rows: int, world_size: int, rank: int) -> slice:
-    """The rows of a weight this rank solves: a contiguous run of whole ROW_BLOCKs, shared out as evenly as the
-    blocks allow (the last block may be short). Over all ranks the shares cover every row once, in order."""
-    blocks = -(-rows // ROW_BLOCK)
-    first, last = blocks * rank // world_size, blocks * (rank + 1) // world_size
-    return slice(min(rows, first * ROW_BLOCK), min(rows, last * ROW_BLOCK))
 
 
 def _check_inputs(weight: torch.Tensor, hessian: torch.Tensor | None, spec: WeightSpec) -> None:

@@ -2,12 +2,10 @@
 
 import torch
 
-from quantkit.algorithms import Algorithm, register
 from quantkit.quant.qparams import QuantizedWeight, quantize_weight
 from quantkit.quant.schemes import WeightSpec
 
 
-@register(Algorithm.RTN)
 def rtn_quantize(weight: torch.Tensor, spec: WeightSpec, global_scale: torch.Tensor | None = None) -> QuantizedWeight:
     """NVFP4: `global_scale` is the one shared with the weights a kernel fuses with this one (its own when None)."""
     return quantize_weight(weight, spec, global_scale)

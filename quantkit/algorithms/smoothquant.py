@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import torch
 
-from quantkit.algorithms import Algorithm, register
-from quantkit.algorithms.arguments import SmoothQuantArgs
+from quantkit.algorithms.methods.smoothquant import SmoothQuantArgs
 
 _MIN = 1e-5
 
 
-@register(Algorithm.SMOOTHQUANT)
 def smoothing_scales(act_absmax: torch.Tensor, weights: list[torch.Tensor], args: SmoothQuantArgs = SmoothQuantArgs()) -> torch.Tensor:
     """Per input channel scales [in] from activation max |x| [in] and the fed Linear weights [out_k, in]."""
     alpha = args.alpha

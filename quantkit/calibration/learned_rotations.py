@@ -31,7 +31,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
-from quantkit.algorithms import Algorithm
 from quantkit.algorithms.cayley import cayley_step, cosine_learning_rate
 from quantkit.algorithms.rotation import heads_bias, heads_input, heads_output
 from quantkit.errors import CalibrationError
@@ -209,12 +208,12 @@ def _on_device(model: nn.Module, device: torch.device):
 
 @contextmanager
 def _fake_quantized(model: nn.Module, plan: list[ModulePlan], recipe: Recipe):
-    """Every planned Linear computing with the recipe's fake-quantized activations, and weights unless GPTQ or
-    AutoRound rounds them later on a scheme whose activations are quantized, for the block."""
+    """Every planned Linear computing with the recipe's fake-quantized activations, and weights unless a quantizer
+    that reads data (GPTQ, AutoRound) rounds them later on a scheme whose activations are quantized, for the block."""
     from quantkit.quant import fake_quant
 
     fake_quant.prepare(model, plan)
-    if recipe.quantizer.name is not Algorithm.RTN and recipe.scheme.activations is not None:
+    if recipe.quantizer.algorithm.needs_data and recipe.scheme.activations is not None:
         for module in model.modules():
             if isinstance(module, fake_quant.QATLinear):
                 module.weight_fake_quantizer.enabled = False

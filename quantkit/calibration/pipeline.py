@@ -22,14 +22,13 @@ import torch
 from torch import nn
 
 from quantkit import data
-from quantkit.algorithms import Algorithm
-from quantkit.algorithms.rtn import rtn_quantize
+from quantkit import algorithms
 from quantkit.calibration import offload
 from quantkit.calibration.experts import calibrating
 from quantkit.calibration.hooks import capture_inputs, hidden_states, run_layer_last, with_hidden
 from quantkit.calibration.layer import CalibrationResult, Layer, relative_error
 from quantkit.calibration.resume import Resumable
-from quantkit.calibration.steps import STEPS
+from quantkit.calibration.steps import step_of
 from quantkit.calibration.steps.kv_cache import kv_cache_step
 from quantkit.calibration.steps.static_scales import static_scales_step
 from quantkit.errors import CalibrationError, UsageError
@@ -49,19 +48,13 @@ def layer_steps(recipe: Recipe) -> list[Step]:
     """The steps every layer runs, in order: transforms, static scales (if the scheme has them), the quantizer,
     KV cache scales (if the recipe has them)."""
     static = recipe.scheme.activations is not None and recipe.scheme.activations.calibrated
-    if static and recipe.quantizer.name is Algorithm.GPTQ:
-        raise UsageError("GPTQ with calibrated activation scales (static, or NVFP4's global scale) is not supported yet; "
-                         "use rtn for these recipes, or a weight-only GPTQ recipe")
     steps = [_bound(step) for step in recipe.before_quantizer] + ([static_scales_step] if static else [])
     return steps + [_bound(recipe.quantizer)] + ([kv_cache_step] if recipe.kv_cache is not None else [])
 
 
-FLOAT_REFERENCE = (Algorithm.AUTOROUND,)  # quantizers tuned against the float model's hidden states (`Layer.float_hidden`)
-
-
 def _bound(step: AlgorithmStep) -> Step:
     """The registered layer step of a recipe step, with its arguments."""
-    function, arguments = STEPS.get(step.name), step.arguments
+    function, arguments = step_of(step.algorithm), step.arguments
     return lambda layer: function(layer, arguments)
 
 
@@ -97,8 +90,8 @@ def calibrate(model: nn.Module, plan: list[ModulePlan], recipe: Recipe, samples:
     model's Linear products run in float32 (`precision.float32_products`). `offloaded`: the calibration hidden
     states wait in CPU memory and move to `device` batch by batch (`calibration.offload`), for a model whose
     activations do not fit the device's memory budget."""
-    if offloaded and recipe.quantizer.name in FLOAT_REFERENCE:
-        raise UsageError(f"{recipe.quantizer.name.value} keeps the float model's hidden states beside the quantized "
+    if offloaded and recipe.quantizer.algorithm.float_reference:
+        raise UsageError(f"{recipe.quantizer.name} keeps the float model's hidden states beside the quantized "
                          "ones on the device: give it the memory (--max-gpu-memory) or fewer samples (--num-samples)")
     with float32_products(model_dtype(model), device):
         return _calibrate(model, plan, recipe, samples, device, batch_size, progress, ctx, resumable, stream, offloaded)
@@ -125,7 +118,8 @@ def _calibrate(model: nn.Module, plan: list[ModulePlan], recipe: Recipe, samples
     if stream is not None:  # not needed again until the end: one layer is held at a time, not the layer and these
         stream.release_rest()
     result.seconds["capture"] = time.perf_counter() - started
-    float_hidden = hidden_states(inputs) if recipe.quantizer.name in FLOAT_REFERENCE else None
+    # quantizers tuned against the float model's hidden states (`Layer.float_hidden`) carry them along
+    float_hidden = hidden_states(inputs) if recipe.quantizer.algorithm.float_reference else None
     state = resumable.open() if resumable is not None else None
     if state is not None:
         hidden, saved_float = resumable.restore(state, result, len(layers))
@@ -232,10 +226,11 @@ def check_layer(layer: Layer, outputs: list[torch.Tensor]) -> None:
 
 def _round_the_rest(model: nn.Module, plan: list[ModulePlan], result: CalibrationResult, layers_prefix: str) -> None:
     """Round to nearest the planned modules outside the decoder layers (the layers' steps quantized theirs)."""
+    nearest = algorithms.get(algorithms.DEFAULT)
     for entry in plan:
         if entry.quantized and entry.name not in result.qweights and not entry.name.startswith(f"{layers_prefix}."):
             module = model.get_submodule(entry.name)
-            qweight = rtn_quantize(module.weight.data, entry.scheme.weights)
+            qweight = nearest.quantize_weight(module.weight.data, entry.scheme.weights, None)
             result.errors[entry.name] = relative_error(module.weight.data, qweight, None)
             module.weight.data = qweight.dequantize(module.weight.dtype)
             result.qweights[entry.name] = qweight

@@ -21,7 +21,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from quantkit.algorithms import Algorithm  # the names of the steps (the enum alone: exporters never quantize)
 from quantkit.errors import ExportError, FormatError
 from quantkit.models import moe
 from quantkit.runtime import placement
@@ -104,9 +103,10 @@ def unsupported(recipe: Recipe) -> str | None:
         return "llama.cpp does not apply online rotations (R4); use the fused ones only (R1, R2)"
     if ggml_type(spec) is None:
         return f"no GGUF type holds {spec.describe()} exactly; the nearest is {_nearest(spec)}"
-    if has_fp16_minimum(spec) and any(step.name is Algorithm.AUTOROUND for step in recipe.steps):
-        return (f"AutoRound learns scales and minimums that {ggml_type(spec).name}'s fp16 minimum does not hold "
-                "exactly: use gptq, awq or rtn for it, or AutoRound on Q4_0 (autoround-w4a16 --format gguf)")
+    learner = next((step.name for step in recipe.steps if step.algorithm.learns_ranges), None)
+    if has_fp16_minimum(spec) and learner is not None:
+        return (f"{learner} learns scales and minimums that {ggml_type(spec).name}'s fp16 minimum does not hold "
+                f"exactly: use gptq, awq or rtn for it, or {learner} on Q4_0 ({learner}-w4a16 --format gguf)")
     return None
 
 
@@ -131,13 +131,15 @@ def check_model(src: Path, config, skeleton: nn.Module) -> None:
 
 
 def qat_recipe(recipe: Recipe) -> Recipe:
-    """A recipe on K grids calibrated by GPTQ alone (gguf-q4-k-m, ...) trains and converts rounding to nearest on the
-    same grids: llama.cpp's own quantizer, a function of the weights, so what training sees is what the file holds;
+    """A recipe on K grids calibrated by one quantizer alone that only rounds onto the grid (GPTQ: gguf-q4-k-m, ...)
+    trains and converts with its data-free substitute (`Algorithm.qat_substitute`: rounding to nearest on the same
+    grids, llama.cpp's own quantizer, a function of the weights), so what training sees is what the file holds;
     GPTQ would move the trained weights off the grid they learned (and want calibration data)."""
     from dataclasses import replace
 
-    if recipe.scheme.weights.k_quant_type and [step.name for step in recipe.steps] == [Algorithm.GPTQ]:
-        return replace(recipe, steps=(AlgorithmStep(Algorithm.RTN),))
+    substitute = recipe.quantizer.algorithm.qat_substitute
+    if recipe.scheme.weights.k_quant_type and len(recipe.steps) == 1 and substitute is not None:
+        return replace(recipe, steps=(AlgorithmStep(substitute),))
     return recipe
 
 

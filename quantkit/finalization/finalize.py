@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from quantkit.algorithms import Algorithm, get_algorithm
+from quantkit import algorithms
 from quantkit.errors import ExportError, InterruptedRunError, QuantkitError
 from quantkit.export import atomic, exporter, for_format, metadata, single_file
 from quantkit.finalization.checks import CalibrationOptions, Prepared, calibration_samples, check_threads, prepare
@@ -27,7 +27,7 @@ from quantkit.models.architectures import kernel_fused_groups
 from quantkit.quant.plan import ModulePlan
 from quantkit.quant.qparams import QParams, fused_global_scales
 from quantkit.quant.quantized_model import QuantizedModel
-from quantkit.quant.registry import Format, Recipe
+from quantkit.quant.registry import AlgorithmStep, Format, Recipe
 from quantkit.runtime import placement
 from quantkit.runtime import environment as runtime
 from quantkit.runtime.progress import QUIET, Progress
@@ -79,14 +79,13 @@ def calibration_summary(result, samples, options: CalibrationOptions, recipe: Re
         "device": options.device,
         "seconds": {phase: round(value, 3) for phase, value in result.seconds.items()},
         "wall_seconds": round(result.wall_seconds, 3),  # the phases, and what none of them counts
-        "gptq_order": _gptq_order(result) if recipe.quantizer.name is Algorithm.GPTQ else None,
+        **recipe.quantizer.algorithm.summary(result),  # what the quantizer reports of itself (GPTQ's column order, ...)
         "peak_device_bytes": result.peak_device_bytes,
         "peak_device_reserved_bytes": result.peak_device_reserved_bytes or None,  # GPU: the allocator's cache included
         "device_outside_allocator_bytes": result.device_outside_allocator_bytes or None,  # GPU: context, libraries
         "hidden_states": "offloaded to CPU memory" if offloaded else "on the device",  # `preflight.device_plan`
         "skipped": result.skipped,
         "routed_tokens": result.routed_tokens or None,  # MoE: tokens the router sent to each expert, all ranks
-        "autoround": result.tuning or None,  # per decoder layer: output loss with round-to-nearest and after tuning
         "kv_cache": _kv_cache_summary(result.kv_ranges, recipe),
         "relative_error": {"mean": sum(errors.values()) / max(1, len(errors)), "max": max(errors.values(), default=0.0),
                            "per_module": errors},
@@ -122,7 +121,7 @@ def quantize(
                 _learn_rotations(model, prepared, recipe, samples, options, progress, ctx)
             prepared.rotator.rotate_model(model)
         if not recipe.needs_calibration:
-            return QuantizedModel(model, plan, recipe, round_to_nearest(model, plan, advance))
+            return QuantizedModel(model, plan, recipe, quantize_without_data(model, plan, recipe.quantizer, advance))
         result = _calibrate(model, prepared, recipe, samples, options, progress, ctx)
         qparams = {name: qweight.qparams for name, qweight in result.qweights.items()}
         return QuantizedModel(model, plan, recipe, qparams, result.input_scales, result.kv_scales)
@@ -151,9 +150,12 @@ def _learn_rotations(model: nn.Module, prepared: Prepared, recipe: Recipe, sampl
         learned_rotations.save(saved, prepared.rotator)
 
 
-def round_to_nearest(model: nn.Module, plan: list[ModulePlan], advance=lambda: None) -> dict[str, QParams]:
-    """Each planned Linear rounded on its grid; its weight becomes the dequantized grid values."""
-    rtn = get_algorithm(Algorithm.RTN)
+def quantize_without_data(model: nn.Module, plan: list[ModulePlan], step: AlgorithmStep | None = None,
+                          advance=lambda: None) -> dict[str, QParams]:
+    """Each planned Linear quantized on its grid by a data-free quantizer (`step`: round to nearest by default,
+    HQQ, ...); its weight becomes the dequantized grid values."""
+    step = step if step is not None else AlgorithmStep(algorithms.DEFAULT)
+    algorithm, args = step.algorithm, step.arguments
     qparams = {}
     nvfp4 = {e.name: model.get_submodule(e.name).weight.data for e in plan if e.quantized and e.scheme.weights.global_scale}
     global_scales = fused_global_scales(nvfp4, kernel_fused_groups(list(nvfp4)))
@@ -162,7 +164,7 @@ def round_to_nearest(model: nn.Module, plan: list[ModulePlan], advance=lambda: N
             if entry.quantized:
                 module = model.get_submodule(entry.name)
                 models.check_finite(entry.name, module.weight.data)
-                qweight = rtn(module.weight.data, entry.scheme.weights, global_scales.get(entry.name))
+                qweight = algorithm.quantize_weight(module.weight.data, entry.scheme.weights, args, global_scales.get(entry.name))
                 module.weight.data = qweight.dequantize(module.weight.dtype)
                 qparams[entry.name] = qweight.qparams
                 advance()
@@ -182,13 +184,6 @@ def _calibrate(model: nn.Module, prepared: Prepared, recipe: Recipe, samples, op
                        stream, prepared.offloaded)
     prepared.calibration = calibration_summary(result, samples, options, recipe, ctx, prepared.offloaded)
     return result
-
-
-def _gptq_order(result) -> str:
-    if not result.true_sequential:
-        return "layer-wise"
-    return ("true-sequential (one staged pass per layer, stage inputs " +
-            ("held)" if result.stage_inputs_held else "recomputed batch by batch to save memory)"))
 
 
 def _resumable(prepared: Prepared, recipe: Recipe, samples, options: CalibrationOptions, ctx):
@@ -469,16 +464,17 @@ def _stream(streamed, prepared: Prepared, recipe: Recipe, dst: Path, overwrite: 
 
 def _round_streamed(streamed, plan: list[ModulePlan], recipe: Recipe, prepared: Prepared, layer_io: _LayerIO,
                     progress: Progress) -> dict[str, QParams]:
-    """Round to nearest decoder layer by decoder layer, each written as soon as it is rounded; returns the
-    qparams of the planned modules outside the layers (rounded last, written with the rest)."""
+    """The recipe's data-free quantizer decoder layer by decoder layer, each layer written as soon as it is
+    quantized; returns the qparams of the planned modules outside the layers (quantized last, written with the rest)."""
     layer_prefix = f"{streamed.prefix}."
     with progress.task(f"Quantizing ({recipe.name}, {prepared.format.value})", total=sum(e.quantized for e in plan)) as advance:
         for i, module in enumerate(streamed.layers):
             layer_io.load(module)
             inside = [e for e in plan if e.name.startswith(f"{layer_prefix}{i}.")]
-            layer_io.write([module], round_to_nearest(streamed.model, inside, advance), {})
+            layer_io.write([module], quantize_without_data(streamed.model, inside, recipe.quantizer, advance), {})
         layer_io.load_rest()
-        return round_to_nearest(streamed.model, [e for e in plan if not e.name.startswith(layer_prefix)], advance)
+        rest = [e for e in plan if not e.name.startswith(layer_prefix)]
+        return quantize_without_data(streamed.model, rest, recipe.quantizer, advance)
 
 
 def dry_run(src: str | Path, recipe: Recipe, fmt: Format | None, calibration: CalibrationOptions | None,
@@ -494,19 +490,7 @@ def dry_run(src: str | Path, recipe: Recipe, fmt: Format | None, calibration: Ca
                        calibration=options)  # the calibration data checked as a run checks it
     recipe = prepared.recipe  # a QAT model's convert step (`checks.convert_recipe`)
     quantized = [e for e in prepared.plan if e.quantized]
-    rows = None
-    if recipe.quantizer.name is Algorithm.GPTQ:
-        from quantkit.algorithms.gptq import row_share
-        from quantkit.models.architectures import shared_input_leaders
-
-        stacked: dict[str, int] = {}  # GPTQ runs on the weights sharing a Hessian, stacked
-        for layer in sorted({e.name.rsplit(".", 2)[0] for e in quantized}):
-            entries = [e for e in quantized if e.name.rsplit(".", 2)[0] == layer]
-            leaders = shared_input_leaders([e.name for e in entries])
-            for entry in entries:
-                stacked[leaders[entry.name]] = stacked.get(leaders[entry.name], 0) + entry.out_features
-        shares = [[row_share(total, world_size, rank) for total in stacked.values()] for rank in range(world_size)]
-        rows = [sum(share.stop - share.start for share in mine) for mine in shares]
+    rows = recipe.quantizer.algorithm.rows_per_rank(_stacked_rows(quantized), world_size)
     report = preflight.estimate(prepared, recipe, options, world_size, dst, prepared.dtype, measure_time=True,
                                 trust_remote_code=trust_remote_code)
     preflight.check_device_budget(report)
@@ -518,6 +502,19 @@ def dry_run(src: str | Path, recipe: Recipe, fmt: Format | None, calibration: Ca
         "gptq_rows_per_rank": rows,
         "preflight": report,
     }
+
+
+def _stacked_rows(quantized: list[ModulePlan]) -> list[int]:
+    """The rows of each stack of Linears sharing an input (and so a Hessian) in each layer."""
+    from quantkit.models.architectures import shared_input_leaders
+
+    stacked: dict[str, int] = {}
+    for layer in sorted({e.name.rsplit(".", 2)[0] for e in quantized}):
+        entries = [e for e in quantized if e.name.rsplit(".", 2)[0] == layer]
+        leaders = shared_input_leaders([e.name for e in entries])
+        for entry in entries:
+            stacked[leaders[entry.name]] = stacked.get(leaders[entry.name], 0) + entry.out_features
+    return list(stacked.values())
 
 
 def write_artifact(quantized: QuantizedModel, prepared: Prepared, dst: Path, overwrite: bool, progress: Progress) -> None:

@@ -29,7 +29,7 @@ that peak under the run's work put a Qwen3-30B-A3B layer's estimate 0.7 GiB high
   together: the largest of the three counts (`staged_gptq_bytes`; measured within 5% on 8B-shaped layers). GPTQ
   calibrating a streamed layer at once (an MoE layer) solves its stages while the layer is held about once, not
   beside the layer's later copies (`layerwise_gptq_bytes`). AutoRound sums no Hessians: it holds its tuning state
-  and one tuning pass's activations instead (`autoround_bytes`; 12.8 GiB estimated against 12.0 measured on a
+  and one tuning pass's activations instead (`algorithms.methods.autoround.tuning_bytes`; 12.8 GiB estimated against 12.0 measured on a
   Llama-3.1-8B-shaped layer, 8 x 2048 tokens).
 
 The formats' LOAD_AND_WRITE_COPIES were measured with `/usr/bin/time` on Llama models of 20M (float32) to 270M parameters (bf16):
@@ -52,7 +52,8 @@ import sys
 import time
 from pathlib import Path
 
-from quantkit.algorithms import Algorithm
+from quantkit import algorithms
+from quantkit.algorithms.base import CalibrationSizes
 from quantkit.models import sources
 from quantkit.quant.plan import ModulePlan
 from quantkit.quant.registry import AlgorithmStep, Recipe
@@ -123,7 +124,7 @@ def estimate(prepared, recipe: Recipe, options, world_size: int, dst: str | Path
     gpu = None
     work_dir = None
     shares = None
-    passes = None
+    reported = {}
     learning = None
     recomputed = False  # GPTQ on the CPU computing its stages' inputs twice, where holding them would take too much
     if prepared.rotator is not None and prepared.rotator.learning is not None:
@@ -135,39 +136,34 @@ def estimate(prepared, recipe: Recipe, options, world_size: int, dst: str | Path
         num_samples, seq_len = options.sizes(recipe)
         batches = [data.rank_batches(num_samples, options.batch_size, r, world_size) for r in range(world_size)]
         shares = [sum(map(len, rank)) for rank in batches]
-        held = recipe.quantizer.name is Algorithm.GPTQ and _holds_stage_inputs(
+        quantizer = recipe.quantizer.algorithm
+        held = quantizer.staged and _holds_stage_inputs(
             options.device, stage_input_bytes(prepared.plan, max(shares), seq_len, hidden, element))
-        recomputed = recipe.quantizer.name is Algorithm.GPTQ and options.device == "cpu" and not held
+        recomputed = quantizer.staged and options.device == "cpu" and not held
         calib = calibration_bytes(prepared.plan, quantized, numel, max(shares), seq_len, hidden, element, options.batch_size,
                                   held)
-        awq = next((s.arguments for s in recipe.before_quantizer if s.name is Algorithm.AWQ), None)
+        search = next((s for s in recipe.before_quantizer if s.algorithm.searches_blocks), None)  # AWQ's
+        block_search = search is not None
         staged = stages_gptq(prepared.plan)
-        gptq_alone = recipe.quantizer.name is Algorithm.GPTQ and awq is None
-        if options.device == "cpu" and gptq_alone and staged:
+        staged_alone = quantizer.staged and not block_search
+        if options.device == "cpu" and staged_alone and staged:
             calib = staged_gptq_bytes(calib, prepared.plan, max(shares), seq_len, element, options.batch_size, held)
-        grid_share = 1.0 if awq is None else awq_grid_share(awq.grid_tokens, batches[shares.index(max(shares))],
-                                                             num_samples, seq_len)
+        grid_share = 1.0 if not block_search else search.algorithm.grid_share(search.arguments, batches[shares.index(max(shares))],
+                                                                     num_samples, seq_len)
         copy = calib[_HIDDEN_STATES] // 2
         copies = resident_copies(recipe, staged)
         if options.device == "cpu":  # AWQ's search holds its blocks' scored rows beside the inputs
-            calib[_HIDDEN_STATES] = int(copy * (max(copies, 1 + 3 * grid_share) if awq is not None else copies))
-        streams = 1  # of hidden states in the resume state
-        if recipe.quantizer.name is Algorithm.AUTOROUND:
-            args = recipe.quantizer.arguments
-            passes = autoround_passes(args, num_samples)
-            bf16 = _autoround_bf16(args, options.device)
-            for general in ("one batch's activations in a layer", _HESSIANS):  # a tuning pass instead; no Hessians
-                calib.pop(general)
-            calib.update(autoround_bytes(prepared.plan, max(shares), seq_len, hidden, element, num_samples, world_size,
-                                         passes, min(args.samples_per_pass, args.batch_size, num_samples),
-                                         config.get("num_attention_heads", 1) if bf16 and options.device == "cpu" else 0,
-                                         2 if bf16 else element))
-            streams = 2  # the float model's beside the quantized ones
+            calib[_HIDDEN_STATES] = int(copy * (max(copies, 1 + 3 * grid_share) if block_search else copies))
+        sizes = CalibrationSizes(tuple(_first_layer(prepared.plan)), max(shares), num_samples, seq_len, hidden, element,
+                                 world_size, options.device, config.get("num_attention_heads", 1))
+        calib = quantizer.calibration_bytes(calib, sizes, recipe.quantizer.arguments)
+        reported = quantizer.report(recipe.quantizer.arguments, num_samples, world_size)
+        streams = quantizer.hidden_state_streams()  # of hidden states in the resume state
         if streamed:  # each layer's grid integers are written with it
             calib.pop("grid integers of finished layers")
             outside_layers[_HIDDEN_STATES] = calib[_HIDDEN_STATES]
         ram.update(calib)
-        if streamed and gptq_alone and not staged:  # the solves overlap the layer's copies (`layerwise_gptq_bytes`)
+        if streamed and staged_alone and not staged:  # the solves overlap the layer's copies (`layerwise_gptq_bytes`)
             del ram[_STREAMED_LAYER]
             ram.update(layerwise_gptq_bytes(layer, packing, prepared.plan))
         work_dir = _work_dir_bytes(headers, numel, size, quantized, shares, seq_len, hidden, element, streams)
@@ -175,11 +171,11 @@ def estimate(prepared, recipe: Recipe, options, world_size: int, dst: str | Path
             gpu = device_plan(
                 layer=max(_layer_bytes(headers, numel, size).values(), default=model_bytes // (layers + 2)),
                 copy=copy, batches=-(-max(shares) // options.batch_size), calib=calib,
-                algorithm=recipe.quantizer.name, awq=awq is not None, positions=2 * max(shares) * seq_len * _head_dim(config) * element,
+                algorithm=quantizer, block_search=block_search, positions=2 * max(shares) * seq_len * _head_dim(config) * element,
                 budget=options.max_device_bytes or free_device_bytes(options.device), grid_share=grid_share,
                 copies=copies)
             device = gpu["peak_bytes"]
-            if gpu["mode"] == "offloaded" and awq is not None:
+            if gpu["mode"] == "offloaded" and block_search:
                 ram[_AWQ_OFFLOADED] = int(calib[_HIDDEN_STATES] * grid_share)
     if learning is not None and options.device != "cpu":  # the whole model on the device while it learns
         device = max(device or 0, model_bytes + learning)
@@ -204,8 +200,7 @@ def estimate(prepared, recipe: Recipe, options, world_size: int, dst: str | Path
         "ranks": world_size,
         "samples_per_rank": shares,
     }
-    if passes is not None:  # AutoRound: the ranks share out a step's passes, so no more than that many tune at once
-        report["autoround_passes_per_step"] = passes
+    report.update(reported)  # the quantizer's own figures (AutoRound: passes a step)
     if measure_time:
         report["time"] = time_estimate(prepared, recipe, options, max(shares) if shares else 0, layers,
                                        dtype if dtype != "auto" else _stored_dtype(headers), trust_remote_code, recomputed)
@@ -355,13 +350,12 @@ _HESSIANS = "Hessians of one layer"
 _HIDDEN_STATES = "calibration hidden states (this rank)"
 _STAGED_STEP = "GPTQ's largest step (rows of a batch through the MLP, a Hessian summed, or a stage solved)"
 _HELD_STAGE_INPUTS = "GPTQ's stage inputs (the MLP down projection's), held for every batch on the CPU"
-_AUTOROUND_PASS = "AutoRound activations of a tuning pass (forward and backward)"
 
 
 IN_FLIGHT_BATCHES = 4  # offloaded: a batch read, the next one being copied in, an output, the one being copied out
 
 
-def device_plan(layer: int, copy: int, batches: int, calib: dict[str, int], algorithm: Algorithm, awq: bool,
+def device_plan(layer: int, copy: int, batches: int, calib: dict[str, int], algorithm: algorithms.Algorithm, block_search: bool,
                 budget: int | None, positions: int = 0, grid_share: float = 1.0, copies: int = 2) -> dict:
     """Where the calibration hidden states live on a GPU with `budget` bytes (None: not known), and the peak that
     follows. `copy`: one copy of this rank's hidden states (every batch); `calib`: `calibration_bytes`' terms;
@@ -385,17 +379,16 @@ def device_plan(layer: int, copy: int, batches: int, calib: dict[str, int], algo
 
     fixed = layer + CUDA_CONTEXT_BYTES + calib.get("one batch's activations in a layer", 0) + calib.get(_HESSIANS, 0) + positions
     fixed += calib.get(_HELD_STAGE_INPUTS, 0)
-    if algorithm is Algorithm.AUTOROUND:
-        fixed += sum(v for k, v in calib.items() if k.startswith("AutoRound"))
+    fixed += algorithm.device_bytes(calib)
     batch = -(-copy // max(1, batches))
     resident = fixed + copies * copy
-    if awq:  # the search: the scored rows with the block's Hessians; after it, the inputs and outputs (and the
+    if block_search:  # the search: the scored rows with the block's Hessians; after it, the inputs and outputs (and the
         # quantizer's Hessians: only GPTQ's stay; GPTQ's are counted as the bound on AWQ's o and down ones)
         hessians = calib.get(_HESSIANS, 0)
-        after = resident - (0 if algorithm is Algorithm.GPTQ else hessians)
+        after = resident - (0 if algorithm.staged else hessians)
         resident = max(after, fixed + int((1 + 3 * grid_share) * copy))
-    offloaded = fixed + IN_FLIGHT_BATCHES * batch + (2 * min(GROUP_BYTES, int(grid_share * copy)) if awq else 0)
-    if algorithm is Algorithm.AUTOROUND:  # tunes against the float model's hidden states, kept beside them
+    offloaded = fixed + IN_FLIGHT_BATCHES * batch + (2 * min(GROUP_BYTES, int(grid_share * copy)) if block_search else 0)
+    if algorithm.float_reference:  # tunes against the float model's hidden states, kept beside them
         offloaded = resident
     mode = "resident" if budget is None or resident <= budget else "offloaded"
     return {"mode": mode, "peak_bytes": resident if mode == "resident" else offloaded, "resident_bytes": resident,
@@ -407,21 +400,12 @@ def resident_copies(recipe: Recipe, staged: bool) -> int:
     as GPTQ's staged pass builds the residual stream in the layer's inputs and the propagation after the other steps
     frees each batch's inputs once its outputs are made; two for GPTQ's staged pass when KV cache scales read the
     inputs after it, and for AutoRound (its own pass keeps them)."""
-    if recipe.quantizer.name is Algorithm.AUTOROUND:
+    quantizer = recipe.quantizer.algorithm
+    if quantizer.float_reference:
         return 2
-    if recipe.quantizer.name is Algorithm.GPTQ and staged and recipe.kv_cache is not None:
+    if quantizer.staged and staged and recipe.kv_cache is not None:
         return 2
     return 1
-
-
-def awq_grid_share(grid_tokens: int | None, batches: list[range], num_samples: int, seq_len: int) -> float:
-    """The share of a rank's rows (`batches`) AWQ's grid scores, and so keeps of its blocks' inputs
-    (`calibration.steps.awq.scored_rows` over all ranks' `num_samples` x `seq_len` tokens): 1 without a limit."""
-    total = num_samples * seq_len
-    rows = sum(map(len, batches))
-    if grid_tokens is None or total <= grid_tokens or not rows:
-        return 1.0
-    return sum(max(1, math.ceil(len(b) * grid_tokens / total)) for b in batches) / rows
 
 
 def _head_dim(config: dict) -> int:
@@ -478,75 +462,6 @@ def _holds_stage_inputs(device: str, held_bytes: int) -> bool:
     return placement.holds_stage_inputs(torch.device(device), held_bytes)
 
 
-def _autoround_bf16(args, device: str) -> bool:
-    """Whether AutoRound's tuning passes run in bfloat16 autocast (`amp` where the device multiplies bf16 natively);
-    on the CPU their attention then holds its scores (`calibration.tuning_attention`; sdpa's kernels do not)."""
-    import torch
-
-    from quantkit.runtime import precision
-
-    return args.amp and precision.native_bf16(torch.device(device))
-
-
-def autoround_passes(args, num_samples: int) -> int:
-    """AutoRound's forward and backward passes a step (equal-length samples): a step's samples over samples_per_pass."""
-    return math.ceil(min(args.batch_size, num_samples) / args.samples_per_pass)
-
-
-AUTOROUND_BYTES_PER_WEIGHT = 22  # held while the passes run, per weight of the layer (`algorithms.autoround.tune`):
-# V and the best V (float32, 4 + 4), the step's fake-quantized weights (float32, 4) and what their fake-quantization
-# keeps for its backward pass (the grid values, float32, and the clamp's mask: 4 + 1), the step's gradient sum
-# (float32, 4) and round-to-nearest's grid integers (1, kept for the loss it reports); the weights' float32 groups
-# beside (AUTOROUND_GROUPS_BYTES, none for float32 weights: `Groups` takes them as they are); and in the passes'
-# dtype, the leaves they take, a gradient row a pass and the pass's own gradients (`autoround_bytes`). Measured
-# 32.4 in all (bf16, two passes, without the grid integers and the pass's own gradients) on a hidden-1024 layer.
-AUTOROUND_GROUPS_BYTES = 4
-AUTOROUND_ATTENTION_COPIES = 3  # bf16 score-sized tensors while a tuning pass's backward goes through the CPU
-# attention's softmax (`calibration.tuning_attention`): its probabilities, kept from the forward pass, their
-# gradient and the scores' gradient
-AUTOROUND_TOKEN_HIDDEN_COPIES = 12  # hidden-wide activations a tuning pass keeps per token for its backward pass
-# (norms, projections' inputs and outputs, rotary embeddings, the residual stream); with the score-sized ones, a
-# pass of 4 x 2048 tokens through a hidden-1024 layer (16 heads) measured 1.75 GiB at its peak, 1.73 estimated
-AUTOROUND_TOKEN_MLP_COPIES = 5  # MLP-wide ones (gate, up, act(gate), their product, a gradient): the peak where the
-# scores are short
-
-
-def autoround_bytes(plan: list[ModulePlan], samples: int, seq_len: int, hidden: int, element: int,
-                    total: int = 0, world_size: int = 1, passes: int = 1, pass_samples: int = 1, heads: int = 0,
-                    pass_element: int | None = None) -> dict[str, int]:
-    """What AutoRound adds: the float model's hidden states before and after the layer (its targets) for this rank's
-    samples, the tuning state of one layer's weights, the gradients of a step's `passes` (in the passes' dtype
-    `pass_element`: the leaves they take, a row a pass, and the pass being run's own), one pass's activations
-    (`autoround_pass_bytes`, of `pass_samples` samples; `heads`: the attention heads whose scores it holds, 0
-    where its attention holds none) and, on several ranks, every rank's samples (the layer's inputs and targets) so that each step's samples are
-    dealt out evenly. AutoRound sums no Hessians: the general estimate's are not counted beside these."""
-    layer = _first_layer(plan)
-    weights = sum(e.in_features * e.out_features for e in layer)
-    pass_element = pass_element or element
-    per_weight = AUTOROUND_BYTES_PER_WEIGHT + (AUTOROUND_GROUPS_BYTES if element < 4 else 0)
-    widest = max((max(e.in_features, e.out_features) for e in layer), default=hidden)
-    needs = {"AutoRound float model's hidden states (before and after the layer, this rank)":
-             2 * samples * seq_len * hidden * element,
-             "AutoRound tuning state of one layer": per_weight * weights,
-             "AutoRound gradients of a step's passes": (passes + 2) * pass_element * weights,
-             _AUTOROUND_PASS: autoround_pass_bytes(pass_samples, seq_len, hidden, widest, heads, pass_element)}
-    if world_size > 1:
-        needs["AutoRound every rank's samples of the layer (inputs and targets)"] = 2 * total * seq_len * hidden * element
-    return needs
-
-
-def autoround_pass_bytes(samples: int, seq_len: int, hidden: int, mlp: int, heads: int, element: int) -> int:
-    """A tuning pass's activations at its peak (forward and backward over `samples` x `seq_len` tokens, in `element`
-    bytes): the backward pass through attention's softmax (AUTOROUND_ATTENTION_COPIES score-sized tensors of `heads`
-    heads beside the hidden-wide activations kept for it), or, where the scores are short, the MLP's backward (one
-    score-sized tensor, and the MLP-wide activations as well)."""
-    tokens = samples * seq_len
-    scores = samples * heads * seq_len * seq_len * element
-    kept = tokens * AUTOROUND_TOKEN_HIDDEN_COPIES * hidden * element
-    return max(AUTOROUND_ATTENTION_COPIES * scores + kept,
-               scores + kept + tokens * AUTOROUND_TOKEN_MLP_COPIES * mlp * element)
-
-
 def rounding_bytes(layer: list[ModulePlan]) -> int:
     """What rounding the layer's widest Linear to nearest holds at once (ROUNDING_COPIES)."""
     def copies(spec) -> float:
@@ -598,7 +513,6 @@ def time_estimate(prepared, recipe: Recipe, options, samples: int, layers: int, 
     import torch
     from transformers import AutoModelForCausalLM
 
-    from quantkit.algorithms import get_algorithm
     from quantkit.models import loading as models
     from quantkit.models import moe
 
@@ -615,10 +529,10 @@ def time_estimate(prepared, recipe: Recipe, options, samples: int, layers: int, 
     # and R4's hooks in place for the timed layer
     rotations = _rotation_seconds(prepared, recipe, model, layers, vocab, plan, options)
     if not recipe.needs_calibration:
-        rtn = get_algorithm(Algorithm.RTN)
+        quantizer, args = recipe.quantizer.algorithm, recipe.quantizer.arguments
         started = time.perf_counter()
         for entry in (e for e in plan if e.quantized):
-            rtn(model.get_submodule(entry.name).weight.data, entry.scheme.weights).dequantize()
+            quantizer.quantize_weight(model.get_submodule(entry.name).weight.data, entry.scheme.weights, args).dequantize()
         per_layer = time.perf_counter() - started
         return {"seconds": round(per_layer * layers + (rotations or 0.0), 1), "one_layer_seconds": round(per_layer, 3),
                 "layers": layers, **_rotated(rotations), "note": "quantization only; loading and writing the weights are not included"}
@@ -703,22 +617,16 @@ def _rotated(rotations: float | None) -> dict:
     return {"rotations_seconds": round(rotations, 3)} if rotations is not None else {}
 
 
-TIMED_AUTOROUND_STEPS = 5
-
-
 def _timed(recipe: Recipe, samples: int, count: int) -> tuple[Recipe, float]:
-    """The recipe to time one layer with, and the factor from one of its AutoRound steps to the real run's steps:
-    TIMED_AUTOROUND_STEPS steps are timed; a real step takes min(batch_size, samples) samples, of which one rank
-    computes its share (the estimate is one rank's, as if it held every sample of the step)."""
+    """The recipe to time one layer with, and the factor from its time to the real run's (`Algorithm.timed`:
+    AutoRound times a few of its steps)."""
     import dataclasses
 
     step = recipe.quantizer
-    if step.name is not Algorithm.AUTOROUND:
-        return recipe, 1.0
-    args = step.arguments
-    steps = min(args.iters, TIMED_AUTOROUND_STEPS)
-    timed = dataclasses.replace(recipe, steps=(*recipe.before_quantizer, AlgorithmStep(step.name, {**step.args, "iters": steps})))
-    return timed, args.iters * min(args.batch_size, samples) / min(args.batch_size, count)
+    args, scale = step.algorithm.timed(step.arguments, samples, count)
+    changed = {k: v for k, v in dataclasses.asdict(args).items() if getattr(step.arguments, k) != v}
+    timed = dataclasses.replace(recipe, steps=(*recipe.before_quantizer, AlgorithmStep(step.name, {**step.args, **changed})))
+    return timed, scale
 
 
 def check_disk(report: dict, dst: str | Path) -> None:
@@ -735,9 +643,12 @@ def check_disk(report: dict, dst: str | Path) -> None:
 
 _AWQ_OFFLOADED = "AWQ's attention and MLP inputs, offloaded to CPU memory"
 # the peak RAM terms that grow with the calibration samples (`check_memory`)
-_PER_SAMPLE = (_HIDDEN_STATES, _HELD_STAGE_INPUTS, _AWQ_OFFLOADED,
-               "AutoRound float model's hidden states (before and after the layer, this rank)",
-               "AutoRound every rank's samples of the layer (inputs and targets)")
+_PER_SAMPLE = (_HIDDEN_STATES, _HELD_STAGE_INPUTS, _AWQ_OFFLOADED)
+
+
+def _per_sample_terms() -> set[str]:
+    """The terms that grow with the samples: the general ones and every algorithm's own (`per_sample_terms`)."""
+    return {*_PER_SAMPLE, *(t for name in algorithms.names() for t in algorithms.get(name).per_sample_terms)}
 
 
 def check_memory(report: dict, available: int | None = None) -> None:
@@ -765,7 +676,8 @@ def memory_shortfall(report: dict, available: int | None = None) -> str | None:
         available = psutil.virtual_memory().available + peak_resident_bytes()
     breakdown = report["peak_ram_breakdown"]
     fixed = next(iter(breakdown.values()), 0)  # the process's own (python, torch, transformers): listed first
-    growing = sum(v for k, v in breakdown.items() if k in _PER_SAMPLE)
+    terms = _per_sample_terms()
+    growing = sum(v for k, v in breakdown.items() if k in terms)
     if fixed + growing <= available:
         return None
     per_sample = growing / max(1, max(shares))

@@ -18,8 +18,7 @@ from typing import Any, Iterator
 
 import yaml
 
-from quantkit.algorithms import Algorithm
-from quantkit.algorithms.arguments import ARGUMENTS, parse_arguments
+from quantkit import algorithms
 from quantkit.errors import RecipeError, RecipeNotFoundError
 from quantkit.quant.schemes import (
     ActivationSpec,
@@ -42,13 +41,18 @@ class Format(str, Enum):
 
 @dataclass(frozen=True)
 class AlgorithmStep:
-    name: Algorithm
+    name: str  # a registered algorithm's (`quantkit.algorithms.names()`)
     args: dict[str, Any] = field(default_factory=dict)  # as the recipe gives them, checked
 
     @property
+    def algorithm(self) -> algorithms.Algorithm:
+        """The algorithm object, which everything asks about it (`quantkit.algorithms.base.Algorithm`)."""
+        return algorithms.get(self.name)
+
+    @property
     def arguments(self):
-        """The algorithm's argument dataclass (`quantkit.algorithms.arguments`), defaults filled in."""
-        return ARGUMENTS[self.name](**self.args)
+        """The algorithm's argument dataclass, defaults filled in."""
+        return self.algorithm.arguments(self.args)
 
 
 class TransformType(str, Enum):
@@ -114,7 +118,7 @@ class Recipe:
     description: str
     scheme: QuantScheme
     format: Format
-    steps: tuple[AlgorithmStep, ...] = (AlgorithmStep(Algorithm.RTN),)
+    steps: tuple[AlgorithmStep, ...] = (AlgorithmStep(algorithms.DEFAULT),)
     calibration: Calibration = field(default_factory=Calibration)
     ignore: tuple[str, ...] = ("lm_head",)
     on_indivisible: IndivisiblePolicy = IndivisiblePolicy.SMALLER_GROUP
@@ -127,7 +131,7 @@ class Recipe:
 
     @property
     def quantizer(self) -> AlgorithmStep:
-        """The last step: the algorithm that rounds the weights (rtn, gptq or autoround)."""
+        """The last step: the algorithm that rounds the weights."""
         return self.steps[-1]
 
     @property
@@ -160,12 +164,12 @@ class Recipe:
     def needs_calibration_without_kv(self) -> bool:
         """Whether the weights or activations calibrate (not only a quantized KV cache's scales)."""
         calibrated_acts = self.scheme.activations is not None and self.scheme.activations.calibrated
-        return calibrated_acts or any(step.name is not Algorithm.RTN for step in self.steps)
+        return calibrated_acts or any(step.algorithm.needs_data for step in self.steps)
 
     def describe_algorithm(self) -> str:
         parts = ["+".join(t.rotations) + (" (learned)" if t.learn is not None else "") for t in self.transforms]
         rotations = ["+".join(parts)] if parts else []
-        return " + ".join(rotations + [step.name.value for step in self.steps])  # "R1+R2 + rtn": `recipes show` says which matrix
+        return " + ".join(rotations + [step.name for step in self.steps])  # "R1+R2 + rtn": `recipes show` says which matrix
 
     def requirement(self, fmt: Format) -> Requirement:
         return self.requires.get(fmt, Requirement())
@@ -266,8 +270,8 @@ def parse_recipe(name: str, data: dict[str, Any], source: str = "") -> Recipe:
     if unknown:
         raise SchemeError(sorted(unknown)[0], f"unknown key; allowed keys are {sorted(_TOP_KEYS)}")
     scheme = _parse_scheme(_mapping(data, "scheme", required=True))
-    steps = _parse_steps(data.get("algorithm", {"name": "rtn"}))
-    _check_autoround(scheme, steps[-1])
+    steps = _parse_steps(data.get("algorithm", {"name": algorithms.DEFAULT}))
+    _check_steps(scheme, steps)
     return Recipe(
         name=name,
         description=str(data.get("description", "")),
@@ -459,35 +463,38 @@ def _block_shape(value: Any) -> tuple[int, int] | None:
 
 
 def _parse_steps(value: Any) -> tuple[AlgorithmStep, ...]:
-    """`{name: gptq, block_size: 128}` or a list of such: transforms first, then one quantizer (rtn, gptq or
-    autoround)."""
+    """`{name: gptq, block_size: 128}` or a list of such: transforms first, then one quantizer."""
     items = value if isinstance(value, list) else [value]
     steps = tuple(_parse_step(item, f"algorithm[{i}]" if isinstance(value, list) else "algorithm") for i, item in enumerate(items))
-    if not steps or not steps[-1].name.is_quantizer:
-        raise SchemeError("algorithm", "the last step must be a quantizer: rtn, gptq or autoround (e.g. [{name: smoothquant}, {name: gptq}])")
-    if any(step.name.is_quantizer for step in steps[:-1]):
-        raise SchemeError("algorithm", "only the last step may be a quantizer (rtn, gptq or autoround); transforms such as smoothquant come first")
+    quantizers = ", ".join(algorithms.names(quantizer=True))
+    if not steps or not steps[-1].algorithm.quantizer:
+        raise SchemeError("algorithm", f"the last step must be a quantizer: {quantizers} (e.g. [{{name: smoothquant}}, {{name: gptq}}])")
+    if any(step.algorithm.quantizer for step in steps[:-1]):
+        raise SchemeError("algorithm", f"only the last step may be a quantizer ({quantizers}); transforms such as "
+                          f"{', '.join(algorithms.names(quantizer=False))} come first")
     return steps
 
 
-def _check_autoround(scheme: QuantScheme, quantizer: AlgorithmStep) -> None:
-    """AutoRound learns integer rounding of weights on the float layer's output: no float8 grid, no static
-    activation scales."""
-    if quantizer.name is not Algorithm.AUTOROUND:
-        return
-    if scheme.weights.dtype.is_float:
-        raise SchemeError("algorithm", "autoround learns the rounding of integer weights; float8 weights use rtn")
-    if scheme.activations is not None and scheme.activations.calibrated:
-        raise SchemeError("algorithm", "autoround with static activation scales (or NVFP4's calibrated global scale) is not supported; use rtn for these recipes")
+def _check_steps(scheme: QuantScheme, steps: tuple[AlgorithmStep, ...]) -> None:
+    """What each algorithm refuses for the scheme (`Algorithm.refusal`), when the recipe is read."""
+    for step in steps:
+        why = step.algorithm.refusal(scheme)
+        if why:
+            raise SchemeError("algorithm", why)
 
 
 def _parse_step(item: Any, where: str) -> AlgorithmStep:
     if not isinstance(item, dict):
         raise SchemeError(where, "must be a mapping such as {name: gptq}")
     args = dict(item)
-    name = _enum(args.pop("name", None), Algorithm, f"{where}.name", required=True)
+    name = args.pop("name", None)
+    allowed = ", ".join(algorithms.names())
+    if name is None:
+        raise SchemeError(f"{where}.name", f"is required; allowed: {allowed}")
+    if name not in algorithms.names():
+        raise SchemeError(f"{where}.name", f"'{name}' is not allowed; allowed: {allowed}")
     try:
-        args = parse_arguments(name, args)
+        args = algorithms.get(name).parse_arguments(args)
     except SchemeError as exc:
         raise SchemeError(f"{where}.{exc.field}", exc.message) from None
     return AlgorithmStep(name=name, args=args)

@@ -19,7 +19,6 @@ from typing import Any
 
 from torch import nn
 
-from quantkit.algorithms import Algorithm
 from quantkit.errors import UsageError
 from quantkit.export import exporter, for_format
 from quantkit.quant.plan import ModulePlan, plan_model
@@ -52,7 +51,7 @@ def qat_ready(recipe: Recipe) -> bool:
     `finalize` writes. NVFP4's activations qualify: their groups are dynamic, and their global scale, which
     `finalize` calibrates, is each tensor's own during training (as torchao's NVFP4 QAT does). A GGUF K recipe
     qualifies as its `training_recipe`."""
-    steps_rtn = all(step.name is Algorithm.RTN for step in training_recipe(recipe).steps)
+    steps_rtn = all(step.algorithm.qat_ready for step in training_recipe(recipe).steps)
     acts = recipe.scheme.activations
     minmax = recipe.scheme.weights.observer is WeightObserver.MINMAX
     return steps_rtn and minmax and (acts is None or acts.dynamic) and recipe.kv_cache is None and not recipe.online_rotations

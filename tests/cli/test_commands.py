@@ -601,10 +601,10 @@ def test_the_summary_says_how_many_tokens_each_moe_expert_was_routed():
 
 
 def test_the_summary_says_how_much_autoround_lowered_each_layers_loss():
-    from quantkit.cli.finalize import autoround_line
+    from quantkit.algorithms.methods.autoround import tuning_line
 
-    line = autoround_line({"model.layers.0": {"loss_rtn": 4e-6, "loss_tuned": 1e-6, "best_step": 9, "steps": 10},
-                           "model.layers.1": {"loss_rtn": 2e-6, "loss_tuned": 1e-6, "best_step": 7, "steps": 10}})
+    line = tuning_line({"model.layers.0": {"loss_rtn": 4e-6, "loss_tuned": 1e-6, "best_step": 9, "steps": 10},
+                         "model.layers.1": {"loss_rtn": 2e-6, "loss_tuned": 1e-6, "best_step": 7, "steps": 10}})
     assert line == ("output loss 38% of round-to-nearest's on average over 2 layers, at most 50% (model.layers.1); "
                     "per layer in quantkit.json")
 

@@ -3,14 +3,16 @@ waiting (fewer forward and backward passes a step than ranks)."""
 
 import pytest
 
+from quantkit import algorithms
+from quantkit.algorithms.methods.autoround import AutoRoundArgs
 from quantkit.cli import finalize as cli_finalize
 
 
 def _report(ranks: int, passes: int | None = None) -> dict:
     report = {"peak_ram_bytes": 1 << 30, "output_bytes": 1 << 20, "work_dir_bytes": 0, "free_disk_bytes": 1 << 40,
               "ranks": ranks}
-    if passes is not None:
-        report["autoround_passes_per_step"] = passes
+    if passes is not None:  # what AutoRound's object adds to the preflight's report
+        report.update(algorithms.get("autoround").report(AutoRoundArgs(samples_per_pass=4), 4 * passes, ranks))
     return report
 
 

@@ -232,7 +232,7 @@ def test_the_inverse_hessian_factor_on_cuda_is_the_cpus():
 def test_a_hessian_given_up_on_cuda_is_factored_in_its_own_memory(actorder):
     """`inverse_hessian(h, reuse=True)` on a GPU: the same factor, bit for bit, as from a copy of h, with one
     [in, in] float32 matrix less at the peak (h and the Cholesky factor, without a copy of h beside them)."""
-    from quantkit.algorithms.arguments import GPTQArgs
+    from quantkit.algorithms.methods.gptq import GPTQArgs
     from quantkit.algorithms.gptq import inverse_hessian
 
     n = 4096
@@ -260,7 +260,7 @@ def test_gptqs_cuda_graphs_replay_the_eager_loop_in_either_column_order(actorder
     left to right and in actorder's order (each column's group qparams copied in beside it), and stay on (a
     mismatch would have turned them off)."""
     from quantkit.algorithms import gptq_graphs
-    from quantkit.algorithms.arguments import GPTQArgs
+    from quantkit.algorithms.methods.gptq import GPTQArgs
     from quantkit.algorithms.gptq import _Grid, _quantize_columns, inverse_hessian
     from quantkit.quant import registry
 
@@ -372,7 +372,7 @@ def test_awqs_hessian_scored_candidates_on_cuda_are_the_float64_errors_within_tf
     """AWQ scores a lone Linear's candidates through tr(dW H dW^T), multiplied in TF32 on a GPU: within 1e-3 of the
     float64 errors (a few channels 50x larger, as in trained models), the same best candidate as float64 where the
     best leads by more than that, and the TF32 setting put back."""
-    from quantkit.algorithms.arguments import AWQArgs
+    from quantkit.algorithms.methods.awq import AWQArgs
     from quantkit.algorithms.awq import candidate_scales, hessian_error, scaled_candidate
     from quantkit.quant import registry
     from quantkit.quant.observers import HessianObserver

@@ -31,8 +31,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from quantkit.algorithms import Algorithm
-from quantkit.algorithms.arguments import AutoRoundArgs
+from quantkit.algorithms.methods.autoround import AutoRoundArgs
 from quantkit.algorithms.autoround import Rounding, Share, quantize, tune
 from quantkit.calibration.hooks import cut_rows, hidden_state, hidden_states, run_layer, with_hidden
 from quantkit.calibration.layer import Layer, relative_error
@@ -42,7 +41,7 @@ from quantkit.models.moe import experts_modules
 from quantkit.runtime import distributed, precision
 
 
-@register(Algorithm.AUTOROUND)
+@register("autoround")
 def autoround_step(layer: Layer, args: AutoRoundArgs) -> list[torch.Tensor]:
     started = time.perf_counter()
     weights = {name: m.weight.data for name, m in layer.linears.items()}

@@ -22,8 +22,7 @@ import time
 import torch
 from torch import nn
 
-from quantkit.algorithms import Algorithm
-from quantkit.algorithms.arguments import AWQArgs
+from quantkit.algorithms.methods.awq import AWQArgs
 from quantkit.algorithms.awq import candidate_scales, fold_scales, hessian_error, least_error, scaled_candidate
 from quantkit.calibration import offload
 from quantkit.calibration.hooks import cut_rows, hidden_state, run_layer
@@ -36,7 +35,7 @@ from quantkit.quant.schemes import WeightSpec
 from quantkit.runtime import distributed
 
 
-@register(Algorithm.AWQ)
+@register("awq")
 def awq_step(layer: Layer, args: AWQArgs) -> None:
     started = time.perf_counter()
     mappings = _mappings(layer)

@@ -23,8 +23,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from quantkit.algorithms import Algorithm
-from quantkit.algorithms.arguments import GPTQArgs
+from quantkit.algorithms.methods.gptq import GPTQArgs
 from quantkit.algorithms.factor import ALONE, Sharing
 from quantkit.algorithms.gptq import InverseHessian, gptq_quantize_rows, inverse_hessian, row_share
 from quantkit.calibration import true_sequential
@@ -40,7 +39,7 @@ from quantkit.runtime import distributed, placement
 from quantkit.runtime.memory import return_freed_memory
 
 
-@register(Algorithm.GPTQ)
+@register("gptq")
 def gptq_step(layer: Layer, args: GPTQArgs) -> list[torch.Tensor] | None:
     if layer.index == 0:  # every rank must take the same path
         agree = distributed.all_reduce_sum(float(can_stage(layer.module, layer.inputs)), layer.ctx)

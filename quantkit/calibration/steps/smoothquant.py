@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import time
 
-from quantkit.algorithms import Algorithm
-from quantkit.algorithms.arguments import SmoothQuantArgs
+from quantkit.algorithms.methods.smoothquant import SmoothQuantArgs
 from quantkit.algorithms.smoothquant import fold_scales, smoothing_scales
 from quantkit.calibration.hooks import observe
 from quantkit.calibration.layer import Layer
@@ -16,7 +15,7 @@ from quantkit.quant.observers import ChannelAbsMax
 from quantkit.runtime import distributed
 
 
-@register(Algorithm.SMOOTHQUANT)
+@register("smoothquant")
 def smoothquant_step(layer: Layer, args: SmoothQuantArgs) -> None:
     started = time.perf_counter()
     part = layer.module.get_submodule

@@ -5,8 +5,8 @@ small layer's output error below RTN's; the same seed gives the same rounding.""
 import pytest
 import torch
 
-from quantkit.algorithms import Algorithm, get_algorithm
-from quantkit.algorithms.arguments import AutoRoundArgs, parse_arguments
+from quantkit import algorithms
+from quantkit.algorithms.methods.autoround import AutoRoundArgs
 import threading
 
 from quantkit.algorithms import autoround
@@ -338,14 +338,15 @@ def test_draws_are_auto_rounds_cyclic_shuffled_batches():
 
 
 def test_registered_and_arguments_checked():
-    assert get_algorithm(Algorithm.AUTOROUND) is tune and Algorithm.AUTOROUND.is_quantizer
+    autoround = algorithms.get("autoround")
+    assert autoround.quantizer and autoround.needs_data and autoround.float_reference
     args = AutoRoundArgs(iters=50)
     assert args.rounding_lr == args.clipping_lr == 1 / 50
     assert AutoRoundArgs(iters=50, lr=0.1).clipping_lr == 0.1
-    assert parse_arguments(Algorithm.AUTOROUND, {"lr": None, "minmax_lr": 1}) == {"lr": None, "minmax_lr": 1.0}
+    assert autoround.parse_arguments({"lr": None, "minmax_lr": 1}) == {"lr": None, "minmax_lr": 1.0}
     for bad in ({"iters": 0}, {"batch_size": 0}, {"samples_per_pass": 0}, {"lr": -1.0}, {"lr": "fast"}, {"steps": 3}):
         with pytest.raises(SchemeError):
-            parse_arguments(Algorithm.AUTOROUND, bad)
+            autoround.parse_arguments(bad)
 
 
 @pytest.mark.parametrize("scheme,message", [

@@ -1,6 +1,6 @@
 import torch
 
-from quantkit.algorithms.arguments import AWQArgs
+from quantkit.algorithms.methods.awq import AWQArgs
 from quantkit.algorithms.awq import awq_scales, fold_scales, search_scales
 
 

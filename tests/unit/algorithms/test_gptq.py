@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from quantkit.algorithms.arguments import GPTQArgs
+from quantkit.algorithms.methods.gptq import GPTQArgs
 from quantkit.algorithms.gptq import (
     GPTQDampingError,
     gptq_quantize,

@@ -1,6 +1,6 @@
 import torch
 
-from quantkit.algorithms.arguments import SmoothQuantArgs
+from quantkit.algorithms.methods.smoothquant import SmoothQuantArgs
 from quantkit.algorithms.smoothquant import fold_scales, smoothing_scales
 
 

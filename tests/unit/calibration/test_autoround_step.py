@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from quantkit.algorithms.arguments import AutoRoundArgs
+from quantkit.algorithms.methods.autoround import AutoRoundArgs
 from quantkit.algorithms.autoround import Rounding, quantize
 from quantkit.calibration.hooks import capture_inputs, hidden_states, run_layer, with_hidden
 from quantkit.calibration.layer import CalibrationResult, Layer

@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from quantkit.algorithms.arguments import AWQArgs
+from quantkit.algorithms.methods.awq import AWQArgs
 from quantkit.calibration import calibrate
 from quantkit.calibration.steps.awq import scored_rows
 from quantkit.quant.schemes import SchemeError

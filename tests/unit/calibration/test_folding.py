@@ -7,7 +7,8 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from quantkit.algorithms.arguments import AWQArgs, SmoothQuantArgs
+from quantkit.algorithms.methods.awq import AWQArgs
+from quantkit.algorithms.methods.smoothquant import SmoothQuantArgs
 from quantkit.algorithms.awq import fold_scales
 from quantkit.calibration.hooks import capture_inputs, run_layer
 from quantkit.calibration.layer import CalibrationResult, Layer

@@ -5,7 +5,7 @@ import pytest
 
 from quantkit.calibration.pipeline import layer_steps
 from quantkit.calibration.steps.static_scales import static_scales_step
-from quantkit.errors import UsageError
+from quantkit.errors import RecipeError
 from quantkit.quant import registry
 
 
@@ -27,10 +27,10 @@ def test_dynamic_activations_need_no_static_scales():
     assert len(steps) == 1 and static_scales_step not in steps
 
 
-def test_gptq_with_static_scales_is_refused_up_front(tmp_path):
-    recipe = _recipe(tmp_path, "{name: gptq}", ", activations: {dtype: int8, dynamic: false}")
-    with pytest.raises(UsageError, match="GPTQ with calibrated activation scales"):
-        layer_steps(recipe)
+def test_gptq_with_static_scales_is_refused_when_the_recipe_is_read(tmp_path):
+    """GPTQ's own refusal (`Algorithm.refusal`), decided from the recipe before anything runs."""
+    with pytest.raises(RecipeError, match="algorithm: GPTQ with calibrated activation scales"):
+        _recipe(tmp_path, "{name: gptq}", ", activations: {dtype: int8, dynamic: false}")
 
 
 def _layer_with(outputs_error: float):

@@ -55,7 +55,7 @@ def test_relative_error_is_the_output_error_ratio():
 def test_the_error_through_gptqs_factor_is_the_error_through_the_damped_hessian(actorder):
     """GPTQ frees the Hessian once its inverse factor is made; the error is then measured through the factor: the
     same as through H + damp I, with dead inputs (H_ii = 0) left out as H leaves them out, in either column order."""
-    from quantkit.algorithms.arguments import GPTQArgs
+    from quantkit.algorithms.methods.gptq import GPTQArgs
     from quantkit.algorithms.gptq import inverse_hessian
 
     torch.manual_seed(0)
@@ -169,7 +169,7 @@ def test_gptqs_own_row_errors_give_the_error_through_its_factor(actorder):
     the pipeline reports from them equals the one measured through the factor (dead inputs and actorder included)."""
     import dataclasses
 
-    from quantkit.algorithms.arguments import GPTQArgs
+    from quantkit.algorithms.methods.gptq import GPTQArgs
     from quantkit.algorithms.gptq import gptq_quantize_rows, inverse_hessian
     from quantkit.calibration.layer import relative_error_of_solve
 

@@ -5,7 +5,7 @@ import json
 import torch
 
 from quantkit.export import compressed_tensors, exporter
-from quantkit.finalization.finalize import prepare, round_to_nearest
+from quantkit.finalization.finalize import prepare, quantize_without_data
 from quantkit.models.loading import load_model
 from quantkit.quant import registry
 from quantkit.quant.quantized_model import QuantizedModel
@@ -15,7 +15,7 @@ def _quantized(src) -> QuantizedModel:
     recipe = registry.resolve("int8-weight-only")
     prepared = prepare(src, recipe)
     model = load_model(src)
-    return QuantizedModel(model, prepared.plan, recipe, round_to_nearest(model, prepared.plan))
+    return QuantizedModel(model, prepared.plan, recipe, quantize_without_data(model, prepared.plan))
 
 
 def test_as_loaded_installs_the_qparams_once(tiny_model_dir):

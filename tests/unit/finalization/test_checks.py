@@ -12,7 +12,7 @@ from quantkit.errors import FormatError, HardwareError, SourceModelError, UsageE
 from quantkit.export import check_supported, for_format
 from quantkit.finalization import checks
 from quantkit.finalization.checks import prepare
-from quantkit.finalization.finalize import round_to_nearest
+from quantkit.finalization.finalize import quantize_without_data
 from quantkit.models.loading import load_model
 from quantkit.quant import registry
 from quantkit.quant.registry import Format
@@ -32,7 +32,7 @@ def test_non_finite_weights_are_refused_naming_the_tensor(tiny_model_dir):
     model.model.layers[1].mlp.up_proj.weight.data[0, 0] = float("inf")
     plan = prepare(tiny_model_dir, registry.resolve("int8-weight-only")).plan
     with pytest.raises(SourceModelError, match=r"model.layers.1.mlp.up_proj.weight has 1 non-finite values"):
-        round_to_nearest(model, plan)
+        quantize_without_data(model, plan)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")

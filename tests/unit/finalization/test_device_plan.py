@@ -3,7 +3,8 @@ the refusal of a budget below what calibrating needs) and the RAM's refusal (`pr
 
 import pytest
 
-from quantkit.algorithms import Algorithm
+from quantkit import algorithms
+from quantkit.algorithms.methods.awq import AWQArgs
 from quantkit.errors import UsageError
 from quantkit.finalization import preflight
 from quantkit.runtime.placement import CUDA_CONTEXT_BYTES
@@ -12,9 +13,9 @@ GIB = 1 << 30
 CALIB = {"one batch's activations in a layer": 2 * GIB, "Hessians of one layer": 3 * GIB}
 
 
-def _plan(budget, algorithm=Algorithm.GPTQ, awq=False):
+def _plan(budget, algorithm=algorithms.get("gptq"), awq=False):
     # an 8B's shape: 0.4 GiB a layer, 512 x 2048 tokens of width 4096 in bf16 (8 GiB a copy) in 64 batches
-    return preflight.device_plan(layer=GIB // 2, copy=8 * GIB, batches=64, calib=CALIB, algorithm=algorithm, awq=awq,
+    return preflight.device_plan(layer=GIB // 2, copy=8 * GIB, batches=64, calib=CALIB, algorithm=algorithm, block_search=awq,
                                  budget=budget)
 
 
@@ -26,8 +27,8 @@ def test_hidden_states_stay_on_the_gpu_when_they_fit():
 
 
 def test_gptqs_staged_pass_in_the_inputs_holds_one_copy_and_fits_a_smaller_budget():
-    one = preflight.device_plan(layer=GIB // 2, copy=8 * GIB, batches=64, calib=CALIB, algorithm=Algorithm.GPTQ,
-                                awq=False, budget=22 * GIB, copies=1)
+    one = preflight.device_plan(layer=GIB // 2, copy=8 * GIB, batches=64, calib=CALIB, algorithm=algorithms.get("gptq"),
+                                block_search=False, budget=22 * GIB, copies=1)
     assert one["resident_bytes"] == _plan(None)["resident_bytes"] - 8 * GIB
     assert one["mode"] == "resident" and _plan(22 * GIB)["mode"] == "offloaded"
 
@@ -49,21 +50,21 @@ def test_awq_holds_only_the_rows_its_grid_scores():
     copy each; beside the inputs and the Hessians that is the peak of AWQ with round to nearest (1.75 copies and
     3 GiB, over 2 copies without Hessians), and of AWQ with GPTQ the layer's inputs and outputs with GPTQ's."""
     batches = [range(s, s + 8) for s in range(0, 512, 8)]
-    share = preflight.awq_grid_share(128 * 2048, batches, 512, 2048)
+    share = algorithms.get("awq").grid_share(AWQArgs(grid_tokens=128 * 2048), batches, 512, 2048)
     assert share == 0.25
-    assert preflight.awq_grid_share(None, batches, 512, 2048) == 1.0
-    assert preflight.awq_grid_share(1024 * 2048, batches, 512, 2048) == 1.0  # fewer tokens than the limit
-    assert preflight.awq_grid_share(2048, batches, 512, 2048) == 64 / 512  # at least a row a batch
+    assert algorithms.get("awq").grid_share(AWQArgs(grid_tokens=None), batches, 512, 2048) == 1.0
+    assert algorithms.get("awq").grid_share(AWQArgs(grid_tokens=1024 * 2048), batches, 512, 2048) == 1.0  # fewer tokens than the limit
+    assert algorithms.get("awq").grid_share(AWQArgs(grid_tokens=2048), batches, 512, 2048) == 64 / 512  # at least a row a batch
     fixed = _plan(None)["resident_bytes"] - 2 * 8 * GIB
 
     def resident(algorithm, grid_share):
         return preflight.device_plan(layer=GIB // 2, copy=8 * GIB, batches=64, calib=CALIB, algorithm=algorithm,
-                                     awq=True, budget=None, grid_share=grid_share)["resident_bytes"]
+                                     block_search=True, budget=None, grid_share=grid_share)["resident_bytes"]
 
-    assert resident(Algorithm.RTN, share) == fixed + 14 * GIB  # 1.75 copies, with the Hessians
-    assert resident(Algorithm.GPTQ, share) == fixed + 16 * GIB  # GPTQ's Hessians after the search
-    assert resident(Algorithm.RTN, 0.5) == fixed + 20 * GIB  # 1 + 3 x 0.5 copies
-    assert resident(Algorithm.RTN, 1.0) == _plan(None, awq=True)["resident_bytes"]  # every row: 4 copies
+    assert resident(algorithms.get("rtn"), share) == fixed + 14 * GIB  # 1.75 copies, with the Hessians
+    assert resident(algorithms.get("gptq"), share) == fixed + 16 * GIB  # GPTQ's Hessians after the search
+    assert resident(algorithms.get("rtn"), 0.5) == fixed + 20 * GIB  # 1 + 3 x 0.5 copies
+    assert resident(algorithms.get("rtn"), 1.0) == _plan(None, awq=True)["resident_bytes"]  # every row: 4 copies
 
 
 def test_a_budget_below_one_layer_s_work_is_refused_naming_the_minimum():
@@ -75,7 +76,7 @@ def test_a_budget_below_one_layer_s_work_is_refused_naming_the_minimum():
 
 
 def test_autoround_is_never_offloaded():
-    plan = _plan(22 * GIB, algorithm=Algorithm.AUTOROUND)
+    plan = _plan(22 * GIB, algorithm=algorithms.get("autoround"))
     assert plan["offloaded_bytes"] == plan["resident_bytes"] > 22 * GIB
     with pytest.raises(UsageError, match="tunes against"):
         preflight.check_device_budget({"device_plan": plan})

@@ -132,21 +132,19 @@ def test_to_dict_is_json_ready():
     assert data["on_indivisible"] == IndivisiblePolicy.SMALLER_GROUP.value
 
 
-def test_every_algorithm_has_arguments_a_pure_function_and_a_layer_step():
-    """An algorithm is its enum member, its argument dataclass, its registered pure function and its registered
-    calibration step; the function takes the dataclass as `args` (its defaults are written once)."""
-    import inspect
+def test_every_algorithm_is_one_object_with_arguments_and_a_way_to_run():
+    """An algorithm is one registered object: its argument dataclass (defaults filled in from nothing), and a
+    calibration layer step (its own, or the data-free quantizers' one, which needs its weight function)."""
+    from quantkit import algorithms
+    from quantkit.calibration.steps import step_of
 
-    from quantkit.algorithms import Algorithm, get_algorithm
-    from quantkit.algorithms.arguments import ARGUMENTS
-    from quantkit.calibration.steps import STEPS
-
-    for name in Algorithm:
-        function, step = get_algorithm(name), STEPS.get(name)
-        assert callable(function) and callable(step), name
-        fields = inspect.signature(ARGUMENTS[name]).parameters
-        if fields:
-            assert isinstance(inspect.signature(function).parameters["args"].default, ARGUMENTS[name]), name
+    for name in algorithms.names():
+        algorithm = algorithms.get(name)
+        assert algorithm.name == name and algorithm.arguments({}) == algorithm.Arguments()
+        assert callable(step_of(algorithm)), name
+        if algorithm.step is None:  # no step of its own: a data-free quantizer, run weight by weight
+            assert algorithm.quantizer and not algorithm.needs_data, name
+            assert type(algorithm).quantize_weight is not algorithms.Algorithm.quantize_weight, name
 
 
 @pytest.mark.parametrize(

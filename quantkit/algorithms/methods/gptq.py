@@ -1,0 +1,72 @@
+"""GPTQ: Hessian-aware rounding, column by column, on calibration data."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from quantkit.algorithms.base import Algorithm, register
+from quantkit.quant.schemes import QDtype, QuantScheme, SchemeError
+
+
+ROW_BLOCK = 128  # weight rows solved as one unit: every GEMM's shape is fixed, however the rows are shared out
+
+
+@dataclass(frozen=True)
+class GPTQArgs:
+    block_size: int = 128  # columns updated lazily together (rounded up to a multiple of the group size)
+    dampening_frac: float = 0.01  # H += dampening_frac * mean(diag H) * I
+    actorder: bool = False  # round columns in order of decreasing H_ii (static groups)
+    static_groups: bool = False  # group qparams chosen up front from the weight, not as GPTQ reaches each group
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise SchemeError("block_size", f"{self.block_size} is not allowed; use a positive number of columns")
+        if self.dampening_frac <= 0:
+            raise SchemeError("dampening_frac", f"{self.dampening_frac} is not allowed; use a positive fraction such as 0.01")
+
+
+@register
+class GPTQ(Algorithm):
+    name = "gptq"
+    Arguments = GPTQArgs
+    step = "gptq"
+    staged = True  # one staged ("true sequential") pass per layer where the layer's wiring allows
+    qat_substitute = "rtn"  # on a K grid, QAT trains on llama.cpp's own rounding and converts with it
+
+    def refusal(self, scheme: QuantScheme) -> str | None:
+        if scheme.weights.dtype is QDtype.FLOAT8:
+            return "GPTQ supports integer and FP4 weights; use rtn for float8 weights"
+        if scheme.activations is not None and scheme.activations.calibrated:
+            return ("GPTQ with calibrated activation scales (static, or NVFP4's global scale) is not supported yet; "
+                    "use rtn for these recipes, or a weight-only GPTQ recipe")
+        return None
+
+    def rows_per_rank(self, stacked_rows: list[int], world_size: int) -> list[int]:
+        """Each rank's share of the rows of every stack of weights sharing a Hessian (`row_share`)."""
+        shares = [[row_share(total, world_size, rank) for total in stacked_rows] for rank in range(world_size)]
+        return [sum(share.stop - share.start for share in mine) for mine in shares]
+
+    def summary(self, result) -> dict[str, Any]:
+        if not result.true_sequential:
+            order = "layer-wise"
+        else:
+            order = ("true-sequential (one staged pass per layer, stage inputs " +
+                     ("held)" if result.stage_inputs_held else "recomputed batch by batch to save memory)"))
+        return {"gptq_order": order}
+
+    def plan_lines(self, plan: dict[str, Any]) -> list[tuple[str, str]]:
+        rows = plan.get("gptq_rows_per_rank")
+        return [("GPTQ rows per rank", " / ".join(map(str, rows)))] if rows and plan["ranks"] > 1 else []
+
+    def summary_lines(self, calibration: dict[str, Any]) -> list[tuple[str, str]]:
+        rows = calibration.get("gptq_rows_per_rank")
+        return [("  GPTQ rows per rank", " / ".join(map(str, rows)))] if rows else []
+
+
+def row_share(rows: int, world_size: int, rank: int) -> slice:
+    """The rows of a weight this rank solves: a contiguous run of whole ROW_BLOCKs, shared out as evenly as the
+    blocks allow (the last block may be short). Over all ranks the shares cover every row once, in order."""
+    blocks = -(-rows // ROW_BLOCK)
+    first, last = blocks * rank // world_size, blocks * (rank + 1) // world_size
+    return slice(min(rows, first * ROW_BLOCK), min(rows, last * ROW_BLOCK))
