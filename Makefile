@@ -1,6 +1,6 @@
-# quantkit: `make install`, `make test`, `make demo`; `make test-gguf` runs llama.cpp's own tools on quantkit's GGUF
-# files. Everything goes into .venv; torch is installed first (TORCH_SPEC, a CPU wheel by default) so that no other
-# package pulls a CUDA build.
+# quantkit: `make install`, `make test`, `make demo`; `make test-gguf` runs quantkit's GGUF files in llama.cpp (the
+# engine tests, left out of `make test`). Everything goes into .venv; torch is installed first (TORCH_SPEC, a CPU
+# wheel by default) so that no other package pulls a CUDA build.
 PYTHON ?= python3
 TORCH_SPEC ?= torch==2.13.0
 # The suite runs in TEST_WORKERS processes (pytest-xdist), each test file in one of them (module fixtures are built
@@ -8,10 +8,14 @@ TORCH_SPEC ?= torch==2.13.0
 # 1383 s in one process, 1070 s in two workers spread test by test, 980 s file by file without the core split;
 # 280-284 s since every quantkit process skips the interpreter's teardown (`cli.main.run`).
 TEST_WORKERS ?= 2
-# Tests marked llama_cpp run llama.cpp's own command-line tools (make test-gguf); the suite leaves them out, being
-# near CI's 15 minutes. Deselected here rather than in pytest's addopts, so that `pytest tests/...` still runs a
-# file or test named on the command line, and `pytest -m integration` still means every integration test.
-NOT_LLAMA_CPP := -m "not llama_cpp"
+# The engine tests run in `make test-gguf`, not in the suite: those marked llama_cpp run llama.cpp's own
+# command-line tools, those marked llama_cpp_python run GGUF files through llama-cpp-python (the gguf extra, which
+# compiles llama.cpp on install: 8-10 minutes on 2 cores, most of a fresh clone's `make test` when it installed it).
+# Deselected here rather than in pytest's addopts, so that `pytest tests/...` still runs a file or test named on the
+# command line, and `pytest -m integration` still means every integration test; pytest counts them as deselected
+# (tests/conftest.py: a module that would skip for want of llama_cpp too).
+ENGINES := llama_cpp or llama_cpp_python
+NOT_ENGINES := -m "not ($(ENGINES))"
 VENV := .venv
 BIN := $(VENV)/bin
 LOWEST := .venv-lowest
@@ -25,15 +29,19 @@ $(BIN)/python:
 # first, so that two distributions do not claim the same console script and package.
 FORGET_OLD_NAME := $(BIN)/python -m pip uninstall -q -y quantkit 2>/dev/null
 
-# The full install (tests, lm-eval tasks, and llama-cpp-python: the suite runs quantkit's GGUF files in llama.cpp; it
-# compiles llama.cpp once, about 9 minutes on 2 cores, then pip's wheel cache has it) also satisfies the demo's; the
-# demo alone installs only the package, without the extras, so that a fresh clone's `make demo` stays within its
-# three minutes.
+# The suite's install (the test and tasks extras) also satisfies the demo's; the demo alone installs only the
+# package, without the extras, so that a fresh clone's `make demo` stays within its three minutes. The gguf extra
+# (llama-cpp-python) only for `make test-gguf`: it compiles llama.cpp, about 9 minutes on 2 cores, once (then pip's
+# wheel cache has it).
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(FORGET_OLD_NAME)
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install -q -e ".[test,tasks,gguf]"
+	$(BIN)/python -m pip install -q -e ".[test,tasks]"
 	touch $(VENV)/.installed-base $@
+
+$(VENV)/.installed-gguf: $(VENV)/.installed
+	$(BIN)/python -m pip install -q -e ".[test,tasks,gguf]"
+	touch $@
 
 # The demo's install skips compiling every installed module to bytecode (torch and transformers hold thousands, most
 # never imported); the demo then caches the bytecode of what it imports, once, in .venv (PYTHONDONTWRITEBYTECODE is
@@ -47,7 +55,7 @@ $(VENV)/.installed-base: pyproject.toml | $(BIN)/python
 install: $(VENV)/.installed
 
 test: install
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations 20 $(NOT_LLAMA_CPP)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations 20 $(NOT_ENGINES)
 
 # The suite again in $(LOWEST), on the lowest version of every direct dependency pyproject.toml declares
 # (ci/lowest.txt), so that each lower bound is one it passes on; without extras, so the tests of an extra skip.
@@ -59,7 +67,7 @@ $(LOWEST)/.installed: pyproject.toml ci/lowest.txt
 	touch $@
 
 test-lowest: $(LOWEST)/.installed
-	$(LOWEST)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(NOT_LLAMA_CPP)
+	$(LOWEST)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(NOT_ENGINES)
 
 test-unit: install
 	$(BIN)/python -m pytest -q -m "not integration"
@@ -69,14 +77,18 @@ test-unit: install
 test-gpu: install
 	$(BIN)/python -m pytest -q -m gpu tests/gpu
 
-# llama.cpp's own tools (llama-perplexity, llama-bench) on quantkit's GGUF files, every type it writes: the tests
-# marked llama_cpp (tests/integration/test_gguf_llama_cpp.py, about 2 minutes on 2 cores). scripts/build_llama_cpp.sh
+# The engine tests, left out of `make test`: quantkit's GGUF files run in llama.cpp. Those marked llama_cpp_python
+# (tests/integration/test_eval_gguf.py, test_eval_gguf_archs.py, test_gguf_sentencepiece.py) through
+# llama-cpp-python, which this target installs (the gguf extra: it compiles llama.cpp, about 9 minutes on 2 cores,
+# once); those marked llama_cpp (tests/integration/test_gguf_llama_cpp.py, about 2 minutes on 2 cores) through
+# llama.cpp's own tools (llama-perplexity, llama-bench), every type quantkit writes. scripts/build_llama_cpp.sh
 # builds the tools once (about 7 minutes on 2 cores) into ~/.cache/quantkit/llama.cpp (LLAMA_CPP_CACHE,
 # LLAMA_CPP_VERSION) and prints their folder, at once when they are built; QUANTKIT_LLAMA_CPP_BIN=DIR uses DIR's
-# instead. A failed build fails the target (the tests would only skip).
-test-gguf: install
+# instead. A failed build or install fails the target (the tests would only skip).
+test-gguf: $(VENV)/.installed-gguf
+	$(BIN)/python -c "import llama_cpp"
 	bin="$${QUANTKIT_LLAMA_CPP_BIN:-$$(bash scripts/build_llama_cpp.sh)}" && \
-	QUANTKIT_LLAMA_CPP_BIN="$$bin" $(BIN)/python -m pytest -q -rs -m llama_cpp --durations 5
+	QUANTKIT_LLAMA_CPP_BIN="$$bin" $(BIN)/python -m pytest -q -rs -m "$(ENGINES)" --durations 10
 
 # docs/commands.md from the CLI itself (tests/cli/test_commands_doc.py fails when it is stale)
 docs: install

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import ast
+import itertools
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -101,3 +104,82 @@ def pytest_collection_modifyitems(config, items):
         item.add_marker(pytest.mark.gpu)
         if not cuda:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU (the GPU suite: make test-gpu)"))
+
+
+def _module_marks(path: Path) -> set[str]:
+    """The names of the markers a test module's top-level `pytestmark` applies, read from its source (not imported)."""
+    try:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+    except (OSError, SyntaxError, ValueError):
+        return set()
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "pytestmark" for t in node.targets):
+            return {n.attr for n in ast.walk(node.value)
+                    if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Attribute) and n.value.attr == "mark"}
+    return set()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    """A module that skips as a whole while it is imported (`pytest.importorskip("llama_cpp")` where the gguf extra is
+    not installed) is deselected instead when the run's `-m` leaves out every test it can hold, whatever marks its
+    tests add to its `pytestmark`: `make test` deselects the engine tests (markers llama_cpp, llama_cpp_python;
+    `make test-gguf` runs them), and a skip there would only hide them. Any other skip stays a skip."""
+    outcome = yield
+    report = outcome.get_result()
+    markexpr = collector.config.getoption("markexpr", "")
+    if not (report.skipped and markexpr and isinstance(collector, pytest.Module)):
+        return
+    marks = _module_marks(collector.path)
+    others = sorted(set(re.findall(r"[\w.-]+", markexpr)) - {"and", "or", "not"} - marks)
+    if len(others) > 8:
+        return
+    try:
+        from _pytest.mark.expression import Expression
+
+        expression = Expression.compile(markexpr)
+        selectable = any(expression.evaluate(lambda name, **_: name in marks or name in extra)
+                         for n in range(len(others) + 1) for extra in itertools.combinations(others, n))
+    except Exception:  # pytest's expression parser is not public API: where it changes, the module skips as before
+        return
+    if not selectable:
+        collector.config.hook.pytest_deselected(items=[collector])
+        outcome.force_result(pytest.CollectReport(collector.nodeid, "passed", None, []))
+
+
+# What `-m` left out, said at the end of the run: under pytest-xdist the workers deselect (each the whole collection)
+# and pytest's summary line does not count it. A module deselected before it could be imported counts as one.
+_deselected: list = []
+
+
+def pytest_deselected(items):
+    _deselected.extend(items)
+
+
+def pytest_sessionfinish(session):
+    workeroutput = getattr(session.config, "workeroutput", None)  # set in a pytest-xdist worker
+    if workeroutput is not None:
+        workeroutput["quantkit_deselected"] = (sum(isinstance(i, pytest.Item) for i in _deselected),
+                                               sum(not isinstance(i, pytest.Item) for i in _deselected))
+
+
+_worker_deselected: list[tuple[int, int]] = []
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    _worker_deselected.append(tuple(getattr(node, "workeroutput", {}).get("quantkit_deselected", (0, 0))))
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    markexpr = config.getoption("markexpr", "")
+    if not markexpr or getattr(config, "workeroutput", None) is not None:
+        return
+    tests = sum(isinstance(i, pytest.Item) for i in _deselected)
+    modules = len(_deselected) - tests
+    if _worker_deselected:
+        tests, modules = max(_worker_deselected)
+    if tests or modules:
+        whole = f" and {modules} whole test module{'s' * (modules != 1)} (not imported)" if modules else ""
+        terminalreporter.write_line(f"-m {markexpr!r} left out {tests} test{'s' * (tests != 1)}{whole}"
+                                    + ("; make test-gguf runs them" if "llama_cpp" in markexpr else ""))

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.llama_cpp_python]
 
 pytest.importorskip("llama_cpp", reason="needs llama-cpp-python: pip install 'quantkit-llm[gguf]'")
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.llama_cpp_python]
 
 llama_cpp = pytest.importorskip("llama_cpp", reason="needs llama-cpp-python: pip install 'quantkit-llm[gguf]'")
 
