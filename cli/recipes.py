@@ -10,7 +10,6 @@ import yaml
 from quantkit.cli.console import json_to_stdout, out, write_json
 from quantkit.cli.options import JsonOpt
 from quantkit.quant import registry
-from quantkit.quant.schemes import ActivationSpec, ScaleDtype, WeightObserver, WeightSpec
 
 # The ends of `recipes list --help` and `recipes show --help` (typer's epilogs): lines of at most 78 characters, so
 # 80-column help keeps each whole; the recipes and options they name must exist (tests/cli/test_commands_doc.py)
@@ -56,22 +55,12 @@ def list_recipes(json_path: JsonOpt = None) -> None:
         table.add_column(column)
     for recipe in recipes:
         acts = recipe.scheme.activations
-        acts = (grid(acts) + ("" if acts.dynamic else " static")) if acts else "16-bit"
-        weights = f"{recipe.mixture.lower()} mix" if recipe.mixture else grid(recipe.scheme.weights)  # llama.cpp's name
+        acts = (acts.label() + ("" if acts.dynamic else " static")) if acts else "16-bit"
+        weights = f"{recipe.mixture.lower()} mix" if recipe.mixture else recipe.scheme.weights.label()  # llama.cpp's name
         table.add_row(recipe.name, weights, acts, recipe.describe_algorithm(),
                       FORMATS.get(recipe.format, recipe.format.value))
     out.print(table)
 
-
-def grid(spec: WeightSpec | ActivationSpec) -> str:
-    """A weight or activation grid in a table cell: NVFP4 and MX grids by their names (the group size and scales
-    each fixes: `recipes show`), any other as the scheme describes it."""
-    family = {ScaleDtype.FLOAT8: "nv", ScaleDtype.E8M0: "mx"}.get(spec.scale_dtype)
-    if family is None:
-        return spec.describe()
-    element = spec.describe().split(" ", 1)[0]  # fp4 or fp8
-    mse = " mse" if getattr(spec, "observer", None) is WeightObserver.MSE else ""
-    return f"{family}{element}{'' if spec.symmetric else ' asym'}{mse}"
 
 
 def show(name: Annotated[str, typer.Argument(help="Recipe name or path to a recipe .yaml file.")], json_path: JsonOpt = None) -> None:

@@ -8,7 +8,9 @@ Runs `quantkit finalize` once per recipe (every shipped recipe by default; `--np
 of each calibrated one) into a scratch directory, then records, per safetensors file, the sha256 of every
 tensor's dtype, shape and bytes and of the header's metadata with sorted keys (the torchao format writes that
 metadata in a different key order on every run), and the sha256 of config.json's `quantization_config`.
-quantkit.json is left out: it holds a timestamp and the source path.
+quantkit.json is left out: it holds a timestamp and the source path. A GGUF file (the GGUF recipes write one, named
+RECIPE.gguf): the sha256 of every tensor's name, type, shape and bytes, and of every metadata field but quantkit's
+record (`quantkit.*`, which holds the same timestamp and path).
 `--compare` prints each artifact that differs and exits 1 if any does.
 """
 
@@ -37,7 +39,25 @@ def safetensors_digest(file: Path) -> str:
     return digest.hexdigest()
 
 
+def gguf_digest(file: Path) -> dict[str, str]:
+    from gguf import GGUFReader
+
+    reader = GGUFReader(file)
+    tensors = hashlib.sha256()
+    for tensor in sorted(reader.tensors, key=lambda t: t.name):
+        tensors.update(f"{tensor.name}:{tensor.tensor_type.name}:{list(tensor.shape)}".encode())
+        tensors.update(tensor.data.tobytes())
+    fields = hashlib.sha256()
+    for name in sorted(reader.fields):
+        if not name.startswith("quantkit."):
+            fields.update(name.encode())
+            fields.update(b"".join(part.tobytes() for part in reader.fields[name].parts))
+    return {"tensors": tensors.hexdigest(), "metadata": fields.hexdigest()}
+
+
 def digest(artifact: Path) -> dict[str, str]:
+    if artifact.suffix == ".gguf":
+        return gguf_digest(artifact)
     found = {}
     for file in sorted(artifact.glob("*.safetensors")):
         found[file.name] = safetensors_digest(file)
@@ -46,10 +66,14 @@ def digest(artifact: Path) -> dict[str, str]:
     return found
 
 
-def recipes(names: list[str] | None) -> list[tuple[str, bool]]:
-    """(name, needs calibration) for the requested recipes, or every shipped one."""
+def recipes(names: list[str] | None) -> list[tuple[str, bool, str]]:
+    """(name, needs calibration, DST suffix) for the requested recipes, or every shipped one."""
     from quantkit.quant import registry
-    return [(name, registry.resolve(name).needs_calibration) for name in names or registry.recipe_names()]
+
+    def suffix(recipe) -> str:
+        return ".gguf" if recipe.format.value == "gguf" else ""
+
+    return [(name, (r := registry.resolve(name)).needs_calibration, suffix(r)) for name in names or registry.recipe_names()]
 
 
 def finalize(model: Path, dst: Path, recipe: str, calibrated: bool, args: argparse.Namespace, nproc: int) -> str | None:
@@ -74,10 +98,10 @@ def main() -> None:
     args = parser.parse_args()
     results = {}
     with tempfile.TemporaryDirectory(prefix="quantkit-digests-") as scratch:
-        for recipe, calibrated in recipes(args.recipes):
+        for recipe, calibrated, suffix in recipes(args.recipes):
             for nproc in sorted({1, args.nproc} if calibrated else {1}):
                 key = f"{recipe}@{nproc}"
-                dst = Path(scratch) / key
+                dst = Path(scratch) / f"{key}{suffix}"
                 error = finalize(args.model, dst, recipe, calibrated, args, nproc)
                 results[key] = {"error": error} if error else digest(dst)
                 print(f"{key}: {'FAILED ' + error if error else 'ok'}", flush=True)

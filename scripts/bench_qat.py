@@ -118,7 +118,7 @@ def make_run(config: train_config.TrainConfig, ctx, blocks: torch.Tensor, recipe
     if recipe is not None:
         fake_quant.prepare(model, qat.plan(model, recipe))
     for module in model.modules():
-        if k_refresh_every and isinstance(module, fake_quant.KGridFakeQuantizer):
+        if k_refresh_every and isinstance(module, fake_quant.BlockGridFakeQuantizer):
             module.config = dataclasses.replace(module.config, refresh_every=k_refresh_every)
     optimizer, scheduler = train.make_optimizer(model, config)
     accum = train_config.accumulation_steps(config, ctx.world_size)

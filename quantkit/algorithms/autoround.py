@@ -22,17 +22,16 @@ import math
 import statistics
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 from torchao.quantization.quant_primitives import MappingType, choose_qparams_affine_with_min_max
 
 from quantkit.algorithms.methods.autoround import AutoRoundArgs
+from quantkit.quant.grid_family import SearchedGrid
+from quantkit.quant.grids import family_of
 from quantkit.quant.qparams import QuantizedWeight, block_size, scale_dtype
 from quantkit.quant.schemes import WeightSpec
-
-if TYPE_CHECKING:
-    from quantkit.quant.k_grids import KQParams
 
 EPS = torch.finfo(torch.float32).eps  # the smallest scale, as `qparams.choose_qparams` clamps it
 
@@ -100,44 +99,34 @@ def round_ste(x: torch.Tensor) -> torch.Tensor:
 @dataclass(frozen=True)
 class Groups:
     """A weight's float32 groups [out, groups, group size] and each group's min and max: what the fake-quantization
-    reads of the weight, which stays the same for the whole tuning (taken once, not every step). On a llama.cpp K
-    grid (`k`): the grid llama.cpp's search chooses for the weight, which stays fixed while the rounding is tuned."""
+    reads of the weight, which stays the same for the whole tuning (taken once, not every step). On a grid whose
+    family's search fixes its steps (llama.cpp's K grids: `GridFamily.searched`), that grid (`k`), which stays fixed
+    while the rounding is tuned."""
 
     values: torch.Tensor
     low: torch.Tensor
     high: torch.Tensor
-    k: KQParams | None = None
+    k: SearchedGrid | None = None
 
     @classmethod
     def of(cls, weight: torch.Tensor, spec: WeightSpec) -> Groups:
         values = _grouped(weight.float(), spec)
-        return cls(values, values.amin(-1), values.amax(-1), k_grid(weight, spec))
+        return cls(values, values.amin(-1), values.amax(-1), family_of(spec).searched(weight, spec))
 
 
-def k_grid(weight: torch.Tensor, spec: WeightSpec) -> KQParams | None:
-    """The K grid of a k_quant spec for `weight` (llama.cpp's search, as round to nearest chooses it), or None."""
-    if not spec.k_quant_type:
-        return None
-    from gguf import GGMLQuantizationType
-
-    from quantkit.quant.k_grids import choose_k_qparams
-
-    return choose_k_qparams(weight, GGMLQuantizationType[spec.k_quant_type])
-
-
-def _k_shifted(weight: torch.Tensor, grid: KQParams, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(w + offset) / step + V on a K grid, in `k_grids.round_k`'s arithmetic (V = 0: its value before rounding);
+def _k_shifted(weight: torch.Tensor, grid: SearchedGrid, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(w + offset) / step + V on a searched grid, in `k_grids.round_k`'s arithmetic (V = 0: its value before rounding);
     with each column's step and offset."""
     step, offset = grid.column_scales(0, weight.shape[1])
     x = weight.float()
     return torch.div(x if offset is None else x + offset, step) + value, step, offset
 
 
-def _fake_quantize_k(weight: torch.Tensor, value: torch.Tensor, grid: KQParams) -> torch.Tensor:
+def _fake_quantize_k(weight: torch.Tensor, value: torch.Tensor, grid: SearchedGrid) -> torch.Tensor:
     """The weight on its fixed K grid with offsets V: the grid's value of clamp(round((w + offset) / step + V)),
     differentiable in V (rounding straight through, clamp's gradient 0 outside the codes)."""
     shifted, step, offset = _k_shifted(weight, grid, value)
-    low, high = grid.format.code_range
+    low, high = grid.code_range
     codes = round_ste(shifted).clamp(low, high)
     values = torch.where(step == 0, 0.0, codes) * step
     return values if offset is None else values - offset
@@ -149,7 +138,7 @@ def fake_quantize(weight: torch.Tensor, rounding: Rounding, spec: WeightSpec, fu
     `full_range`: symmetric grids scale as auto-round's (`_full_range_scale`). `groups`: the weight's, if taken
     already."""
     groups = groups if groups is not None else Groups.of(weight, spec)
-    if groups.k is not None:  # llama.cpp's K grid: the rounding alone is tuned (its scales are its search's)
+    if groups.k is not None:  # a searched grid (llama.cpp's K): the rounding alone is tuned (its scales are the search's)
         return _fake_quantize_k(weight, rounding.value, groups.k)
     low, high = groups.low * rounding.min_scale, groups.high * rounding.max_scale
     if full_range and spec.symmetric:
@@ -203,10 +192,9 @@ def quantize(weight: torch.Tensor, rounding: Rounding, spec: WeightSpec, full_ra
     from the clipped group ranges (in the weight's dtype), so V = 0 with unit clipping gives `quantize_weight`'s.
     `full_range` (symmetric grids): auto-round's scales, `_full_range_scale` (negative where the larger side of a
     group's range is its maximum), in the scale dtype."""
-    if spec.dtype.is_float:
-        raise ValueError("AutoRound rounds to integer grids; float8 weights have no rounding offset to learn")
-    if spec.k_quant_type:
-        return _quantize_k(weight, rounding, spec)
+    searched = family_of(spec).searched(weight, spec)
+    if searched is not None:
+        return _quantize_searched(weight, rounding, spec, searched)
     with torch.no_grad():
         groups = _grouped(weight, spec)
         low = (groups.amin(-1).float() * rounding.min_scale).to(weight.dtype)
@@ -227,15 +215,14 @@ def quantize(weight: torch.Tensor, rounding: Rounding, spec: WeightSpec, full_ra
     return QuantizedWeight(qdata, scale, None if spec.symmetric else zero, spec)
 
 
-def _quantize_k(weight: torch.Tensor, rounding: Rounding, spec: WeightSpec) -> QuantizedWeight:
-    """The weight on llama.cpp's K grid with the learned rounding V: codes as `k_grids.round_k` rounds them
-    (V = 0: `quantize_weight`'s, bit for bit), each sub-block's step as the scale."""
+def _quantize_searched(weight: torch.Tensor, rounding: Rounding, spec: WeightSpec, grid: SearchedGrid) -> QuantizedWeight:
+    """The weight on a searched grid (llama.cpp's K) with the learned rounding V: codes as `k_grids.round_k` rounds
+    them (V = 0: round to nearest's, bit for bit)."""
     with torch.no_grad():
-        grid = k_grid(weight, spec)
         shifted, step, _ = _k_shifted(weight, grid, rounding.value)
-        low, high = grid.format.code_range
+        low, high = grid.code_range
         codes = torch.where(step == 0, 0.0, torch.round(shifted).clamp(low, high)).to(torch.int8)
-    return QuantizedWeight(codes, grid.sub_block_scales()[0], None, spec, k=grid)
+    return grid.result(codes, spec)
 
 
 # ---------------------------------------------------------------- tuning

@@ -37,8 +37,9 @@ from quantkit.algorithms.methods.gptq import ROW_BLOCK, GPTQArgs, row_share  # n
 from quantkit.algorithms.factor import ALONE, Sharing, factor_, reverse_
 from quantkit.errors import QuantkitError
 from quantkit.quant import float_grids
-from quantkit.quant.qparams import QuantizedWeight, choose_qparams, is_float_grid, weight_global_scale
-from quantkit.quant.schemes import Granularity, QDtype, SchemeError, WeightSpec
+from quantkit.quant.grids import family_of
+from quantkit.quant.qparams import QuantizedWeight, weight_global_scale
+from quantkit.quant.schemes import Granularity, WeightSpec
 
 
 class GPTQDampingError(QuantkitError, ValueError):
@@ -119,24 +120,19 @@ def gptq_quantize_rows(weight: torch.Tensor, factor: InverseHessian, spec: Weigh
     wt = torch.empty(weight.shape[::-1], dtype=torch.float32, device=weight.device)
     wt.copy_(weight.T)  # the float32 work copy, transposed: a column of the weight is a contiguous row
     wt[factor.dead.to(wt.device)] = 0.0
-    dynamic = spec.granularity is Granularity.GROUP and not (args.actorder or args.static_groups)
-    if spec.k_quant_type:
-        grid = _KGrid.up_front(wt.T, spec, dynamic=not args.actorder, importance=factor.importance)
-    else:
-        grid = _Grid.up_front(wt.T, weight.dtype, spec, dynamic=dynamic, global_scale=global_scale if spec.global_scale else None)
+    # the grid's family says how a column rounds onto it (`grid_family.ColumnGrid`), and when its parameters are
+    # chosen: up front, or as the loop reaches each group or block (not with actorder, whose columns come out of order)
+    grid = family_of(spec).columns(wt.T, weight.dtype, spec, actorder=args.actorder, static_groups=args.static_groups,
+                                   global_scale=global_scale if spec.global_scale else None, importance=factor.importance)
     if factor.perm is not None:
         wt = wt[factor.perm]
     qdata = _quantize_columns(wt, factor.upper, grid, factor.order, _aligned_block_size(args.block_size, spec), row_errors)
     if factor.perm is not None:
         qdata = qdata[:, torch.argsort(factor.perm)]
-    if spec.k_quant_type:
-        return QuantizedWeight(qdata=qdata, scale=grid.k.sub_block_scales()[0], zero_point=None, spec=spec, k=grid.k)
-    return QuantizedWeight(qdata=qdata, scale=grid.scale, zero_point=grid.zero, spec=spec, global_scale=grid.global_scale)
+    return grid.result(qdata)
 
 
 def _check_inputs(weight: torch.Tensor, hessian: torch.Tensor | None, spec: WeightSpec) -> None:
-    if spec.dtype is QDtype.FLOAT8:
-        raise SchemeError("weights.dtype", "GPTQ supports integer and FP4 weights; use rtn for float8 weights")
     if hessian is None:
         return
     if weight.dim() != 2 or hessian.shape != (weight.shape[1], weight.shape[1]):
@@ -211,168 +207,6 @@ REVERSE_CHUNK_ON_DEVICE = 1 << 24  # elements swapped at once reversing a GPU's 
 _CHECK_ROWS = 256
 
 
-@dataclass
-class _Grid:
-    """The qparams of the result, and how one column is rounded onto them (exactly as `quantize_with` rounds)."""
-
-    spec: WeightSpec
-    dtype: torch.dtype  # the original weight dtype: qparams are chosen and columns rounded in it, like RTN
-    scale: torch.Tensor  # [out, in // group]
-    zero: torch.Tensor | None
-    dynamic: bool  # group qparams chosen when each group's first column is reached
-    global_scale: torch.Tensor | None = None  # NVFP4: fixed before any column moves
-    _columns: dict = field(default_factory=dict)  # group -> its qparams as contiguous columns (what round uses)
-
-    @classmethod
-    def up_front(cls, weight: torch.Tensor, dtype: torch.dtype, spec: WeightSpec, dynamic: bool,
-                 global_scale: torch.Tensor | None = None) -> _Grid:
-        scale, zero = choose_qparams(weight.to(dtype), spec, global_scale)  # dynamic groups overwrite theirs later
-        return cls(spec, dtype, scale, zero, dynamic, global_scale)
-
-    @property
-    def float_grid(self) -> bool:
-        return is_float_grid(self.spec)
-
-    @property
-    def choose_every(self) -> int | None:
-        """Columns between two choices of qparams in the loop (a group's first column), or None: chosen up front."""
-        return self.spec.group_size if self.dynamic else None
-
-    def group_of(self, column: int) -> int:
-        return column // self.spec.group_size if self.spec.granularity is Granularity.GROUP else 0
-
-    def choose(self, group: int, columns: torch.Tensor) -> None:
-        scale, zero = choose_qparams(columns.to(self.dtype), self.spec, self.global_scale)
-        self.scale[:, group : group + 1] = scale
-        if zero is not None:
-            self.zero[:, group : group + 1] = zero
-        self._columns.pop(group, None)
-
-    def round(self, column: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the grid integer as a float, its float32 value) for one column [out] with its group's qparams.
-
-        torchao's `quantize_affine` / `dequantize_affine` arithmetic, inlined for one column (a call per column
-        costs more than the rounding): clamp(round(x * (1 / scale)) + zero), then (q - zero) * scale.
-        tests/unit/algorithms/test_gptq.py holds it equal to RTN through `quantize_with`, bit for bit."""
-        if self.float_grid:
-            return self._round_float(column, group)
-        scale, inverse, zero, zero_float = self.columns(group)
-        q = torch.round(column.to(self.dtype) * inverse)
-        if zero is None:
-            q = q.clamp_(*self.spec.dtype.qrange).float()
-            return q, (q * scale).float()
-        q = (q + zero).clamp_(*self.spec.dtype.qrange).float()
-        return q, ((q - zero_float) * scale).float()
-
-    def columns_in_order(self, order: list[int]) -> Callable[[int, int], tuple]:
-        """For qparams fixed up front (static groups) and columns in `order`: a function giving the qparams of
-        positions [j1, j2) as `columns` gives one group's, a row per column ([j2 - j1, out]), bit for bit the same
-        values; one gather a tensor."""
-        groups = torch.tensor([self.group_of(c) for c in order], device=self.scale.device)
-        scale = self.scale.T.contiguous()
-        by_group = (scale, 1.0 / scale, *((self.zero.T.contiguous(), self.zero.T.float()) if self.zero is not None else (None, None)))
-        return lambda j1, j2: tuple(t.index_select(0, groups[j1:j2]) if t is not None else None for t in by_group)
-
-    def columns(self, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """An integer grid's (scale, 1 / scale, zero point, zero point as float32) of `group`, as contiguous columns."""
-        if group not in self._columns:
-            scale = self.scale[:, group].contiguous()
-            zero = self.zero[:, group].contiguous() if self.zero is not None else None
-            self._columns[group] = (scale, 1.0 / scale, zero, zero.float() if zero is not None else None)
-        return self._columns[group]
-
-    def _round_float(self, column: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """FP4 grids (NVFP4, MXFP4) as `qparams.round_float_grid` rounds: divided by the float32 scale under a
-        global scale, else by the scale in the weight's dtype."""
-        if group not in self._columns:
-            scale = self.scale[:, group].contiguous()
-            divisor = scale.float() / self.global_scale if self.global_scale is not None else scale
-            self._columns[group] = (divisor, divisor.float())
-        divisor, divisor_float = self._columns[group]
-        q = float_grids.round_to_fp4(column.to(self.dtype) / divisor)
-        return q, q * divisor_float
-
-
-@dataclass
-class _KGrid:
-    """A llama.cpp K-quant grid (`k_grids`) in the GPTQ loop: each super-block's sub-block scales and mins are chosen
-    by llama.cpp's search on the columns as GPTQ has updated them when it reaches the super-block's first column
-    (with actorder: all up front, on the original weights), then every column is rounded onto that fixed grid as
-    `k_grids.round_k` rounds (its arithmetic inlined on each column's step and offset, kept as contiguous columns:
-    a call per column costs more than the rounding), so what GPTQ minimises is what llama.cpp decodes."""
-
-    spec: WeightSpec
-    k: "KQParams"  # the whole weight's, super-blocks overwritten as they are chosen
-    dynamic: bool
-    steps: torch.Tensor  # float32 [in, out]: each column's step d * sc (and offset dmin * mn), as contiguous rows
-    offsets: torch.Tensor | None
-    importance: torch.Tensor | None = None  # float32 [in]: H's diagonal, which weights llama.cpp's search (its imatrix)
-    float_grid = False
-
-    @classmethod
-    def up_front(cls, weight: torch.Tensor, spec: WeightSpec, dynamic: bool,
-                 importance: torch.Tensor | None = None) -> _KGrid:
-        """The grid chosen on the whole weight now, or (dynamic) its buffers, each super-block chosen in the loop.
-        `importance` (H's diagonal: each input's mean squared activation, what llama-imatrix measures) weights the
-        search as llama-quantize --imatrix does (`k_grids`' _impl path)."""
-        from gguf import GGMLQuantizationType
-
-        from quantkit.quant.k_grids import SUPER_BLOCK, KQParams, choose_k_qparams
-        from quantkit.quant.ggml_blocks import FORMATS
-
-        qtype = GGMLQuantizationType[spec.k_quant_type]
-        rows, cols, fmt = weight.shape[0], weight.shape[1], FORMATS[qtype]
-        if dynamic:
-            codes = lambda: torch.zeros(rows, cols // fmt.sub_block, dtype=torch.int8, device=weight.device)  # noqa: E731
-            supers = lambda: torch.zeros(rows, cols // SUPER_BLOCK, dtype=torch.float16, device=weight.device)  # noqa: E731
-            k = KQParams(qtype, codes(), supers(), codes() if fmt.has_mins else None, supers() if fmt.has_mins else None)
-        else:
-            k = choose_k_qparams(weight.float(), qtype, importance)
-        steps = torch.zeros(cols, rows, dtype=torch.float32, device=weight.device)
-        grid = cls(spec, k, dynamic, steps, torch.zeros_like(steps) if fmt.has_mins else None, importance)
-        if not dynamic:
-            grid._columns(0, cols)
-        return grid
-
-    @property
-    def choose_every(self) -> int | None:
-        from quantkit.quant.k_grids import SUPER_BLOCK
-        return SUPER_BLOCK if self.dynamic else None
-
-    def group_of(self, column: int) -> int:
-        return column  # rounding needs the column's own sub-block
-
-    def choose(self, first: int, columns: torch.Tensor) -> None:
-        from quantkit.quant.k_grids import SUPER_BLOCK, choose_k_qparams
-
-        importance = None if self.importance is None else self.importance[first:first + columns.shape[1]]
-        part = choose_k_qparams(columns.float(), self.k.qtype, importance)
-        per_super = SUPER_BLOCK // self.k.format.sub_block
-        block, sub = first // SUPER_BLOCK, first // self.k.format.sub_block
-        for name in ("scales", "mins"):
-            if getattr(self.k, name) is not None:
-                getattr(self.k, name)[:, sub:sub + per_super] = getattr(part, name)
-        for name in ("d", "dmin"):
-            if getattr(self.k, name) is not None:
-                getattr(self.k, name)[:, block:block + 1] = getattr(part, name)
-        self._columns(first, columns.shape[1])
-
-    def _columns(self, first: int, count: int) -> None:
-        step, offset = self.k.column_scales(first, count)
-        self.steps[first:first + count] = step.T
-        if offset is not None:
-            self.offsets[first:first + count] = offset.T
-
-    def round(self, column: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-        step = self.steps[group]
-        offset = self.offsets[group] if self.offsets is not None else None
-        scaled = torch.div(column if offset is None else column + offset, step)
-        q = torch.round(scaled).clamp_(*self.k.format.code_range)
-        q = torch.where(step == 0, 0.0, q)
-        value = step * q
-        return q, value if offset is None else value - offset
-
-
 SUB_BLOCK = 16  # columns whose updates are applied one by one; the rest of a block gets them as one matmul
 
 
@@ -395,7 +229,7 @@ def _quantize_columns(
     kernels for other row counts anyway: ranks agree up to float summation order there) and whole sub-blocks run
     as one CUDA graph each (`gptq_graphs`: the same kernels, bit for bit); `graphs` False runs that path eagerly
     (tests), None picks it on CUDA."""
-    qt = torch.empty(wt.shape, dtype=torch.float8_e4m3fn if grid.float_grid else torch.int8, device=wt.device)  # the grid values
+    qt = torch.empty(wt.shape, dtype=grid.code_dtype, device=wt.device)  # the grid values
     dynamic_size = grid.choose_every
     sub = math.gcd(SUB_BLOCK, dynamic_size) if dynamic_size else SUB_BLOCK
     cuda = wt.device.type == "cuda"
@@ -452,7 +286,7 @@ def _sub_block_runner(wt: torch.Tensor, grid: _Grid, order: list[int], sub: int,
     """`gptq_graphs.sub_block_runner` where it applies: integer grids, on CUDA or when asked (`graphs` False); left to
     right, a sub-block's columns in one group; in actorder's order (`per_column`), on qparams fixed up front, each
     column's qparams beside it."""
-    if grid.float_grid or isinstance(grid, _KGrid) or (graphs is None and wt.device.type != "cuda"):
+    if not grid.graphs or (graphs is None and wt.device.type != "cuda"):
         return None
     if per_column and grid.choose_every:
         return None  # dynamic groups are chosen as the loop reaches them, left to right only

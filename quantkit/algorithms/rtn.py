@@ -2,7 +2,8 @@
 
 import torch
 
-from quantkit.quant.qparams import QuantizedWeight, quantize_weight
+from quantkit.quant.grids import quantize_weight
+from quantkit.quant.qparams import QuantizedWeight
 from quantkit.quant.schemes import WeightSpec
 
 

@@ -41,6 +41,7 @@ from torch import nn
 from quantkit.calibration.layer import CalibrationResult
 from quantkit.errors import UsageError
 from quantkit.export.atomic import STATE
+from quantkit.quant.grids import family_of
 from quantkit.quant.plan import ModulePlan
 from quantkit.quant.qparams import QuantizedWeight
 from quantkit.runtime import distributed
@@ -237,9 +238,6 @@ class Resumable:
             self.path.rmdir()
 
 
-K_PARTS = ("scales", "d", "mins", "dmin")  # a K grid's tensors (`k_grids.KQParams`), in its constructor's order
-
-
 def layer_tensors(module: nn.Module, prefix: str, result: CalibrationResult) -> dict[str, torch.Tensor]:
     """A finished layer as flat tensors: grid integers, scales and zero points of its quantized Linears (their
     dequantized weights follow from those exactly), static input scales, KV cache scales (and the ranges they
@@ -254,10 +252,9 @@ def layer_tensors(module: nn.Module, prefix: str, result: CalibrationResult) -> 
             tensors[f"scale.{local}"] = qweight.scale
             if qweight.zero_point is not None:
                 tensors[f"zero.{local}"] = qweight.zero_point
-            if qweight.k is not None:  # a K grid's codes under its super-block scales (GGUF)
-                for part in K_PARTS:
-                    if getattr(qweight.k, part) is not None:
-                        tensors[f"k_{part}.{local}"] = getattr(qweight.k, part)
+            if qweight.k is not None:  # a block grid's scale codes under its super-block scales (GGUF)
+                for part, tensor in qweight.k.parts().items():
+                    tensors[f"k_{part}.{local}"] = tensor
             if name in result.input_scales:
                 tensors[f"input_scale.{local}"] = result.input_scales[name]
     for name in (n for n in result.kv_scales if n.startswith(prefix + ".")):
@@ -279,12 +276,9 @@ def restore_layer(module: nn.Module, prefix: str, plan: dict[str, ModulePlan], r
         name = f"{prefix}.{local}"
         linear = module.get_submodule(local)
         spec = plan[name].scheme.weights
-        k = None
-        if spec.k_quant_type:
-            from gguf import GGMLQuantizationType
-
-            from quantkit.quant.k_grids import KQParams
-            k = KQParams(GGMLQuantizationType[spec.k_quant_type], *(tensors.get(f"k_{part}.{local}") for part in K_PARTS))
+        parts = {key[2:].split(".", 1)[0]: t for key, t in tensors.items()
+                 if key.startswith("k_") and key.split(".", 1)[1] == local}  # a block grid's (`BlockParams.parts`)
+        k = family_of(spec).block_params(spec, parts)
         qweight = QuantizedWeight(tensors[key], tensors[f"scale.{local}"], tensors.get(f"zero.{local}"), spec, k=k)
         state[f"{local}.weight"] = qweight.dequantize(linear.weight.dtype)
         result.qweights[name] = qweight

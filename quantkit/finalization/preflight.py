@@ -63,11 +63,8 @@ CALIBRATED_LAYER_COPIES = 2.5  # a calibrated layer: read (mapped), the weights 
 # quantized values (copies of the mapped pages), and the grid integers kept until written; measured 2.4 on
 # Llama-3.1-8B-shaped and 2048 / 7168 layers with GPTQ (the resident size when the down projection's stage starts,
 # less the fixed cost and the hidden states)
-# float32 copies of the widest Linear that rounding it to nearest holds at once, measured on a Llama-3.1-8B layer
-# (down_proj, 14336 x 4096: the growth of VmHWM while round_to_nearest quantizes the layer): an integer
-# grid 1.5, FP8 3.7, NVFP4 (group and global scales) 11. A streamed layer is read (mapped, 1 copy) and rounded
-# Linear by Linear: its phase is the larger of STREAMED_LAYER_COPIES layers and one layer plus this.
-ROUNDING_COPIES = {"nvfp4": 11.0, "float": 3.7, "int": 1.5}
+# A streamed layer is read (mapped, 1 copy) and rounded Linear by Linear: its phase is the larger of
+# STREAMED_LAYER_COPIES layers and one layer plus the widest Linear's rounding (`WeightSpec.rounding_copies`).
 PACKING_COPIES = 1.0  # float32 copies of the widest Linear while the exporter packs it, on top of the layer's copies:
 # measured by the streamed peak of int4-weight-only, FP8 and NVFP4 on Llama layers of widths 2048 / 5632 and
 # 4096 / 14336 (the 0.84B's and the 8B's; without it the estimate was 6-17% under)
@@ -463,11 +460,8 @@ def _holds_stage_inputs(device: str, held_bytes: int) -> bool:
 
 
 def rounding_bytes(layer: list[ModulePlan]) -> int:
-    """What rounding the layer's widest Linear to nearest holds at once (ROUNDING_COPIES)."""
-    def copies(spec) -> float:
-        return ROUNDING_COPIES["nvfp4" if spec.global_scale else "float" if spec.dtype.is_float else "int"]
-
-    return int(max((copies(e.scheme.weights) * 4 * e.in_features * e.out_features for e in layer), default=0))
+    """What rounding the layer's widest Linear to nearest holds at once (`WeightSpec.rounding_copies`)."""
+    return int(max((e.scheme.weights.rounding_copies * 4 * e.in_features * e.out_features for e in layer), default=0))
 
 
 def _layer_bytes(headers, numel, size) -> dict[int, int]:

@@ -2,7 +2,7 @@
 rotations are learned against (`calibration.learned_rotations`).
 
 The contract: for every planned Linear, the weight the forward pass sees is, bit for bit (atol=0, rtol=0),
-`qparams.fake_quantize_weight(weight, scheme.weights)`, the weight `finalize` will write, in float32 and in
+`grids.fake_quantize_weight(weight, scheme.weights)`, the weight `finalize` will write, in float32 and in
 bfloat16. Activations are fake-quantized the way torchao's PTQ runtime quantizes them for the same scheme
 (int8 or float8, per token, dynamic), so the trained model sees what the deployed one computes.
 
@@ -21,9 +21,9 @@ behind the same interface (`fake_quantize_configs` -> `fake_quantizer`):
   is shared by the Linears a kernel fuses (q/k/v, gate/up), as `finalize` shares it.
 - `GroupActivationFakeQuantizeConfig`: dynamic per-group float activations (FP8 per group of 128, MX's FP4 /
   FP8 with E8M0 scales), as compressed-tensors' runtime quantizes them (`float_grids.fake_quantize_groups`).
-- `KGridFakeQuantizeConfig`: llama.cpp's K grids (Q2_K ... Q6_K, the GGUF mixtures' types): llama.cpp's own
-  search of the super-block scales and mins (`k_grids.choose_k_qparams`, no gradient), the weights rounded onto
-  that grid (`k_grids.round_k`). The search costs far more than the rounding, so in training it is redone every
+- `BlockGridFakeQuantizeConfig`: llama.cpp's block grids (K-quants Q2_K ... Q6_K, the GGUF mixtures' types;
+  i-quants): llama.cpp's own search of the block scales (the family's `searched`, no gradient), the weights rounded
+  onto that grid (its `round`). The search costs far more than the rounding, so in training it is redone every
   `refresh_every` forward calls, the weights rounded on the last grid found in between; in eval mode every call
   searches, so the weight seen is the one `finalize` writes.
 
@@ -58,13 +58,13 @@ from torchao.quantization.qat.fake_quantizer import FakeQuantizerBase, Float8Fak
 from torchao.quantization.quant_primitives import MappingType
 
 from quantkit.models.architectures import kernel_fused_groups
-from quantkit.quant import float_grids, qparams
+from quantkit.quant import float_grids, grids, qparams
 from quantkit.quant.plan import ModulePlan
 from quantkit.quant.schemes import ActivationSpec, Granularity, QDtype, QuantScheme, ScaleDtype, WeightSpec
 
 _EPS = torch.finfo(torch.float32).eps  # qparams' eps; tests check tiny groups, where a different eps shows
 _TORCH_INT = {QDtype.INT2: torch.int2, QDtype.INT3: torch.int3, QDtype.INT4: torch.int4, QDtype.INT8: torch.int8}
-# Training forward calls between two K-grid searches (`KGridFakeQuantizer`). scripts/bench_qat.py, 17.8M Llama, 1 CPU
+# Training forward calls between two K-grid searches (`BlockGridFakeQuantizer`). scripts/bench_qat.py, 17.8M Llama, 1 CPU
 # thread: gguf-q4-k-m's step took 1.91x a plain one searching at every call, 1.25x every 8 (gguf-q4-0: 1.01x); the
 # search is hundreds of small ops per chunk of super-blocks, so on a GPU it weighs more still. Codes follow the
 # weights at every call; only the super-block scales and mins lag, by at most 7 calls.
@@ -89,15 +89,15 @@ class GroupActivationFakeQuantizeConfig(FakeQuantizeConfigBase):
 
 
 @dataclass(frozen=True)
-class KGridFakeQuantizeConfig(FakeQuantizeConfigBase):
+class BlockGridFakeQuantizeConfig(FakeQuantizeConfigBase):
     """Weights on a llama.cpp K grid: llama.cpp's search, redone every `refresh_every` training forward calls."""
 
     weights: WeightSpec
     refresh_every: int = K_REFRESH_EVERY
 
     def __post_init__(self):
-        if not self.weights.k_quant_type:
-            raise ValueError(f"KGridFakeQuantizeConfig takes a K grid, not {self.weights.describe()}")
+        if grids.family_of(self.weights).fake_quant(self.weights) != "block_grid":
+            raise ValueError(f"BlockGridFakeQuantizeConfig takes a searched block grid, not {self.weights.describe()}")
         if self.refresh_every < 1:
             raise ValueError(f"refresh_every is a count of forward calls (1: search at every call), got {self.refresh_every}")
 
@@ -108,22 +108,27 @@ class Int8TokenFakeQuantizeConfig(FakeQuantizeConfigBase):
 
 
 def weight_fake_quantize_config(spec: WeightSpec) -> FakeQuantizeConfigBase:
-    if spec.k_quant_type:
-        return KGridFakeQuantizeConfig(spec)
-    if qparams.is_float_grid(spec):  # NVFP4, MX, FP8 blocks: compressed-tensors' grid, which torchao's differs from
-        return GridFakeQuantizeConfig(spec)
-    if spec.dtype.is_float:
-        if spec.scale_dtype is ScaleDtype.FLOAT32:  # torchao's float8 scales are always float32
-            return Float8FakeQuantizeConfig(torch.float8_e4m3fn, PerRow())
-        return GridFakeQuantizeConfig(spec)
-    if not spec.symmetric or spec.scale_dtype is ScaleDtype.FLOAT16:  # torchao's asymmetric weights: unsigned range,
-        return GridFakeQuantizeConfig(spec)  # float zero point; fp16 scales (GGUF's): quantkit's own grid, exactly
+    """The fake quantizer the grid's family names (`GridFamily.fake_quant`): torchao's where it reproduces the grid
+    exactly, else quantkit's own."""
+    return WEIGHT_CONFIGS[grids.family_of(spec).fake_quant(spec)](spec)
+
+
+def _torchao_intx_config(spec: WeightSpec) -> IntxFakeQuantizeConfig:
+    """torchao's symmetric integer weights, configured to match qparams."""
     granularity = PerGroup(spec.group_size) if spec.granularity is Granularity.GROUP else PerAxis(0)
     # None: the scale takes the weight's dtype at each call, so a model cast to bf16 later stays exact
     precision = torch.float32 if spec.scale_dtype is ScaleDtype.FLOAT32 else None
     return IntxFakeQuantizeConfig(
         _TORCH_INT[spec.dtype], granularity, MappingType.SYMMETRIC, scale_precision=precision, eps=_EPS,
     )
+
+
+WEIGHT_CONFIGS: dict[str, Callable[[WeightSpec], FakeQuantizeConfigBase]] = {
+    "torchao_intx": _torchao_intx_config,
+    "torchao_float8": lambda spec: Float8FakeQuantizeConfig(torch.float8_e4m3fn, PerRow()),
+    "grid": GridFakeQuantizeConfig,
+    "block_grid": BlockGridFakeQuantizeConfig,
+}
 
 
 def activation_fake_quantize_config(spec: ActivationSpec | None) -> FakeQuantizeConfigBase | None:
@@ -187,38 +192,32 @@ class GridFakeQuantizer(_StraightThroughFakeQuantizer):
         if spec.global_scale and self.fused_with:
             with torch.no_grad():
                 global_scale = qparams.weight_global_scale([w.detach().to(grid_dtype) for w in self.fused_with])
-        return qparams.fake_quantize_weight(weight.to(grid_dtype), spec, global_scale).to(dtype)
+        return grids.fake_quantize_weight(weight.to(grid_dtype), spec, global_scale).to(dtype)
 
 
-class KGridFakeQuantizer(_StraightThroughFakeQuantizer):
+class BlockGridFakeQuantizer(_StraightThroughFakeQuantizer):
     """A weight on its K grid: the grid llama.cpp's search chooses (`k_grids.choose_k_qparams`, under no_grad),
     the weight rounded onto it (`k_grids.round_k`). `round_k` on the grid of the same weights decodes to
     `k_grids.quantize_k`'s values exactly (they differ only in the codes of sub-blocks whose step is 0, which decode
     alike), so a fresh search gives bit for bit what `finalize` writes. Training reuses a grid for
     `refresh_every` forward calls; eval mode searches at every call."""
 
-    def __init__(self, config: KGridFakeQuantizeConfig):
+    def __init__(self, config: BlockGridFakeQuantizeConfig):
         super().__init__(config)
-        from gguf import GGMLQuantizationType
-
-        self.qtype = GGMLQuantizationType[config.weights.k_quant_type]
-        self.grid = None  # k_grids.KQParams of the last search
+        self.family = grids.family_of(config.weights)
+        self.grid = None  # the block parameters of the last search (`GridFamily.searched`)
         self.calls = 0  # training forward calls since that search
 
     def fake_quantize(self, weight: torch.Tensor) -> torch.Tensor:
-        from quantkit.quant.k_grids import round_k
-
         with torch.no_grad():
             grid = self._grid(weight)
-            return grid.dequantize(round_k(weight, grid)).to(weight.dtype)
+            return grid.dequantize(grid.round(weight)).to(weight.dtype)
 
     def _grid(self, weight: torch.Tensor):
-        from quantkit.quant.k_grids import choose_k_qparams
-
         stale = self.grid is None or not self.training or self.calls >= self.config.refresh_every
         stale = stale or self.grid.d.device != weight.device
         if stale:
-            self.grid, self.calls = choose_k_qparams(weight, self.qtype), 0
+            self.grid, self.calls = self.family.searched(weight, self.config.weights), 0
         self.calls += self.training
         return self.grid
 
@@ -264,8 +263,8 @@ def fake_quantizer(config: FakeQuantizeConfigBase) -> FakeQuantizerBase:
     """The fake-quantizing module for a config from `fake_quantize_configs`."""
     if isinstance(config, GridFakeQuantizeConfig):
         return GridFakeQuantizer(config)
-    if isinstance(config, KGridFakeQuantizeConfig):
-        return KGridFakeQuantizer(config)
+    if isinstance(config, BlockGridFakeQuantizeConfig):
+        return BlockGridFakeQuantizer(config)
     if isinstance(config, GroupActivationFakeQuantizeConfig):
         return GroupActivationFakeQuantizer(config)
     if isinstance(config, Int8TokenFakeQuantizeConfig):

@@ -23,11 +23,17 @@ import torch
 from gguf import GGMLQuantizationType
 
 from quantkit.quant.ggml_blocks import FORMATS, BlockFormat, pack, row_blocks
+from quantkit.quant.grid_family import GridFamily
+from quantkit.quant.qparams import QuantizedWeight
+from quantkit.quant.schemes import WeightSpec
 
 Q = GGMLQuantizationType
 K_QTYPES = (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)
 SUPER_BLOCK = 256
 _GROUP_MAX_EPS = float(np.float32(1e-15))
+
+
+K_PARTS = ("scales", "d", "mins", "dmin")  # a K grid's tensors, in KQParams' constructor order
 
 
 @dataclass
@@ -73,6 +79,22 @@ class KQParams:
     def rows(self, rows: slice) -> KQParams:
         """The grid of some rows."""
         return self.map(lambda t: t[rows])
+
+    @property
+    def code_range(self) -> tuple[int, int]:
+        return self.format.code_range
+
+    def parts(self) -> dict[str, torch.Tensor]:
+        """Its tensors by name (a resume file's; `K_GRID.block_params` reads them back)."""
+        return {name: t for name in K_PARTS if (t := getattr(self, name)) is not None}
+
+    def round(self, weight: torch.Tensor, first_column: int = 0) -> torch.Tensor:
+        """`round_k` on this grid."""
+        return round_k(weight, self, first_column)
+
+    def result(self, codes: torch.Tensor, spec: WeightSpec) -> QuantizedWeight:
+        """The quantized weight of `codes` on this grid: each sub-block's step as the scale."""
+        return QuantizedWeight(codes, self.sub_block_scales()[0], None, spec, k=self)
 
     def map(self, fn) -> KQParams:
         """The same grid with `fn` applied to each of its tensors (moved, cut into rows, reordered)."""
@@ -129,6 +151,129 @@ def round_k(weight: torch.Tensor, qparams: KQParams, first_column: int = 0) -> t
         codes[rows] = torch.where(step == 0, 0.0, _clamp(torch.round(scaled), low, high))
     return codes
 
+
+
+@dataclass
+class KColumns:
+    """A llama.cpp K-quant grid (`k_grids`) in the GPTQ loop: each super-block's sub-block scales and mins are chosen
+    by llama.cpp's search on the columns as GPTQ has updated them when it reaches the super-block's first column
+    (with actorder: all up front, on the original weights), then every column is rounded onto that fixed grid as
+    `k_grids.round_k` rounds (its arithmetic inlined on each column's step and offset, kept as contiguous columns:
+    a call per column costs more than the rounding), so what GPTQ minimises is what llama.cpp decodes."""
+
+    spec: WeightSpec
+    k: KQParams  # the whole weight's, super-blocks overwritten as they are chosen
+    dynamic: bool
+    steps: torch.Tensor  # float32 [in, out]: each column's step d * sc (and offset dmin * mn), as contiguous rows
+    offsets: torch.Tensor | None
+    importance: torch.Tensor | None = None  # float32 [in]: H's diagonal, which weights llama.cpp's search (its imatrix)
+    code_dtype = torch.int8
+    graphs = False
+
+    @classmethod
+    def up_front(cls, weight: torch.Tensor, spec: WeightSpec, dynamic: bool,
+                 importance: torch.Tensor | None = None) -> KColumns:
+        """The grid chosen on the whole weight now, or (dynamic) its buffers, each super-block chosen in the loop.
+        `importance` (H's diagonal: each input's mean squared activation, what llama-imatrix measures) weights the
+        search as llama-quantize --imatrix does (`k_grids`' _impl path)."""
+        qtype = GGMLQuantizationType[spec.k_quant_type]
+        rows, cols, fmt = weight.shape[0], weight.shape[1], FORMATS[qtype]
+        if dynamic:
+            codes = lambda: torch.zeros(rows, cols // fmt.sub_block, dtype=torch.int8, device=weight.device)  # noqa: E731
+            supers = lambda: torch.zeros(rows, cols // SUPER_BLOCK, dtype=torch.float16, device=weight.device)  # noqa: E731
+            k = KQParams(qtype, codes(), supers(), codes() if fmt.has_mins else None, supers() if fmt.has_mins else None)
+        else:
+            k = choose_k_qparams(weight.float(), qtype, importance)
+        steps = torch.zeros(cols, rows, dtype=torch.float32, device=weight.device)
+        grid = cls(spec, k, dynamic, steps, torch.zeros_like(steps) if fmt.has_mins else None, importance)
+        if not dynamic:
+            grid._columns(0, cols)
+        return grid
+
+    @property
+    def choose_every(self) -> int | None:
+        return SUPER_BLOCK if self.dynamic else None
+
+    def group_of(self, column: int) -> int:
+        return column  # rounding needs the column's own sub-block
+
+    def choose(self, first: int, columns: torch.Tensor) -> None:
+        importance = None if self.importance is None else self.importance[first:first + columns.shape[1]]
+        part = choose_k_qparams(columns.float(), self.k.qtype, importance)
+        per_super = SUPER_BLOCK // self.k.format.sub_block
+        block, sub = first // SUPER_BLOCK, first // self.k.format.sub_block
+        for name in ("scales", "mins"):
+            if getattr(self.k, name) is not None:
+                getattr(self.k, name)[:, sub:sub + per_super] = getattr(part, name)
+        for name in ("d", "dmin"):
+            if getattr(self.k, name) is not None:
+                getattr(self.k, name)[:, block:block + 1] = getattr(part, name)
+        self._columns(first, columns.shape[1])
+
+    def _columns(self, first: int, count: int) -> None:
+        step, offset = self.k.column_scales(first, count)
+        self.steps[first:first + count] = step.T
+        if offset is not None:
+            self.offsets[first:first + count] = offset.T
+
+    def result(self, qdata: torch.Tensor) -> QuantizedWeight:
+        return QuantizedWeight(qdata=qdata, scale=self.k.sub_block_scales()[0], zero_point=None, spec=self.spec, k=self.k)
+
+    def round(self, column: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+        step = self.steps[group]
+        offset = self.offsets[group] if self.offsets is not None else None
+        scaled = torch.div(column if offset is None else column + offset, step)
+        q = torch.round(scaled).clamp_(*self.k.format.code_range)
+        q = torch.where(step == 0, 0.0, q)
+        value = step * q
+        return q, value if offset is None else value - offset
+
+
+class KGrid(GridFamily):
+    """llama.cpp's K-quants (Q2_K .. Q6_K): integer scale (and min) codes per sub-block under fp16 super-block scales,
+    chosen by llama.cpp's own search (`quantize_k`)."""
+
+    name = "k-quant"
+
+    def fake_quant(self, spec: WeightSpec) -> str:
+        return "block_grid"
+
+    def owns(self, spec: WeightSpec) -> bool:
+        return spec.k_quant_type is not None
+
+    def qtype(self, spec: WeightSpec) -> GGMLQuantizationType:
+        return GGMLQuantizationType[spec.k_quant_type]
+
+    def quantize(self, weight, spec, global_scale=None, importance=None) -> QuantizedWeight:
+        """llama.cpp's own quantizer (the weight's columns must be whole super-blocks of 256)."""
+        found = quantize_k(weight, self.qtype(spec), importance)
+        return found.qparams.result(found.codes, spec)
+
+    def empty(self, weight, spec) -> QuantizedWeight:
+        """int8 codes, each sub-block's float32 step, and the grid's int8 scale (and min) codes under fp16
+        super-block scales."""
+        rows, cols = weight.shape
+        empty = lambda n, dtype: torch.empty(rows, n, dtype=dtype, device=weight.device)  # noqa: E731
+        sub, supers = cols // spec.group_size, cols // SUPER_BLOCK
+        grid = KQParams(self.qtype(spec), empty(sub, torch.int8), empty(supers, torch.float16),
+                        *((empty(sub, torch.int8), empty(supers, torch.float16)) if spec.is_asymmetric else (None, None)))
+        return QuantizedWeight(empty(cols, torch.int8), empty(sub, torch.float32), None, spec, k=grid)
+
+    def columns(self, weight, dtype, spec, actorder=False, static_groups=False, global_scale=None,
+                importance=None) -> KColumns:
+        """Each super-block chosen as the loop reaches it, unless actorder (static groups do not apply: a block's
+        search needs its columns as updated)."""
+        return KColumns.up_front(weight, spec, dynamic=not actorder, importance=importance)
+
+    def searched(self, weight, spec) -> KQParams:
+        """The grid llama.cpp's search chooses for `weight`, as round to nearest does."""
+        return choose_k_qparams(weight, self.qtype(spec))
+
+    def block_params(self, spec, parts) -> KQParams:
+        return KQParams(self.qtype(spec), *(parts.get(name) for name in K_PARTS))
+
+
+K_GRID = KGrid()
 
 
 # ---- float32 helpers in ggml's order

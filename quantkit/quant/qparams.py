@@ -1,13 +1,14 @@
 """Quantization parameters on a scheme's grid, computed with torchao's primitives.
 
-`quantize_weight` is round-to-nearest on the grid a `WeightSpec` defines; every algorithm, the QAT fake
-quantizer and every exporter produce or consume the `QuantizedWeight` it returns.
+The scaled grids (integer, FP8, FP4, MX: one scale, and zero point, per group, channel or block) as two grid
+families, `INTEGER_GRID` and `FLOAT_GRID` (`quant.grids`), and the `QuantizedWeight` every family's quantizer
+returns and every exporter consumes.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from torchao.quantization.quant_primitives import (
@@ -22,10 +23,8 @@ from torchao.quantization.quant_primitives import (
 )
 
 from quantkit.quant import float_grids
-from quantkit.quant.schemes import Granularity, QDtype, ScaleDtype, WeightObserver, WeightSpec
-
-if TYPE_CHECKING:
-    from quantkit.quant.k_grids import KQParams
+from quantkit.quant.grid_family import GridFamily
+from quantkit.quant.schemes import Granularity, QDtype, ScaleDtype, SchemeError, WeightObserver, WeightSpec
 
 _EPS = torch.finfo(torch.float32).eps
 
@@ -39,7 +38,8 @@ class QParams:
     zero_point: torch.Tensor | None
     spec: WeightSpec
     global_scale: torch.Tensor | None = None  # float32 [1], NVFP4
-    k: KQParams | None = None  # llama.cpp's K grid: the scale codes and fp16 super-block scales (scale: their product)
+    k: "BlockParams | None" = None  # llama.cpp's block grids (K, i-quants): the block scale codes, fp16 super-block
+    # scales (`grid_family.BlockParams`; scale: each sub-block's step)
 
 
 @dataclass
@@ -53,7 +53,7 @@ class QuantizedWeight:
     zero_point: torch.Tensor | None
     spec: WeightSpec
     global_scale: torch.Tensor | None = None
-    k: KQParams | None = None  # K-quants: qdata holds llama.cpp's codes, scale each sub-block's float32 step
+    k: "BlockParams | None" = None  # llama.cpp's block grids: qdata holds its codes, scale each sub-block's float32 step
 
     @property
     def qparams(self) -> QParams:
@@ -122,8 +122,6 @@ def scale_dtype(weight: torch.Tensor, spec: WeightSpec) -> torch.dtype:
 def choose_qparams(weight: torch.Tensor, spec: WeightSpec, global_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Scales (and integer zero points for asymmetric grids) for a 2-D weight, by the spec's weight observer.
     NVFP4's group scales lie under `global_scale` (`weight_global_scale`), which it needs."""
-    if spec.k_quant_type:
-        raise ValueError(f"{spec.k_quant_type} grids are chosen per super-block by k_grids (round to nearest only)")
     if is_float_grid(spec):
         return choose_float_scales(weight, spec, global_scale), None
     if spec.observer is WeightObserver.MSE:
@@ -285,10 +283,8 @@ def round_float_grid(weight: torch.Tensor, spec: WeightSpec, scale: torch.Tensor
     return float_grids.round_to_fp8(scaled)
 
 
-def empty_quantized(weight: torch.Tensor, spec: WeightSpec) -> QuantizedWeight:
-    """Buffers shaped and typed like `quantize_weight(weight, spec)`'s result (to receive a broadcast)."""
-    if spec.k_quant_type:
-        return _empty_k_quantized(weight, spec)
+def empty_scaled(weight: torch.Tensor, spec: WeightSpec) -> QuantizedWeight:
+    """Buffers shaped and typed like `quantize_scaled(weight, spec)`'s result (to receive a broadcast)."""
     if spec.granularity is Granularity.BLOCK:
         shape = tuple(-(-n // b) for n, b in zip(weight.shape, spec.block_shape))
     else:
@@ -300,45 +296,158 @@ def empty_quantized(weight: torch.Tensor, spec: WeightSpec) -> QuantizedWeight:
     return QuantizedWeight(torch.empty_like(weight, dtype=qdtype), scale, zero, spec, global_scale)
 
 
-def _empty_k_quantized(weight: torch.Tensor, spec: WeightSpec) -> QuantizedWeight:
-    """A K grid's buffers: int8 codes, each sub-block's float32 step, and the grid's int8 scale (and min) codes
-    under fp16 super-block scales."""
-    from gguf import GGMLQuantizationType
-
-    from quantkit.quant.k_grids import SUPER_BLOCK, KQParams
-
-    rows, cols = weight.shape
-    empty = lambda n, dtype: torch.empty(rows, n, dtype=dtype, device=weight.device)  # noqa: E731
-    sub, supers = cols // spec.group_size, cols // SUPER_BLOCK
-    grid = KQParams(GGMLQuantizationType[spec.k_quant_type], empty(sub, torch.int8), empty(supers, torch.float16),
-                    *((empty(sub, torch.int8), empty(supers, torch.float16)) if spec.is_asymmetric else (None, None)))
-    return QuantizedWeight(empty(cols, torch.int8), empty(sub, torch.float32), None, spec, k=grid)
-
-
-def quantize_weight(weight: torch.Tensor, spec: WeightSpec, global_scale: torch.Tensor | None = None) -> QuantizedWeight:
-    """Round-to-nearest quantization of a 2-D weight [out, in] on the spec's grid. NVFP4: the global scale
-    shared with the weights a kernel fuses with this one, or this weight's own when None."""
+def quantize_scaled(weight: torch.Tensor, spec: WeightSpec, global_scale: torch.Tensor | None = None) -> QuantizedWeight:
+    """Round-to-nearest of a 2-D weight [out, in] on a scaled grid (integer or float: one scale, and zero point,
+    per group, channel or block). NVFP4: the global scale shared with the weights a kernel fuses with this one, or
+    this weight's own when None. `grids.quantize_weight` takes any grid."""
     with torch.no_grad():
-        if spec.k_quant_type:
-            return quantize_k_grid(weight, spec)
         if spec.global_scale and global_scale is None:
             global_scale = weight_global_scale([weight])
         scale, zero = choose_qparams(weight, spec, global_scale)
         return quantize_with(weight, spec, scale, zero, global_scale if spec.global_scale else None)
 
 
-def quantize_k_grid(weight: torch.Tensor, spec: WeightSpec) -> QuantizedWeight:
-    """llama.cpp's own quantizer on a K grid (`k_grids.quantize_k`): its codes, and each sub-block's step as the
-    scale (the weight's columns must be whole super-blocks of 256)."""
-    from gguf import GGMLQuantizationType
+@dataclass
+class ScaledColumns:
+    """A scaled grid in GPTQ's column loop (`grid_family.ColumnGrid`): the qparams of the result, and how one column
+    is rounded onto them (exactly as `quantize_with` rounds)."""
 
-    from quantkit.quant.k_grids import quantize_k
+    spec: WeightSpec
+    dtype: torch.dtype  # the original weight dtype: qparams are chosen and columns rounded in it, like RTN
+    scale: torch.Tensor  # [out, in // group]
+    zero: torch.Tensor | None
+    dynamic: bool  # group qparams chosen when each group's first column is reached
+    global_scale: torch.Tensor | None = None  # NVFP4: fixed before any column moves
+    _columns: dict = field(default_factory=dict)  # group -> its qparams as contiguous columns (what round uses)
 
-    found = quantize_k(weight, GGMLQuantizationType[spec.k_quant_type])
-    step, _ = found.qparams.sub_block_scales()
-    return QuantizedWeight(found.codes, step, None, spec, k=found.qparams)
+    @classmethod
+    def up_front(cls, weight: torch.Tensor, dtype: torch.dtype, spec: WeightSpec, dynamic: bool,
+                 global_scale: torch.Tensor | None = None) -> ScaledColumns:
+        scale, zero = choose_qparams(weight.to(dtype), spec, global_scale)  # dynamic groups overwrite theirs later
+        return cls(spec, dtype, scale, zero, dynamic, global_scale)
+
+    @property
+    def float_grid(self) -> bool:
+        return is_float_grid(self.spec)
+
+    @property
+    def code_dtype(self) -> torch.dtype:
+        return torch.float8_e4m3fn if self.float_grid else torch.int8
+
+    @property
+    def graphs(self) -> bool:
+        """Integer columns run as CUDA graphs (`algorithms.gptq_graphs`) where the loop allows."""
+        return not self.float_grid
+
+    def result(self, qdata: torch.Tensor) -> QuantizedWeight:
+        return QuantizedWeight(qdata=qdata, scale=self.scale, zero_point=self.zero, spec=self.spec, global_scale=self.global_scale)
+
+    @property
+    def choose_every(self) -> int | None:
+        """Columns between two choices of qparams in the loop (a group's first column), or None: chosen up front."""
+        return self.spec.group_size if self.dynamic else None
+
+    def group_of(self, column: int) -> int:
+        return column // self.spec.group_size if self.spec.granularity is Granularity.GROUP else 0
+
+    def choose(self, group: int, columns: torch.Tensor) -> None:
+        scale, zero = choose_qparams(columns.to(self.dtype), self.spec, self.global_scale)
+        self.scale[:, group : group + 1] = scale
+        if zero is not None:
+            self.zero[:, group : group + 1] = zero
+        self._columns.pop(group, None)
+
+    def round(self, column: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the grid integer as a float, its float32 value) for one column [out] with its group's qparams.
+
+        torchao's `quantize_affine` / `dequantize_affine` arithmetic, inlined for one column (a call per column
+        costs more than the rounding): clamp(round(x * (1 / scale)) + zero), then (q - zero) * scale.
+        tests/unit/algorithms/test_gptq.py holds it equal to RTN through `quantize_with`, bit for bit."""
+        if self.float_grid:
+            return self._round_float(column, group)
+        scale, inverse, zero, zero_float = self.columns(group)
+        q = torch.round(column.to(self.dtype) * inverse)
+        if zero is None:
+            q = q.clamp_(*self.spec.dtype.qrange).float()
+            return q, (q * scale).float()
+        q = (q + zero).clamp_(*self.spec.dtype.qrange).float()
+        return q, ((q - zero_float) * scale).float()
+
+    def columns_in_order(self, order: list[int]) -> Callable[[int, int], tuple]:
+        """For qparams fixed up front (static groups) and columns in `order`: a function giving the qparams of
+        positions [j1, j2) as `columns` gives one group's, a row per column ([j2 - j1, out]), bit for bit the same
+        values; one gather a tensor."""
+        groups = torch.tensor([self.group_of(c) for c in order], device=self.scale.device)
+        scale = self.scale.T.contiguous()
+        by_group = (scale, 1.0 / scale, *((self.zero.T.contiguous(), self.zero.T.float()) if self.zero is not None else (None, None)))
+        return lambda j1, j2: tuple(t.index_select(0, groups[j1:j2]) if t is not None else None for t in by_group)
+
+    def columns(self, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """An integer grid's (scale, 1 / scale, zero point, zero point as float32) of `group`, as contiguous columns."""
+        if group not in self._columns:
+            scale = self.scale[:, group].contiguous()
+            zero = self.zero[:, group].contiguous() if self.zero is not None else None
+            self._columns[group] = (scale, 1.0 / scale, zero, zero.float() if zero is not None else None)
+        return self._columns[group]
+
+    def _round_float(self, column: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """FP4 grids (NVFP4, MXFP4) as `qparams.round_float_grid` rounds: divided by the float32 scale under a
+        global scale, else by the scale in the weight's dtype."""
+        if group not in self._columns:
+            scale = self.scale[:, group].contiguous()
+            divisor = scale.float() / self.global_scale if self.global_scale is not None else scale
+            self._columns[group] = (divisor, divisor.float())
+        divisor, divisor_float = self._columns[group]
+        q = float_grids.round_to_fp4(column.to(self.dtype) / divisor)
+        return q, q * divisor_float
 
 
-def fake_quantize_weight(weight: torch.Tensor, spec: WeightSpec, global_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """The weight as the quantized model sees it: quantize, then dequantize to the weight's dtype."""
-    return quantize_weight(weight, spec, global_scale).dequantize(weight.dtype)
+class IntegerGrid(GridFamily):
+    """Integer grids (int2 to int8, symmetric or with an integer zero point; float32, model-dtype or fp16 scales,
+    GGUF's Q4_0 / Q4_1 / Q5_x / Q8_0 among them) and FP8 per channel: torchao's affine primitives."""
+
+    name = "integer"
+
+    def owns(self, spec: WeightSpec) -> bool:
+        return not is_float_grid(spec)
+
+    def fake_quant(self, spec: WeightSpec) -> str:
+        """torchao's symmetric int weights and float32-scaled FP8 rows are this grid bit for bit; its asymmetric path
+        (unsigned, a float zero point) and fp16 scales (GGUF's) are not."""
+        if spec.dtype.is_float:
+            return "torchao_float8" if spec.scale_dtype is ScaleDtype.FLOAT32 else "grid"
+        return "grid" if not spec.symmetric or spec.scale_dtype is ScaleDtype.FLOAT16 else "torchao_intx"
+
+    def quantize(self, weight, spec, global_scale=None, importance=None) -> QuantizedWeight:
+        return quantize_scaled(weight, spec, global_scale)
+
+    def empty(self, weight, spec) -> QuantizedWeight:
+        return empty_scaled(weight, spec)
+
+    def columns(self, weight, dtype, spec, actorder=False, static_groups=False, global_scale=None,
+                importance=None) -> ScaledColumns:
+        """Group qparams chosen as the loop reaches each group, or all up front (actorder, static groups)."""
+        if spec.dtype is QDtype.FLOAT8:
+            raise SchemeError("weights.dtype", FLOAT8_COLUMNS)
+        dynamic = spec.granularity is Granularity.GROUP and not (actorder or static_groups)
+        return ScaledColumns.up_front(weight, dtype, spec, dynamic=dynamic, global_scale=global_scale)
+
+
+class FloatGrid(IntegerGrid):
+    """Float grids with group or block scales: FP8 blocks, NVFP4 (FP8 scales under a global scale), MX (E8M0)."""
+
+    name = "float"
+
+    def fake_quant(self, spec: WeightSpec) -> str:
+        """torchao's NVFP4 and MX numerics round differently from compressed-tensors, whose grid the artifact holds."""
+        return "grid"
+
+    def owns(self, spec: WeightSpec) -> bool:
+        return is_float_grid(spec)
+
+
+
+FLOAT8_COLUMNS = ("float8 grids are not rounded one column at a time (integer and FP4 grids are, by GPTQ); "
+                  "use rtn for float8 weights")
+INTEGER_GRID = IntegerGrid()
+FLOAT_GRID = FloatGrid()

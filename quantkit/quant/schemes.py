@@ -147,6 +147,30 @@ class WeightSpec:
         return K_QUANT_TYPES.get((self.dtype, self.group_size, self.symmetric))
 
     @property
+    def rounding_copies(self) -> float:
+        """float32 copies of a weight that rounding it to nearest holds at once, measured on a Llama-3.1-8B layer
+        (down_proj, 14336 x 4096: the growth of VmHWM while round to nearest quantizes the layer): an integer grid
+        1.5, FP8 3.7, NVFP4 (group and global scales) 11 (the preflight's streamed layer)."""
+        return 11.0 if self.global_scale else 3.7 if self.dtype.is_float else 1.5
+
+    @property
+    def affine(self) -> bool:
+        """Integer values on one scale (and integer zero point) per group or channel, the scale in float32, the
+        model's dtype or fp16: a grid whose scale and zero an algorithm may choose (HQQ, AutoRound's clipping)."""
+        return (not self.dtype.is_float and self.granularity in (Granularity.GROUP, Granularity.CHANNEL)
+                and self.scale_dtype in (ScaleDtype.FLOAT32, ScaleDtype.MODEL, ScaleDtype.FLOAT16))
+
+    @property
+    def learned_rounding(self) -> bool:
+        """A grid whose rounding can be learned (AutoRound): an affine one, or a K grid (its steps fixed by llama.cpp's
+        search, the rounding onto them tuned)."""
+        return self.affine or self.k_quant_type is not None
+
+    def label(self) -> str:
+        """The grid in a table cell (`recipes list`): NVFP4 and MX grids by their names, any other as `describe`."""
+        return _label(self, self.describe(), self.observer is WeightObserver.MSE)
+
+    @property
     def is_asymmetric(self) -> bool:
         return not self.symmetric
 
@@ -235,6 +259,10 @@ class ActivationSpec:
         if self.dtype.is_float and not self.symmetric:
             raise SchemeError("activations.symmetric", "float activations are symmetric")
 
+    def label(self) -> str:
+        """The grid in a table cell (`recipes list`): NVFP4 and MX grids by their names, any other as `describe`."""
+        return _label(self, self.describe(), False)
+
     @property
     def calibrated(self) -> bool:
         """Whether calibration data sets a scale: static scales, or NVFP4's global scale."""
@@ -244,6 +272,14 @@ class ActivationSpec:
         grain = f"g{self.group_size}" if self.granularity is Granularity.GROUP else self.granularity.value
         scales = {ScaleDtype.FLOAT8: " fp8 scales + calibrated global", ScaleDtype.E8M0: " e8m0 scales"}.get(self.scale_dtype, "")
         return f"{_short(self.dtype)} {grain}{scales}{'' if self.symmetric else ' asym'}"
+
+
+def _label(spec, described: str, mse: bool) -> str:
+    family = {ScaleDtype.FLOAT8: "nv", ScaleDtype.E8M0: "mx"}.get(spec.scale_dtype)
+    if family is None:
+        return described
+    element = described.split(" ", 1)[0]  # fp4 or fp8
+    return f"{family}{element}{'' if spec.symmetric else ' asym'}{' mse' if mse else ''}"
 
 
 @dataclass(frozen=True)

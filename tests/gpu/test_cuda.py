@@ -261,7 +261,8 @@ def test_gptqs_cuda_graphs_replay_the_eager_loop_in_either_column_order(actorder
     mismatch would have turned them off)."""
     from quantkit.algorithms import gptq_graphs
     from quantkit.algorithms.methods.gptq import GPTQArgs
-    from quantkit.algorithms.gptq import _Grid, _quantize_columns, inverse_hessian
+    from quantkit.algorithms.gptq import _quantize_columns, inverse_hessian
+    from quantkit.quant.qparams import ScaledColumns
     from quantkit.quant import registry
 
     spec = registry.resolve("gptq-w4a16").scheme.weights
@@ -272,7 +273,7 @@ def test_gptqs_cuda_graphs_replay_the_eager_loop_in_either_column_order(actorder
     factor = inverse_hessian((x.T @ x / 4096).cuda(), args)
     results = []
     for graphs in (None, False):
-        grid = _Grid.up_front(weight.float(), torch.bfloat16, spec, dynamic=not actorder)
+        grid = ScaledColumns.up_front(weight.float(), torch.bfloat16, spec, dynamic=not actorder)
         wt = weight.T.float().contiguous()
         wt = wt[factor.perm] if factor.perm is not None else wt
         errors = torch.zeros(512, device="cuda")

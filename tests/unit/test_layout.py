@@ -73,6 +73,7 @@ def test_no_import_cycles():
 
 
 GRID = ("quantkit.quant.schemes", "quantkit.quant.float_grids", "quantkit.quant.qparams", "quantkit.quant.observers",
+        "quantkit.quant.grid_family", "quantkit.quant.grids", "quantkit.quant.iq_grids",
         "quantkit.quant.k_grids", "quantkit.quant.ggml_blocks")
 
 

@@ -84,8 +84,8 @@ class AutoRound(Algorithm):
     def refusal(self, scheme: QuantScheme) -> str | None:
         """AutoRound learns integer rounding of weights on the float layer's output: no float8 grid, no static
         activation scales."""
-        if scheme.weights.dtype.is_float:
-            return "autoround learns the rounding of integer weights; float8 weights use rtn"
+        if not scheme.weights.learned_rounding:
+            return "autoround learns the rounding of integer weights; float weights and codebook grids use rtn"
         if scheme.activations is not None and scheme.activations.calibrated:
             return ("autoround with static activation scales (or NVFP4's calibrated global scale) is not supported; "
                     "use rtn for these recipes")

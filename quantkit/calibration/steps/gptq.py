@@ -33,7 +33,8 @@ from quantkit.calibration.steps import register
 from quantkit.errors import UsageError
 from quantkit.models.architectures import find_wiring
 from quantkit.quant.observers import HessianObserver
-from quantkit.quant.qparams import QuantizedWeight, empty_quantized
+from quantkit.quant.grids import empty_quantized
+from quantkit.quant.qparams import QuantizedWeight
 from quantkit.quant.schemes import WeightSpec
 from quantkit.runtime import distributed, placement
 from quantkit.runtime.memory import return_freed_memory
@@ -183,15 +184,15 @@ def _by_grid(layer: Layer, names: list[str], global_scales: dict[str, torch.Tens
 
 
 def _tensors(qweight: QuantizedWeight) -> list[torch.Tensor]:
-    """Every per-row tensor of `qweight`: its integers, scales and zero points, and a K grid's codes and scales."""
-    grid = (qweight.k.scales, qweight.k.d, qweight.k.mins, qweight.k.dmin) if qweight.k is not None else ()
+    """Every per-row tensor of `qweight`: its integers, scales and zero points, and a block grid's codes and scales."""
+    grid = tuple(qweight.k.parts().values()) if qweight.k is not None else ()
     return [t for t in (qweight.qdata, qweight.scale, qweight.zero_point, *grid) if t is not None]
 
 
 
 def split_rows(qweight: QuantizedWeight, rows: list[int]) -> list[QuantizedWeight]:
     """A row-stacked QuantizedWeight cut back into its modules' (qdata, scale and zero point are per row, and so is
-    a K grid's every tensor)."""
+    a block grid's every tensor)."""
     parts = [t.split(rows) if t is not None else [None] * len(rows) for t in (qweight.qdata, qweight.scale, qweight.zero_point)]
     grids = [None] * len(rows)
     if qweight.k is not None:

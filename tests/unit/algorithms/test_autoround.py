@@ -11,7 +11,7 @@ import threading
 
 from quantkit.algorithms import autoround
 from quantkit.algorithms.autoround import Rounding, draws, fake_quantize, quantize, tune
-from quantkit.quant.qparams import quantize_weight
+from quantkit.quant.grids import quantize_weight
 from quantkit.quant.registry import parse_recipe
 from quantkit.quant.schemes import Granularity, QDtype, ScaleDtype, SchemeError, WeightSpec
 

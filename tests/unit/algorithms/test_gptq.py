@@ -15,7 +15,8 @@ from quantkit.algorithms.gptq import (
     gptq_quantize,
 )
 from quantkit.quant.observers import HessianObserver
-from quantkit.quant.qparams import choose_qparams, quantize_weight, quantize_with
+from quantkit.quant.grids import quantize_weight
+from quantkit.quant.qparams import choose_qparams, quantize_with
 from quantkit.quant.schemes import Granularity, QDtype, ScaleDtype, WeightSpec
 
 INT4_G32 = WeightSpec(QDtype.INT4, Granularity.GROUP, group_size=32)
@@ -206,7 +207,7 @@ def test_non_finite_hessian_is_rejected():
 
 def test_float8_is_rejected():
     spec = WeightSpec(QDtype.FLOAT8, Granularity.CHANNEL)
-    with pytest.raises(ValueError, match="GPTQ supports integer and FP4 weights"):
+    with pytest.raises(ValueError, match="use rtn for float8 weights"):
         gptq_quantize(_weight(), torch.eye(256), spec)
 
 
@@ -367,7 +368,8 @@ def test_the_sub_block_path_cuda_replays_as_a_graph_is_the_column_loop_bit_for_b
     rows' squared errors bit for bit; 200 rows (not a multiple of a row block); per channel 264 columns (a short
     last sub-block, which runs column by column). In actorder's order (static groups) each column's group qparams
     go in beside it."""
-    from quantkit.algorithms.gptq import _Grid, _aligned_block_size, _quantize_columns, inverse_hessian
+    from quantkit.algorithms.gptq import _aligned_block_size, _quantize_columns, inverse_hessian
+    from quantkit.quant.qparams import ScaledColumns
 
     columns = 384 if spec.granularity is Granularity.GROUP else 264
     weight = _weight(dtype, out=200, inp=columns)
@@ -379,7 +381,7 @@ def test_the_sub_block_path_cuda_replays_as_a_graph_is_the_column_loop_bit_for_b
     dynamic = spec.granularity is Granularity.GROUP and not actorder
     results = []
     for graphs in (None, False):  # None on the CPU: the column loop
-        grid = _Grid.up_front(weight.float(), dtype, spec, dynamic=dynamic)
+        grid = ScaledColumns.up_front(weight.float(), dtype, spec, dynamic=dynamic)
         errors = torch.zeros(weight.shape[0])
         wt = weight.T.float().contiguous()
         if factor.perm is not None:

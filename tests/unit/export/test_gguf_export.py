@@ -358,7 +358,7 @@ def test_legacy_blocks_are_packed_a_block_of_rows_at_a_time(spec_args, qtype, mo
 
     from quantkit.export import gguf as gguf_export
     from quantkit.quant import ggml_blocks
-    from quantkit.quant.qparams import quantize_weight
+    from quantkit.quant.grids import quantize_weight
     from quantkit.quant.schemes import Granularity, QDtype, WeightSpec
 
     weight = (torch.randn(9, 128, generator=torch.Generator().manual_seed(5)) * 0.02).to(torch.bfloat16)

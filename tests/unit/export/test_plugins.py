@@ -43,7 +43,7 @@ def test_the_hooks_in_use_are_the_formats_own():
     assert exporter(Format.COMPRESSED_TENSORS).StreamWriter is export.compressed_tensors.StreamWriter
     assert exporter(Format.TORCHAO).StreamWriter is None  # loaded whole: transformers converts while loading
     recipe = registry.resolve("gguf-q4-k-m")
-    assert [s.name.value for s in exporter(Format.GGUF).qat_recipe(recipe).steps] == ["rtn"]
+    assert [s.name for s in exporter(Format.GGUF).qat_recipe(recipe).steps] == ["rtn"]
     assert exporter(Format.COMPRESSED_TENSORS).qat_recipe(recipe) is recipe
 
 
@@ -57,7 +57,7 @@ def test_nothing_outside_export_names_a_format_member():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Attribute) and node.attr in members and getattr(node.value, "id", getattr(node.value, "attr", None)) == "Format":
                 found.append(f"{path.relative_to(ROOT)}:{node.lineno} Format.{node.attr}")
-    assert found == ["cli/recipes.py:33 Format.COMPRESSED_TENSORS"], found  # `recipes list`'s abbreviation, display only
+    assert found == ["cli/recipes.py:32 Format.COMPRESSED_TENSORS"], found  # `recipes list`'s abbreviation, display only
 
 
 def test_the_clis_format_choices_are_the_registered_formats():

@@ -9,7 +9,8 @@ from compressed_tensors.quantization.utils import calculate_qparams, generate_gp
 from compressed_tensors.quantization.quant_args import FP4_E2M1_DATA  # its cast_to_fp4: in every release since 0.17
 
 from quantkit.quant import float_grids
-from quantkit.quant.qparams import quantize_weight, weight_global_scale
+from quantkit.quant.grids import quantize_weight
+from quantkit.quant.qparams import weight_global_scale
 from quantkit.quant.schemes import Granularity, QDtype, ScaleDtype, WeightSpec
 
 SPECS = {

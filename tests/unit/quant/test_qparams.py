@@ -6,7 +6,8 @@ import torch
 from quantkit.export import torchao as torchao_exporter
 from quantkit.export.torchao import torchao_config
 from quantkit.quant import registry
-from quantkit.quant.qparams import QuantizedWeight, fake_quantize_weight, quantize_weight, quantize_with
+from quantkit.quant.grids import fake_quantize_weight, quantize_weight
+from quantkit.quant.qparams import QuantizedWeight, quantize_with
 from quantkit.quant.schemes import Granularity, QDtype, QuantScheme, WeightSpec
 
 DTYPES = [torch.float32, torch.bfloat16]

@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 from quantkit.calibration.layer import CalibrationResult
-from quantkit.quant.qparams import QuantizedWeight, quantize_weight
+from quantkit.quant.grids import quantize_weight
+from quantkit.quant.qparams import QuantizedWeight
 from quantkit.quant.schemes import Granularity, QDtype, WeightSpec
 from quantkit.runtime import placement
 

@@ -13,7 +13,8 @@ from quantkit.export.torchao import unsupported as torchao_unsupported
 from quantkit.models.architectures import kernel_fused_groups
 from quantkit.quant import registry
 from quantkit.quant.plan import plan_model
-from quantkit.quant.qparams import fake_quantize_weight, fused_global_scales
+from quantkit.quant.grids import fake_quantize_weight
+from quantkit.quant.qparams import fused_global_scales
 from quantkit.quant.schemes import Granularity, QDtype, QuantScheme, ScaleDtype, WeightSpec
 from quantkit.quant import fake_quant
 from quantkit.training import qat
@@ -115,10 +116,10 @@ def test_configs_use_torchao_where_it_is_exact_and_quantkit_elsewhere():
         "gguf-q4-0": ("NoneType", "GridFakeQuantizeConfig"),  # fp16 scales: quantkit's grid exactly
         "gguf-q4-1": ("NoneType", "GridFakeQuantizeConfig"),
         "gguf-q8-0": ("NoneType", "GridFakeQuantizeConfig"),
-        "gguf-q2-k": ("NoneType", "KGridFakeQuantizeConfig"),  # llama.cpp's K search (trained as rtn: training_recipe)
-        "gguf-q3-k-m": ("NoneType", "KGridFakeQuantizeConfig"),
-        "gguf-q4-k-m": ("NoneType", "KGridFakeQuantizeConfig"),
-        "gguf-q5-k-m": ("NoneType", "KGridFakeQuantizeConfig"),
+        "gguf-q2-k": ("NoneType", "BlockGridFakeQuantizeConfig"),  # llama.cpp's K search (trained as rtn: training_recipe)
+        "gguf-q3-k-m": ("NoneType", "BlockGridFakeQuantizeConfig"),
+        "gguf-q4-k-m": ("NoneType", "BlockGridFakeQuantizeConfig"),
+        "gguf-q5-k-m": ("NoneType", "BlockGridFakeQuantizeConfig"),
     }
     asym = WeightSpec(QDtype.INT4, Granularity.GROUP, 32, symmetric=False)
     assert isinstance(fake_quant.fake_quantize_configs(QuantScheme(asym))[1], fake_quant.GridFakeQuantizeConfig)
@@ -380,7 +381,7 @@ def test_k_grid_is_searched_every_n_training_calls_and_at_every_eval_call():
     from quantkit.quant.k_grids import choose_k_qparams, quantize_k, round_k
 
     spec = _k_scheme("Q4_K").weights
-    quantizer = fake_quant.fake_quantizer(fake_quant.KGridFakeQuantizeConfig(spec, refresh_every=2)).train()
+    quantizer = fake_quant.fake_quantizer(fake_quant.BlockGridFakeQuantizeConfig(spec, refresh_every=2)).train()
     first = _weight(torch.float32, out=16, inp=256)
     later = first * 1.5 + 0.01  # a grid searched on `first` does not fit it
     grid = choose_k_qparams(first, GGMLQuantizationType.Q4_K)
@@ -397,15 +398,15 @@ def test_k_grid_is_searched_every_n_training_calls_and_at_every_eval_call():
 def test_k_fake_quantizer_is_straight_through():
     weight = _weight(torch.float32, out=16, inp=256).requires_grad_(True)
     grad = torch.randn_like(weight)
-    fake_quant.fake_quantizer(fake_quant.KGridFakeQuantizeConfig(_k_scheme("Q6_K").weights))(weight).backward(grad)
+    fake_quant.fake_quantizer(fake_quant.BlockGridFakeQuantizeConfig(_k_scheme("Q6_K").weights))(weight).backward(grad)
     torch.testing.assert_close(weight.grad, grad, **EXACT)
 
 
 def test_a_k_grid_config_takes_a_k_grid():
-    with pytest.raises(ValueError, match="K grid"):
-        fake_quant.KGridFakeQuantizeConfig(registry.resolve("gguf-q4-0").scheme.weights)
+    with pytest.raises(ValueError, match="searched block grid"):
+        fake_quant.BlockGridFakeQuantizeConfig(registry.resolve("gguf-q4-0").scheme.weights)
     with pytest.raises(ValueError, match="refresh_every"):
-        fake_quant.KGridFakeQuantizeConfig(_k_scheme("Q4_K").weights, refresh_every=0)
+        fake_quant.BlockGridFakeQuantizeConfig(_k_scheme("Q4_K").weights, refresh_every=0)
 
 
 def test_k_recipes_train_and_convert_by_rounding_on_their_grids():
