@@ -13,7 +13,8 @@ from quantkit.cli.options import (
     CalibDataOpt, EvalDeviceOpt, JsonOpt, NumSamplesOpt, QuietOpt, TextFieldOpt, ThreadsOpt, TrustRemoteCodeOpt,
 )
 from quantkit.errors import GateFailedError, UsageError
-from quantkit.evaluation import gguf
+from quantkit.evaluation import artifacts
+from quantkit.export import reader_for, reader_named, readers
 from quantkit.models import sources
 from quantkit.runtime import environment as runtime
 
@@ -86,12 +87,12 @@ def evaluate(
     quiet: QuietOpt = False,
 ) -> None:
     """Perplexity, tokens/s and size on disk of one or more models, side by side."""
-    for model in models:  # before torch loads: a wrong MODEL is reported at once
-        if not gguf.is_gguf(model):
+    for model in models:  # before torch loads: a wrong MODEL is reported at once (a one-file artifact by its engine)
+        if not reader_for(model).single_file:
             sources.resolve_source(model)
     check_gate_options(baseline, max_ppl_increase, max_acc_drop, tasks)
     baseline = baseline_model(models, baseline) if baseline else None
-    gguf.check_options(models, tp, max_acc_drop, device)
+    artifacts.check_engines(models, tp, max_acc_drop, device)
     main = runtime.is_main_process()
     quiet = quiet or not main or json_to_stdout(json_path)  # stdout holds the JSON alone; the table would follow it
     quiet_libraries()
@@ -220,11 +221,8 @@ def results_table(reports, base, names: list[str]):
     tasks = list(base.tasks)
     metrics = sorted({score.metric for score in base.tasks.values()})
     scores = f"; task scores: {', '.join(metrics)} in %" if tasks else ""
-    dequantized = ("; compressed-tensors artifacts compute with dequantized weights (transformers has no FP4 / FP8 / int4 "
-                   "kernels), their activations quantized as vLLM quantizes them") if any(r.format == "compressed-tensors" for r in reports) else ""
-    runtimes = sorted({r.runtime for r in reports if r.runtime != "transformers"})
-    elsewhere = f"; .gguf files run in {', '.join(runtimes)}" + (", without task scores (n/a)" if tasks else "") if runtimes else ""
-    table = Table(title="quantkit eval", caption=f"perplexity change is relative to {names[reports.index(base)]}{scores}{dequantized}{elsewhere}")
+    formats = "".join(f"; {note}" for note in format_notes(reports, bool(tasks)))
+    table = Table(title="quantkit eval", caption=f"perplexity change is relative to {names[reports.index(base)]}{scores}{formats}")
     sharded = max(r.tensor_parallel for r in reports) > 1
     if sharded:
         table.caption += f"; each model sharded over {reports[0].tensor_parallel} processes (tensor parallel)"
@@ -244,6 +242,16 @@ def results_table(reports, base, names: list[str]):
         table.add_row(Text(name), size, f"{r.perplexity.perplexity:.3f}{marker}", change, f"{r.perplexity.tokens_per_second:,.0f}",
                       *memory, *task_cells)
     return table
+
+
+def format_notes(reports, tasks: bool) -> list[str]:
+    """What each format's reader says of its rows under the table (how they computed, where they ran: `legend`), in
+    the registry's order."""
+    runtimes: dict = {}
+    for r in reports:
+        runtimes.setdefault(reader_named(r.format), set()).add(r.runtime)
+    notes = [reader.legend(sorted(runtimes[reader]), tasks) for reader in readers() if reader in runtimes]
+    return [note for note in notes if note]
 
 
 def window_note(report, base) -> str | None:

@@ -4,7 +4,10 @@
 - `nll.py`: the loss of a batch of windows, lm_head's logits a chunk of tokens at a time (never a batch's full logits).
 - `tasks.py`: lm-evaluation-harness tasks (`--tasks`) on an already-loaded model.
 - `tensor_parallel.py`: `--tp N`: a model sharded with transformers' tensor-parallel plan.
-- `gguf.py`: a .gguf file run in llama.cpp (llama-cpp-python, the `gguf` extra): checks, its token ids, a window's loss.
+- `artifacts.py`: which format's reader reads a MODEL (`export.reader_for`), and the engine that runs it where
+  transformers does not; torch-free, for the CLI.
+- `gguf.py`: GGUF's engine, reached through its reader: a .gguf file run in llama.cpp (llama-cpp-python, the `gguf`
+  extra): checks, its token ids, a window's loss, its perplexity on quantkit's windows.
 
 Imports anything below it: `quantkit.finalization` (`eval -q` previews a recipe in memory), `quantkit.export`,
 `quantkit.models`, `quantkit.quant`, `quantkit.runtime`, `quantkit.data`, `quantkit.errors`.

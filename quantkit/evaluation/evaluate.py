@@ -13,18 +13,17 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from quantkit.data import eval_windows, joined_text, load_texts, tokenize
-from quantkit.errors import UnsupportedModelError, UsageError
-from quantkit.evaluation import gguf
-from quantkit.evaluation.nll import IGNORE_INDEX, LOGITS_CHUNK_BYTES, NllFunction, nll_function
+from quantkit.data import eval_windows, load_texts, tokenize
+from quantkit.errors import UsageError
+from quantkit.evaluation.artifacts import engine, in_engine, locate
+from quantkit.evaluation.nll import IGNORE_INDEX, NllFunction, nll_function
 from quantkit.evaluation.tasks import TaskOptions, TaskResult, TaskSuite, load_tasks
 from quantkit.evaluation.tensor_parallel import check_options as check_tensor_parallel_options
 from quantkit.evaluation.tensor_parallel import gather_ints
 from quantkit.evaluation.tensor_parallel import load as tensor_parallel_load
-from quantkit.export import metadata
+from quantkit.export import made_as, metadata, reader_for
 from quantkit.finalization.preflight import peak_resident_bytes, reset_peak_resident
-from quantkit.models.loading import (load_config, load_model, load_tokenizer, max_positions, quantization_method,
-                                     read_config_json, weights_size)
+from quantkit.models.loading import load_config, load_model, load_tokenizer, max_positions, weights_size
 from quantkit.models.sources import resolve_source
 from quantkit.runtime.precision import float32_products, model_dtype
 from quantkit.runtime.progress import QUIET, Progress
@@ -57,8 +56,8 @@ class ModelReport:
     peak_rss_per_rank: list[int] = field(default_factory=list)  # bytes, while this model was loaded and measured
     weight_bytes_per_rank: list[int] = field(default_factory=list)  # parameters and buffers each rank held, as computed
     tensor_parallel: int = 1  # ranks the model was sharded over (`eval --tp`)
-    runtime: str = "transformers"  # what computed it: transformers, or llama.cpp for a .gguf file
-    tokens_note: str | None = None  # a .gguf's tokenization, where it is not simply the Hugging Face rows' (`gguf.choose_ids`)
+    runtime: str = "transformers"  # what computed it: transformers, or the engine its format runs in (llama.cpp)
+    tokens_note: str | None = None  # an engine's tokenization, where it is not simply the Hugging Face rows' ids
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -80,12 +79,12 @@ def check_seq_len(models: Sequence[str], seq_len: int, trust_remote_code: bool =
 
 
 def model_positions(label: str, trust_remote_code: bool = False) -> tuple[int | None, str]:
-    """(the longest window the model takes, where that is recorded), from its config or the GGUF's metadata, without
-    its weights; None where nothing records a limit."""
-    if gguf.is_gguf(label):
-        info = gguf.read_info(gguf.open_vocab(gguf.check_gguf_file(label)))
-        return info.context_length, "context_length in the GGUF"
-    return max_positions(load_config(resolve_source(label), trust_remote_code)), "max_position_embeddings"
+    """(the longest window the model takes, where that is recorded), from its config or, for a model its own engine
+    runs, that engine's reading of its metadata, without its weights; None where nothing records a limit."""
+    path, reader = locate(label)
+    if reader.ENGINE:
+        return engine(reader).positions(path)
+    return max_positions(load_config(path, trust_remote_code)), "max_position_embeddings"
 
 
 def plan_windows(num_tokens: int, seq_len: int, stride: int | None = None, max_samples: int | None = None,
@@ -178,12 +177,13 @@ def load_eval_model(
     path: str | Path, trust_remote_code: bool = False, tokenizer_path: str | Path | None = None, dtype: str = "auto",
     load_weights: bool = True, tensor_parallel: bool = False, device: str = "cpu",
 ):
-    """(model, tokenizer) for a source or quantized model directory. Quantized directories (compressed-tensors
-    or torchao `quantization_config` in config.json) load through plain transformers. With `load_weights`
-    False only the tokenizer is loaded (model is None); with `tensor_parallel` the model is sharded over the
-    ranks of this torchrun (`quantkit.evaluation.tensor_parallel`), else it is loaded onto `device`."""
+    """(model, tokenizer) for a source or quantized model directory. Quantized directories (a format's artifact, or
+    another tool's `quantization_config` in config.json) load through plain transformers, with what their format's
+    reader refuses first (`check_load`, `check_device`). With `load_weights` False only the tokenizer is loaded (model
+    is None); with `tensor_parallel` the model is sharded over the ranks of this torchrun
+    (`quantkit.evaluation.tensor_parallel`), else it is loaded onto `device`."""
     path = resolve_source(path)
-    _check_experts_load(path)
+    reader_for(path).check_load(path)
     tokenizer = load_tokenizer(Path(tokenizer_path) if tokenizer_path else path, trust_remote_code)
     if not load_weights:
         return None, tokenizer
@@ -196,36 +196,15 @@ def load_eval_model(
 
 
 def _check_kernels_run_on(path: Path, device: str) -> None:
-    """A torchao artifact whose kernels need a CUDA GPU (FP8: torch has no per-row FP8 product on the CPU) is refused
-    on the CPU in one line, not with PyTorch's internal assertion halfway through the first forward."""
-    made = metadata.read(Path(path)) or {}
-    needs = ((made.get("recipe") or {}).get("requires") or {}).get("torchao", {}).get("cuda_capability")
-    if made.get("format") == "torchao" and needs and torch.device(device).type == "cpu":
-        from quantkit.errors import HardwareError
-
-        raise HardwareError(f"{path}: a torchao artifact whose kernels need a CUDA GPU with compute capability {needs}+; "
-                            "evaluate it on such a GPU (--device cuda), or finalize with --format compressed-tensors for the CPU")
-
-
-def _check_experts_load(path: Path) -> None:
-    from quantkit.export.compressed_tensors import experts_load_problem
-
-    problem = experts_load_problem(read_config_json(path)) if (Path(path) / "config.json").is_file() else None
-    if problem:
-        import transformers
-
-        raise UnsupportedModelError(f"{path}: transformers {transformers.__version__} cannot run this artifact's MoE experts "
-                                    f"({problem}); serve it with vLLM, or evaluate an artifact of a recipe whose experts load")
+    """An artifact whose kernels cannot run on `device` refused in one line (its reader's `check_device`: torchao's FP8
+    on the CPU), not with PyTorch's internal assertion halfway through the first forward."""
+    reader_for(path).check_device(path, device)
 
 
 def describe(path: str | Path) -> tuple[str | None, str | None]:
     """(recipe name, format) from quantkit.json; the format falls back to config.json's quant_method."""
     made = metadata.read(Path(path)) or {}
-    recipe = (made.get("recipe") or {}).get("name")
-    fmt = made.get("format")
-    if fmt is None:
-        fmt = (read_config_json(path).get("quantization_config") or {}).get("quant_method")
-    return recipe, fmt
+    return (made.get("recipe") or {}).get("name"), made_as(path)
 
 
 def make_report(
@@ -322,8 +301,9 @@ def compare(
     """Each model on the same data (and `tasks`), labelled by its path as given; then, for each recipe, the
     model quantized under it in memory (labelled "PATH+RECIPE"), as `finalize` would quantize it. With
     `tensor_parallel` > 1 (under torchrun, one process per rank) each model is sharded over the ranks; every
-    rank returns the same reports. Otherwise the models run on `device` (cpu, cuda, cuda:N). A MODEL ending in .gguf
-    runs in llama.cpp on the Hugging Face rows' token ids (`measure_gguf`). A `seq_len` beyond a model's positions is
+    rank returns the same reports. Otherwise the models run on `device` (cpu, cuda, cuda:N). A MODEL whose format runs
+    in an engine of its own (a .gguf file: llama.cpp) is measured there, on the Hugging Face rows' token ids where its
+    vocabulary reads them (the engine's `measure`). A `seq_len` beyond a model's positions is
     refused (`check_seq_len`); without one, each model's windows are DEFAULT_SEQ_LEN tokens, or its positions where
     fewer."""
     from quantkit.runtime import environment as runtime
@@ -337,14 +317,14 @@ def compare(
     previews = _prepare_previews(models, recipes, trust_remote_code, calibration)  # every check before any model loads
     settings = dict(seq_len=seq_len or DEFAULT_SEQ_LEN, stride=stride, max_samples=max_samples, batch_size=batch_size,
                     progress=progress)
-    reference = _reference_ids(models, tokenizer, texts, trust_remote_code) if any(map(gguf.is_gguf, models)) else None
+    reference = _reference_ids(models, tokenizer, texts, trust_remote_code) if any(map(in_engine, models)) else None
     reports = []
     for label in models:
-        if gguf.is_gguf(label):  # one file, run in llama.cpp
+        path, reader = locate(label)  # a directory (a hub id from the cache), or a file its engine runs
+        if reader.ENGINE:
             reset_peak_resident()
-            reports.append(measure_gguf(label, texts, reference, threads=threads, device=device, **settings))
+            reports.append(engine(reader).measure(label, texts, reference, threads=threads, device=device, **settings))
             continue
-        path = resolve_source(label)  # a directory, or a hub id from the cache
         measure = partial(_measure, texts=texts, tokenizer=tokenizer, trust_remote_code=trust_remote_code,
                           suite=suite, tensor_parallel=tensor_parallel > 1, device=device, **settings)
         reset_peak_resident()
@@ -372,8 +352,8 @@ def _prepare_previews(models: list[str], recipe_names: Sequence[str], trust_remo
     recipes = [for_format(recipe, recipe.format) for recipe in map(resolve, recipe_names)]  # as finalize quantizes
     previews, quantized = {}, []
     for label in models:
-        path = None if gguf.is_gguf(label) else resolve_source(label)
-        method = "a GGUF file" if path is None else quantization_method(path)
+        path, reader = locate(label)
+        method = reader.quantized(path)
         if method is not None:  # recipes preview full-precision models only
             quantized.append(f"{label} ({method})")
             continue
@@ -402,48 +382,13 @@ def _measure(
 
 def _reference_ids(models: list[str], tokenizer: str | Path | None, texts: list[str],
                    trust_remote_code: bool) -> tuple[list[int], str] | None:
-    """(ids, whose) the Hugging Face rows are scored on, for the .gguf rows to be fed (`gguf.choose_ids`): `--tokenizer`'s,
-    else the first Hugging Face model's; None when there is neither."""
-    source = tokenizer or next((m for m in models if not gguf.is_gguf(m)), None)
+    """(ids, whose) the Hugging Face rows are scored on, for the rows of models an engine runs to be fed where its
+    vocabulary reads them: `--tokenizer`'s, else the first Hugging Face model's; None when there is neither."""
+    source = tokenizer or next((m for m in models if not in_engine(m)), None)
     if source is None:
         return None
     found = load_tokenizer(Path(tokenizer) if tokenizer else resolve_source(source), trust_remote_code)
     return tokenize(found, texts).tolist(), str(source)
-
-
-def measure_gguf(label: str, texts: list[str], reference: tuple[list[int], str] | None, seq_len: int = 512,
-                 stride: int | None = None, max_samples: int | None = None, threads: int = 1, device: str = "cpu",
-                 progress: Progress = QUIET, **_) -> ModelReport:
-    """A .gguf file's perplexity in llama.cpp, on the windows the Hugging Face rows are scored on where its vocabulary
-    allows (`gguf.choose_ids`), clipped to its context length; one window at a time (--batch-size does not apply)."""
-    path = gguf.check_gguf_file(label)
-    chosen, info = _gguf_ids(path, texts, reference)
-    ids = torch.tensor(chosen.ids, dtype=torch.long)
-    seq_len, windows = plan_windows(ids.numel(), seq_len, stride, max_samples, info.context_length)
-    model = gguf.open_model(path, seq_len, threads, device)
-    rows = max(1, LOGITS_CHUNK_BYTES // (4 * model.n_vocab()))
-    with torch.inference_mode():
-        result = score_windows(partial(_gguf_nll, model, rows), ids, windows, seq_len, progress=progress)
-    fmt = f"gguf {info.file_type}" if info.file_type else "gguf"
-    return ModelReport(path=str(path), label=label, recipe=info.recipe, format=fmt, size_bytes=path.stat().st_size,
-                       perplexity=result, peak_rss_per_rank=[peak_resident_bytes()], runtime=gguf.runtime_name(),
-                       tokens_note=chosen.note)
-
-
-def _gguf_ids(path: Path, texts: list[str], reference: tuple[list[int], str] | None) -> tuple[gguf.ChosenIds, gguf.GgufInfo]:
-    """The ids to feed the GGUF model and its metadata, from its vocabulary alone (freed on return)."""
-    vocab = gguf.open_vocab(path)
-    return gguf.choose_ids(vocab, joined_text(texts), *(reference or (None,))), gguf.read_info(vocab)
-
-
-def _gguf_nll(model, rows: int, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[float, int]:
-    """`NllFunction` over a llama.cpp model: each window decoded alone, its loss from `gguf.window_nll`."""
-    total, count = 0.0, 0
-    for tokens, targets in zip(inputs.tolist(), labels):
-        first_target = int((targets != IGNORE_INDEX).nonzero()[0])
-        nll, scored = gguf.window_nll(model, tokens, first_target, rows)
-        total, count = total + nll, count + scored
-    return total, count
 
 
 def held_bytes(model) -> int:

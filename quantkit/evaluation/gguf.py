@@ -6,7 +6,9 @@ The windows are quantkit's (`evaluate.plan_windows`); the loss is the same float
 `choose_ids`'s decision: the ids the Hugging Face rows are scored on, where llama.cpp's vocabulary reads them back as
 the text, so every row scores the same windows; llama.cpp's own tokenization only where it cannot.
 
-Nothing here imports torch or llama_cpp at module level: the CLI checks a .gguf path before either loads.
+This is GGUF's engine (`export.gguf_reader.ENGINE`): evaluation reaches it through the registry (`check_options`,
+`positions`, `measure`), never by the format's name. Nothing here imports torch or llama_cpp at module level: the CLI
+checks a .gguf path before either loads.
 """
 
 from __future__ import annotations
@@ -18,14 +20,11 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from quantkit.errors import HardwareError, SourceModelError, UsageError
+from quantkit.export import gguf_reader
+from quantkit.export.gguf_reader import MAGIC  # the first four bytes of every GGUF file
+from quantkit.runtime.progress import QUIET, Progress
 
 INSTALL_HINT = "pip install 'quantkit-llm[gguf]'"
-MAGIC = b"GGUF"  # the first four bytes of every GGUF file
-
-
-def is_gguf(source: str | Path) -> bool:
-    """A model given as a .gguf path: evaluated in llama.cpp, not transformers."""
-    return str(source).lower().endswith(".gguf")
 
 
 def check_gguf_file(path: str | Path) -> Path:
@@ -181,13 +180,13 @@ def check_options(models: Sequence[str], tp: int = 1, max_acc_drop: float | None
     """The .gguf files among `models` checked, and what they cannot be evaluated with refused, before anything loads:
     `--tp` (transformers' sharding), `--max-acc-drop` (lm-eval scores transformers models only), a `--device cuda`
     that this llama.cpp build cannot use; and llama-cpp-python installed."""
-    files = [model for model in models if is_gguf(model)]
+    files = [model for model in models if gguf_reader.detect(Path(model))]
     if not files:
         return
     for file in files:
         check_gguf_file(file)
     if tp > 1:
-        raise UsageError(f"--tp shards transformers models; {files[0]} runs in llama.cpp: evaluate it without --tp")
+        raise UsageError(gguf_reader.unsharded(files[0]))
     if max_acc_drop is not None:
         raise UsageError(f"--max-acc-drop gates --tasks scores, and {files[0]} has none (lm-eval scores transformers models); "
                          "gate it with --max-ppl-increase")
@@ -196,3 +195,60 @@ def check_options(models: Sequence[str], tp: int = 1, max_acc_drop: float | None
         raise HardwareError(f"--device {device}: this llama-cpp-python has no GPU support, so {files[0]} cannot run there; "
                             "reinstall it built for CUDA (CMAKE_ARGS=-DGGML_CUDA=on pip install --force-reinstall --no-cache-dir "
                             "llama-cpp-python), or pass --device auto (the .gguf files then run on the CPU)")
+
+
+# ---------------------------------------------------------------- measured on quantkit's windows
+
+
+def positions(path: str | Path) -> tuple[int | None, str]:
+    """(the longest window the model takes, where that is recorded), from the GGUF's metadata without its weights."""
+    return read_info(open_vocab(check_gguf_file(path))).context_length, "context_length in the GGUF"
+
+
+def measure(label: str, texts: list[str], reference: tuple[list[int], str] | None, seq_len: int = 512,
+            stride: int | None = None, max_samples: int | None = None, threads: int = 1, device: str = "cpu",
+            progress: Progress = QUIET, **_):
+    """A .gguf file's perplexity in llama.cpp, on the windows the Hugging Face rows are scored on where its vocabulary
+    allows (`choose_ids`), clipped to its context length; one window at a time (--batch-size does not apply): an
+    `evaluate.ModelReport`."""
+    from functools import partial
+
+    import torch
+
+    from quantkit.evaluation.evaluate import ModelReport, plan_windows, score_windows
+    from quantkit.evaluation.nll import LOGITS_CHUNK_BYTES
+    from quantkit.finalization.preflight import peak_resident_bytes
+
+    path = check_gguf_file(label)
+    chosen, info = _ids(path, texts, reference)
+    ids = torch.tensor(chosen.ids, dtype=torch.long)
+    seq_len, windows = plan_windows(ids.numel(), seq_len, stride, max_samples, info.context_length)
+    model = open_model(path, seq_len, threads, device)
+    rows = max(1, LOGITS_CHUNK_BYTES // (4 * model.n_vocab()))
+    with torch.inference_mode():
+        result = score_windows(partial(windows_nll, model, rows), ids, windows, seq_len, progress=progress)
+    fmt = f"gguf {info.file_type}" if info.file_type else "gguf"
+    return ModelReport(path=str(path), label=label, recipe=info.recipe, format=fmt, size_bytes=path.stat().st_size,
+                       perplexity=result, peak_rss_per_rank=[peak_resident_bytes()], runtime=runtime_name(),
+                       tokens_note=chosen.note)
+
+
+def _ids(path: Path, texts: list[str], reference: tuple[list[int], str] | None) -> tuple[ChosenIds, GgufInfo]:
+    """The ids to feed the GGUF model and its metadata, from its vocabulary alone (freed on return)."""
+    from quantkit.data import joined_text
+
+    vocab = open_vocab(path)
+    return choose_ids(vocab, joined_text(texts), *(reference or (None,))), read_info(vocab)
+
+
+def windows_nll(model, rows: int, inputs, labels) -> tuple[float, int]:
+    """`nll.NllFunction` over a llama.cpp model: each window (a row of `inputs` [B, L]) decoded alone, its loss from
+    `window_nll` (`labels`' IGNORE_INDEX before each window's first target)."""
+    from quantkit.evaluation.nll import IGNORE_INDEX
+
+    total, count = 0.0, 0
+    for tokens, targets in zip(inputs.tolist(), labels):
+        first_target = int((targets != IGNORE_INDEX).nonzero()[0])
+        nll, scored = window_nll(model, tokens, first_target, rows)
+        total, count = total + nll, count + scored
+    return total, count

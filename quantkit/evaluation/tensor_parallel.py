@@ -18,32 +18,29 @@ from quantkit.models import compat
 def load(path: Path, dtype: str = "auto", trust_remote_code: bool = False):
     """The model at `path`, sharded over the ranks of this torchrun.
 
-    A full-precision model is sharded as it loads (transformers reads each rank's slices). A compressed-tensors
-    artifact cannot be: compressed-tensors decompresses on the first forward, through an offloading wrapper that
-    transformers' sharded modules break. It is loaded whole, decompressed (dense weights, activation quantization
-    kept), and then sharded by the same plan, so each rank holds the dense model until the shards are cut."""
+    A full-precision model is sharded as it loads (transformers reads each rank's slices). An artifact whose reader
+    says it cannot be (`SHARDS_WHILE_LOADING`: compressed-tensors decompresses on the first forward, through an
+    offloading wrapper that transformers' sharded modules break) is loaded whole, made shardable by its reader
+    (`before_sharding`: dense weights, activation quantization kept), and then sharded by the same plan, so each rank
+    holds the dense model until the shards are cut."""
     from transformers import DistributedConfig
 
-    from quantkit.models.loading import load_model, quantization_method
+    from quantkit.export import reader_for
+    from quantkit.models.loading import load_model
 
-    if quantization_method(path) is None:
+    reader = reader_for(path)
+    if reader.SHARDS_WHILE_LOADING:
         return load_model(path, dtype=dtype, trust_remote_code=trust_remote_code,
                           distributed_config=DistributedConfig(tp_plan="auto"))
-    return shard_loaded(load_model(path, dtype=dtype, trust_remote_code=trust_remote_code))
+    model = load_model(path, dtype=dtype, trust_remote_code=trust_remote_code)
+    reader.before_sharding(model)
+    return shard_loaded(model)
 
 
 def shard_loaded(model):
-    """A loaded (compressed-tensors) model decompressed, then sharded by its family's plan. A parameter of one
+    """A whole loaded model (its reader's `before_sharding` done) sharded by its family's plan. A parameter of one
     element (a per-tensor scale: compressed-tensors' input_scale / global scales, a per-tensor KV scale) is
     replicated, not split with its module's weight; per-head KV cache scales keep this rank's heads."""
-    import torch
-    from compressed_tensors.offload import remove_dispatch
-
-    from quantkit.models import compat
-    device = next(model.parameters()).device
-    with torch.inference_mode():  # compressed-tensors decompresses in a hook on the first call
-        model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=False)
-    remove_dispatch(model)
     per_tensor = [compat.replace_layer_number_by_wildcard(name) for name, p in model.named_parameters() if p.numel() == 1]
     model, local_device, mesh = compat.distribute_loaded(model, per_tensor)
     _keep_local_head_scales(model, mesh)
@@ -106,18 +103,16 @@ def check_options(recipes: list[str] | None, tasks: object | None) -> None:
 
 def check(path: str | Path, ranks: int, trust_remote_code: bool = False) -> None:
     """Refuse, in one line and before anything is launched, a model that cannot be sharded over `ranks`
-    processes: a family without a tensor-parallel plan, a head count the ranks do not divide (or a vocabulary, where
-    transformers needs that), a format other than compressed-tensors among quantized ones, activation groups a rank's
+    processes: an artifact whose reader says it does not shard (`unsharded`), a family without a tensor-parallel plan,
+    a head count the ranks do not divide (or a vocabulary, where transformers needs that), activation groups a rank's
     share of a width would split."""
     from transformers import AutoConfig
 
-    from quantkit.models.loading import quantization_method
+    from quantkit.export import reader_for
 
-    method = quantization_method(path)
-    if method not in (None, "compressed-tensors"):
-        raise UnsupportedModelError(
-            f"{path}: {method} artifacts do not shard (their quantized tensors lack the operations transformers' "
-            "tensor parallelism splits them with); evaluate it without --tp, or finalize with --format compressed-tensors")
+    problem = reader_for(path).unsharded(Path(path))
+    if problem:
+        raise UnsupportedModelError(problem)
     from quantkit.models.loading import read_config_json
     from quantkit.quant.rotations import online_groups
 

@@ -443,3 +443,51 @@ def _ignore_as_stored(config_file: Path, stored_name) -> None:
     if stored != ignore:
         config["quantization_config"]["ignore"] = stored
         config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+# ---------------------------------------------------------------- reading (`compressed_tensors_reader`)
+
+
+def restore_on_load(model: nn.Module, path: Path, config: dict) -> nn.Module:
+    """A compressed-tensors artifact as plain transformers loaded it, given what transformers ignores or gets wrong of
+    it: FP4 / MX weights decompressed in the model's dtype, the KV cache scales (`kv_cache_scheme`), the online
+    transforms of a `transform_config` (R4, `quant.rotations.apply_online_transforms`)."""
+    if hasattr(model, "ct_decompress_hook"):
+        _match_dequantized_dtype(model)
+    if (config.get("quantization_config") or {}).get("kv_cache_scheme"):
+        from quantkit.quant import kv_cache
+        kv_cache.load_scales(model, Path(path))
+    from quantkit.quant.rotations import apply_online_transforms
+
+    apply_online_transforms(model, Path(path), config)
+    return model
+
+
+def _match_dequantized_dtype(model: nn.Module) -> None:
+    """compressed-tensors 0.20 decompresses FP4 and MX weights to bfloat16 whatever the model's dtype, so a
+    float32 artifact (LLM Compressor's of a float32 model) fails its first forward with a dtype mismatch. Its
+    decompression runs in a forward pre-hook on the first call; this hook, registered after it, then gives
+    every decompressed weight the model's dtype (bfloat16 values are exact in float32 and float16 holds
+    FP4/FP8 grid values times their scales as compressed-tensors computes them in bfloat16) and removes
+    itself."""
+
+    def cast(module: nn.Module, args) -> None:
+        handle.remove()
+        for sub in module.modules():
+            weight = getattr(sub, "weight", None) if hasattr(sub, "quantization_scheme") else None
+            if isinstance(weight, torch.Tensor) and weight.is_floating_point() and weight.dtype != module.dtype:
+                weight.data = weight.data.to(module.dtype)
+
+    handle = model.register_forward_pre_hook(cast)
+
+
+def decompress(model: nn.Module) -> None:
+    """The loaded artifact's weights decompressed in place (compressed-tensors does it in a hook on the first forward:
+    dense weights, activation quantization kept) and its offloading wrapper removed, which transformers' sharded modules
+    break: what the tensor-parallel plan can then shard."""
+    from compressed_tensors.offload import remove_dispatch
+
+    device = next(model.parameters()).device
+    with torch.inference_mode():
+        model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=False)
+    remove_dispatch(model)

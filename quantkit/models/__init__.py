@@ -9,5 +9,5 @@
 - `tiny.py`: tiny models and tokenizers built from configs (tests, the demo, benchmarks).
 
 Imports: `quantkit.errors` and `quantkit.runtime` only (`loading.load_model` also reads quantkit's own artifacts,
-through `quantkit.export` and `quantkit.quant.kv_cache`, imported when it is called).
+through their format's reader, `quantkit.export.reader_for`, imported when it is called).
 """

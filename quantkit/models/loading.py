@@ -76,32 +76,22 @@ def meta_model(config, trust_remote_code: bool = False) -> nn.Module:
 
 
 def load_model(path: Path, dtype: str = "auto", trust_remote_code: bool = False, **kwargs) -> nn.Module:
-    """A model directory through plain transformers; asymmetric compressed-tensors artifacts too, which plain
-    transformers 5.x cannot load (`export.compressed_tensors.packed_zero_points_on_load`), and the online
-    transforms of a `transform_config` (R4), which it ignores (`quant.rotations.apply_online_transforms`)."""
+    """A model directory through plain transformers, an artifact with what its format's reader puts around that
+    (`export.reader_for`: compressed-tensors' asymmetric weights, which plain transformers 5.x cannot load, and the KV
+    cache scales and online transforms it ignores)."""
     from transformers import AutoModelForCausalLM
 
-    from quantkit.export.compressed_tensors import packed_zero_points_on_load
-    from quantkit.export.ct_compat import compute_as_newer_releases
+    from quantkit.export import reader_for
 
     if dtype not in DTYPES:
         raise SourceModelError(f"unknown dtype '{dtype}'; use one of {', '.join(DTYPES)}")
-    compute_as_newer_releases()  # compressed-tensors 0.17: FP8 blocks as written
-    with packed_zero_points_on_load():
+    reader = reader_for(path)
+    with reader.loading():
         model, info = AutoModelForCausalLM.from_pretrained(
             path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code, output_loading_info=True, **kwargs
         )
     check_loaded(path, info)
-    if hasattr(model, "ct_decompress_hook"):
-        _match_dequantized_dtype(model)
-    config = read_config_json(path)
-    if (config.get("quantization_config") or {}).get("kv_cache_scheme"):
-        from quantkit.quant import kv_cache
-        kv_cache.load_scales(model, Path(path))
-    from quantkit.quant.rotations import apply_online_transforms
-
-    apply_online_transforms(model, Path(path), config)  # R4 and the like: transformers ignores transform_config
-    return model.eval()
+    return reader.loaded(model, Path(path)).eval()
 
 
 def check_loaded(path: str | Path, info) -> None:
@@ -126,24 +116,6 @@ def _extra_prefix(missing: list[str], unexpected: list[str]) -> str | None:
     prefix = unexpected[0][: -len(missing[0])]
     names = set(missing)
     return prefix if all(n.startswith(prefix) and n[len(prefix):] in names for n in unexpected) else None
-
-
-def _match_dequantized_dtype(model: nn.Module) -> None:
-    """compressed-tensors 0.20 decompresses FP4 and MX weights to bfloat16 whatever the model's dtype, so a
-    float32 artifact (LLM Compressor's of a float32 model) fails its first forward with a dtype mismatch. Its
-    decompression runs in a forward pre-hook on the first call; this hook, registered after it, then gives
-    every decompressed weight the model's dtype (bfloat16 values are exact in float32 and float16 holds
-    FP4/FP8 grid values times their scales as compressed-tensors computes them in bfloat16) and removes
-    itself."""
-
-    def cast(module: nn.Module, args) -> None:
-        handle.remove()
-        for sub in module.modules():
-            weight = getattr(sub, "weight", None) if hasattr(sub, "quantization_scheme") else None
-            if isinstance(weight, torch.Tensor) and weight.is_floating_point() and weight.dtype != module.dtype:
-                weight.data = weight.data.to(module.dtype)
-
-    handle = model.register_forward_pre_hook(cast)
 
 
 def load_tokenizer(path: str | Path, trust_remote_code: bool = False, fix: str = "pass --tokenizer DIR"):

@@ -19,8 +19,10 @@ def gguf_file(path, body: bytes = b"\x03\x00\x00\x00") -> str:
 
 
 def test_a_gguf_path_is_one_named_so():
-    assert gguf.is_gguf("m/model-Q4_0.gguf") and gguf.is_gguf("M.GGUF")
-    assert not gguf.is_gguf("m/model") and not gguf.is_gguf("org/name")
+    from quantkit.export.gguf_reader import detect  # GGUF's reader: what `eval` runs in llama.cpp
+
+    assert detect("m/model-Q4_0.gguf") and detect("M.GGUF")
+    assert not detect("m/model") and not detect("org/name")
 
 
 @pytest.mark.parametrize("make, message", [
@@ -162,7 +164,8 @@ def test_llama_cpps_logits_give_the_perplexity_of_the_same_logits_in_transformer
     from functools import partial
 
     from quantkit.data import tokenize
-    from quantkit.evaluation.evaluate import _gguf_nll, load_eval_model, perplexity, score_windows
+    from quantkit.evaluation.evaluate import load_eval_model, perplexity, score_windows
+    from quantkit.evaluation.gguf import windows_nll as _gguf_nll  # moved from evaluate: GGUF's engine
 
     model, tokenizer = load_eval_model(tiny_model_dir)
     ids = tokenize(tokenizer, [text_file.read_text()])[:400]
