@@ -57,10 +57,10 @@ def _gguf():
 def ggml_type(spec: WeightSpec):
     """The GGML type whose grid holds `spec`'s exactly, or None. Symmetric int8 / int5 / int4 with fp16 scales per
     group (a multiple of 32) or per row are Q8_0 / Q5_0 / Q4_0 blocks of 32 sharing the group's scale; asymmetric
-    int5 / int4 with fp16 scales are Q5_1 / Q4_1 (`qparams.fp16_minimum_grid`); a k_quant grid is its K type."""
+    int5 / int4 with fp16 scales are Q5_1 / Q4_1 (`qparams.fp16_minimum_grid`); a K or i-quant grid is its type."""
     t = _gguf().GGMLQuantizationType
-    if spec.k_quant_type:
-        return t[spec.k_quant_type]
+    if spec.block_type:
+        return t[spec.block_type]
     if spec.dtype.is_float or spec.scale_dtype is not ScaleDtype.FLOAT16:
         return None
     if spec.granularity is Granularity.GROUP and spec.group_size % BLOCK:
@@ -147,7 +147,7 @@ def qat_recipe(recipe: Recipe) -> Recipe:
 # 32, symmetric, fp16 scales. Q5_K's fallback, Q5_1, has a float minimum quantkit's grids do not hold: F16 instead.
 # llama.cpp's tensor_type_fallback: (dtype, symmetric) of Q4_0, Q5_0, Q5_1 and Q8_0 blocks of 32
 K_FALLBACKS = {"Q2_K": (QDtype.INT4, True), "Q3_K": (QDtype.INT4, True), "Q4_K": (QDtype.INT5, True),
-               "Q5_K": (QDtype.INT5, False), "Q6_K": (QDtype.INT8, True)}
+               "Q5_K": (QDtype.INT5, False), "Q6_K": (QDtype.INT8, True), "IQ4_XS": (QDtype.IQ4_NL, True)}
 
 
 def adapt_plan(plan: list[ModulePlan], recipe: Recipe, config) -> list[ModulePlan]:
@@ -168,14 +168,14 @@ def adapt_plan(plan: list[ModulePlan], recipe: Recipe, config) -> list[ModulePla
 
     def fitted(entry: ModulePlan) -> ModulePlan:
         spec = entry.scheme.weights if entry.quantized else None
-        if spec is None or not spec.k_quant_type or entry.in_features % K_SUPER_BLOCK == 0:
+        if spec is None or not spec.super_block or entry.in_features % spec.super_block == 0:
             return entry
-        fallback = K_FALLBACKS.get(spec.k_quant_type)
+        fallback = K_FALLBACKS.get(spec.block_type)
         if fallback is None or entry.in_features % BLOCK:
-            return replace(entry, scheme=None, note=f"{spec.k_quant_type} takes rows of whole {K_SUPER_BLOCK}-weight "
+            return replace(entry, scheme=None, note=f"{spec.block_type} takes rows of whole {K_SUPER_BLOCK}-weight "
                                                     f"super-blocks ({entry.in_features} inputs), and no fallback fits")
         weights = WeightSpec(fallback[0], Granularity.GROUP, BLOCK, symmetric=fallback[1], scale_dtype=ScaleDtype.FLOAT16)
-        note = f"{spec.k_quant_type} -> {ggml_type(weights).name}: {entry.in_features} inputs are not whole {K_SUPER_BLOCK}-weight super-blocks"
+        note = f"{spec.block_type} -> {ggml_type(weights).name}: {entry.in_features} inputs are not whole {K_SUPER_BLOCK}-weight super-blocks"
         return replace(entry, scheme=QuantScheme(weights, entry.scheme.activations), note=note)
 
     def problem(entry: ModulePlan) -> str | None:
@@ -299,19 +299,18 @@ def codes(weight: torch.Tensor, qparams: QParams) -> torch.Tensor:
     return out
 
 
-def k_codes(weight: torch.Tensor, qparams: QParams):
-    """A K-quant weight (`k_grids.KQuantizedWeight`) from the grid values it holds: its codes rounded back on the
-    grid, checked to decode to the weight (to the model dtype's rounding), a block of rows at a time."""
+def block_codes(weight: torch.Tensor, qparams: QParams) -> torch.Tensor:
+    """A block grid's codes (K-quants, i-quants) of the grid values `weight` holds: rounded back on the grid (its
+    `round`), checked to decode to the weight (to the model dtype's rounding), a block of rows at a time."""
     from quantkit.quant.ggml_blocks import row_blocks
-    from quantkit.quant.k_grids import KQuantizedWeight, round_k
 
     k = qparams.k
-    q = round_k(weight, k)
+    q = k.round(weight)
     for rows in row_blocks(*weight.shape):
         decoded = k.rows(rows).dequantize(q[rows], dtype=weight.dtype)
         if not torch.allclose(decoded.float(), weight[rows].float(), rtol=2 ** -7, atol=1e-6):
-            raise ExportError("a quantized weight is not on its K grid (a quantkit bug: please report it)")
-    return KQuantizedWeight(q, k)
+            raise ExportError("a quantized weight is not on its block grid (a quantkit bug: please report it)")
+    return q
 
 
 def pack(weight: torch.Tensor, qparams: QParams):
@@ -320,7 +319,7 @@ def pack(weight: torch.Tensor, qparams: QParams):
 
     qtype = ggml_type(qparams.spec)
     if qparams.k is not None:
-        return qtype, k_codes(weight, qparams).ggml_blocks()
+        return qtype, qparams.k.pack(block_codes(weight, qparams))
     q = codes(weight, qparams)
     blocks = weight.shape[1] // qparams.scale.shape[1] // BLOCK
     d = qparams.scale.to(torch.float16).repeat_interleave(blocks, dim=1)

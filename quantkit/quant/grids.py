@@ -31,10 +31,11 @@ if TYPE_CHECKING:
 
 
 def families() -> list[GridFamily]:
+    from quantkit.quant.iq_grids import IQ_GRID
     from quantkit.quant.k_grids import K_GRID
     from quantkit.quant.qparams import FLOAT_GRID, INTEGER_GRID
 
-    return [K_GRID, FLOAT_GRID, INTEGER_GRID]
+    return [K_GRID, IQ_GRID, FLOAT_GRID, INTEGER_GRID]
 
 
 def family_of(spec: WeightSpec) -> GridFamily:

@@ -26,7 +26,10 @@ import torch
 from gguf import GGMLQuantizationType
 
 from quantkit.quant.ggml_blocks import BlockFormat, row_blocks
+from quantkit.quant.grid_family import GridFamily
 from quantkit.quant.k_grids import _columns, _div, _first_absmax, _map_chunks, _sqrt
+from quantkit.quant.qparams import QuantizedWeight
+from quantkit.quant.schemes import WeightSpec
 
 Q = GGMLQuantizationType
 IQ4_QTYPES = (Q.IQ4_NL, Q.IQ4_XS)
@@ -118,6 +121,14 @@ class IQ4Params:
     def rows(self, rows: slice) -> IQ4Params:
         """The grid of some rows."""
         return self.map(lambda t: t[rows])
+
+    def result(self, codes: torch.Tensor, spec: WeightSpec) -> QuantizedWeight:
+        """The quantized weight of `codes` on this grid: each block's step as the scale."""
+        return QuantizedWeight(codes, self.sub_block_scales(), None, spec, k=self)
+
+    def pack(self, codes: torch.Tensor) -> np.ndarray:
+        """GGML's blocks of `codes` on this grid (`pack_iq4`)."""
+        return pack_iq4(codes, self)
 
     def map(self, fn) -> IQ4Params:
         """The same grid with `fn` applied to each of its tensors (moved, cut into rows, reordered)."""
@@ -426,3 +437,110 @@ def _chunk_importance(importance: torch.Tensor | None, first: int, count: int, s
         return None
     per_row = importance.reshape(-1, super_block)
     return per_row[torch.arange(first, first + count, device=importance.device) % per_row.shape[0]]
+
+
+# ---- the grid family
+
+
+@dataclass
+class IQColumns:
+    """An i-quant grid in GPTQ's column loop (`grid_family.ColumnGrid`): each block's scale (IQ4_XS: each super-block's
+    d and sub-scales) chosen by llama.cpp's search on the columns as GPTQ has updated them when it reaches the
+    super-block's first column (with actorder: all up front, on the original weights), then every column rounded to
+    the nearest table value on its fixed step as `round_iq4` rounds (each column's inverse step and step kept as
+    contiguous rows), so what GPTQ minimises is what llama.cpp decodes."""
+
+    spec: WeightSpec
+    params: IQ4Params  # the whole weight's, blocks overwritten as they are chosen
+    dynamic: bool
+    steps: torch.Tensor  # float32 [in, out]: each column's step as ggml decodes it
+    inverse: torch.Tensor  # float32 [in, out]: what llama.cpp multiplies a weight by before choosing its code
+    importance: torch.Tensor | None = None
+    code_dtype = torch.int8
+    graphs = False
+
+    @classmethod
+    def up_front(cls, weight: torch.Tensor, spec: WeightSpec, dynamic: bool, importance: torch.Tensor | None = None) -> IQColumns:
+        qtype = Q[spec.codebook_type]
+        rows, cols = weight.shape
+        if dynamic:
+            super_block = IQ4_FORMATS[qtype].super_block
+            empty = lambda n, dtype: torch.zeros(rows, n, dtype=dtype, device=weight.device)  # noqa: E731
+            scales = empty(cols // BLOCK, torch.int8) if qtype is Q.IQ4_XS else None
+            params = IQ4Params(qtype, scales, empty(cols // super_block, torch.float16), empty(cols // super_block, torch.float32))
+        else:
+            params = choose_iq4_params(weight.float(), qtype, importance)
+        buffer = lambda: torch.zeros(cols, rows, dtype=torch.float32, device=weight.device)  # noqa: E731
+        grid = cls(spec, params, dynamic, buffer(), buffer(), importance)
+        if not dynamic:
+            grid._columns(0, cols)
+        return grid
+
+    @property
+    def choose_every(self) -> int | None:
+        return self.params.format.super_block if self.dynamic else None
+
+    def group_of(self, column: int) -> int:
+        return column  # rounding needs the column's own block
+
+    def choose(self, first: int, columns: torch.Tensor) -> None:
+        importance = None if self.importance is None else self.importance[first:first + columns.shape[1]]
+        part = choose_iq4_params(columns.float(), self.params.qtype, importance)
+        super_block = self.params.format.super_block
+        block = first // super_block
+        self.params.d[:, block:block + 1] = part.d
+        self.params.d_search[:, block:block + 1] = part.d_search
+        if part.scales is not None:
+            self.params.scales[:, first // BLOCK:(first + super_block) // BLOCK] = part.scales
+        self._columns(first, columns.shape[1])
+
+    def _columns(self, first: int, count: int) -> None:
+        self.steps[first:first + count] = self.params.column_scales(first, count)[0].T
+        self.inverse[first:first + count] = self.params.inverse_steps(first, count).T
+
+    def round(self, column: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+        index = _table_index(torch.mul(self.inverse[group], column).mul_(2.0),
+                             torch.empty(column.shape, dtype=torch.int32, device=column.device))
+        codes = _lookup(_table(_TABLE_CODES, torch.int8, column.device), index)
+        return codes.float(), self.steps[group] * _lookup(_table_values(column.device), index)
+
+    def result(self, qdata: torch.Tensor) -> QuantizedWeight:
+        return self.params.result(qdata, self.spec)
+
+
+class IQGrid(GridFamily):
+    """llama.cpp's non-linear i-quants IQ4_NL (a 16-value table times an fp16 scale per block of 32) and IQ4_XS
+    (the same table, 6-bit sub-scales under an fp16 scale per 256), chosen by llama.cpp's own search."""
+
+    name = "i-quant"
+
+    def owns(self, spec: WeightSpec) -> bool:
+        return spec.codebook_type in ("IQ4_NL", "IQ4_XS")
+
+    def fake_quant(self, spec: WeightSpec) -> str:
+        return "block_grid"
+
+    def quantize(self, weight, spec, global_scale=None, importance=None) -> QuantizedWeight:
+        found = quantize_iq4(weight, Q[spec.codebook_type], importance)
+        return found.qparams.result(found.codes, spec)
+
+    def empty(self, weight, spec) -> QuantizedWeight:
+        qtype, (rows, cols) = Q[spec.codebook_type], weight.shape
+        empty = lambda n, dtype: torch.empty(rows, n, dtype=dtype, device=weight.device)  # noqa: E731
+        supers = cols // IQ4_FORMATS[qtype].super_block
+        params = IQ4Params(qtype, empty(cols // BLOCK, torch.int8) if qtype is Q.IQ4_XS else None,
+                           empty(supers, torch.float16), empty(supers, torch.float32))
+        return QuantizedWeight(empty(cols, torch.int8), empty(cols // BLOCK, torch.float32), None, spec, k=params)
+
+    def columns(self, weight, dtype, spec, actorder=False, static_groups=False, global_scale=None,
+                importance=None) -> IQColumns:
+        return IQColumns.up_front(weight, spec, dynamic=not actorder, importance=importance)
+
+    def searched(self, weight, spec) -> IQ4Params:
+        return choose_iq4_params(weight, Q[spec.codebook_type])
+
+    def block_params(self, spec, parts) -> IQ4Params:
+        return IQ4Params.from_parts(Q[spec.codebook_type], parts)
+
+
+IQ_GRID = IQGrid()

@@ -92,6 +92,10 @@ class KQParams:
         """`round_k` on this grid."""
         return round_k(weight, self, first_column)
 
+    def pack(self, codes: torch.Tensor) -> np.ndarray:
+        """GGML's blocks of `codes` on this grid: uint8 [rows, cols // 256 * type_bytes]."""
+        return KQuantizedWeight(codes, self).ggml_blocks()
+
     def result(self, codes: torch.Tensor, spec: WeightSpec) -> QuantizedWeight:
         """The quantized weight of `codes` on this grid: each sub-block's step as the scale."""
         return QuantizedWeight(codes, self.sub_block_scales()[0], None, spec, k=self)

@@ -20,18 +20,29 @@ class QDtype(str, Enum):
     INT8 = "int8"
     FLOAT8 = "float8_e4m3fn"
     FLOAT4 = "float4_e2m1fn"  # FP4 e2m1: 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives (NVFP4, MXFP4)
+    IQ4_NL = "iq4_nl"  # llama.cpp's 16 non-linear values (kvalues_iq4nl, -127 .. 113) times a block's scale
 
     @property
     def is_float(self) -> bool:
         return self in (QDtype.FLOAT8, QDtype.FLOAT4)
 
     @property
+    def is_codebook(self) -> bool:
+        """Values from a table (llama.cpp's i-quants), a code being an index into it, not a level."""
+        return self is QDtype.IQ4_NL
+
+    @property
     def bits(self) -> int:
+        if self.is_codebook:
+            return 4
         return 4 if self is QDtype.FLOAT4 else 8 if self is QDtype.FLOAT8 else int(self.value[3:])
 
     @property
     def qrange(self) -> tuple[float, float]:
-        """The representable range: the full two's-complement range for ints, +-448 for float8 e4m3, +-6 for fp4."""
+        """The representable range: the full two's-complement range for ints, +-448 for float8 e4m3, +-6 for fp4; a
+        table's code indices for a codebook."""
+        if self.is_codebook:
+            return (0, 15)
         if self.is_float:
             return (-6.0, 6.0) if self is QDtype.FLOAT4 else (-448.0, 448.0)
         return (-(2 ** (self.bits - 1)), 2 ** (self.bits - 1) - 1)
@@ -63,6 +74,11 @@ K_QUANT_TYPES = {
     (QDtype.INT2, 16, False): "Q2_K", (QDtype.INT3, 16, True): "Q3_K", (QDtype.INT4, 32, False): "Q4_K",
     (QDtype.INT5, 32, False): "Q5_K", (QDtype.INT6, 16, True): "Q6_K",
 }
+
+
+# The i-quant types by their grid: (weight dtype, scale dtype) -> llama.cpp's type name, blocks of 32
+CODEBOOK_TYPES = {(QDtype.IQ4_NL, ScaleDtype.FLOAT16): "IQ4_NL", (QDtype.IQ4_NL, ScaleDtype.K_QUANT): "IQ4_XS"}
+SUPER_BLOCK = 256  # weights under one fp16 scale of llama.cpp's K and IQ4_XS types
 
 
 class WeightObserver(str, Enum):
@@ -119,6 +135,11 @@ class WeightSpec:
         self._check_scale_grid()
 
     def _check_scale_grid(self) -> None:
+        if self.dtype.is_codebook:
+            if self.codebook_type is None or self.granularity is not Granularity.GROUP or self.group_size != 32 or not self.symmetric:
+                raise SchemeError("weights.dtype", "iq4_nl values take groups of 32, symmetric, with scale_dtype float16 "
+                                  "(IQ4_NL) or k_quant (IQ4_XS: 6-bit sub-scales under an fp16 scale per 256)")
+            return
         nvfp4 = "float4_e2m1fn weights take group_size 16 with scale_dtype float8_e4m3fn and global_scale: true (NVFP4), or group_size 32 with scale_dtype float8_e8m0fnu (MXFP4)"
         if self.scale_dtype is ScaleDtype.FLOAT8:
             if self.dtype is not QDtype.FLOAT4 or self.group_size != 16 or not self.global_scale:
@@ -157,7 +178,7 @@ class WeightSpec:
     def affine(self) -> bool:
         """Integer values on one scale (and integer zero point) per group or channel, the scale in float32, the
         model's dtype or fp16: a grid whose scale and zero an algorithm may choose (HQQ, AutoRound's clipping)."""
-        return (not self.dtype.is_float and self.granularity in (Granularity.GROUP, Granularity.CHANNEL)
+        return (not self.dtype.is_float and not self.dtype.is_codebook and self.granularity in (Granularity.GROUP, Granularity.CHANNEL)
                 and self.scale_dtype in (ScaleDtype.FLOAT32, ScaleDtype.MODEL, ScaleDtype.FLOAT16))
 
     @property
@@ -171,13 +192,30 @@ class WeightSpec:
         return _label(self, self.describe(), self.observer is WeightObserver.MSE)
 
     @property
+    def codebook_type(self) -> str | None:
+        """llama.cpp's i-quant type name (IQ4_NL, IQ4_XS) of a codebook grid, or None."""
+        if self.granularity is not Granularity.GROUP or self.group_size != 32:
+            return None
+        return CODEBOOK_TYPES.get((self.dtype, self.scale_dtype))
+
+    @property
+    def block_type(self) -> str | None:
+        """llama.cpp's type name of a grid only its block layouts hold (K-quants, i-quants), or None."""
+        return self.k_quant_type or self.codebook_type
+
+    @property
+    def super_block(self) -> int | None:
+        """Weights of a row under one super-block scale (256 for K types and IQ4_XS), or None."""
+        return SUPER_BLOCK if self.scale_dtype is ScaleDtype.K_QUANT else None
+
+    @property
     def is_asymmetric(self) -> bool:
         return not self.symmetric
 
     @property
     def group_size_adjustable(self) -> bool:
         """Whether a smaller group keeps the format (integer grids); NVFP4 and MX fix theirs at 16 and 32."""
-        return self.scale_dtype not in (ScaleDtype.FLOAT8, ScaleDtype.E8M0, ScaleDtype.K_QUANT)
+        return self.scale_dtype not in (ScaleDtype.FLOAT8, ScaleDtype.E8M0, ScaleDtype.K_QUANT) and not self.dtype.is_codebook
 
     @property
     def sixteen_bit(self) -> bool:
@@ -208,6 +246,8 @@ class WeightSpec:
         scales = {ScaleDtype.FLOAT8: " fp8 scales + global", ScaleDtype.E8M0: " e8m0 scales"}.get(self.scale_dtype, "")
         if self.k_quant_type:
             return f"{self.k_quant_type.lower()} k-quant"  # its grid is the type's (K_QUANT_TYPES)
+        if self.codebook_type:
+            return f"{self.codebook_type.lower()} i-quant"  # CODEBOOK_TYPES
         mse = " mse" if self.observer is WeightObserver.MSE else ""
         return f"{_short(self.dtype)} {grain}{scales}{'' if self.symmetric else ' asym'}{mse}"
 

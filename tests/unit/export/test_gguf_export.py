@@ -447,3 +447,37 @@ def test_the_quantized_tensors_outside_the_plan_are_the_embeddings_the_writer_qu
     assert stored(k_recipe("Q4_K"), tie_word_embeddings=True) == stored(k_recipe("Q4_K", ignore=[])) == {}
     assert stored(registry.resolve("gguf-q8-0")) == stored(registry.resolve("gguf-q8-0"), tie_word_embeddings=True) == {}
     assert stored(registry.resolve("gguf-q4-k-m"), width=128) == {}  # rows not whole super-blocks: left float
+
+
+@pytest.mark.parametrize("recipe, qtype", [("gguf-iq4-nl", "IQ4_NL"), ("gguf-iq4-xs", "IQ4_XS")])
+def test_i_quants_are_llama_cpps_grids_in_the_file(k_model_dir, text_file, tmp_path, recipe, qtype):
+    """IQ4_NL by llama.cpp's own search (round to nearest), IQ4_XS by GPTQ on that grid: the file dequantizes, in
+    gguf's own dequantization, to the quantized model exactly, every Linear in the type."""
+    options = CalibrationOptions(data=str(text_file), num_samples=4, seq_len=32)
+    out = tmp_path / "model.gguf"
+    finalize(k_model_dir, out, registry.resolve(recipe), calibration=options)
+    fields, tensors = read(out)
+    expected, _ = expected_tensors(k_model_dir, recipe, options)
+    for name, tensor in tensors.items():
+        assert torch.equal(dequantized(tensor).reshape(expected[name].shape), expected[name]), name
+    linears = [t for name, t in tensors.items() if name.startswith("blk.") and not name.endswith("norm.weight")]
+    assert linears and all(t.tensor_type.name == qtype for t in linears)
+    assert field(fields, "general.file_type") == gguf.LlamaFileType[f"MOSTLY_{qtype}"]
+
+
+def test_iq4_xs_falls_back_to_iq4_nl_where_rows_are_not_whole_super_blocks(wide_model_dir, tmp_path):
+    """As llama.cpp's tensor_type_fallback: IQ4_XS on a 128-wide input is IQ4_NL, reported."""
+    out = tmp_path / "model.gguf"
+    recipe = registry.parse_recipe("rtn-iq4-xs", {"scheme": {"weights": {
+        "dtype": "iq4_nl", "granularity": "group", "group_size": 32, "scale_dtype": "k_quant"}}, "format": "gguf",
+        "on_indivisible": "skip"})
+    result = finalize(wide_model_dir, out, recipe)
+    _, tensors = read(out)
+    expected, _ = expected_tensors(wide_model_dir, recipe)
+    for name, tensor in tensors.items():
+        assert torch.equal(dequantized(tensor).reshape(expected[name].shape), expected[name]), name
+    linears = {n: t for n, t in tensors.items() if n.startswith("blk.") and "norm" not in n}
+    assert {n: t.tensor_type.name for n, t in linears.items()} == {
+        n: "IQ4_XS" if int(t.shape[0]) % 256 == 0 else "IQ4_NL" for n, t in linears.items()}  # shape[0]: the inputs
+    assert "IQ4_NL" in {t.tensor_type.name for t in linears.values()}
+    assert any("IQ4_XS -> IQ4_NL" in (e.note or "") for e in result.plan)
