@@ -42,9 +42,10 @@ import torch
 
 from quantkit.quant import qparams
 from quantkit.quant.qparams import QuantizedWeight, quantize_with
-from quantkit.quant.schemes import Granularity, ScaleDtype, SchemeError, WeightObserver, WeightSpec
+from quantkit.quant.schemes import Granularity, QDtype, ScaleDtype, SchemeError, WeightObserver, WeightSpec
 
 _Pair = tuple[torch.Tensor, torch.Tensor]  # (scale, zero) per group
+_INTEGERS = tuple(QDtype(f"int{bits}") for bits in range(2, 9))  # uniform grids; not float, not a codebook (iq4_nl)
 _SCALES = (ScaleDtype.FLOAT32, ScaleDtype.MODEL, ScaleDtype.FLOAT16)  # the integer grids' scales HQQ may choose
 _EPS = torch.finfo(torch.float32).eps  # the smallest scale, as round-to-nearest's (torchao's eps)
 _COMPACT = 0.75  # the groups still improving are gathered together once this fraction or fewer of them is left
@@ -74,8 +75,8 @@ class HQQArgs:
 
 def refusal(spec: WeightSpec) -> str | None:
     """Why HQQ cannot quantize to `spec`'s grid (one line saying what to use instead), or None. No torch needed."""
-    if spec.dtype.is_float:
-        return f"hqq solves integer grids; {spec.dtype.value} weights use algorithm rtn (or gptq)"
+    if spec.dtype not in _INTEGERS:
+        return f"hqq solves integer grids (int2 .. int8); {spec.dtype.value} weights use algorithm rtn (or gptq)"
     if spec.k_quant_type:
         return f"hqq does not solve llama.cpp's K grids ({spec.k_quant_type}: llama.cpp's own search); use algorithm rtn"
     if spec.granularity not in (Granularity.GROUP, Granularity.CHANNEL) or spec.scale_dtype not in _SCALES:

@@ -175,10 +175,11 @@ def test_weights_at_unit_scale_use_the_lp_shrink():
     (WeightSpec(QDtype.FLOAT8, Granularity.CHANNEL), "float8_e4m3fn weights use algorithm rtn"),
     (WeightSpec(QDtype.FLOAT4, Granularity.GROUP, 16, scale_dtype=ScaleDtype.FLOAT8, global_scale=True), "algorithm rtn"),
     (WeightSpec(QDtype.FLOAT8, Granularity.BLOCK, block_shape=(128, 128)), "algorithm rtn"),
+    (WeightSpec(QDtype.IQ4_NL, Granularity.GROUP, 32, scale_dtype=ScaleDtype.FLOAT16), "iq4_nl weights use algorithm rtn"),
     (WeightSpec(QDtype.INT4, Granularity.GROUP, 32, symmetric=False, scale_dtype=ScaleDtype.K_QUANT), "Q4_K"),
     (WeightSpec(QDtype.INT6, Granularity.GROUP, 16, scale_dtype=ScaleDtype.K_QUANT), "Q6_K"),
     (WeightSpec(QDtype.INT4, Granularity.GROUP, 64, symmetric=False, observer=WeightObserver.MSE), "observer minmax"),
-], ids=["fp8", "nvfp4", "fp8-block", "q4_k", "q6_k", "mse"])
+], ids=["fp8", "nvfp4", "fp8-block", "iq4_nl", "q4_k", "q6_k", "mse"])
 def test_grids_hqq_does_not_solve_are_refused(spec, says):
     assert says in refusal(spec) and "\n" not in refusal(spec)
     with pytest.raises(SchemeError, match=says) as raised:
