@@ -2,6 +2,7 @@
 its pure math over tensors beside it:
 
 - `rtn.rtn_quantize(weight, spec)`: round to nearest.
+- `hqq.hqq_quantize(weight, spec, args)`: half-quadratic scales and zero points, no data.
 - `gptq.gptq_quantize(weight, hessian, spec, args)`: Hessian-aware rounding.
 - `awq.search_scales(act_mean, error_of, args)`: activation-aware weight scales (a transform before a quantizer).
 - `smoothquant.smoothing_scales(act_absmax, weights, args)`: activation outliers into weights (a transform).
@@ -20,7 +21,7 @@ from importlib import import_module
 
 from quantkit.algorithms.base import ALGORITHMS, Algorithm
 
-METHODS = ("rtn", "gptq", "smoothquant", "awq", "autoround")  # the registration: modules under methods/
+METHODS = ("rtn", "gptq", "smoothquant", "awq", "autoround", "hqq")  # the registration: modules under methods/
 DEFAULT = "rtn"  # a recipe without `algorithm:` rounds to nearest
 
 

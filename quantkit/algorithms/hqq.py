@@ -16,8 +16,8 @@ a least-squares line through (code, target) over each group gives a slope and an
 intercept in steps, rounded to an integer and clamped into [qmin, qmax]; the scale is then refit by least squares
 with that integer zero fixed (the one optimum left). Every iterate therefore lies on the grid, which is what lets
 each one be scored exactly as it would be stored: the scale is rounded to the grid's scale dtype after every
-fit, and GGUF's Q4_1 / Q5_1 grids (`qparams.has_fp16_minimum`) pass (scale, zero) through
-`qparams.fp16_minimum_grid` as the range they span, so step * code + minimum stays exact in fp16. Symmetric
+fit (`qparams.as_stored`: GGUF's Q4_1 / Q5_1 grids put (scale, zero) through `fp16_minimum_grid` as the
+range they span, so step * code + minimum stays exact in fp16). Symmetric
 grids fit the scale alone (zero 0); GGUF's signed-step grids (Q4_0 / Q5_0 / Q8_0) keep the step's sign.
 
 Which iterate is kept: the solve starts from round-to-nearest's min/max qparams; each group keeps its iterate
@@ -42,58 +42,24 @@ import torch
 
 from quantkit.quant import qparams
 from quantkit.quant.qparams import QuantizedWeight, quantize_with
-from quantkit.quant.schemes import Granularity, QDtype, ScaleDtype, SchemeError, WeightObserver, WeightSpec
+from quantkit.quant.schemes import SchemeError, WeightObserver, WeightSpec
 
 _Pair = tuple[torch.Tensor, torch.Tensor]  # (scale, zero) per group
-_INTEGERS = tuple(QDtype(f"int{bits}") for bits in range(2, 9))  # uniform grids; not float, not a codebook (iq4_nl)
-_SCALES = (ScaleDtype.FLOAT32, ScaleDtype.MODEL, ScaleDtype.FLOAT16)  # the integer grids' scales HQQ may choose
 _EPS = torch.finfo(torch.float32).eps  # the smallest scale, as round-to-nearest's (torchao's eps)
 _COMPACT = 0.75  # the groups still improving are gathered together once this fraction or fewer of them is left
 _MARGIN = 1e-6  # relative: more than a float32 sum of squares' rounding, far less than any real improvement
 _CHUNK_ELEMENTS = {"cpu": 1 << 20, "cuda": 1 << 24}  # float32 elements solved together (see the docstring)
 
 
-@dataclass(frozen=True)
-class HQQArgs:
-    """mobiusml/hqq's defaults (`optimize_weights_proximal_legacy`)."""
-
-    iters: int = 20  # solve rounds per group at most (each: round, shrink, fit)
-    lp_norm: float = 0.7  # p of the l_p norm minimised; 1 is l_1, below 1 favours a few large errors over many
-    beta: float = 10.0  # the half-quadratic penalty's weight: errors above beta^(-1 / (2 - p)) are shrunk
-    kappa: float = 1.01  # beta's growth per round
-
-    def __post_init__(self) -> None:
-        if self.iters < 1:
-            raise SchemeError("iters", f"{self.iters} is not allowed; use at least 1 (e.g. 20), or algorithm rtn for none")
-        if not 0 < self.lp_norm <= 1:
-            raise SchemeError("lp_norm", f"{self.lp_norm} is not allowed; use a value in (0, 1] (e.g. 0.7)")
-        if not self.beta > 0:
-            raise SchemeError("beta", f"{self.beta} is not allowed; use a positive weight (e.g. 10)")
-        if not self.kappa >= 1:
-            raise SchemeError("kappa", f"{self.kappa} is not allowed; use a growth factor of at least 1 (e.g. 1.01)")
-
-
-def refusal(spec: WeightSpec) -> str | None:
-    """Why HQQ cannot quantize to `spec`'s grid (one line saying what to use instead), or None. No torch needed."""
-    if spec.dtype not in _INTEGERS:
-        return f"hqq solves integer grids (int2 .. int8); {spec.dtype.value} weights use algorithm rtn (or gptq)"
-    if spec.k_quant_type:
-        return f"hqq does not solve llama.cpp's K grids ({spec.k_quant_type}: llama.cpp's own search); use algorithm rtn"
-    if spec.granularity not in (Granularity.GROUP, Granularity.CHANNEL) or spec.scale_dtype not in _SCALES:
-        return "hqq solves one float32, model-dtype or fp16 scale per group or channel; use algorithm rtn for this grid"
-    if spec.observer is WeightObserver.MSE:
-        return "hqq searches its own qparams from min/max ones; use observer minmax with hqq, or algorithm rtn for mse"
-    return None
-
-
 @torch.no_grad()
-def hqq_quantize(weight: torch.Tensor, spec: WeightSpec, args: HQQArgs = HQQArgs()) -> QuantizedWeight:
+def hqq_quantize(weight: torch.Tensor, spec: WeightSpec, args) -> QuantizedWeight:
     """HQQ-quantize a 2-D weight [out, in] on `spec`'s integer grid (see the module docstring): round-to-nearest's
     dtypes and ranges, the integers `quantize_with` gives for the qparams, each group's qparams solved for and
-    never with a larger squared error than round-to-nearest's. Refuses other grids (`refusal`) with SchemeError."""
-    reason = refusal(spec)
-    if reason:
-        raise SchemeError("algorithm", reason)
+    never with a larger squared error than round-to-nearest's. `args`: `algorithms.methods.hqq.HQQArgs`. Another
+    grid (`WeightSpec.affine`: one scale, and integer zero, per group or channel) is refused with SchemeError; a
+    recipe is refused sooner, by the HQQ object's `refusal`."""
+    if not spec.affine or spec.observer is WeightObserver.MSE:
+        raise SchemeError("algorithm", f"hqq solves integer grids with min/max qparams; {spec.describe()} is not one")
     qparams.block_size(weight, spec)  # the group must divide the columns
     rows = max(1, _CHUNK_ELEMENTS.get(weight.device.type, _CHUNK_ELEMENTS["cuda"]) // weight.shape[1])
     parts = [_quantize_rows(chunk, spec, args) for chunk in weight.split(rows)]
@@ -101,7 +67,7 @@ def hqq_quantize(weight: torch.Tensor, spec: WeightSpec, args: HQQArgs = HQQArgs
     return QuantizedWeight(torch.cat([part.qdata for part in parts]), torch.cat([part.scale for part in parts]), zero, spec)
 
 
-def _quantize_rows(weight: torch.Tensor, spec: WeightSpec, args: HQQArgs) -> QuantizedWeight:
+def _quantize_rows(weight: torch.Tensor, spec: WeightSpec, args) -> QuantizedWeight:
     """A chunk of rows on the grid: per group, `quantize_with`'s result for the solved qparams or for RTN's."""
     rtn_scale, rtn_zero = qparams.choose_qparams_minmax(weight, spec)
     groups = weight.float().reshape(rtn_scale.numel(), -1)
@@ -130,7 +96,7 @@ def _group_error(groups: torch.Tensor, q: QuantizedWeight) -> torch.Tensor:
     return _dot(residual, residual)
 
 
-def _solve(groups: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, grid: _Grid, args: HQQArgs) -> _Pair:
+def _solve(groups: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, grid: _Grid, args) -> _Pair:
     """HQQ's rounds on `groups` [n, group] (float32) from grid qparams [n] (float32, the zero an integer): each
     group's iterate of least squared error. A round: codes, shrink, least-squares fit, onto the grid. The groups
     still improving are gathered together once a quarter of them have stopped."""
@@ -254,7 +220,7 @@ class _Grid:
     def __init__(self, spec: WeightSpec, scale_dtype: torch.dtype, group: int):
         self.spec, self.scale_dtype, self.group = spec, scale_dtype, group
         self.qmin, self.qmax = spec.dtype.qrange
-        self.signed_step = qparams.has_signed_step(spec)
+        self.signed_step = qparams.steps_may_be_negative(spec)
 
     def ends(self, scale: torch.Tensor, zero: torch.Tensor) -> _Pair:
         """The lowest and highest values of each group's grid (a signed step may turn it round)."""
@@ -282,11 +248,6 @@ class _Grid:
         fitted, new_zero = fitted.float(), new_zero.float()
         valid = torch.isfinite(fitted) & torch.isfinite(new_zero) & ((fitted != 0) if self.signed_step else (fitted > 0))
         fitted, new_zero = torch.where(valid, fitted, scale), torch.where(valid, new_zero, zero)
-        if qparams.has_fp16_minimum(self.spec):
-            low, high = (self.qmin - new_zero) * fitted, (self.qmax - new_zero) * fitted
-            stored, stored_zero = qparams.fp16_minimum_grid(low, high, self.spec)
-            stored, new_zero = stored.float(), stored_zero.float()
-        else:
-            stored = fitted.to(self.scale_dtype).float()
+        stored, new_zero = qparams.as_stored(fitted, new_zero, self.spec, self.scale_dtype)
         valid &= stored.abs() >= _EPS  # only a signed step may turn the grid round (its sign is the fit's)
         return torch.where(valid, stored, scale), torch.where(valid, new_zero, zero)

@@ -175,6 +175,23 @@ def has_signed_step(spec: WeightSpec) -> bool:
     return spec.scale_dtype is ScaleDtype.FLOAT16 and spec.symmetric and not spec.dtype.is_float
 
 
+def steps_may_be_negative(spec: WeightSpec) -> bool:
+    """Whether the grid's step may be negative, turning it round (`has_signed_step`): an algorithm that fits a step
+    keeps its sign there, and a positive one elsewhere."""
+    return has_signed_step(spec)
+
+
+def as_stored(scale: torch.Tensor, zero: torch.Tensor, spec: WeightSpec, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A fitted (scale, zero point) as the grid stores them, both float32: the scale in its dtype `dtype`, and on
+    an fp16-minimum grid (GGUF's Q4_1 / Q5_1) the range they span put through `fp16_minimum_grid`, so step * code +
+    minimum is exact in fp16."""
+    if has_fp16_minimum(spec):
+        qmin, qmax = spec.dtype.qrange
+        stored, stored_zero = fp16_minimum_grid((qmin - zero) * scale, (qmax - zero) * scale, spec)
+        return stored.float(), stored_zero.float()
+    return scale.to(dtype).float(), zero
+
+
 def _largest(groups: torch.Tensor) -> torch.Tensor:
     """Each group's value of largest magnitude, with its sign [rows, groups]."""
     return groups.gather(-1, groups.abs().argmax(-1, keepdim=True)).squeeze(-1).float()

@@ -6,9 +6,11 @@ import pytest
 import torch
 
 from quantkit.algorithms import hqq
-from quantkit.algorithms.hqq import HQQArgs, hqq_quantize, refusal
+from quantkit import algorithms
+from quantkit.algorithms.hqq import hqq_quantize
+from quantkit.algorithms.methods.hqq import HQQArgs
 from quantkit.quant.qparams import choose_qparams_minmax, quantize_with
-from quantkit.quant.schemes import Granularity, QDtype, ScaleDtype, SchemeError, WeightObserver, WeightSpec
+from quantkit.quant.schemes import Granularity, QDtype, QuantScheme, ScaleDtype, SchemeError, WeightObserver, WeightSpec
 
 INT4_G64 = WeightSpec(QDtype.INT4, Granularity.GROUP, group_size=64, symmetric=False)
 INT3_G64 = WeightSpec(QDtype.INT3, Granularity.GROUP, group_size=64, symmetric=False)
@@ -48,7 +50,7 @@ def _group_error(weight, q):
 def test_the_result_lies_on_round_to_nearests_grid(name, dtype):
     spec = SPECS[name]
     weight = _weight(dtype)
-    ours, rtn = hqq_quantize(weight, spec), _rtn(weight, spec)
+    ours, rtn = hqq_quantize(weight, spec, HQQArgs()), _rtn(weight, spec)
     qmin, qmax = spec.dtype.qrange
     assert ours.qdata.dtype is torch.int8 and ours.qdata.min() >= qmin and ours.qdata.max() <= qmax
     assert ours.scale.dtype is rtn.scale.dtype and ours.scale.shape == rtn.scale.shape
@@ -69,7 +71,7 @@ def test_the_result_lies_on_round_to_nearests_grid(name, dtype):
 def test_no_group_is_worse_than_round_to_nearest(name, dtype):
     spec = SPECS[name]
     weight = _weight(dtype, seed=1)
-    ours, rtn = _group_error(weight, hqq_quantize(weight, spec)), _group_error(weight, _rtn(weight, spec))
+    ours, rtn = _group_error(weight, hqq_quantize(weight, spec, HQQArgs())), _group_error(weight, _rtn(weight, spec))
     assert (ours <= rtn).all()
     assert ours.sum() < rtn.sum()
 
@@ -78,7 +80,7 @@ def test_no_group_is_worse_than_round_to_nearest(name, dtype):
 def test_low_bits_lose_much_less_than_round_to_nearest(name, ratio):
     spec = SPECS[name]
     weight = _weight(torch.bfloat16, out=96, seed=2)
-    ours, rtn = _group_error(weight, hqq_quantize(weight, spec)), _group_error(weight, _rtn(weight, spec))
+    ours, rtn = _group_error(weight, hqq_quantize(weight, spec, HQQArgs())), _group_error(weight, _rtn(weight, spec))
     assert ours.sum() < ratio * rtn.sum(), (ours.sum() / rtn.sum()).item()
 
 
@@ -88,7 +90,7 @@ def test_an_fp16_minimum_stays_exact(spec, significant):
     as `qparams.fp16_minimum_grid` guarantees round-to-nearest's."""
     weight = _weight(torch.bfloat16) + 0.004
     weight[3, :32] = 0.0  # a block of zeros keeps the smallest normal step
-    q = hqq_quantize(weight, spec)
+    q = hqq_quantize(weight, spec, HQQArgs())
     assert q.scale.dtype is torch.float16
     qmin, _ = spec.dtype.qrange
     minimum = -(q.zero_point.float() - qmin) * q.scale.float()
@@ -102,7 +104,7 @@ def test_an_fp16_minimum_stays_exact(spec, significant):
 
 def test_a_signed_step_keeps_its_sign_and_fp16():
     weight = _weight(torch.bfloat16)
-    ours, rtn = hqq_quantize(weight, Q4_0), _rtn(weight, Q4_0)
+    ours, rtn = hqq_quantize(weight, Q4_0, HQQArgs()), _rtn(weight, Q4_0)
     assert ours.scale.dtype is torch.float16 and (ours.scale < 0).any() and (ours.scale > 0).any()
     assert torch.equal(ours.scale.sign(), rtn.scale.sign())
 
@@ -112,7 +114,7 @@ def test_degenerate_groups_stay_round_to_nearests():
     weight[0, :64] = 0.0
     weight[1, 64:128] = 0.01
     weight[2, :64] = torch.tensor([0.0, 0.02]).repeat(32)  # two values: exact already
-    ours, rtn = hqq_quantize(weight, INT4_G64), _rtn(weight, INT4_G64)
+    ours, rtn = hqq_quantize(weight, INT4_G64, HQQArgs()), _rtn(weight, INT4_G64)
     for row, group in ((0, 0), (1, 1), (2, 0)):
         assert ours.scale[row, group] == rtn.scale[row, group] and ours.zero_point[row, group] == rtn.zero_point[row, group]
     assert torch.isfinite(ours.scale.float()).all()
@@ -122,17 +124,17 @@ def test_degenerate_groups_stay_round_to_nearests():
 def test_long_rows(spec):
     # rows of 2048: the row sums take the other dot product (the one CUDA takes)
     weight = _weight(torch.bfloat16, out=8, inp=2048, seed=5)
-    ours = hqq_quantize(weight, spec)
+    ours = hqq_quantize(weight, spec, HQQArgs())
     assert torch.equal(quantize_with(weight, spec, ours.scale, ours.zero_point).qdata, ours.qdata)
     assert (_group_error(weight, ours) <= _group_error(weight, _rtn(weight, spec))).all()
 
 
 def test_deterministic_and_independent_of_the_chunking(monkeypatch):
     weight = _weight(torch.bfloat16, out=48)
-    whole = hqq_quantize(weight, INT3_G64)
-    assert torch.equal(hqq_quantize(weight, INT3_G64).qdata, whole.qdata)
+    whole = hqq_quantize(weight, INT3_G64, HQQArgs())
+    assert torch.equal(hqq_quantize(weight, INT3_G64, HQQArgs()).qdata, whole.qdata)
     monkeypatch.setitem(hqq._CHUNK_ELEMENTS, "cpu", 5 * 256)  # chunks of 5 rows, the last of 3
-    chunked = hqq_quantize(weight, INT3_G64)
+    chunked = hqq_quantize(weight, INT3_G64, HQQArgs())
     assert torch.equal(chunked.scale, whole.scale) and torch.equal(chunked.zero_point, whole.zero_point)
     assert torch.equal(chunked.qdata, whole.qdata)
 
@@ -165,31 +167,33 @@ def test_weights_at_unit_scale_use_the_lp_shrink():
     (a tiny beta: nothing shrunk), and still beats round-to-nearest per group."""
     weight = _weight() * 50
     rtn = _group_error(weight, _rtn(weight, INT2_G64))
-    lp = hqq_quantize(weight, INT2_G64)
+    lp = hqq_quantize(weight, INT2_G64, HQQArgs())
     squares = hqq_quantize(weight, INT2_G64, HQQArgs(beta=1e-9))
     assert not torch.equal(lp.scale, squares.scale)
     assert (_group_error(weight, lp) <= rtn).all() and (_group_error(weight, squares) <= rtn).all()
 
 
 @pytest.mark.parametrize("spec, says", [
-    (WeightSpec(QDtype.FLOAT8, Granularity.CHANNEL), "float8_e4m3fn weights use algorithm rtn"),
+    (WeightSpec(QDtype.FLOAT8, Granularity.CHANNEL), "fp8 channel weights use algorithm rtn"),
     (WeightSpec(QDtype.FLOAT4, Granularity.GROUP, 16, scale_dtype=ScaleDtype.FLOAT8, global_scale=True), "algorithm rtn"),
     (WeightSpec(QDtype.FLOAT8, Granularity.BLOCK, block_shape=(128, 128)), "algorithm rtn"),
-    (WeightSpec(QDtype.IQ4_NL, Granularity.GROUP, 32, scale_dtype=ScaleDtype.FLOAT16), "iq4_nl weights use algorithm rtn"),
+    (WeightSpec(QDtype.IQ4_NL, Granularity.GROUP, 32, scale_dtype=ScaleDtype.FLOAT16), "IQ4_NL grid"),
     (WeightSpec(QDtype.INT4, Granularity.GROUP, 32, symmetric=False, scale_dtype=ScaleDtype.K_QUANT), "Q4_K"),
     (WeightSpec(QDtype.INT6, Granularity.GROUP, 16, scale_dtype=ScaleDtype.K_QUANT), "Q6_K"),
     (WeightSpec(QDtype.INT4, Granularity.GROUP, 64, symmetric=False, observer=WeightObserver.MSE), "observer minmax"),
 ], ids=["fp8", "nvfp4", "fp8-block", "iq4_nl", "q4_k", "q6_k", "mse"])
 def test_grids_hqq_does_not_solve_are_refused(spec, says):
-    assert says in refusal(spec) and "\n" not in refusal(spec)
-    with pytest.raises(SchemeError, match=says) as raised:
-        hqq_quantize(_weight(), spec)
+    """The HQQ object refuses the recipe (one line saying what to use); the pure function refuses the grid too."""
+    why = algorithms.get("hqq").refusal(QuantScheme(spec))
+    assert says in why and "\n" not in why
+    with pytest.raises(SchemeError, match="hqq solves integer grids") as raised:
+        hqq_quantize(_weight(), spec, HQQArgs())
     assert raised.value.field == "algorithm"
 
 
 @pytest.mark.parametrize("spec", list(SPECS.values()), ids=list(SPECS))
 def test_integer_grids_are_not_refused(spec):
-    assert refusal(spec) is None
+    assert algorithms.get("hqq").refusal(QuantScheme(spec)) is None
 
 
 @pytest.mark.parametrize("field, value", [("iters", 0), ("lp_norm", 0.0), ("lp_norm", 1.5), ("beta", 0.0),
@@ -202,15 +206,36 @@ def test_arguments_out_of_range_are_refused(field, value):
 
 def test_a_group_that_does_not_divide_the_columns_is_refused():
     with pytest.raises(ValueError, match="group size 64 does not divide"):
-        hqq_quantize(torch.randn(4, 96), INT4_G64)
+        hqq_quantize(torch.randn(4, 96), INT4_G64, HQQArgs())
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_gives_a_grid_result_no_worse_than_round_to_nearest():
     weight = _weight(torch.bfloat16).cuda()
-    ours = hqq_quantize(weight, INT3_G64)
+    ours = hqq_quantize(weight, INT3_G64, HQQArgs())
     assert ours.qdata.is_cuda and torch.equal(quantize_with(weight, INT3_G64, ours.scale, ours.zero_point).qdata, ours.qdata)
     rtn = _group_error(weight, _rtn(weight, INT3_G64))
     assert (_group_error(weight, ours) <= rtn).all()
-    cpu = _group_error(weight.cpu(), hqq_quantize(weight.cpu(), INT3_G64)).sum()
+    cpu = _group_error(weight.cpu(), hqq_quantize(weight.cpu(), INT3_G64, HQQArgs())).sum()
     torch.testing.assert_close(_group_error(weight, ours).sum().cpu(), cpu, rtol=0.01, atol=0)
+
+
+def test_the_recipes_stream_hqq_like_round_to_nearest_onto_its_grid(tiny_model_dir, tmp_path):
+    """hqq-w4a16 is a data-free recipe: finalize streams it, with no calibration data, writing int4-asym's grid; each
+    Linear's weight is `hqq_quantize`'s."""
+    from quantkit.finalization.finalize import finalize, prepare, quantize_model
+    from quantkit.quant import registry
+
+    recipe = registry.resolve("hqq-w4a16")
+    assert not recipe.needs_calibration and recipe.quantizer.algorithm.quantize_weight
+    result = finalize(tiny_model_dir, tmp_path / "out", recipe)
+    assert (tmp_path / "out" / "config.json").is_file() and result.calibration is None
+    from safetensors.torch import load_file
+
+    prepared = prepare(tiny_model_dir, recipe)
+    model = quantize_model(prepared, recipe)
+    source = load_file(str(tiny_model_dir / "model.safetensors"))
+    name = "model.layers.0.mlp.down_proj"
+    spec = next(e for e in prepared.plan if e.name == name).scheme.weights  # the plan's group for its inputs
+    expected = hqq_quantize(source[f"{name}.weight"], spec, HQQArgs()).dequantize(torch.float32)
+    torch.testing.assert_close(model.get_submodule(name).weight.float(), expected.to(model.dtype).float(), atol=0, rtol=0)
