@@ -10,7 +10,8 @@ import typer
 from quantkit.cli.console import human_bytes, json_to_stdout, out, quiet_libraries, write_json
 from quantkit.cli.launch import Launch, relaunch
 from quantkit.errors import UsageError
-from quantkit.export import atomic, check_destination_name, single_file
+from quantkit.export import atomic
+from quantkit.finalization.request import Request, check_request
 from quantkit.models import sources
 from quantkit.quant import registry
 from quantkit.runtime import hardware
@@ -117,9 +118,8 @@ def finalize(
     src = sources.resolve_source(src, revision)  # before torch loads: a wrong SRC or DST is reported at once
     if revision is not None and not hub:  # the local directory would be quantized whatever revision it holds
         raise UsageError(f"--revision applies to hub ids (org/name); {src} is a local directory: drop --revision")
-    check_destination_name(dst, fmt or recipe.format)  # --dry-run too: it says what the run would refuse
-    atomic.check_destination(dst, overwrite, single_file(fmt or recipe.format) is not None)
-    atomic.check_not_source(dst, src)
+    # the request's refusals, --dry-run too (it says what the run would refuse); the library makes the same check
+    check_request(Request(src, recipe, fmt or recipe.format, dst, overwrite, resume, max_shard_size, dtype.value))
     if not dry_run:
         atomic.check_work_dir(dst, resume, None if runtime.under_torchrun() else launch.world_size)
         if not runtime.under_torchrun():

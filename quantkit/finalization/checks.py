@@ -1,7 +1,9 @@
 """Every check `finalize` makes, in one pass before any weight is read (`prepare`), and what they decide.
 
-A new check goes here: `prepare` calls each in turn, cheapest first (DST, the device, the format and the hardware
-its kernels need, the source, the QAT recipe, the model's module tree, the dtype, the calibration data), and
+A new check goes here, or, where the command line and the recipe alone decide it, in `request.check_request`, which
+`prepare` calls first (the CLI too, before torch loads). `prepare` calls each in turn, cheapest first (the request:
+DST, the options, the device; the format and the hardware its kernels need, the source, the QAT recipe, the model's
+module tree, the dtype, the calibration data), and
 returns a `Prepared`: the plan, how the model will be held (streamed or whole), the dtype. `finalize`, `--dry-run`
 and `eval -q` all start with it, so the path after it reads quantize -> write.
 """
@@ -16,7 +18,8 @@ import torch
 from torch import nn
 
 from quantkit.errors import FormatError, HardwareError, UsageError
-from quantkit.export import atomic, check_destination_name, check_supported, exporter, for_format, metadata, single_file
+from quantkit.export import atomic, check_supported, exporter, for_format, metadata
+from quantkit.finalization.request import Request, check_request
 from quantkit.models import loading as models
 from quantkit.models import moe, sources
 from quantkit.quant import registry
@@ -97,17 +100,12 @@ def prepare(
     `eval -q` and `--dry-run` call it without `dst`."""
     fmt = fmt or recipe.format
     options = calibration or CalibrationOptions()
-    if dst is not None:
-        check_destination_name(Path(dst), fmt)
-        atomic.check_destination(Path(dst), overwrite, single_file(fmt) is not None)
-    shard_bytes = check_shard_size(max_shard_size, fmt)
+    src = sources.resolve_source(src, revision)
+    shard_bytes = check_request(Request(src, recipe, fmt, None if dst is None else Path(dst), overwrite, resume,
+                                        max_shard_size, dtype))
     hardware.check_device(options.device)
-    check_dtype(dtype)
     check_supported(recipe, fmt)
     check_hardware(recipe, fmt)
-    src = sources.resolve_source(src, revision)
-    if dst is not None:
-        atomic.check_not_source(dst, src)
     models.check_full_precision(src)
     trained = check_qat_recipe(src, recipe, fmt, force_recipe)
     recipe = convert_recipe(recipe, trained)
@@ -133,21 +131,6 @@ def prepare(
             prepared.work_dir, prepared.resume = atomic.work_dir(Path(dst)), resume
         atomic.check_work_dir(Path(dst), resume)
     return prepared
-
-
-def check_shard_size(max_shard_size: str | None, fmt: Format) -> int | None:
-    """--max-shard-size in bytes (None: not given); refused for a one-file format, which it would not split."""
-    if not max_shard_size:
-        return None
-    if single_file(fmt):
-        raise UsageError(f"--max-shard-size applies to safetensors formats; a {fmt.value} artifact is one file: drop "
-                         "--max-shard-size")
-    return sources.parse_size(max_shard_size)
-
-
-def check_dtype(dtype: str) -> None:
-    if dtype not in models.DTYPES:
-        raise UsageError(f"--dtype {dtype}: use one of {', '.join(models.DTYPES)}")
 
 
 def check_at_least(flag: str, value: int | None, least: int, otherwise: str = "") -> None:
