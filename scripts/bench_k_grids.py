@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from quantkit.quant import k_grids
+from quantkit.grids import k_grids
 
 
 def load_copy(path: Path):

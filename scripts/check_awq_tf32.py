@@ -19,7 +19,7 @@ from quantkit.algorithms.awq import candidate_scales, scaled_candidate
 from quantkit.data import load_texts, tokenize
 from quantkit.models.loading import load_model, load_tokenizer
 from quantkit.quant import registry
-from quantkit.quant.observers import ChannelAbsMean, HessianObserver
+from quantkit.grids.observers import ChannelAbsMean, HessianObserver
 
 
 def tf32(x: torch.Tensor, mode: str) -> torch.Tensor:

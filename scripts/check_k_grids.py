@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES
 
-from quantkit.quant.k_grids import K_QTYPES, quantize_k
+from quantkit.grids.k_grids import K_QTYPES, quantize_k
 
 HARNESS = r"""
 #include <stdio.h>

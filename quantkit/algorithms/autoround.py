@@ -28,10 +28,10 @@ import torch
 from torchao.quantization.quant_primitives import MappingType, choose_qparams_affine_with_min_max
 
 from quantkit.algorithms.methods.autoround import AutoRoundArgs
-from quantkit.quant.grid_family import SearchedGrid
-from quantkit.quant.grids import family_of
-from quantkit.quant.qparams import QuantizedWeight, block_size, scale_dtype
-from quantkit.quant.schemes import WeightSpec
+from quantkit.grids.family import SearchedGrid
+from quantkit.grids import family_of
+from quantkit.grids.qparams import QuantizedWeight, block_size, scale_dtype
+from quantkit.grids.schemes import WeightSpec
 
 EPS = torch.finfo(torch.float32).eps  # the smallest scale, as `qparams.choose_qparams` clamps it
 

@@ -17,8 +17,8 @@ import torch
 
 from quantkit.algorithms.methods.awq import AWQArgs
 from quantkit.algorithms.smoothquant import divide_norm_output
-from quantkit.quant.grids import fake_quantize_weight
-from quantkit.quant.schemes import WeightSpec
+from quantkit.grids import fake_quantize_weight
+from quantkit.grids.schemes import WeightSpec
 from quantkit.runtime.precision import tf32_products
 
 

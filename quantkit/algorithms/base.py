@@ -27,7 +27,7 @@ import typing
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
-from quantkit.quant.schemes import QuantScheme, SchemeError
+from quantkit.grids.schemes import QuantScheme, SchemeError
 from quantkit.runtime.registration import Registry
 
 

@@ -36,10 +36,10 @@ import torch
 from quantkit.algorithms.methods.gptq import ROW_BLOCK, GPTQArgs, row_share  # noqa: F401  (row_share: the ranks' shares)
 from quantkit.algorithms.factor import ALONE, Sharing, factor_, reverse_
 from quantkit.errors import QuantkitError
-from quantkit.quant import float_grids
-from quantkit.quant.grids import family_of
-from quantkit.quant.qparams import QuantizedWeight, weight_global_scale
-from quantkit.quant.schemes import Granularity, WeightSpec
+from quantkit.grids import float_grids
+from quantkit.grids import family_of
+from quantkit.grids.qparams import QuantizedWeight, weight_global_scale
+from quantkit.grids.schemes import Granularity, WeightSpec
 
 
 class GPTQDampingError(QuantkitError, ValueError):
@@ -120,7 +120,7 @@ def gptq_quantize_rows(weight: torch.Tensor, factor: InverseHessian, spec: Weigh
     wt = torch.empty(weight.shape[::-1], dtype=torch.float32, device=weight.device)
     wt.copy_(weight.T)  # the float32 work copy, transposed: a column of the weight is a contiguous row
     wt[factor.dead.to(wt.device)] = 0.0
-    # the grid's family says how a column rounds onto it (`grid_family.ColumnGrid`), and when its parameters are
+    # the grid's family says how a column rounds onto it (`grids.family.ColumnGrid`), and when its parameters are
     # chosen: up front, or as the loop reaches each group or block (not with actorder, whose columns come out of order)
     grid = family_of(spec).columns(wt.T, weight.dtype, spec, actorder=args.actorder, static_groups=args.static_groups,
                                    global_scale=global_scale if spec.global_scale else None, importance=factor.importance)

@@ -40,9 +40,9 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from quantkit.quant import qparams
-from quantkit.quant.qparams import QuantizedWeight, quantize_with
-from quantkit.quant.schemes import SchemeError, WeightObserver, WeightSpec
+from quantkit.grids import qparams
+from quantkit.grids.qparams import QuantizedWeight, quantize_with
+from quantkit.grids.schemes import SchemeError, WeightObserver, WeightSpec
 
 _Pair = tuple[torch.Tensor, torch.Tensor]  # (scale, zero) per group
 _EPS = torch.finfo(torch.float32).eps  # the smallest scale, as round-to-nearest's (torchao's eps)

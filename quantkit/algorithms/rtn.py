@@ -2,9 +2,9 @@
 
 import torch
 
-from quantkit.quant.grids import quantize_weight
-from quantkit.quant.qparams import QuantizedWeight
-from quantkit.quant.schemes import WeightSpec
+from quantkit.grids import quantize_weight
+from quantkit.grids.qparams import QuantizedWeight
+from quantkit.grids.schemes import WeightSpec
 
 
 def rtn_quantize(weight: torch.Tensor, spec: WeightSpec, global_scale: torch.Tensor | None = None) -> QuantizedWeight:

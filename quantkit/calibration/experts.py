@@ -18,7 +18,7 @@ import torch
 from quantkit.calibration.hooks import Stop
 from quantkit.calibration.layer import Layer
 from quantkit.models.moe import LinearExperts, experts_modules
-from quantkit.quant.observers import Observer, ReduceOp
+from quantkit.grids.observers import Observer, ReduceOp
 from quantkit.runtime import distributed
 
 

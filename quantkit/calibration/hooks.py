@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from quantkit.calibration import offload
-from quantkit.quant.observers import Observer
+from quantkit.grids.observers import Observer
 
 
 class Stop(Exception):

@@ -14,7 +14,7 @@ from torch import nn
 from quantkit.models.architectures import LayerWiring, kernel_fused_groups, traced_wiring, wiring_of
 from quantkit.models.moe import MoEWiring, is_moe_layer, traced_moe_wiring
 from quantkit.quant.plan import ModulePlan
-from quantkit.quant.qparams import QuantizedWeight, fused_global_scales
+from quantkit.grids.qparams import QuantizedWeight, fused_global_scales
 from quantkit.quant.registry import Recipe
 from quantkit.runtime.distributed import Context
 

@@ -41,9 +41,9 @@ from torch import nn
 from quantkit.calibration.layer import CalibrationResult
 from quantkit.errors import UsageError
 from quantkit.export.atomic import STATE
-from quantkit.quant.grids import family_of
+from quantkit.grids import family_of
 from quantkit.quant.plan import ModulePlan
-from quantkit.quant.qparams import QuantizedWeight
+from quantkit.grids.qparams import QuantizedWeight
 from quantkit.runtime import distributed
 
 

@@ -32,7 +32,7 @@ if TYPE_CHECKING:  # this package's __init__ stays light: metadata.py is read wi
 
     from quantkit.quant.plan import ModulePlan
     from quantkit.quant.quantized_model import QuantizedModel
-    from quantkit.quant.schemes import QuantScheme, WeightSpec
+    from quantkit.grids.schemes import QuantScheme, WeightSpec
 
 
 @dataclass(frozen=True)

@@ -29,11 +29,11 @@ from quantkit.export import ct_compat
 from quantkit.export.ct_compat import apply_quantization_config
 from quantkit.models import compat, moe
 from quantkit.quant.plan import ModulePlan
-from quantkit.quant.qparams import QParams
+from quantkit.grids.qparams import QParams
 from quantkit.quant.quantized_model import QuantizedModel
 from quantkit.quant.registry import Recipe
 from quantkit.quant.rotations import online_tensors, transform_config
-from quantkit.quant.schemes import ActivationSpec, Granularity, KVCacheSpec, QDtype, QuantScheme, ScaleDtype, WeightSpec
+from quantkit.grids.schemes import ActivationSpec, Granularity, KVCacheSpec, QDtype, QuantScheme, ScaleDtype, WeightSpec
 from quantkit.runtime import placement
 
 

@@ -26,10 +26,10 @@ from quantkit.models import moe
 from quantkit.runtime import placement
 from quantkit.export import FORMATS, gguf_archs, gguf_vocab
 from quantkit.quant.plan import ModulePlan
-from quantkit.quant.qparams import QParams, QuantizedWeight, has_fp16_minimum
+from quantkit.grids.qparams import QParams, QuantizedWeight, has_fp16_minimum
 from quantkit.quant.quantized_model import QuantizedModel
 from quantkit.quant.registry import AlgorithmStep, Format, Recipe
-from quantkit.quant.schemes import Granularity, QDtype, QuantScheme, ScaleDtype, WeightSpec
+from quantkit.grids.schemes import Granularity, QDtype, QuantScheme, ScaleDtype, WeightSpec
 
 FILENAME = FORMATS[Format.GGUF].single_file  # the artifact inside the temporary directory; `atomic` moves it to DST
 SPILL = "tensors.spill"
@@ -218,7 +218,7 @@ def quantize_embedding(weight: torch.Tensor, recipe: Recipe, config):
     kind = embedding_type(recipe, config)
     if kind is None:
         return None
-    from quantkit.quant.k_grids import quantize_k
+    from quantkit.grids.k_grids import quantize_k
 
     return quantize_k(weight, _gguf().GGMLQuantizationType[kind])
 
@@ -274,7 +274,7 @@ def codes(weight: torch.Tensor, qparams: QParams) -> torch.Tensor:
     decodes (`QuantizedWeight.dequantize`, in the model's dtype) to the weight exactly. bfloat16 holds int8's
     largest values to half a step only (8 significant bits), so there the nearest code may be a tie, and the
     decode picks. A block of rows at a time: float32 intermediates stay small."""
-    from quantkit.quant.ggml_blocks import row_blocks
+    from quantkit.grids.ggml_blocks import row_blocks
 
     group = weight.shape[1] // qparams.scale.shape[1]
     lo, hi = qparams.spec.dtype.qrange
@@ -302,7 +302,7 @@ def codes(weight: torch.Tensor, qparams: QParams) -> torch.Tensor:
 def block_codes(weight: torch.Tensor, qparams: QParams) -> torch.Tensor:
     """A block grid's codes (K-quants, i-quants) of the grid values `weight` holds: rounded back on the grid (its
     `round`), checked to decode to the weight (to the model dtype's rounding), a block of rows at a time."""
-    from quantkit.quant.ggml_blocks import row_blocks
+    from quantkit.grids.ggml_blocks import row_blocks
 
     k = qparams.k
     q = k.round(weight)
@@ -315,7 +315,7 @@ def block_codes(weight: torch.Tensor, qparams: QParams) -> torch.Tensor:
 
 def pack(weight: torch.Tensor, qparams: QParams):
     """(GGML type, the weight's block bytes [rows, bytes per row])."""
-    from quantkit.quant import ggml_blocks
+    from quantkit.grids import ggml_blocks
 
     qtype = ggml_type(qparams.spec)
     if qparams.k is not None:

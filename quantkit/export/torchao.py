@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from quantkit.quant.plan import ModulePlan
 from quantkit.quant.quantized_model import QuantizedModel
 from quantkit.quant.registry import Recipe
-from quantkit.quant.schemes import Granularity, QDtype, QuantScheme, ScaleDtype, WeightObserver
+from quantkit.grids.schemes import Granularity, QDtype, QuantScheme, ScaleDtype, WeightObserver
 
 if TYPE_CHECKING:
     from torch import nn

@@ -241,7 +241,7 @@ def quantized_scheme(scheme: dict, recipe: Recipe, fmt: Format) -> dict:
     recorded its recipe before or after that step."""
     from dataclasses import replace
 
-    from quantkit.quant.schemes import SchemeError
+    from quantkit.grids.schemes import SchemeError
 
     try:
         parsed = registry.scheme_from_dict(scheme)

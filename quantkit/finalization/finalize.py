@@ -25,7 +25,7 @@ from quantkit.models import loading as models
 from quantkit.models import moe
 from quantkit.models.architectures import kernel_fused_groups
 from quantkit.quant.plan import ModulePlan
-from quantkit.quant.qparams import QParams, fused_global_scales
+from quantkit.grids.qparams import QParams, fused_global_scales
 from quantkit.quant.quantized_model import QuantizedModel
 from quantkit.quant.registry import AlgorithmStep, Format, Recipe
 from quantkit.runtime import placement

@@ -243,7 +243,7 @@ def stage_solve_bytes(width: int, rows: int) -> int:
 
 
 def hessian_accumulator_bytes(stages: list[tuple[int, int]]) -> int:
-    from quantkit.quant.observers import HessianObserver
+    from quantkit.grids.observers import HessianObserver
 
     return sum(HessianObserver.accumulator_bytes(width) for width, _ in stages)
 
@@ -304,7 +304,7 @@ def staged_gptq_bytes(calib: dict[str, int], plan: list[ModulePlan], samples: in
     chunks of tokens, with the MLP pass where the inputs are computed again), and a stage's solve. The MLP pass runs
     on `true_sequential.ROW_CHUNK_BYTES` of the down projection's input at once, not on a batch (`RowChunks`)."""
     from quantkit.calibration.true_sequential import chunk_rows
-    from quantkit.quant.observers import HESSIAN_CHUNK_TOKENS, HessianObserver
+    from quantkit.grids.observers import HESSIAN_CHUNK_TOKENS, HessianObserver
 
     stages = _hessian_stages(_first_layer(plan))
     widest = max(width for width, _ in stages)

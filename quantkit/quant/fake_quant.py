@@ -12,7 +12,7 @@ int2 in [-2, 1], int3 in [-4, 3], int4 in [-8, 7], int8 in [-128, 127]). Where n
 behind the same interface (`fake_quantize_configs` -> `fake_quantizer`):
 
 - `GridFakeQuantizeConfig`: asymmetric integer weights (torchao's asymmetric weight path is unsigned with a
-  float zero point) and float8 weights with model-dtype scales; computed by quantkit.quant.qparams itself.
+  float zero point) and float8 weights with model-dtype scales; computed by quantkit.grids.qparams itself.
 - `Int8TokenFakeQuantizeConfig`: int8 symmetric per-token activations (torchao's IntxFakeQuantizer has
   no symmetric per-token path); computed by torchao's runtime `Int8Tensor.from_hp` itself.
 - NVFP4, MXFP4, MXFP8 and FP8-block weights take `GridFakeQuantizeConfig` too: torchao's prototype NVFP4 and MX
@@ -58,9 +58,10 @@ from torchao.quantization.qat.fake_quantizer import FakeQuantizerBase, Float8Fak
 from torchao.quantization.quant_primitives import MappingType
 
 from quantkit.models.architectures import kernel_fused_groups
-from quantkit.quant import float_grids, grids, qparams
+from quantkit import grids
+from quantkit.grids import float_grids, qparams
 from quantkit.quant.plan import ModulePlan
-from quantkit.quant.schemes import ActivationSpec, Granularity, QDtype, QuantScheme, ScaleDtype, WeightSpec
+from quantkit.grids.schemes import ActivationSpec, Granularity, QDtype, QuantScheme, ScaleDtype, WeightSpec
 
 _EPS = torch.finfo(torch.float32).eps  # qparams' eps; tests check tiny groups, where a different eps shows
 _TORCH_INT = {QDtype.INT2: torch.int2, QDtype.INT3: torch.int3, QDtype.INT4: torch.int4, QDtype.INT8: torch.int8}
@@ -76,7 +77,7 @@ K_REFRESH_EVERY = 8
 
 @dataclass(frozen=True)
 class GridFakeQuantizeConfig(FakeQuantizeConfigBase):
-    """Weights fake-quantized by quantkit.quant.qparams, for grids no torchao fake quantizer reproduces."""
+    """Weights fake-quantized by quantkit.grids.qparams, for grids no torchao fake quantizer reproduces."""
 
     weights: WeightSpec
 

@@ -21,7 +21,7 @@ ffn_up. Pure data and arithmetic: no gguf.
 
 from __future__ import annotations
 
-from quantkit.quant.schemes import K_QUANT_TYPES, Granularity, ScaleDtype, WeightSpec
+from quantkit.grids.schemes import K_QUANT_TYPES, Granularity, ScaleDtype, WeightSpec
 
 MIXTURES = {"Q2_K": "Q2_K", "Q3_K_M": "Q3_K", "Q4_K_M": "Q4_K", "Q5_K_M": "Q5_K"}  # mixture -> its base type
 

@@ -21,8 +21,8 @@ from torch import nn
 
 from quantkit.errors import SourceModelError, UnsupportedModelError
 from quantkit.models.architectures import KV_CACHE_PROJECTIONS
-from quantkit.quant import float_grids
-from quantkit.quant.schemes import KVCacheSpec
+from quantkit.grids import float_grids
+from quantkit.grids.schemes import KVCacheSpec
 
 Observe = Callable[[str, torch.Tensor, torch.Tensor], None]  # (attention module name, keys, values)
 

@@ -15,7 +15,7 @@ from torch import nn
 from quantkit.errors import UnsupportedModelError, UsageError
 from quantkit.models import moe
 from quantkit.quant.registry import IndivisiblePolicy, Recipe
-from quantkit.quant.schemes import Granularity, QuantScheme
+from quantkit.grids.schemes import Granularity, QuantScheme
 
 MIN_GROUP_SIZE = 16
 

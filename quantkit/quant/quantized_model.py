@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from quantkit.quant.plan import ModulePlan
-from quantkit.quant.qparams import QParams
+from quantkit.grids.qparams import QParams
 from quantkit.quant.registry import Recipe
 
 

@@ -20,7 +20,7 @@ import yaml
 
 from quantkit import algorithms
 from quantkit.errors import RecipeError, RecipeNotFoundError
-from quantkit.quant.schemes import (
+from quantkit.grids.schemes import (
     ActivationSpec,
     Granularity,
     KVCacheSpec,

@@ -23,7 +23,7 @@ from quantkit.errors import UsageError
 from quantkit.export import exporter, for_format
 from quantkit.quant.plan import ModulePlan, plan_model
 from quantkit.quant.registry import Recipe, parse_recipe, recipe_names, resolve
-from quantkit.quant.schemes import WeightObserver, WeightSpec
+from quantkit.grids.schemes import WeightObserver, WeightSpec
 
 
 def training_recipe(recipe: Recipe) -> Recipe:

@@ -262,7 +262,7 @@ def test_gptqs_cuda_graphs_replay_the_eager_loop_in_either_column_order(actorder
     from quantkit.algorithms import gptq_graphs
     from quantkit.algorithms.methods.gptq import GPTQArgs
     from quantkit.algorithms.gptq import _quantize_columns, inverse_hessian
-    from quantkit.quant.qparams import ScaledColumns
+    from quantkit.grids.qparams import ScaledColumns
     from quantkit.quant import registry
 
     spec = registry.resolve("gptq-w4a16").scheme.weights
@@ -357,7 +357,7 @@ def test_offloaded_hidden_states_on_cuda_give_the_resident_qparams_for_less_memo
 
 def test_a_bf16_hessian_on_cuda_is_summed_in_tf32_as_in_float32():
     """16-bit activations are exact in TF32: the tensor-core products give the float32 Hessian to summation order."""
-    from quantkit.quant.observers import HessianObserver
+    from quantkit.grids.observers import HessianObserver
 
     x = torch.randn(4096, 1024, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     found, before = {}, torch.backends.cuda.matmul.allow_tf32
@@ -376,7 +376,7 @@ def test_awqs_hessian_scored_candidates_on_cuda_are_the_float64_errors_within_tf
     from quantkit.algorithms.methods.awq import AWQArgs
     from quantkit.algorithms.awq import candidate_scales, hessian_error, scaled_candidate
     from quantkit.quant import registry
-    from quantkit.quant.observers import HessianObserver
+    from quantkit.grids.observers import HessianObserver
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(8192, 1024, generator=g)

@@ -18,7 +18,7 @@ from conftest import make_text
 from same_threads import environment, pinned
 from quantkit.finalization.finalize import CalibrationOptions, finalize, prepare, quantize_model
 from quantkit.quant import registry
-from quantkit.quant.grids import fake_quantize_weight
+from quantkit.grids import fake_quantize_weight
 
 pytestmark = pytest.mark.integration
 

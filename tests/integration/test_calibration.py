@@ -227,7 +227,7 @@ def test_moe_summary_counts_routed_tokens_and_quantizes_every_expert(artifacts, 
 
 def test_calibration_changes_the_rounding(artifacts, tiny_models):
     """GPTQ does not just round to nearest: some weights differ from RTN's on the same grid."""
-    from quantkit.quant.grids import fake_quantize_weight
+    from quantkit.grids import fake_quantize_weight
 
     root, _ = artifacts
     gptq = load_file(root / "llama-gptq-w4a16.safetensors")["model.layers.0.mlp.up_proj"]

@@ -20,10 +20,10 @@ from quantkit.finalization.finalize import finalize, prepare, quantize_model
 from quantkit.models import loading as models
 from quantkit.models.architectures import kernel_fused_groups
 from quantkit.quant import registry
-from quantkit.quant.grids import fake_quantize_weight
-from quantkit.quant.qparams import fused_global_scales
+from quantkit.grids import fake_quantize_weight
+from quantkit.grids.qparams import fused_global_scales
 from quantkit.quant.registry import Format
-from quantkit.quant.schemes import Granularity
+from quantkit.grids.schemes import Granularity
 from quantkit.finalization import checks
 
 from same_threads import environment, pinned

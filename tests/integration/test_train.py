@@ -275,7 +275,7 @@ def test_qat_train_finalize_gguf(workspace, recipe, types, tmp_path):
 
     from quantkit.finalization.finalize import finalize
     from quantkit.models.loading import load_model
-    from quantkit.quant.k_grids import quantize_k
+    from quantkit.grids.k_grids import quantize_k
     from quantkit.quant import fake_quant
     from quantkit.training import qat
 

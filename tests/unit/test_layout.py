@@ -72,9 +72,7 @@ def test_no_import_cycles():
     assert not cycles, " ; ".join(" -> ".join(c) for c in cycles)
 
 
-GRID = ("quantkit.quant.schemes", "quantkit.quant.float_grids", "quantkit.quant.qparams", "quantkit.quant.observers",
-        "quantkit.quant.grid_family", "quantkit.quant.grids", "quantkit.quant.iq_grids",
-        "quantkit.quant.k_grids", "quantkit.quant.ggml_blocks")
+GRID = ("quantkit.grids",)  # the grid layer: one package, one floor
 
 
 # docs/ARCHITECTURE.md's layers, top to bottom: a module imports only from its own layer and those below it, at
@@ -87,9 +85,9 @@ LAYERS = [
     ("quantkit.finalization",),
     ("quantkit.calibration",),
     ("quantkit.export",),
-    ("quantkit.quant",),  # what a recipe makes of a model: registry, plan, rotations, fake quantizers, ...
+    ("quantkit.quant",),  # what a recipe makes of a model: registry, plan, rotations, fake quantizers, ... (one floor)
     ("quantkit.models", "quantkit.algorithms", "quantkit.data"),
-    (*GRID, "=quantkit.quant"),  # the grid; the package's __init__ is a docstring
+    GRID,  # the grid: schemes, qparams, the families (integer, float, K-quants, i-quants), GGML blocks
     ("quantkit.runtime",),
     ("quantkit.errors", "quantkit.version"),
 ]
@@ -135,11 +133,11 @@ def test_algorithms_import_no_recipes_calibration_or_export():
     (("quantkit.models",), ("quantkit.errors", "quantkit.runtime", "quantkit.models"), True),
 ])
 def test_the_lower_packages_import_only_below_them(packages, allowed, module_level_only):
-    """docs/ARCHITECTURE.md's layering: runtime at the bottom, then quant's grid, algorithms, models."""
+    """docs/ARCHITECTURE.md's layering: runtime at the bottom, then the grid layer, algorithms, models."""
     for name in MODULES:
         if name.startswith(packages) and name not in ("quantkit", "quantkit.cli"):
-            bad = {t for t in _imports(name, module_level_only) if t != "quantkit.quant"  # its __init__: a docstring
-                   and not any(t == a or t.startswith(a + ".") for a in allowed)}
+            bad = {t for t in _imports(name, module_level_only)
+                   if not any(t == a or t.startswith(a + ".") for a in allowed)}
             assert not bad, f"{name} imports {sorted(bad)}"
 
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from quantkit.algorithms.base import Algorithm, CalibrationSizes, register
-from quantkit.quant.schemes import QuantScheme, SchemeError
+from quantkit.grids.schemes import QuantScheme, SchemeError
 
 
 @dataclass(frozen=True)

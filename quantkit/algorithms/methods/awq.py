@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 
 from quantkit.algorithms.base import Algorithm, register
-from quantkit.quant.schemes import SchemeError
+from quantkit.grids.schemes import SchemeError
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from quantkit.algorithms.base import Algorithm, register
-from quantkit.quant.schemes import QDtype, QuantScheme, SchemeError
+from quantkit.grids.schemes import QDtype, QuantScheme, SchemeError
 
 
 ROW_BLOCK = 128  # weight rows solved as one unit: every GEMM's shape is fixed, however the rows are shared out

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from quantkit.algorithms.base import Algorithm, register
-from quantkit.quant.schemes import QuantScheme, SchemeError, WeightObserver
+from quantkit.grids.schemes import QuantScheme, SchemeError, WeightObserver
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from quantkit.algorithms.base import Algorithm, register
-from quantkit.quant.schemes import SchemeError
+from quantkit.grids.schemes import SchemeError
 
 
 @dataclass(frozen=True)

@@ -30,8 +30,8 @@ from quantkit.calibration.layer import Layer
 from quantkit.calibration.steps import register
 from quantkit.models.architectures import norm_weight_offset, scales_fold
 from quantkit.models.moe import real_routing
-from quantkit.quant.observers import ChannelAbsMean, HessianObserver, Observer
-from quantkit.quant.schemes import WeightSpec
+from quantkit.grids.observers import ChannelAbsMean, HessianObserver, Observer
+from quantkit.grids.schemes import WeightSpec
 from quantkit.runtime import distributed
 
 

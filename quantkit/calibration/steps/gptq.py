@@ -32,10 +32,10 @@ from quantkit.calibration.layer import Layer, relative_error_of_solve
 from quantkit.calibration.steps import register
 from quantkit.errors import UsageError
 from quantkit.models.architectures import find_wiring
-from quantkit.quant.observers import HessianObserver
-from quantkit.quant.grids import empty_quantized
-from quantkit.quant.qparams import QuantizedWeight
-from quantkit.quant.schemes import WeightSpec
+from quantkit.grids.observers import HessianObserver
+from quantkit.grids import empty_quantized
+from quantkit.grids.qparams import QuantizedWeight
+from quantkit.grids.schemes import WeightSpec
 from quantkit.runtime import distributed, placement
 from quantkit.runtime.memory import return_freed_memory
 

@@ -15,8 +15,8 @@ import torch
 from quantkit.calibration.hooks import run_layer_last
 from quantkit.calibration.layer import Layer
 from quantkit.quant import kv_cache
-from quantkit.quant.observers import Observer, activation_observer
-from quantkit.quant.schemes import Granularity
+from quantkit.grids.observers import Observer, activation_observer
+from quantkit.grids.schemes import Granularity
 from quantkit.runtime import distributed
 
 

@@ -11,7 +11,7 @@ from quantkit.calibration.hooks import observe
 from quantkit.calibration.layer import Layer
 from quantkit.calibration.steps import register
 from quantkit.models.architectures import norm_weight_offset
-from quantkit.quant.observers import ChannelAbsMax
+from quantkit.grids.observers import ChannelAbsMax
 from quantkit.runtime import distributed
 
 

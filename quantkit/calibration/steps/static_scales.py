@@ -13,8 +13,8 @@ import torch
 
 from quantkit.calibration.hooks import observe, observer_groups
 from quantkit.calibration.layer import Layer
-from quantkit.quant import float_grids
-from quantkit.quant.observers import activation_observer
+from quantkit.grids import float_grids
+from quantkit.grids.observers import activation_observer
 from quantkit.runtime import distributed
 from quantkit.runtime.precision import model_dtype
 

@@ -11,9 +11,9 @@ import threading
 
 from quantkit.algorithms import autoround
 from quantkit.algorithms.autoround import Rounding, draws, fake_quantize, quantize, tune
-from quantkit.quant.grids import quantize_weight
+from quantkit.grids import quantize_weight
 from quantkit.quant.registry import parse_recipe
-from quantkit.quant.schemes import Granularity, QDtype, ScaleDtype, SchemeError, WeightSpec
+from quantkit.grids.schemes import Granularity, QDtype, ScaleDtype, SchemeError, WeightSpec
 
 INT4_G32 = WeightSpec(QDtype.INT4, Granularity.GROUP, group_size=32)
 INT4_G128 = WeightSpec(QDtype.INT4, Granularity.GROUP, group_size=128)

@@ -14,10 +14,10 @@ from quantkit.algorithms.gptq import (
     GPTQDampingError,
     gptq_quantize,
 )
-from quantkit.quant.observers import HessianObserver
-from quantkit.quant.grids import quantize_weight
-from quantkit.quant.qparams import choose_qparams, quantize_with
-from quantkit.quant.schemes import Granularity, QDtype, ScaleDtype, WeightSpec
+from quantkit.grids.observers import HessianObserver
+from quantkit.grids import quantize_weight
+from quantkit.grids.qparams import choose_qparams, quantize_with
+from quantkit.grids.schemes import Granularity, QDtype, ScaleDtype, WeightSpec
 
 INT4_G32 = WeightSpec(QDtype.INT4, Granularity.GROUP, group_size=32)
 INT4_G128 = WeightSpec(QDtype.INT4, Granularity.GROUP, group_size=128)
@@ -309,7 +309,7 @@ def test_fp4_hessian_weighted_error_is_lower_than_rtn_and_on_the_grid(spec, acto
 
 def test_nvfp4_rows_shared_over_ranks_use_the_whole_weights_global_scale():
     from quantkit.algorithms.gptq import gptq_quantize_rows, inverse_hessian, row_share
-    from quantkit.quant.qparams import weight_global_scale
+    from quantkit.grids.qparams import weight_global_scale
 
     weight = _weight(torch.bfloat16, out=300, inp=256)
     weight[290, 7] = 1.0  # the largest value sits in the last share: its global scale is every share's
@@ -369,7 +369,7 @@ def test_the_sub_block_path_cuda_replays_as_a_graph_is_the_column_loop_bit_for_b
     last sub-block, which runs column by column). In actorder's order (static groups) each column's group qparams
     go in beside it."""
     from quantkit.algorithms.gptq import _aligned_block_size, _quantize_columns, inverse_hessian
-    from quantkit.quant.qparams import ScaledColumns
+    from quantkit.grids.qparams import ScaledColumns
 
     columns = 384 if spec.granularity is Granularity.GROUP else 264
     weight = _weight(dtype, out=200, inp=columns)
@@ -442,7 +442,7 @@ K_SPECS = {  # llama.cpp's K grids (schemes.K_QUANT_TYPES)
 
 
 def _k_spec(name: str) -> WeightSpec:
-    from quantkit.quant.schemes import ScaleDtype
+    from quantkit.grids.schemes import ScaleDtype
 
     dtype, group, symmetric = K_SPECS[name]
     return WeightSpec(dtype, Granularity.GROUP, group, symmetric=symmetric, scale_dtype=ScaleDtype.K_QUANT)
@@ -455,7 +455,7 @@ def test_gptq_on_a_k_grid_without_correlations_is_llama_cpps_rounding(name):
     quantizer does (k_grids.quantize_k, held to llama.cpp's bytes by its tests)."""
     from gguf import GGMLQuantizationType
 
-    from quantkit.quant.k_grids import quantize_k
+    from quantkit.grids.k_grids import quantize_k
 
     torch.manual_seed(0)
     weight, importance = torch.randn(24, 512), torch.rand(512) + 0.1
@@ -469,7 +469,7 @@ def test_gptq_on_a_k_grid_without_correlations_is_llama_cpps_rounding(name):
 def test_gptq_on_a_k_grid_lowers_the_output_error(actorder):
     from gguf import GGMLQuantizationType
 
-    from quantkit.quant.k_grids import quantize_k
+    from quantkit.grids.k_grids import quantize_k
 
     torch.manual_seed(0)
     weight, x = torch.randn(32, 512), torch.randn(2048, 512)
@@ -490,7 +490,7 @@ def test_gptq_chooses_a_k_grid_by_the_inputs_importance(name):
     grids searches weighted, so its output error is below llama.cpp's with the imatrix, and far below without."""
     from gguf import GGMLQuantizationType
 
-    from quantkit.quant.k_grids import quantize_k
+    from quantkit.grids.k_grids import quantize_k
 
     torch.manual_seed(0)
     weight, x = torch.randn(64, 512) * 0.02, torch.randn(4096, 512)

@@ -9,8 +9,8 @@ from quantkit.algorithms import hqq
 from quantkit import algorithms
 from quantkit.algorithms.hqq import hqq_quantize
 from quantkit.algorithms.methods.hqq import HQQArgs
-from quantkit.quant.qparams import choose_qparams_minmax, quantize_with
-from quantkit.quant.schemes import Granularity, QDtype, QuantScheme, ScaleDtype, SchemeError, WeightObserver, WeightSpec
+from quantkit.grids.qparams import choose_qparams_minmax, quantize_with
+from quantkit.grids.schemes import Granularity, QDtype, QuantScheme, ScaleDtype, SchemeError, WeightObserver, WeightSpec
 
 INT4_G64 = WeightSpec(QDtype.INT4, Granularity.GROUP, group_size=64, symmetric=False)
 INT3_G64 = WeightSpec(QDtype.INT3, Granularity.GROUP, group_size=64, symmetric=False)

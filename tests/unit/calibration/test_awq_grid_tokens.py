@@ -7,7 +7,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from quantkit.algorithms.methods.awq import AWQArgs
 from quantkit.calibration import calibrate
 from quantkit.calibration.steps.awq import scored_rows
-from quantkit.quant.schemes import SchemeError
+from quantkit.grids.schemes import SchemeError
 from quantkit.models.loading import decoder_layers
 from quantkit.quant.plan import plan_model
 from quantkit.quant.registry import resolve
@@ -65,7 +65,7 @@ def test_the_capture_keeps_only_the_scored_rows_and_sums_their_hessian():
     whole batch), a one-Linear block's Hessian sums only those rows, and the activation statistic reads every token."""
     from quantkit.calibration.hooks import capture_inputs
     from quantkit.calibration.steps.awq import capture_blocks
-    from quantkit.quant.observers import ChannelAbsMean, HessianObserver
+    from quantkit.grids.observers import ChannelAbsMean, HessianObserver
 
     model = _model()
     layers = decoder_layers(model)

@@ -10,7 +10,7 @@ from quantkit.calibration.layer import CalibrationResult, Layer
 from quantkit.models.loading import decoder_layers
 from quantkit.models.moe import expert_linears, linearize
 from quantkit.quant import registry
-from quantkit.quant.observers import HessianObserver
+from quantkit.grids.observers import HessianObserver
 from quantkit.quant.plan import plan_model
 
 

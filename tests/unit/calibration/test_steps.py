@@ -9,8 +9,8 @@ from quantkit.calibration.hooks import observe
 from quantkit.calibration.layer import relative_error, relative_error_factored
 from quantkit.calibration.steps.gptq import split_rows
 from quantkit.models.architectures import shared_input_leaders
-from quantkit.quant.observers import HessianObserver
-from quantkit.quant.grids import quantize_weight
+from quantkit.grids.observers import HessianObserver
+from quantkit.grids import quantize_weight
 from quantkit.quant.registry import resolve
 
 SPEC = resolve("gptq-w4a16").scheme.weights  # int4, symmetric, groups of 128

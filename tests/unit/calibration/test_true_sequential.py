@@ -10,7 +10,7 @@ from quantkit.calibration.steps.gptq import can_stage
 from quantkit.models.architectures import LLAMA, find_wiring
 from quantkit.models.loading import decoder_layers
 from quantkit.quant.plan import plan_model
-from quantkit.quant.grids import fake_quantize_weight
+from quantkit.grids import fake_quantize_weight
 from quantkit.quant.registry import resolve
 
 ARCHITECTURES = ["llama", "qwen2", "mistral"]

@@ -29,7 +29,7 @@ def test_only_asymmetric_packed_artifacts_carry_the_loading_caveat():
     expected = set()
     # transformers up to 5.22 loads the zero points as they are packed, and so does compressed-tensors 0.17
     if ct_compat.sizes_packed_zero_points_unpacked() and not compat.tolerates_quantized_shape_mismatch():
-        expected |= {"int4-asym", "gptq-w4a16-asym", "awq-w4a16-asym"}
+        expected |= {"int4-asym", "gptq-w4a16-asym", "awq-w4a16-asym", "hqq-w4a16", "hqq-w3a16", "hqq-w2a16"}
     if not ct_compat.dequantizes_by_scheme():  # compressed-tensors 0.17 and 0.18: FP8 blocks one block wide
         expected |= {"fp8-block"}
     assert caveats == expected

@@ -15,7 +15,7 @@ from quantkit.finalization.finalize import prepare
 from quantkit.models import loading as models
 from quantkit.quant import registry
 from quantkit.quant.registry import Format
-from quantkit.quant.schemes import QDtype
+from quantkit.grids.schemes import QDtype
 
 HAS_ALLOWED_MODULES = "allowed_modules" in apply.apply_quantization_config.__code__.co_varnames
 NEWER = f"compressed-tensors {ct_compat.version()} is installed, the newer release is not"

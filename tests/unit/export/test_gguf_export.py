@@ -15,7 +15,7 @@ from quantkit.export.gguf import permute_rows  # noqa: E402
 from quantkit.export.gguf_vocab import PRE_TOKENIZERS, pre_tokenizer  # noqa: E402
 from quantkit.finalization.finalize import CalibrationOptions, finalize, prepare, quantize_model  # noqa: E402
 from quantkit.quant import registry  # noqa: E402
-from quantkit.quant.schemes import ScaleDtype  # noqa: E402
+from quantkit.grids.schemes import ScaleDtype  # noqa: E402
 
 GGUF = registry.Format.GGUF
 
@@ -357,9 +357,9 @@ def test_legacy_blocks_are_packed_a_block_of_rows_at_a_time(spec_args, qtype, mo
     from gguf import GGMLQuantizationType, quants
 
     from quantkit.export import gguf as gguf_export
-    from quantkit.quant import ggml_blocks
-    from quantkit.quant.grids import quantize_weight
-    from quantkit.quant.schemes import Granularity, QDtype, WeightSpec
+    from quantkit.grids import ggml_blocks
+    from quantkit.grids import quantize_weight
+    from quantkit.grids.schemes import Granularity, QDtype, WeightSpec
 
     weight = (torch.randn(9, 128, generator=torch.Generator().manual_seed(5)) * 0.02).to(torch.bfloat16)
     spec = WeightSpec(QDtype(spec_args[0]), Granularity.GROUP, 32, symmetric=spec_args[1], scale_dtype=ScaleDtype.FLOAT16)

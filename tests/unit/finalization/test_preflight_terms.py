@@ -5,7 +5,7 @@ once and the copies of the stages solved before, not the layer's every copy."""
 
 from quantkit.finalization import preflight
 from quantkit.quant import registry
-from quantkit.quant.observers import HessianObserver
+from quantkit.grids.observers import HessianObserver
 from quantkit.quant.plan import ModulePlan
 
 HIDDEN, MLP, KV = 4096, 14336, 1024  # Llama-3.1-8B's widths

@@ -4,7 +4,7 @@ import pytest
 
 from quantkit.quant import registry
 from quantkit.quant.gguf_mixtures import k_spec, more_bits, role_of, tensor_type
-from quantkit.quant.schemes import SchemeError
+from quantkit.grids.schemes import SchemeError
 
 
 def test_more_bits_is_llama_cpps_use_more_bits():

@@ -11,7 +11,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 from quantkit.errors import UnsupportedModelError
 from quantkit.models.loading import decoder_layers
 from quantkit.quant import kv_cache
-from quantkit.quant.schemes import Granularity, KVCacheSpec
+from quantkit.grids.schemes import Granularity, KVCacheSpec
 
 
 def _model(model_type: str = "llama") -> nn.Module:

@@ -6,7 +6,7 @@ import yaml
 from quantkit.errors import RecipeError, RecipeNotFoundError
 from quantkit.quant import registry
 from quantkit.quant.registry import Format, IndivisiblePolicy
-from quantkit.quant.schemes import Granularity, KVCacheSpec, QDtype
+from quantkit.grids.schemes import Granularity, KVCacheSpec, QDtype
 
 RECIPES_DIR = Path(__file__).resolve().parents[3] / "recipes"
 SHIPPED = sorted(RECIPES_DIR.rglob("*.yaml"))

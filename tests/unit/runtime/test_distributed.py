@@ -64,7 +64,7 @@ def _counting_all_reduces():
 def _rank_observers(rank: int):
     import torch
 
-    from quantkit.quant.observers import HessianObserver, StaticMinMax
+    from quantkit.grids.observers import HessianObserver, StaticMinMax
 
     gen = torch.Generator().manual_seed(rank)
     hessian, minmax = HessianObserver(), StaticMinMax()

@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 from quantkit.calibration.layer import CalibrationResult
-from quantkit.quant.grids import quantize_weight
-from quantkit.quant.qparams import QuantizedWeight
-from quantkit.quant.schemes import Granularity, QDtype, WeightSpec
+from quantkit.grids import quantize_weight
+from quantkit.grids.qparams import QuantizedWeight
+from quantkit.grids.schemes import Granularity, QDtype, WeightSpec
 from quantkit.runtime import placement
 
 

@@ -13,9 +13,9 @@ from quantkit.export.torchao import unsupported as torchao_unsupported
 from quantkit.models.architectures import kernel_fused_groups
 from quantkit.quant import registry
 from quantkit.quant.plan import plan_model
-from quantkit.quant.grids import fake_quantize_weight
-from quantkit.quant.qparams import fused_global_scales
-from quantkit.quant.schemes import Granularity, QDtype, QuantScheme, ScaleDtype, WeightSpec
+from quantkit.grids import fake_quantize_weight
+from quantkit.grids.qparams import fused_global_scales
+from quantkit.grids.schemes import Granularity, QDtype, QuantScheme, ScaleDtype, WeightSpec
 from quantkit.quant import fake_quant
 from quantkit.training import qat
 
@@ -120,6 +120,7 @@ def test_configs_use_torchao_where_it_is_exact_and_quantkit_elsewhere():
         "gguf-q3-k-m": ("NoneType", "BlockGridFakeQuantizeConfig"),
         "gguf-q4-k-m": ("NoneType", "BlockGridFakeQuantizeConfig"),
         "gguf-q5-k-m": ("NoneType", "BlockGridFakeQuantizeConfig"),
+        "gguf-iq4-nl": ("NoneType", "BlockGridFakeQuantizeConfig"),  # llama.cpp's IQ4 search
     }
     asym = WeightSpec(QDtype.INT4, Granularity.GROUP, 32, symmetric=False)
     assert isinstance(fake_quant.fake_quantize_configs(QuantScheme(asym))[1], fake_quant.GridFakeQuantizeConfig)
@@ -152,7 +153,7 @@ def test_fake_quantizers_are_straight_through(name):
 # of max|y|; bfloat16 0.03125, one bf16 ulp (5.7e-3 of max|y|): torchao multiplies the int8 data and applies
 # the scales afterwards, a different rounding order. The bounds leave about 2x headroom.
 # No tiny groups here: torchao's intx PTQ clamps scales at float's smallest normal, not at float32 eps as
-# quantkit.quant.qparams does, so a group with max|w| < 7.5 * eps (~9e-7) gets a different grid there.
+# quantkit.grids.qparams does, so a group with max|w| < 7.5 * eps (~9e-7) gets a different grid there.
 REL_TOL = {torch.float32: 1e-6, torch.bfloat16: 2**-6}
 
 
@@ -320,7 +321,7 @@ def test_calibrated_recipes_are_refused_for_qat():
 def test_nvfp4_activations_take_each_tensors_global_scale(dtype):
     """NVFP4 W4A4 QAT: the activations as compressed-tensors' runtime quantizes them, under the tensor's own
     global scale (finalize calibrates the deployed one over the calibration data), the weights on the grid."""
-    from quantkit.quant import float_grids
+    from quantkit.grids import float_grids
     scheme = registry.resolve("nvfp4").scheme
     linear = _linear(_weight(dtype, out=32, inp=64, tiny_groups=False))
     x = (torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(3)) * 3).to(dtype)
@@ -361,7 +362,7 @@ def test_k_forward_is_the_dequantized_weight_finalize_writes(qtype, dtype):
     (`k_grids.quantize_k`: the codes and grid the GGUF file holds), decoded, bit for bit."""
     from gguf import GGMLQuantizationType
 
-    from quantkit.quant.k_grids import quantize_k
+    from quantkit.grids.k_grids import quantize_k
 
     weight = _weight(dtype, out=32, inp=512)
     linear = _linear(weight)
@@ -378,7 +379,7 @@ def test_k_grid_is_searched_every_n_training_calls_and_at_every_eval_call():
     """Training rounds the current weights on the last grid searched, for `refresh_every` calls; eval searches."""
     from gguf import GGMLQuantizationType
 
-    from quantkit.quant.k_grids import choose_k_qparams, quantize_k, round_k
+    from quantkit.grids.k_grids import choose_k_qparams, quantize_k, round_k
 
     spec = _k_scheme("Q4_K").weights
     quantizer = fake_quant.fake_quantizer(fake_quant.BlockGridFakeQuantizeConfig(spec, refresh_every=2)).train()
@@ -462,7 +463,7 @@ def test_a_mixtures_token_embedding_trains_on_its_k_grid(k_model_dir):
     of exactly that weight, straight through to the float Parameter; strip() and stripped() give the embedding back."""
     from gguf import GGMLQuantizationType
 
-    from quantkit.quant.k_grids import quantize_k
+    from quantkit.grids.k_grids import quantize_k
 
     recipe = registry.resolve("gguf-q4-k-m")
     model = _load(k_model_dir).train()

@@ -8,10 +8,10 @@ from compressed_tensors.quantization.quant_scheme import preset_name_to_scheme
 from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam, maybe_pad_tensor_for_block_quant
 from compressed_tensors.quantization.quant_args import FP4_E2M1_DATA  # its cast_to_fp4: in every release since 0.17
 
-from quantkit.quant import float_grids
-from quantkit.quant.grids import quantize_weight
-from quantkit.quant.qparams import weight_global_scale
-from quantkit.quant.schemes import Granularity, QDtype, ScaleDtype, WeightSpec
+from quantkit.grids import float_grids
+from quantkit.grids import quantize_weight
+from quantkit.grids.qparams import weight_global_scale
+from quantkit.grids.schemes import Granularity, QDtype, ScaleDtype, WeightSpec
 
 SPECS = {
     "NVFP4A16": WeightSpec(QDtype.FLOAT4, Granularity.GROUP, 16, scale_dtype=ScaleDtype.FLOAT8, global_scale=True),

@@ -9,8 +9,8 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
 
-from quantkit.quant.ggml_blocks import FORMATS
-from quantkit.quant.k_grids import K_QTYPES, choose_k_qparams, quantize_k, round_k
+from quantkit.grids.ggml_blocks import FORMATS
+from quantkit.grids.k_grids import K_QTYPES, choose_k_qparams, quantize_k, round_k
 
 Q = GGMLQuantizationType
 IDS = [q.name for q in K_QTYPES]
@@ -134,7 +134,7 @@ def test_cuda_equals_cpu(qtype):
 def test_the_chunk_size_changes_no_byte(qtype, monkeypatch):
     """Super-blocks are searched independently: chunks of 3 (a GPU's 64 Ki, in small) give the bytes of chunks of
     1024, the last chunk short."""
-    from quantkit.quant import k_grids
+    from quantkit.grids import k_grids
 
     weight = torch.randn(5, 4 * 256, generator=torch.Generator().manual_seed(3)) * 0.02
     qtype = GGMLQuantizationType[qtype]
@@ -148,7 +148,7 @@ def test_blocks_of_rows_change_no_value(qtype, monkeypatch):
     """round_k, dequantize and the packers work a block of rows at a time (`ggml_blocks.row_blocks`, so that a
     128k-token embedding holds no whole float32 copies): blocks of one row and a few rows, the last one short,
     give the codes, values and bytes of the whole tensor at once; a bfloat16 weight searches as its float32 copy."""
-    from quantkit.quant import ggml_blocks
+    from quantkit.grids import ggml_blocks
 
     weight = (torch.randn(7, 2 * 256, generator=torch.Generator().manual_seed(4)) * 0.02).to(torch.bfloat16)
     qtype = GGMLQuantizationType[qtype]

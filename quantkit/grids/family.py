@@ -1,12 +1,12 @@
 """What a grid family is (`GridFamily`) and what it hands to the algorithms (`ColumnGrid`, `SearchedGrid`); the
-families and the lookup are `quant.grids`. This module imports nothing of quantkit's but the schemes, so every
+families and the lookup are `quantkit.grids`. This module imports nothing of quantkit's but the schemes, so every
 family's module can build on it."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
-from quantkit.quant.schemes import WeightSpec
+from quantkit.grids.schemes import WeightSpec
 
 if TYPE_CHECKING:
     import torch

@@ -1,6 +1,6 @@
 import pytest
 
-from quantkit.quant.schemes import ActivationSpec, Granularity, QDtype, QuantScheme, ScaleDtype, SchemeError, WeightSpec
+from quantkit.grids.schemes import ActivationSpec, Granularity, QDtype, QuantScheme, ScaleDtype, SchemeError, WeightSpec
 
 
 def test_group_needs_group_size():
@@ -70,11 +70,12 @@ def test_qranges():
     assert QDtype.INT2.qrange == (-2, 1) and QDtype.INT3.qrange == (-4, 3) and QDtype.INT4.qrange == (-8, 7) and QDtype.INT8.qrange == (-128, 127)
     assert QDtype.FLOAT8.qrange == (-448.0, 448.0) and QDtype.FLOAT4.qrange == (-6.0, 6.0)
     assert [QDtype(f"int{n}").bits for n in range(2, 9)] == list(range(2, 9)) and QDtype.FLOAT4.bits == 4
-    assert [d.bits for d in QDtype] == [2, 3, 4, 5, 6, 7, 8, 8, 4]
+    assert [d.bits for d in QDtype] == [2, 3, 4, 5, 6, 7, 8, 8, 4, 4]  # iq4_nl: 4-bit indices into its table
+    assert QDtype.IQ4_NL.qrange == (0, 15) and QDtype.IQ4_NL.is_codebook and not QDtype.INT4.is_codebook
 
 
 def test_k_quant_scales_take_llama_cpps_k_grids_only():
-    from quantkit.quant.schemes import K_QUANT_TYPES, ScaleDtype
+    from quantkit.grids.schemes import K_QUANT_TYPES, ScaleDtype
 
     for (dtype, group, symmetric), name in K_QUANT_TYPES.items():
         spec = WeightSpec(dtype, Granularity.GROUP, group, symmetric=symmetric, scale_dtype=ScaleDtype.K_QUANT)

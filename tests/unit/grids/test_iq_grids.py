@@ -13,7 +13,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
 
-from quantkit.quant.iq_grids import (
+from quantkit.grids.iq_grids import (
     IQ4_FORMATS, IQ4_QTYPES, KVALUES_IQ4NL, IQ4Params, choose_iq4_params, nearest_code, pack_iq4, quantize_iq4,
     round_iq4, unpack_iq4,
 )
@@ -241,7 +241,7 @@ def test_chunks_and_blocks_of_rows_change_nothing(qtype, monkeypatch):
     """Blocks are searched independently: chunks of one super-block give the bytes of whole chunks; rounding,
     decoding and packing a block of rows at a time give the whole tensor's; a bfloat16 weight searches as its
     float32 copy."""
-    from quantkit.quant import ggml_blocks, iq_grids
+    from quantkit.grids import ggml_blocks, iq_grids
 
     weight = (torch.randn(7, 512, generator=torch.Generator().manual_seed(12)) * 0.02).to(torch.bfloat16)
     importance = torch.from_numpy(_importance())

@@ -6,9 +6,9 @@ import torch
 from quantkit.export import torchao as torchao_exporter
 from quantkit.export.torchao import torchao_config
 from quantkit.quant import registry
-from quantkit.quant.grids import fake_quantize_weight, quantize_weight
-from quantkit.quant.qparams import QuantizedWeight, quantize_with
-from quantkit.quant.schemes import Granularity, QDtype, QuantScheme, WeightSpec
+from quantkit.grids import fake_quantize_weight, quantize_weight
+from quantkit.grids.qparams import QuantizedWeight, quantize_with
+from quantkit.grids.schemes import Granularity, QDtype, QuantScheme, WeightSpec
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -162,8 +162,8 @@ def test_quantized_weight_reports_its_group_size():
 def test_mse_observer_without_shrink_is_minmax_and_with_shrink_is_no_worse(symmetric, dtype):
     from dataclasses import replace
 
-    from quantkit.quant.qparams import choose_qparams_minmax, choose_qparams_mse
-    from quantkit.quant.schemes import WeightObserver
+    from quantkit.grids.qparams import choose_qparams_minmax, choose_qparams_mse
+    from quantkit.grids.schemes import WeightObserver
 
     spec = WeightSpec(QDtype.INT4, Granularity.GROUP, group_size=64, symmetric=symmetric)
     weight = _weight(dtype)
@@ -182,7 +182,7 @@ def test_mse_observer_without_shrink_is_minmax_and_with_shrink_is_no_worse(symme
 def test_an_fp16_minimum_grid_holds_its_minimum_in_fp16(dtype, significant, observer):
     """Q4_1 / Q5_1: every block's minimum -(z - qmin) s is an fp16 value, the step has at most 7 (int4) or 6 (int5)
     significant bits, and the grid loses almost nothing against an unconstrained float32 scale."""
-    from quantkit.quant.schemes import ScaleDtype, WeightObserver
+    from quantkit.grids.schemes import ScaleDtype, WeightObserver
 
     weight = torch.randn(64, 256, generator=torch.Generator().manual_seed(0)) * 0.02 + 0.004
     weight[3, :32] = 0.0  # a block of zeros: the smallest normal step
@@ -211,7 +211,7 @@ def test_a_signed_step_grid_is_llama_cpps_rule_and_beats_the_symmetric_range(dty
     import numpy as np
     from gguf import GGMLQuantizationType, quants
 
-    from quantkit.quant.schemes import ScaleDtype, WeightObserver
+    from quantkit.grids.schemes import ScaleDtype, WeightObserver
 
     torch.manual_seed(0)
     weight = torch.distributions.StudentT(4.0).sample((64, 256)) * 0.02

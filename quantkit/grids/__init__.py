@@ -1,4 +1,7 @@
-"""Grid families: what a weight's grid is, as one object each. Everything above the grid layer asks the family of a
+"""The grid layer: what a quantized weight looks like (`schemes`: torch-free specs), how it rounds (`qparams`, the
+families below), llama.cpp's block layouts (`ggml_blocks`). Imports only `quantkit.errors` and `quantkit.runtime`.
+
+Grid families: what a weight's grid is, as one object each. Everything above the grid layer asks the family of a
 spec (`family_of`) instead of asking what kind of grid it is.
 
 A family owns, for the specs it holds:
@@ -10,30 +13,30 @@ A family owns, for the specs it holds:
 - `searched(weight, spec)`: a grid whose parameters the family's search fixes, with each column's step and offset
   (`SearchedGrid`: what AutoRound tunes the rounding on), or None where the algorithm chooses the parameters;
 - `block_params(spec, parts)`: a block grid's parameters rebuilt from their tensors (a resume file);
-- `fake_quant`: the kind of QAT fake quantizer that reproduces it (`quant.fake_quant.WEIGHT_FAKE_QUANTIZERS`).
+- `fake_quant`: the kind of QAT fake quantizer that reproduces it (`quant.fake_quant.WEIGHT_CONFIGS`).
 
 Members, in the order they are asked: llama.cpp's K-quants (`k_grids`), llama.cpp's non-linear i-quants
 (`iq_grids`), the float grids (FP8 blocks, NVFP4, MX: `qparams.FLOAT_GRID`), the integer and FP8-per-channel grids
-(`qparams.INTEGER_GRID`). A new family is a module in this layer defining one object, and its place in FAMILIES.
+(`qparams.INTEGER_GRID`). A new family is a module in this layer defining one object, and its place in `families()`.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from quantkit.quant.grid_family import GridFamily
-from quantkit.quant.schemes import WeightSpec
+from quantkit.grids.family import GridFamily
+from quantkit.grids.schemes import WeightSpec
 
 if TYPE_CHECKING:
     import torch
 
-    from quantkit.quant.qparams import QuantizedWeight
+    from quantkit.grids.qparams import QuantizedWeight
 
 
 def families() -> list[GridFamily]:
-    from quantkit.quant.iq_grids import IQ_GRID
-    from quantkit.quant.k_grids import K_GRID
-    from quantkit.quant.qparams import FLOAT_GRID, INTEGER_GRID
+    from quantkit.grids.iq_grids import IQ_GRID
+    from quantkit.grids.k_grids import K_GRID
+    from quantkit.grids.qparams import FLOAT_GRID, INTEGER_GRID
 
     return [K_GRID, IQ_GRID, FLOAT_GRID, INTEGER_GRID]
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
-from quantkit.quant.ggml_blocks import FORMATS, PACKERS, block_format, pack
+from quantkit.grids.ggml_blocks import FORMATS, PACKERS, block_format, pack
 
 Q = GGMLQuantizationType
 ROWS, COLS = 6, 512

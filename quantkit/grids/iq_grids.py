@@ -25,11 +25,11 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
-from quantkit.quant.ggml_blocks import BlockFormat, row_blocks
-from quantkit.quant.grid_family import GridFamily
-from quantkit.quant.k_grids import _columns, _div, _first_absmax, _map_chunks, _sqrt
-from quantkit.quant.qparams import QuantizedWeight
-from quantkit.quant.schemes import WeightSpec
+from quantkit.grids.ggml_blocks import BlockFormat, row_blocks
+from quantkit.grids.family import GridFamily
+from quantkit.grids.k_grids import _columns, _div, _first_absmax, _map_chunks, _sqrt
+from quantkit.grids.qparams import QuantizedWeight
+from quantkit.grids.schemes import WeightSpec
 
 Q = GGMLQuantizationType
 IQ4_QTYPES = (Q.IQ4_NL, Q.IQ4_XS)
@@ -444,7 +444,7 @@ def _chunk_importance(importance: torch.Tensor | None, first: int, count: int, s
 
 @dataclass
 class IQColumns:
-    """An i-quant grid in GPTQ's column loop (`grid_family.ColumnGrid`): each block's scale (IQ4_XS: each super-block's
+    """An i-quant grid in GPTQ's column loop (`grids.family.ColumnGrid`): each block's scale (IQ4_XS: each super-block's
     d and sub-scales) chosen by llama.cpp's search on the columns as GPTQ has updated them when it reaches the
     super-block's first column (with actorder: all up front, on the original weights), then every column rounded to
     the nearest table value on its fixed step as `round_iq4` rounds (each column's inverse step and step kept as

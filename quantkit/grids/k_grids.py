@@ -22,10 +22,10 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
-from quantkit.quant.ggml_blocks import FORMATS, BlockFormat, pack, row_blocks
-from quantkit.quant.grid_family import GridFamily
-from quantkit.quant.qparams import QuantizedWeight
-from quantkit.quant.schemes import WeightSpec
+from quantkit.grids.ggml_blocks import FORMATS, BlockFormat, pack, row_blocks
+from quantkit.grids.family import GridFamily
+from quantkit.grids.qparams import QuantizedWeight
+from quantkit.grids.schemes import WeightSpec
 
 Q = GGMLQuantizationType
 K_QTYPES = (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)

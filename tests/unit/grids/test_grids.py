@@ -1,4 +1,4 @@
-"""Grid families (`quant.grids`): every spec has one, and what each hands to the algorithms, the resume files and QAT
+"""Grid families (`quantkit.grids`): every spec has one, and what each hands to the algorithms, the resume files and QAT
 is its own round to nearest, exactly."""
 
 import pytest
@@ -6,8 +6,9 @@ import torch
 
 from quantkit.algorithms.gptq import gptq_quantize
 from quantkit.algorithms.methods.gptq import GPTQArgs
-from quantkit.quant import fake_quant, grids, registry
-from quantkit.quant.qparams import QuantizedWeight
+from quantkit import grids
+from quantkit.quant import fake_quant, registry
+from quantkit.grids.qparams import QuantizedWeight
 
 BLOCK_RECIPES = ["gguf-iq4-nl", "gguf-iq4-xs", "gguf-q4-k-m", "gguf-q2-k"]
 

@@ -1,7 +1,7 @@
 """Quantization parameters on a scheme's grid, computed with torchao's primitives.
 
 The scaled grids (integer, FP8, FP4, MX: one scale, and zero point, per group, channel or block) as two grid
-families, `INTEGER_GRID` and `FLOAT_GRID` (`quant.grids`), and the `QuantizedWeight` every family's quantizer
+families, `INTEGER_GRID` and `FLOAT_GRID` (`quantkit.grids`), and the `QuantizedWeight` every family's quantizer
 returns and every exporter consumes.
 """
 
@@ -22,9 +22,9 @@ from torchao.quantization.quant_primitives import (
     quantize_affine,
 )
 
-from quantkit.quant import float_grids
-from quantkit.quant.grid_family import GridFamily
-from quantkit.quant.schemes import Granularity, QDtype, ScaleDtype, SchemeError, WeightObserver, WeightSpec
+from quantkit.grids import float_grids
+from quantkit.grids.family import GridFamily
+from quantkit.grids.schemes import Granularity, QDtype, ScaleDtype, SchemeError, WeightObserver, WeightSpec
 
 _EPS = torch.finfo(torch.float32).eps
 
@@ -39,7 +39,7 @@ class QParams:
     spec: WeightSpec
     global_scale: torch.Tensor | None = None  # float32 [1], NVFP4
     k: "BlockParams | None" = None  # llama.cpp's block grids (K, i-quants): the block scale codes, fp16 super-block
-    # scales (`grid_family.BlockParams`; scale: each sub-block's step)
+    # scales (`grids.family.BlockParams`; scale: each sub-block's step)
 
 
 @dataclass
@@ -326,7 +326,7 @@ def quantize_scaled(weight: torch.Tensor, spec: WeightSpec, global_scale: torch.
 
 @dataclass
 class ScaledColumns:
-    """A scaled grid in GPTQ's column loop (`grid_family.ColumnGrid`): the qparams of the result, and how one column
+    """A scaled grid in GPTQ's column loop (`grids.family.ColumnGrid`): the qparams of the result, and how one column
     is rounded onto them (exactly as `quantize_with` rounds)."""
 
     spec: WeightSpec

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from quantkit.quant.observers import ChannelAbsMax, HessianObserver, ReduceOp, StaticMinMax, reduce_parts
+from quantkit.grids.observers import ChannelAbsMax, HessianObserver, ReduceOp, StaticMinMax, reduce_parts
 
 
 def _data(seed=0):
@@ -61,7 +61,7 @@ def test_hessian_is_bit_identical_for_any_split_of_the_batches(shares):
 
 @pytest.mark.parametrize("width", [16, 300, 600])  # one block; blocks with a ragged last one
 def test_the_hessian_is_kept_as_upper_blocks_and_comes_out_whole_and_symmetric(width):
-    from quantkit.quant import observers
+    from quantkit.grids import observers
     rows = torch.randn(40, width, generator=torch.Generator().manual_seed(0))
     blocks = observers.gram_blocks(rows)
     assert [b.shape for b in blocks] == [(min(256, width - s), width - s) for s in range(0, width, 256)]
@@ -85,7 +85,7 @@ def test_static_minmax_absmax_and_reduce_parts():
 
 
 def test_mean_minmax_reduces_exactly_and_averages_batch_ranges():
-    from quantkit.quant.observers import MeanMinMax
+    from quantkit.grids.observers import MeanMinMax
 
     x = _data()
     whole = MeanMinMax()
@@ -107,7 +107,7 @@ def test_mean_minmax_reduces_exactly_and_averages_batch_ranges():
 def test_a_batch_longer_than_a_chunk_is_added_chunk_by_chunk_to_the_same_hessian(monkeypatch):
     """A batch is added HESSIAN_CHUNK_TOKENS tokens at a time (no float32 copy of the whole batch): the Hessian is
     the one of the tokens added one chunk at a time, and equals the whole batch's to float32 rounding."""
-    from quantkit.quant import observers
+    from quantkit.grids import observers
 
     monkeypatch.setattr(observers, "HESSIAN_CHUNK_TOKENS", 5)
     x = torch.randn(3, 7, 40)
