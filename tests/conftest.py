@@ -22,12 +22,14 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
 
 # Under pytest-xdist (`make test` runs two workers), each worker keeps to its own share of the cores, and so does
 # every process it starts (affinity is inherited): quantkit's default thread count is the cores it may use, and two
-# workers each running torch on every core slow each other down (OpenMP threads spin on a busy core).
+# workers each running torch on every core slow each other down (OpenMP threads spin on a busy core). A worker that
+# replaces a crashed one is numbered past the count (gw2 of 2): its number modulo the count picks its share (an empty
+# set of cores failed its start, and with it the rest of the run).
 _WORKER, _WORKERS = os.environ.get("PYTEST_XDIST_WORKER"), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _WORKER and hasattr(os, "sched_setaffinity"):
     _CORES = sorted(os.sched_getaffinity(0))
     if len(_CORES) >= _WORKERS:
-        os.sched_setaffinity(0, _CORES[int(_WORKER.removeprefix("gw")) :: _WORKERS])
+        os.sched_setaffinity(0, _CORES[int(_WORKER.removeprefix("gw")) % _WORKERS :: _WORKERS])
 
 _WORDS = (
     "the a quantized model weight scale group token layer small fast bit integer float value error round grid "
