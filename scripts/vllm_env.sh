@@ -22,7 +22,8 @@ WANT="$VLLM_SPEC | $TORCH_SPEC"
 INSTALL_QUANTKIT=("$VENV/bin/python" -m pip install -q --disable-pip-version-check -c "$VENV/vllm-pins.txt" -e "$ROOT")
 if [[ -x "$VENV/bin/python" && -f "$STAMP" && "$(head -1 "$STAMP")" == "$WANT" ]]; then
     # built before; quantkit installed from another clone is installed from this one (its source is followed)
-    found="$("$VENV/bin/python" -c 'import os, quantkit; print(os.path.dirname(os.path.dirname(quantkit.__file__)))')" || true
+    found="$("$VENV/bin/python" -I -c 'import json, importlib.metadata as m
+print(json.loads(m.distribution("quantkit-llm").read_text("direct_url.json"))["url"].removeprefix("file://"))')" || true
     [[ "$found" -ef "$ROOT" ]] || "${INSTALL_QUANTKIT[@]}" >&2
     echo "$VENV/bin/python"; exit 0
 fi
