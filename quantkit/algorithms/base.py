@@ -48,6 +48,7 @@ class Algorithm:
     float_reference: ClassVar[bool] = False  # tunes against the float model's hidden states, kept beside the quantized
     learns_ranges: ClassVar[bool] = False  # learns each group's clipping: scales no fixed-minimum grid holds exactly
     qat_ready: ClassVar[bool] = False  # its rounding is the fake quantizer's: QAT trains on what it writes
+    rounds_to_nearest: ClassVar[bool] = False  # what a format that quantizes while loading (torchao) computes itself
     qat_substitute: ClassVar[str | None] = None  # the data-free algorithm a QAT model converts with on a grid it
     # only rounds onto (GPTQ on a K grid: llama.cpp's own rounding, which training saw)
     searches_blocks: ClassVar[bool] = False  # scores candidate scales on each block's inputs (AWQ)

@@ -33,7 +33,7 @@ LOAD_AND_WRITE_COPIES = 1.75  # the preflight's RAM estimate, in copies of the m
 def unsupported(recipe: Recipe) -> str | None:
     if recipe.kv_cache is not None:
         return "torchao artifacts carry no KV cache scales (--kv-cache); they are compressed-tensors' kv_cache_scheme"
-    if recipe.needs_calibration:
+    if recipe.needs_calibration or not all(step.algorithm.rounds_to_nearest for step in recipe.steps):
         return "the torchao format takes round-to-nearest recipes with dynamic activations (it quantizes while loading)"
     if recipe.transforms:
         return ("the recipe rotates the model before quantizing it, and transformers converts the unrotated checkpoint "

@@ -41,7 +41,7 @@ def work(tmp_path_factory) -> Path:
 def _recipe(name: str, folder: Path):
     from quantkit.quant import registry
     recipe = registry.resolve(name)
-    if recipe.quantizer.name.value != "autoround":
+    if recipe.quantizer.name != "autoround":
         return recipe
     files = {p.stem: p for p in Path(registry.__file__).parent.joinpath("recipes").rglob("*.yaml")}
     data = yaml.safe_load(files[name].read_text()) if name in files else None

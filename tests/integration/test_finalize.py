@@ -144,8 +144,13 @@ def test_reloaded_weights_equal_scheme_fake_quant(artifacts, tiny_model_dir, wid
             expected = original
         elif fmt is Format.TORCHAO and entry.scheme.weights.dtype.is_float:
             expected = _torchao_float_grid(original, entry.scheme)
-        else:
-            expected = fake_quantize_weight(original, entry.scheme.weights, global_scales.get(entry.name))
+        else:  # the recipe's data-free quantizer (round to nearest: the scheme's fake quantization; HQQ: its own)
+            quantizer, args = recipe.quantizer.algorithm, recipe.quantizer.arguments
+            expected = quantizer.quantize_weight(original, entry.scheme.weights, args, global_scales.get(entry.name))
+            expected = expected.dequantize(original.dtype)
+            if quantizer.qat_ready:  # and that is the fake quantization QAT trains through
+                torch.testing.assert_close(expected, fake_quantize_weight(original, entry.scheme.weights,
+                                                                          global_scales.get(entry.name)), atol=0, rtol=0)
         torch.testing.assert_close(reloaded[entry.name], expected.float(), atol=0, rtol=0, msg=entry.name)
 
 

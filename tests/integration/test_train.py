@@ -297,7 +297,7 @@ def test_qat_train_finalize_gguf(workspace, recipe, types, tmp_path):
     assert ("token_embd.weight" in seen) == ("token_embd.weight" in types)
 
     out = finalize(result.final_dir, tmp_path / "qat.gguf", registry.resolve(recipe))
-    assert out.calibration is None and out.recipe.steps[0].name.value == "rtn"
+    assert out.calibration is None and out.recipe.steps[0].name == "rtn"
     written = _gguf_tensors(out.dst)
     assert {name: written[name][0] for name in types} == types
     assert len(seen) >= 14

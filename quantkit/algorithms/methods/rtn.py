@@ -12,6 +12,7 @@ class RTN(Algorithm):
     name = "rtn"
     needs_data = False
     qat_ready = True  # QAT's fake quantizer rounds to nearest on the same grid
+    rounds_to_nearest = True
 
     def quantize_weight(self, weight, spec, args, global_scale=None):
         from quantkit.algorithms.rtn import rtn_quantize
