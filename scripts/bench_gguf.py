@@ -17,8 +17,9 @@ all rows side by side):
    float16`, so a token embedding or output left unquantized is F16 in every file;
 2. llama.cpp's rows per model: its HF -> GGUF converter (convert_hf_to_gguf.py with its `conversion/` package and
    gguf-py, from the llama-cpp-python sdist of the same version as the binaries, extracted once beside them) writes
-   the F16 file; `llama-quantize` makes each of `--llama-types` from it (Q4_0, Q4_K_M, Q3_K_M, Q2_K, and Q8_0 as
-   a check), without and with an importance matrix (Q8_0 reads none) that `llama-imatrix` computes on the text
+   the F16 file; `llama-quantize` makes each of `--llama-types` from it (Q4_0, Q4_K_M, Q3_K_M, Q2_K, IQ4_NL,
+   IQ4_XS, and Q8_0 as a check), without and with an importance matrix (Q8_0 reads none) that `llama-imatrix`
+   computes on the text
    quantkit calibrates on (`--num-samples` chunks of `--seq-len` tokens of `--calib-data`). The converter runs
    through a small wrapper that names a byte-level BPE tokenizer llama.cpp's table of hashes does not know (the
    benchmark model's own) by its pre-tokenizer, with quantkit's rule (quantkit.export.gguf_vocab.pre_tokenizer),
@@ -46,17 +47,26 @@ all rows side by side):
    and without imatrix, auto-round) is at or below it by the mean KL divergence from F16; on the outlier model, a
    rotated quantkit Q4_K_M row within 1% of F16's perplexity;
 7. `llama-bench -p 0 -n 64 -r 3` decode tokens/s of the first model's files of `--bench-types` (one file per tool
-   and type: the kernels are the type's, so the other rows of a type decode alike).
+   and type: the kernels are the type's, so the other rows of a type decode alike);
+8. quantkit's round-to-nearest rows against llama-quantize's files of their type without an imatrix (RTN_TWINS:
+   gguf-q4-0, gguf-q4-k-m+rtn, gguf-iq4-nl, gguf-iq4-xs+rtn, gguf-q8-0), read back with gguf's reader: how many of
+   the decoder's matrices hold the same bytes (the same search on the same F16-rounded weights gives the same
+   bytes), whether the token embedding and output do, and the other tensors (the norms: llama.cpp's converter keeps
+   them float32, quantkit's `--dtype float16` writes them rounded to fp16, in F32).
 
 Row specs for quantkit: a shipped recipe name, with optional modifiers, each making a user recipe file in the work
 dir from the shipped YAML: `:gN` sets its groups to N (gptq-w4a16's groups of 128 fill four Q4_0 blocks with one
 scale, `gptq-w4a16:g32` gives every Q4_0 block its own); `+rot` adds fused Hadamard rotations R1+R2 (`transforms:
 [{type: hadamard, rotations: [R1, R2]}]`, as spinquant-gptq-w4a16); `+rtn` replaces the algorithm by
 round-to-nearest and drops the calibration (`gguf-q4-k-m+rtn`: the Q4_K_M mixture without calibration, as
-llama-quantize without an imatrix). llama-quantize writes the token embedding and output in F16 for the types whose
-quantkit recipe leaves them unquantized (Q4_0, Q4_1, Q8_0: `--token-embedding-type f16 --output-tensor-type f16`),
-and its own mixture's types for the K mixtures, which quantkit's K recipes follow (Q4_K_M: Q4_K and Q6_K): each
-type's files then hold the same tensors in the same types, and differ only in how the values were chosen.
+llama-quantize without an imatrix); `+gptq` replaces it by GPTQ (GPTQ_ALGORITHM: the shipped gguf-q4-k-m's and
+gguf-iq4-xs's, columns left to right) on the benchmark's calibration (`gguf-iq4-nl+gptq`). The IQ4 rows:
+`gguf-iq4-nl` (llama.cpp's search, no data) and `gguf-iq4-nl+gptq`, `gguf-iq4-xs+rtn` and `gguf-iq4-xs` (GPTQ).
+llama-quantize writes the token embedding and output in F16 for the types whose quantkit recipe leaves them
+unquantized (Q4_0, Q4_1, Q8_0, IQ4_NL, IQ4_XS: `--token-embedding-type f16 --output-tensor-type f16`; left to
+itself it would write IQ4_NL / IQ4_XS's embedding in the type and the output in Q6_K), and its own mixture's types
+for the K mixtures, which quantkit's K recipes follow (Q4_K_M: Q4_K and Q6_K): each type's files then hold the same
+tensors in the same types, and differ only in how the values were chosen.
 
 `--export-time` runs another benchmark instead: the time and peak memory to write a GGUF file of a 0.84B Llama of
 random bf16 weights (hidden 1536, 24 layers, MLP 4608, vocab 32000, untied; built once in `--workdir` with
@@ -68,7 +78,10 @@ On 2 shared CPU cores (the trained model of 21M parameters, 64 x 512 calibration
 0.5-2.5 min each (AWQ, not a default row, 14 min), llama.cpp's rows and each llama-perplexity under a minute,
 auto-round's RTN under a minute and its 50 tuning steps 2-9 min: about an hour for both models with the default
 rows. `--export-time` takes about 10 min. Every process runs with OMP_NUM_THREADS / MKL_NUM_THREADS = `--threads`,
-and llama.cpp's tools with `-t`.
+and llama.cpp's tools with `-t`. `--no-repack` runs llama-perplexity (and llama-bench) without ggml's CPU extra buffer
+types: on an Intel CPU with AMX in a VM (firecracker) the AMX kernels that build_llama_cpp.sh's native build holds
+for Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K and IQ4_XS segfault (ggml_backend_amx_mul_mat, at ldtilecfg), while the same
+files run with the option.
 """
 
 from __future__ import annotations
@@ -94,11 +107,19 @@ from harness import WIKITEXT, fmt
 
 LLAMA_CPP_VERSION = os.environ.get("LLAMA_CPP_VERSION", "0.3.36")  # llama-cpp-python's release, as build_llama_cpp.sh
 LLAMA_CPP_CACHE = Path(os.environ.get("LLAMA_CPP_CACHE", Path.home() / ".cache" / "quantkit" / "llama.cpp"))
-LLAMA_TYPES = ["Q4_0", "Q4_K_M", "Q3_K_M", "Q2_K", "Q8_0"]
+LLAMA_TYPES = ["Q4_0", "Q4_K_M", "Q3_K_M", "Q2_K", "IQ4_NL", "IQ4_XS", "Q8_0"]
 UNWEIGHTED = {"Q8_0", "F16", "BF16", "F32"}  # types llama-quantize makes without reading an importance matrix
-UNQUANTIZED_OUTER = {"Q4_0", "Q4_1", "Q8_0"}  # quantkit's recipes of these leave the embedding and output in F16
+# quantkit's recipes of these leave the embedding and output in F16 (llama-quantize's own choice for the IQ4 types:
+# the embedding in the type itself, the output Q6_K)
+UNQUANTIZED_OUTER = {"Q4_0", "Q4_1", "Q8_0", "IQ4_NL", "IQ4_XS"}
 QUANTKIT_ROWS = ["gguf-q4-0", "gptq-w4a16:g32", "gptq-w4a16:g32+rot", "gguf-q4-k-m", "gguf-q4-k-m+rtn",
-                 "gguf-q4-k-m+rot", "gguf-q3-k-m", "gguf-q3-k-m+rot", "gguf-q2-k", "gguf-q2-k+rot", "gguf-q8-0"]
+                 "gguf-q4-k-m+rot", "gguf-q3-k-m", "gguf-q3-k-m+rot", "gguf-q2-k", "gguf-q2-k+rot", "gguf-iq4-nl",
+                 "gguf-iq4-nl+gptq", "gguf-iq4-xs+rtn", "gguf-iq4-xs", "gguf-q8-0"]
+# `+gptq`: the algorithm of the shipped GPTQ GGUF recipes (gguf-q4-k-m, gguf-iq4-xs), columns left to right
+GPTQ_ALGORITHM = {"name": "gptq", "block_size": 128, "dampening_frac": 0.01, "actorder": False}
+# quantkit's round-to-nearest rows and the llama-quantize file (no imatrix) each should equal in the decoder's bytes
+RTN_TWINS = {"gguf-q4-0": "Q4_0", "gguf-q4-k-m+rtn": "Q4_K_M", "gguf-iq4-nl": "IQ4_NL", "gguf-iq4-xs+rtn": "IQ4_XS",
+             "gguf-q8-0": "Q8_0"}
 AUTOROUND_ROWS = ["q4_0", "q4_k_m", "q4_k_m:i50", "q3_k_m", "q2_k_s"]
 AUTOROUND_PYTHON = Path("/tmp/llmc-venv/bin/python")  # bench_calibration.py's peer venv, where auto-round lives
 AUTOROUND_KINDS = {"Q2_K_S": "Q2_K"}  # auto-round's scheme -> the llama.cpp type its rows are compared with
@@ -323,7 +344,7 @@ def llama_rows(model: str, bin_dir: Path, f16: Path, args: argparse.Namespace) -
 def llama_quantize(bin_dir: Path, f16: Path, row: Row, kind: str, matrix: Path | None,
                    args: argparse.Namespace) -> None:
     """`llama-quantize [--imatrix M] F16 OUT KIND`, the embedding and output pinned to F16 where quantkit's recipe of
-    the type leaves them unquantized (UNQUANTIZED_OUTER), else the mixture's own types."""
+    the type leaves them unquantized (UNQUANTIZED_OUTER: Q4_0, Q8_0, the IQ4 types), else the mixture's own types."""
     weights = ["--imatrix", str(matrix)] if matrix else []
     outer = ["--token-embedding-type", "f16", "--output-tensor-type", "f16"]
     outer = outer if kind.upper() in UNQUANTIZED_OUTER else []
@@ -335,8 +356,9 @@ def llama_quantize(bin_dir: Path, f16: Path, row: Row, kind: str, matrix: Path |
 
 
 def recipe_for(spec: str, folder: Path) -> str:
-    """A row spec's recipe: the shipped name, or for `NAME[:gN][+rot][+rtn]` a user recipe file in `folder` made
-    from the shipped YAML (groups of N; fused R1+R2 Hadamard rotations; round-to-nearest without calibration)."""
+    """A row spec's recipe: the shipped name, or for `NAME[:gN][+rot][+rtn|+gptq]` a user recipe file in `folder`
+    made from the shipped YAML (groups of N; fused R1+R2 Hadamard rotations; round-to-nearest without calibration,
+    or GPTQ (GPTQ_ALGORITHM) with calibration)."""
     import yaml
 
     from quantkit.quant.registry import resolve
@@ -347,9 +369,12 @@ def recipe_for(spec: str, folder: Path) -> str:
         return name
     if groups and (not groups.startswith("g") or not groups[1:].isdigit()):
         raise ValueError(f"row {spec!r}: the part after ':' is gN (groups of N weights), e.g. {name}:g32")
-    unknown = set(modifiers) - {"rot", "rtn"}
+    unknown = set(modifiers) - {"rot", "rtn", "gptq"}
     if unknown:
-        raise ValueError(f"row {spec!r}: unknown modifier(s) {sorted(unknown)}; known: +rot (R1+R2 rotations), +rtn")
+        raise ValueError(f"row {spec!r}: unknown modifier(s) {sorted(unknown)}; known: +rot (R1+R2 rotations), +rtn, "
+                         "+gptq")
+    if {"rtn", "gptq"} <= set(modifiers):
+        raise ValueError(f"row {spec!r}: +rtn and +gptq each replace the algorithm; name one")
     recipe = yaml.safe_load(Path(resolve(name).source).read_text())
     if groups:
         recipe["scheme"]["weights"]["group_size"] = int(groups[1:])
@@ -358,6 +383,9 @@ def recipe_for(spec: str, folder: Path) -> str:
     if "rtn" in modifiers:
         recipe["algorithm"] = {"name": "rtn"}
         recipe.pop("calibration", None)
+    if "gptq" in modifiers:  # the calibration's sizes are the benchmark's (finalize's options override the file's)
+        recipe["algorithm"] = dict(GPTQ_ALGORITHM)
+        recipe.setdefault("calibration", {"num_samples": 128, "seq_len": 512})
     path = folder / f"{spec.replace(':', '-').replace('+', '-')}.yaml"
     path.write_text(f"# {spec}: {name}, modified by scripts/bench_gguf.py\n" + yaml.safe_dump(recipe, sort_keys=False))
     return str(path)
@@ -442,10 +470,11 @@ def perplexity(bin_dir: Path, row: Row, args: argparse.Namespace, tries: int = 2
     again when it exits 0 without the estimate: once in ~25 runs on a loaded machine its asynchronous logger lost
     the last lines of stderr (the per-chunk values on stdout were complete)."""
     cmd = [str(bin_dir / "llama-perplexity"), "-m", str(row.path), "-f", str(args.eval_data), "-c", str(args.ctx),
-           "--chunks", str(args.chunks), "-t", str(args.threads), "-b", str(args.ctx)]
+           "--chunks", str(args.chunks), "-t", str(args.threads), "-b", str(args.ctx), *no_repack(args)]
     log = row.path.with_suffix(".perplexity.log")
+    marker = f"bench_gguf: -c {args.ctx} --chunks {args.chunks} -f {args.eval_data}{' --no-repack' * args.no_repack}"
     kept = PPL.search(log.read_text()) if args.reuse and log.is_file() and newer(log, row.path) else None
-    if kept and f"-c {args.ctx} --chunks {args.chunks} -f {args.eval_data}" in log.read_text():
+    if kept and marker in log.read_text().splitlines():
         row.ppl, row.ppl_error = float(kept[1]), float(kept[2])
         return
     for _ in range(tries):
@@ -461,7 +490,7 @@ def perplexity(bin_dir: Path, row: Row, args: argparse.Namespace, tries: int = 2
         return
     row.ppl, row.ppl_error = float(found[1]), float(found[2])
     with log.open("a") as f:  # what `--reuse` checks before it keeps this estimate
-        f.write(f"\nbench_gguf: -c {args.ctx} --chunks {args.chunks} -f {args.eval_data}\n")
+        f.write(f"\n{marker}\n")
 
 
 def divergence_base(bin_dir: Path, f16: Row, args: argparse.Namespace) -> Path | None:
@@ -471,7 +500,8 @@ def divergence_base(bin_dir: Path, f16: Row, args: argparse.Namespace) -> Path |
     if args.reuse and base.is_file() and newer(base, f16.path):
         return base
     cmd = [str(bin_dir / "llama-perplexity"), "-m", str(f16.path), "-f", str(args.eval_data), "-c", str(args.ctx),
-           "--chunks", str(args.chunks), "-t", str(args.threads), "-b", str(args.ctx), "--kl-divergence-base", str(base)]
+           "--chunks", str(args.chunks), "-t", str(args.threads), "-b", str(args.ctx),
+           "--kl-divergence-base", str(base), *no_repack(args)]
     proc = subprocess.run(cmd, env=harness.thread_env(args.threads), capture_output=True, text=True)
     return base if proc.returncode == 0 and base.is_file() else None
 
@@ -482,12 +512,14 @@ def divergence(bin_dir: Path, row: Row, base: Path, args: argparse.Namespace, tr
     windows these rank files whose perplexities lie within llama-perplexity's own +/- of each other."""
     log = row.path.with_suffix(".kld.log")
     text = log.read_text() if args.reuse and log.is_file() and newer(log, row.path) and newer(log, base) else ""
+    marker = "bench_gguf: --kl-divergence --no-repack"  # a log made with --no-repack says so (older logs say nothing)
+    text = text if (marker in text.splitlines()) == args.no_repack else ""
     for _ in range(tries if not KLD.search(text) else 0):
         cmd = [str(bin_dir / "llama-perplexity"), "-m", str(row.path), "-t", str(args.threads), "-b", str(args.ctx),
-               "--kl-divergence-base", str(base), "--kl-divergence"]
+               "--kl-divergence-base", str(base), "--kl-divergence", *no_repack(args)]
         proc = subprocess.run(cmd, env=harness.thread_env(args.threads), capture_output=True, text=True)
         text = proc.stdout + proc.stderr
-        log.write_text(text)
+        log.write_text(text + (f"\n{marker}\n" if args.no_repack else ""))
         if KLD.search(text) or proc.returncode:  # rc 0 without the summary: its logger lost the last lines
             break
     for pattern, fields in ((KLD, ("kld", "kld_error")), (SAME_TOP, ("same_top", None)), (PAIRED, ("ratio", "ratio_error"))):
@@ -495,6 +527,12 @@ def divergence(bin_dir: Path, row: Row, base: Path, args: argparse.Namespace, tr
             setattr(row, fields[0], float(found[1]))
             if fields[1]:
                 setattr(row, fields[1], float(found[2]))
+
+
+def no_repack(args: argparse.Namespace) -> list[str]:
+    """llama-perplexity's `--no-repack` where `--no-repack` asks for it: ggml's CPU extra buffer types off (weights
+    repacked for its interleaved kernels, and its AMX kernels)."""
+    return ["--no-repack"] if args.no_repack else []
 
 
 def newer(a: Path, b: Path) -> bool:
@@ -525,7 +563,7 @@ def sizes(row: Row, parameters: int) -> None:
 def decode_speed(bin_dir: Path, row: Row, args: argparse.Namespace) -> None:
     """llama-bench's decode tokens/s for `row`'s file: 64 generated tokens, no prompt, `--threads`, 3 repetitions."""
     cmd = [str(bin_dir / "llama-bench"), "-m", str(row.path), "-p", "0", "-n", "64", "-t", str(args.threads),
-           "-r", "3", "-o", "json"]
+           "-r", "3", "-o", "json", *(["--repack", "0"] if args.no_repack else [])]
     proc = subprocess.run(cmd, env=harness.thread_env(args.threads), capture_output=True, text=True)
     try:
         result = json.loads(proc.stdout)[0]
@@ -642,6 +680,66 @@ def targets(rows: list[Row], kinds: list[str]) -> str:
     models = list(dict.fromkeys(r.model for r in rows))
     lines = [line for m in models for k in map(str.upper, kinds) for line in type_target(m, k, rows)]
     return "\n".join(f"- {line}" for line in lines + rotation_target(rows))
+
+
+def twins(rows: list[Row]) -> list[str]:
+    """Each quantkit round-to-nearest row of RTN_TWINS against llama-quantize's file of its type without an imatrix,
+    read back with gguf's reader: how many of the decoder's matrices (2-D blk.* tensors) hold the same type and the
+    same bytes, and whether the token embedding and output do."""
+    from gguf import GGUFReader
+
+    lines = []
+    for mine in (r for r in rows if r.tool == "quantkit" and r.row in RTN_TWINS and not r.error):
+        peer = next((r for r in rows if r.model == mine.model and r.tool == "llama.cpp" and r.row == RTN_TWINS[mine.row]
+                     and not r.error), None)
+        if peer is None:
+            continue
+        a = {t.name: t for t in GGUFReader(mine.path).tensors}
+        b = {t.name: t for t in GGUFReader(peer.path).tensors}
+        matrices = [n for n, t in a.items() if n.startswith("blk.") and len(t.shape) == 2]
+        same = [n for n in matrices if n in b and a[n].tensor_type == b[n].tensor_type
+                and a[n].data.tobytes() == b[n].data.tobytes()]
+        differ = [n for n in matrices if n not in same]
+        worst = ""
+        if differ:
+            share = {n: differing_share(a[n], b[n]) for n in differ}
+            name = max(share, key=share.get)
+            worst = f"; differing: {', '.join(differ[:4])}{' ...' if len(differ) > 4 else ''} (most: {name}, " \
+                    f"{100 * share[name]:.3f}% of its bytes)"
+        outer = []
+        for n in ("token_embd.weight", "output.weight"):
+            if n in a and n in b:
+                kinds = f"{a[n].tensor_type.name}" + ("" if a[n].tensor_type == b[n].tensor_type
+                                                      else f" vs {b[n].tensor_type.name}")
+                same_bytes = a[n].tensor_type == b[n].tensor_type and a[n].data.tobytes() == b[n].data.tobytes()
+                outer.append(f"{n.removesuffix('.weight')} {kinds} {'same bytes' if same_bytes else 'differ'}")
+        rest = [n for n in a if n not in matrices and n not in ("token_embd.weight", "output.weight")]
+        rest_same = [n for n in rest if n in b and a[n].data.tobytes() == b[n].data.tobytes()]
+        rounded = [n for n in rest if n not in rest_same and n in b and fp16_of(a[n], b[n])]
+        others = f"; other tensors (norms): {len(rest_same)} of {len(rest)} same bytes"
+        if rounded:
+            others += f", {len(rounded)} hold llama.cpp's F32 values rounded to fp16 (quantkit's --dtype float16)"
+        lines.append(f"{mine.model} quantkit {mine.row} vs llama.cpp {peer.row}: {len(same)} of {len(matrices)} "
+                     f"decoder matrices bit-identical{worst}; {', '.join(outer)}{others}")
+    return lines
+
+
+def fp16_of(a, b) -> bool:
+    """Whether F32 tensor `a` holds F32 tensor `b`'s values rounded to float16."""
+    import numpy as np
+
+    if a.tensor_type.name != "F32" or b.tensor_type.name != "F32":
+        return False
+    x, y = np.asarray(a.data), np.asarray(b.data)
+    return x.shape == y.shape and bool(np.array_equal(x, y.astype(np.float16).astype(np.float32)))
+
+
+def differing_share(a, b) -> float:
+    """The share of the bytes two tensors of one shape hold that differ (1.0 where their types or sizes differ)."""
+    import numpy as np
+
+    x, y = np.asarray(a.data).view(np.uint8).ravel(), np.asarray(b.data).view(np.uint8).ravel()
+    return float(np.mean(x != y)) if a.tensor_type == b.tensor_type and x.size == y.size else 1.0
 
 
 def bench_table(rows: list[Row]) -> str:
@@ -763,7 +861,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--outlier-factor", type=float, default=64.0, help="their scale (a power of two is exact)")
     p.add_argument("--quantkit", nargs="*", default=QUANTKIT_ROWS, metavar="ROW",
                    help="quantkit's rows: recipe names, with :gN (groups of N), +rot (R1+R2 rotations), +rtn (no "
-                        f"calibration) (default: {' '.join(QUANTKIT_ROWS)})")
+                        f"calibration), +gptq (GPTQ, calibrated) (default: {' '.join(QUANTKIT_ROWS)})")
     p.add_argument("--llama-types", nargs="+", default=LLAMA_TYPES, metavar="TYPE",
                    help=f"llama-quantize's types, each without and with an imatrix (default: {' '.join(LLAMA_TYPES)})")
     p.add_argument("--autoround", nargs="*", default=AUTOROUND_ROWS, metavar="ROW",
@@ -782,6 +880,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ctx", type=int, default=512, help="llama-perplexity -c")
     p.add_argument("--chunks", type=int, default=40, help="llama-perplexity --chunks")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--no-repack", action="store_true", help="llama-perplexity --no-repack, llama-bench --repack 0: "
+                   "no repacked weights, no AMX kernels (on a CPU with AMX under a hypervisor that does not give its "
+                   "tiles to the process, the AMX kernels of Q4_0, Q4_1, Q8_0, Q4_K-Q6_K and IQ4_XS segfault)")
     p.add_argument("--reuse", action="store_true", help="keep the files (and their recorded times and perplexities) "
                    "an earlier run made in --workdir, and make and measure only the missing ones")
     p.add_argument("--export-time", action="store_true", help="instead of the table: the time and peak RSS to write "
@@ -846,11 +947,15 @@ def main(argv: list[str] | None = None) -> None:
           f"{known['calibration']}; {known['eval']}\n")
     print(table(rows))
     print(f"\nTargets:\n\n{targets(rows, args.llama_types)}")
+    same = twins(rows)
+    if same:
+        print("\nquantkit's round to nearest against llama-quantize without an imatrix (tensor bytes):\n\n"
+              + "\n".join(f"- {line}" for line in same))
     if bench_rows(rows, args):
         print(f"\nllama-bench -p 0 -n 64 -t {args.threads} -r 3 (decode):\n\n{bench_table(bench_rows(rows, args))}")
     if args.json:
         f16 = {r.model: r for r in rows if r.row == "F16"}
-        args.json.write_text(json.dumps({"machine": known, "rows": [
+        args.json.write_text(json.dumps({"machine": known, "twins": same, "rows": [
             {**asdict(r), "path": str(r.path), "rise": rise(r, f16)} for r in rows]}, indent=2) + "\n")
 
 
