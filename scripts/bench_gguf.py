@@ -77,11 +77,13 @@ A row that fails (a recipe refused, a file llama.cpp does not load) is kept in t
 On 2 shared CPU cores (the trained model of 21M parameters, 64 x 512 calibration tokens) quantkit's GPTQ rows took
 0.5-2.5 min each (AWQ, not a default row, 14 min), llama.cpp's rows and each llama-perplexity under a minute,
 auto-round's RTN under a minute and its 50 tuning steps 2-9 min: about an hour for both models with the default
-rows. `--export-time` takes about 10 min. Every process runs with OMP_NUM_THREADS / MKL_NUM_THREADS = `--threads`,
-and llama.cpp's tools with `-t`. `--no-repack` runs llama-perplexity (and llama-bench) without ggml's CPU extra buffer
-types: on an Intel CPU with AMX in a VM (firecracker) the AMX kernels that build_llama_cpp.sh's native build holds
-for Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K and IQ4_XS segfault (ggml_backend_amx_mul_mat, at ldtilecfg), while the same
-files run with the option.
+rows before the IQ4 ones. The IQ4 rows alone (the four quantkit IQ4 rows, `--llama-types IQ4_NL IQ4_XS`) took
+about half an hour on a machine loaded 3-17: 17 min to make the files (quantkit's GPTQ IQ4 rows 1.5-5 min each), 10
+min to measure them. `--export-time` takes about 10 min. Every process runs with OMP_NUM_THREADS / MKL_NUM_THREADS =
+`--threads`, and llama.cpp's tools with `-t`. `--no-repack` runs llama-perplexity (and llama-bench) without ggml's
+CPU extra buffer types: on an Intel CPU with AMX in a VM (firecracker) the AMX kernels that build_llama_cpp.sh's
+native build holds for Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K and IQ4_XS segfault (ggml_backend_amx_mul_mat, at
+ldtilecfg), while the same files run with the option.
 """
 
 from __future__ import annotations
