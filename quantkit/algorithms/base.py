@@ -24,7 +24,7 @@ from __future__ import annotations
 import inspect
 import types
 import typing
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from quantkit.grids.schemes import QuantScheme, SchemeError
@@ -155,11 +155,6 @@ def register(cls: type[Algorithm]) -> type[Algorithm]:
     """Class decorator: one instance of `cls` registered under `cls.name`."""
     ALGORITHMS.register(cls.name)(cls())
     return cls
-
-
-def with_arguments(args, **changes):
-    """`args` with some fields changed (a frozen dataclass)."""
-    return replace(args, **changes)
 
 
 def _typed(key: str, value: Any, kind: Any) -> Any:
