@@ -66,6 +66,12 @@ def finalize(
                                     help="Quantize the KV cache too (vLLM's FP8 cache): key and value scales measured on --calib-data, "
                                          "per tensor (fp8) or per key/value head (fp8-head); none drops a recipe's.")
     ] = None,
+    tensor_type: Annotated[
+        Optional[list[str]], typer.Option("--tensor-type", metavar="REGEX=TYPE", show_default=False,
+                                          help="GGUF: give the tensors whose quantkit or GGUF name REGEX matches (ffn_down, "
+                                               "blk\\.0\\.attn_v) GGML type TYPE (q6_k, q8_0, ... or float). Repeatable; "
+                                               "the last match wins, after the recipe's own.")
+    ] = None,
     num_samples: NumSamplesOpt = None,
     seq_len: SeqLenOpt = None,
     device: DeviceOpt = "cpu",
@@ -112,7 +118,7 @@ def finalize(
     quantization of a plain model, or the convert step of a QAT-trained one (same recipes).
     """
     launch = Launch(nproc_per_node, nnodes, node_rank, rdzv_endpoint, rdzv_backend)
-    recipe = registry.with_kv_cache(registry.resolve(quantize), kv_cache)
+    recipe = registry.with_tensor_types(registry.with_kv_cache(registry.resolve(quantize), kv_cache), tensor_type)
     fmt = format
     hub = sources.is_hub_id(src)
     src = sources.resolve_source(src, revision)  # before torch loads: a wrong SRC or DST is reported at once

@@ -151,13 +151,24 @@ K_FALLBACKS = {"Q2_K": (QDtype.INT4, True), "Q3_K": (QDtype.INT4, True), "Q4_K":
 
 
 def adapt_plan(plan: list[ModulePlan], recipe: Recipe, config) -> list[ModulePlan]:
-    """The plan as GGUF holds it: a llama.cpp mixture's per-tensor types (`gguf_mixtures`) on the Linears it names;
-    a K type on a Linear whose input size is not whole 256-weight super-blocks falls back as llama.cpp's does
+    """The plan as GGUF holds it: a llama.cpp mixture's per-tensor types (`gguf_mixtures`) on the Linears it names,
+    then the recipe's per-tensor overrides (`tensor_types`: on any Linear but an MoE router, `ignore`d ones too;
+    `float` leaves one in full precision); a K type on a Linear whose input size is not whole 256-weight super-blocks falls back as llama.cpp's does
     (Q4_0, Q5_0, Q5_1 or Q8_0 blocks of 32: K_FALLBACKS); a Linear no block fits (its input size not a multiple of 32)
     stays in full precision, reported, as llama.cpp's quantizer leaves such tensors."""
     from dataclasses import replace
 
-    from quantkit.quant import gguf_mixtures
+    from quantkit.quant import gguf_mixtures, gguf_types, tensor_types
+
+    def overridden(entry: ModulePlan) -> ModulePlan:
+        kind = tensor_types.type_for(_tensor_names(entry.name), recipe.tensor_types)
+        if kind is None or entry.note == moe.GATE_NOTE:
+            return entry
+        weights = gguf_types.spec(kind)
+        if weights is None:
+            return replace(entry, scheme=None, note=f"left in full precision by tensor type {kind}")
+        activations = (entry.scheme or recipe.scheme).activations
+        return replace(entry, scheme=QuantScheme(weights, activations), note="")
 
     def mixed(entry: ModulePlan) -> ModulePlan:
         role, layer = gguf_mixtures.role_of(entry.name)
@@ -184,9 +195,25 @@ def adapt_plan(plan: list[ModulePlan], recipe: Recipe, config) -> list[ModulePla
             return f"no GGUF block holds groups of {spec.group_size} ({entry.in_features} inputs are not a multiple of {BLOCK})"
         return None
 
-    plan = [fitted(mixed(entry)) for entry in plan]
+    plan = [fitted(overridden(mixed(entry))) for entry in plan]
     return [replace(entry, scheme=None, note=why) if entry.quantized and (why := problem(entry)) else entry
             for entry in plan]
+
+
+def _tensor_names(module_name: str) -> tuple[str, ...]:
+    """A planned Linear's names an override's pattern is searched in: quantkit's and GGUF's (`tensor_types`)."""
+    from quantkit.quant.tensor_types import gguf_name
+
+    return (module_name, gguf_name(module_name) or "")
+
+
+def notes(skeleton: nn.Module, recipe: Recipe) -> list[str]:
+    """A note for each per-tensor override that matches no tensor of this model (most often a typo)."""
+    from quantkit.quant import tensor_types
+
+    tensors = [_tensor_names(name) for name, module in skeleton.named_modules() if isinstance(module, nn.Linear)]
+    return [f"tensor type {text} matches no tensor of this model, so it changes nothing"
+            for text in tensor_types.unmatched(recipe.tensor_types, tensors + [tensor_types.EMBEDDING_NAMES])]
 
 
 def _gqa(config) -> int:
@@ -194,14 +221,23 @@ def _gqa(config) -> int:
 
 
 def embedding_type(recipe: Recipe, config) -> str | None:
-    """The K type a mixture gives token_embd (its base type; a tied one is the output's, Q6_K), or None: kept in
-    the model's dtype. Rows that are not whole super-blocks stay float, as llama.cpp leaves them."""
-    from quantkit.quant import gguf_mixtures
+    """The K type of token_embd, or None: kept in the model's dtype. A mixture gives it its base type (a tied one
+    the output's, Q6_K); a per-tensor override matching `model.embed_tokens` or `token_embd` wins. Rows that are
+    not whole super-blocks stay float, as llama.cpp leaves them. Other types than K types are refused (quantkit
+    rounds the embedding as llama.cpp's K quantizer does)."""
+    from quantkit.quant import gguf_mixtures, gguf_types, tensor_types
 
-    if recipe.mixture is None or config.hidden_size % K_SUPER_BLOCK:
+    kind = None
+    if recipe.mixture is not None:
+        role = "output" if getattr(config, "tie_word_embeddings", False) else "token_embd"
+        kind = gguf_mixtures.tensor_type(recipe.mixture, role, None, config.num_hidden_layers, _gqa(config))
+    kind = tensor_types.type_for(tensor_types.EMBEDDING_NAMES, recipe.tensor_types) or kind
+    if kind is None or kind == gguf_types.FLOAT or config.hidden_size % K_SUPER_BLOCK:
         return None
-    role = "output" if getattr(config, "tie_word_embeddings", False) else "token_embd"
-    return gguf_mixtures.tensor_type(recipe.mixture, role, None, config.num_hidden_layers, _gqa(config))
+    if not kind.endswith("_K"):
+        raise FormatError(f"token_embd takes a K type (Q2_K ... Q6_K) or float in quantkit's GGUF files; {kind} is "
+                          "not one: change the --tensor-type that matches it")
+    return kind
 
 
 def embedding_weights(recipe: Recipe, config) -> WeightSpec | None:

@@ -42,7 +42,15 @@ def check_request(request: Request) -> int | None:
         atomic.check_not_source(request.dst, request.src)
     shard_bytes = check_shard_size(request.max_shard_size, request.fmt)
     check_dtype(request.dtype)
+    check_tensor_types(request.recipe, request.fmt)
     return shard_bytes
+
+
+def check_tensor_types(recipe: Recipe, fmt: Format) -> None:
+    """Per-tensor types (`--tensor-type`, a recipe's `tensor_types`) are GGML types: a GGUF file's."""
+    if recipe.tensor_types and fmt is not Format.GGUF:
+        raise UsageError(f"per-tensor types ({recipe.tensor_types[0]}, ...) are GGML types, which a GGUF file holds; "
+                         f"use --format gguf (a {fmt.value} artifact takes one scheme per recipe)")
 
 
 def check_shard_size(max_shard_size: str | None, fmt: Format) -> int | None:

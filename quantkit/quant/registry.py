@@ -127,6 +127,7 @@ class Recipe:
     kv_cache: KVCacheSpec | None = None  # a quantized KV cache (`finalize --kv-cache fp8` sets it on any recipe)
     transforms: tuple["Transform", ...] = ()  # rotations applied to the float model before it is quantized
     mixture: str | None = None  # a llama.cpp GGUF mixture (Q4_K_M, ...): per-tensor types around the scheme's (gguf_mixtures)
+    tensor_types: tuple[str, ...] = ()  # per-tensor type overrides, REGEX=TYPE, the last match wins (tensor_types)
     source: str = ""
 
     @property
@@ -187,8 +188,8 @@ class Recipe:
         data = self.to_dict()
         steps = [{"name": step["name"], **step["args"]} for step in data["steps"]]
         data["algorithm"] = steps[0] if len(steps) == 1 else steps
-        order = ("description", "scheme", "transforms", "algorithm", "calibration", "format", "mixture", "ignore",
-                 "on_indivisible", "requires", "hardware", "kv_cache")
+        order = ("description", "scheme", "transforms", "algorithm", "calibration", "format", "mixture", "tensor_types",
+                 "ignore", "on_indivisible", "requires", "hardware", "kv_cache")
         return {key: data[key] for key in order if data.get(key) not in (None, []) or key == "ignore"}  # [] is not the default
 
 
@@ -249,7 +250,7 @@ def resolve(name_or_path: str) -> Recipe:
 # ---------------------------------------------------------------- parsing
 
 _TOP_KEYS = {"description", "scheme", "algorithm", "calibration", "format", "ignore", "on_indivisible", "requires", "hardware",
-             "kv_cache", "transforms", "mixture"}
+             "kv_cache", "transforms", "mixture", "tensor_types"}
 
 
 def load_recipe_file(path: Path | Traversable) -> Recipe:
@@ -286,8 +287,34 @@ def parse_recipe(name: str, data: dict[str, Any], source: str = "") -> Recipe:
         kv_cache=_parse_kv_cache(data.get("kv_cache")),
         transforms=_parse_transforms(data.get("transforms", [])),
         mixture=_parse_mixture(data.get("mixture"), scheme),
+        tensor_types=_parse_tensor_types(data.get("tensor_types", []), scheme, steps),
         source=source,
     )
+
+
+def _parse_tensor_types(value: Any, scheme: QuantScheme, steps: tuple[AlgorithmStep, ...]) -> tuple[str, ...]:
+    """`tensor_types: [REGEX=TYPE, ...]` (quant.tensor_types), each type one the quantizer rounds onto."""
+    from quantkit.quant import gguf_types, tensor_types
+
+    overrides = tensor_types.parse_all(_str_list(value, "tensor_types"))
+    quantizer = steps[-1].algorithm
+    for override in map(tensor_types.Override.parse, overrides):
+        weights = gguf_types.spec(override.type)
+        refusal = None if weights is None else quantizer.refusal(QuantScheme(weights, scheme.activations))
+        if refusal:
+            raise SchemeError("tensor_types", f"{override}: {refusal}")
+    return overrides
+
+
+def with_tensor_types(recipe: Recipe, texts: list[str] | None) -> Recipe:
+    """The recipe with `finalize --tensor-type REGEX=TYPE ...` after its own overrides (the last match wins)."""
+    if not texts:
+        return recipe
+    try:
+        added = _parse_tensor_types(list(texts), recipe.scheme, recipe.steps)
+    except SchemeError as exc:
+        raise RecipeError(f"--tensor-type {exc.message}") from exc
+    return replace(recipe, tensor_types=recipe.tensor_types + added)
 
 
 def _parse_mixture(value: Any, scheme: QuantScheme) -> str | None:

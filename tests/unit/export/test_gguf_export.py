@@ -481,3 +481,38 @@ def test_iq4_xs_falls_back_to_iq4_nl_where_rows_are_not_whole_super_blocks(wide_
         n: "IQ4_XS" if int(t.shape[0]) % 256 == 0 else "IQ4_NL" for n, t in linears.items()}  # shape[0]: the inputs
     assert "IQ4_NL" in {t.tensor_type.name for t in linears.values()}
     assert any("IQ4_XS -> IQ4_NL" in (e.note or "") for e in result.plan)
+
+
+def test_tensor_type_overrides_give_each_tensor_its_type(k_model_dir, text_file, tmp_path):
+    """--tensor-type on a mixture calibrated by GPTQ: the last match wins, on quantkit's or GGUF's names, over
+    the mixture's types; `ignore`d lm_head and the embedding take theirs too; `float` leaves a Linear in full
+    precision; the file dequantizes to the in-memory quantized model exactly."""
+    recipe = registry.with_tensor_types(registry.resolve("gguf-q4-k-m"), [
+        "ffn_down=Q8_0", r"^blk\.1\.ffn_down$=q5_k", "layers.0.self_attn.q_proj=iq4_xs", "k_proj=float",
+        "^output$=q5_k", "token_embd=q2_k"])
+    options = CalibrationOptions(data=str(text_file), num_samples=4, seq_len=32)
+    out = tmp_path / "mixed.gguf"
+    finalize(k_model_dir, out, recipe, calibration=options)
+    _, tensors = read(out)
+    types = {name: t.tensor_type.name for name, t in tensors.items()}
+    assert [types[f"blk.{i}.ffn_down.weight"] for i in range(2)] == ["Q8_0", "Q5_K"]
+    assert types["blk.0.attn_q.weight"] == "IQ4_XS" and types["blk.1.attn_q.weight"] == "Q4_K"
+    assert types["blk.0.attn_k.weight"] == "F32" and types["output.weight"] == "Q5_K" and types["token_embd.weight"] == "Q2_K"
+    assert [types[f"blk.{i}.attn_v.weight"] for i in range(2)] == ["Q4_K", "Q6_K"]  # the mixture's, no override
+    expected, _ = expected_tensors(k_model_dir, recipe, options)
+    for name, tensor in tensors.items():
+        assert torch.equal(dequantized(tensor).reshape(expected[name].shape), expected[name]), name
+
+
+def test_tensor_types_matching_nothing_are_noted_and_other_formats_refuse_them(tiny_model_dir):
+    recipe = registry.with_tensor_types(registry.resolve("gguf-q4-0"), ["ffn_dwn=q8_0"])
+    prepared = prepare(tiny_model_dir, recipe, GGUF)
+    assert any("ffn_dwn=Q8_0 matches no tensor" in note for note in prepared.coverage["notes"])
+    with pytest.raises(UsageError, match="use --format gguf"):
+        prepare(tiny_model_dir, recipe, registry.Format.COMPRESSED_TENSORS)
+
+
+def test_a_token_embedding_override_outside_the_k_types_is_refused(k_model_dir):
+    recipe = registry.with_tensor_types(registry.resolve("gguf-q4-0"), ["token_embd=q8_0"])
+    with pytest.raises(FormatError, match="token_embd takes a K type"):
+        prepare(k_model_dir, recipe, GGUF)

@@ -1,0 +1,78 @@
+"""Per-tensor type overrides: `finalize --tensor-type REGEX=TYPE` (repeatable) and a recipe's `tensor_types` list,
+in the same `REGEX=TYPE` spelling. A budget plan is written the same way, one exact name per tensor.
+
+REGEX is searched (`re.search`) in a tensor's quantkit module name (`model.layers.3.mlp.down_proj`) and in its GGUF
+name (`blk.3.ffn_down`, `output`, `token_embd`), so `ffn_down`, `down_proj` and `^blk\\.(0|1)\\.attn_v$` all work.
+Every override is applied in order and the last one that matches a tensor wins; the recipe's come before the
+command line's. TYPE is a GGML type (`gguf_types.names()`, any case) or `float`. Torch-free: the request check
+parses overrides before any model is read.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from quantkit.grids.schemes import SchemeError
+from quantkit.quant import gguf_types
+
+EMBEDDING_NAMES = ("model.embed_tokens", "token_embd")  # the token embedding, as quantkit and GGUF name it
+
+
+@dataclass(frozen=True)
+class Override:
+    pattern: str
+    type: str  # gguf_types' canonical name
+
+    @classmethod
+    def parse(cls, text: str) -> Override:
+        """`REGEX=TYPE` (split at the last `=`), or SchemeError saying what is wrong."""
+        pattern, sep, kind = str(text).rpartition("=")
+        if not sep or not pattern.strip() or not kind.strip():
+            raise SchemeError("tensor_types", f"'{text}' is not REGEX=TYPE; e.g. 'ffn_down=Q6_K' or 'attn_v=q8_0'")
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            raise SchemeError("tensor_types", f"'{pattern}' is not a regular expression ({exc}); escape it or fix it") from exc
+        return cls(pattern.strip(), gguf_types.canonical(kind))
+
+    def matches(self, names: tuple[str, ...]) -> bool:
+        return any(re.search(self.pattern, name) for name in names if name)
+
+    def __str__(self) -> str:
+        return f"{self.pattern}={self.type}"
+
+
+def parse_all(texts) -> tuple[str, ...]:
+    """Overrides in their canonical spelling (`ffn_down=Q6_K`), each one checked."""
+    return tuple(str(Override.parse(text)) for text in texts or ())
+
+
+def type_for(names: tuple[str, ...], overrides: tuple[str, ...]) -> str | None:
+    """The type the last override matching any of `names` gives, or None: no override for this tensor."""
+    found = None
+    for override in map(Override.parse, overrides):
+        if override.matches(names):
+            found = override.type
+    return found
+
+
+def unmatched(overrides: tuple[str, ...], tensors: list[tuple[str, ...]]) -> list[str]:
+    """The overrides that match none of `tensors` (each its names), to be reported: a pattern matching nothing is
+    most often a typo."""
+    return [text for text in overrides if not any(Override.parse(text).matches(names) for names in tensors)]
+
+
+def gguf_name(module_name: str) -> str | None:
+    """The GGUF tensor name (without `.weight`) of a planned Linear: `blk.N.ffn_down`, `blk.N.attn_v`, `output`;
+    an MoE expert's projection is its layer's stacked `blk.N.ffn_down_exps`; None when GGUF has no such role."""
+    from quantkit.models.architectures import expert_projection
+    from quantkit.quant.gguf_mixtures import role_of
+
+    role, layer = role_of(module_name)
+    if role is None:
+        return None
+    if role == "output":
+        return "output"
+    suffix = "_exps" if expert_projection(module_name) is not None else ""
+    return f"blk.{layer}.{role}{suffix}"
