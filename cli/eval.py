@@ -32,6 +32,9 @@ quantkit eval ./base ./base-int4 --data test.txt \\
     --baseline ./base --max-ppl-increase 5 --json results.json
 
 quantkit eval ./base ./base-Q4_0.gguf --data test.txt
+
+quantkit eval ./base ./base-int4 ./base-Q4_0.gguf --data test.txt \\
+    --kl-divergence --max-kld 0.05
 """
 
 
@@ -71,6 +74,16 @@ def evaluate(
         Optional[float], typer.Option("--max-acc-drop", min=0, help="Gate: exit 3 if any model's score on any --tasks task is more than "
                                                                     "this many points (percentage points) below the baseline's.")
     ] = None,
+    kl_divergence: Annotated[
+        bool, typer.Option("--kl-divergence", help="Also compare each model's next-token distributions with the first MODEL's on the "
+                                                   "perplexity's tokens: KL divergence (mean, median, 99th percentile), top-1 agreement "
+                                                   "and perplexity ratio. The first MODEL's logits are kept in TMPDIR meanwhile "
+                                                   "(4 bytes x tokens x vocabulary; --max-samples bounds it).")
+    ] = False,
+    max_kld: Annotated[
+        Optional[float], typer.Option("--max-kld", min=0, help="Gate: exit 3 if any model's mean KL divergence from the first MODEL "
+                                                               "(nats per token) is over this; needs --kl-divergence.", show_default=False)
+    ] = None,
     calib_data: CalibDataOpt = None,
     num_samples: NumSamplesOpt = None,
     calib_seq_len: Annotated[
@@ -90,7 +103,9 @@ def evaluate(
     for model in models:  # before torch loads: a wrong MODEL is reported at once (a one-file artifact by its engine)
         if not reader_for(model).single_file:
             sources.resolve_source(model)
-    check_gate_options(baseline, max_ppl_increase, max_acc_drop, tasks)
+    check_gate_options(baseline, max_ppl_increase, max_acc_drop, tasks, max_kld)
+    if max_kld is not None and not kl_divergence:
+        raise UsageError("--max-kld gates the KL divergence from the first MODEL; pass --kl-divergence too")
     baseline = baseline_model(models, baseline) if baseline else None
     artifacts.check_engines(models, tp, max_acc_drop, device)
     main = runtime.is_main_process()
@@ -123,13 +138,14 @@ def evaluate(
         models, data, recipes=quantize or [], seq_len=seq_len, stride=stride, max_samples=max_samples,
         batch_size=batch_size, tokenizer=tokenizer, threads=threads, trust_remote_code=trust_remote_code,
         text_field=text_field, progress=Progress(enabled=not quiet), calibration=calibration, tasks=task_options,
-        tensor_parallel=tp, device=device,
+        tensor_parallel=tp, device=device, kl_divergence=kl_divergence,
     )
     if not main:  # every rank measured the same numbers; rank 0 reports them
         return
-    failures = library.gate(reports, baseline, max_ppl_increase, max_acc_drop) if baseline else []
+    gated = baseline is not None or max_kld is not None
+    failures = library.gate(reports, baseline, max_ppl_increase, max_acc_drop, max_kld) if gated else []
     if json_path:
-        gate = gate_dict(baseline, max_ppl_increase, max_acc_drop, failures)
+        gate = gate_dict(baseline, max_ppl_increase, max_acc_drop, failures, max_kld)
         write_json(json_path, "eval", {"data": data, "device": device, "results": [r.to_dict() for r in reports], "gate": gate})
     if not quiet:
         print_table(reports, baseline)
@@ -161,12 +177,14 @@ def tensor_parallel_device(device: str, tp: int) -> str:
     return device
 
 
-def check_gate_options(baseline: str | None, max_ppl_increase: float | None, max_acc_drop: float | None, tasks: str | None) -> None:
+def check_gate_options(baseline: str | None, max_ppl_increase: float | None, max_acc_drop: float | None, tasks: str | None,
+                       max_kld: float | None = None) -> None:
     limits = (max_ppl_increase, max_acc_drop)
     if baseline is None and any(x is not None for x in limits):
         raise UsageError("--max-ppl-increase and --max-acc-drop compare against --baseline MODEL; pass it too")
     if baseline is not None and all(x is None for x in limits):
-        raise UsageError("--baseline needs a limit to gate on: --max-ppl-increase PCT and/or --max-acc-drop POINTS")
+        kld = " (--max-kld needs no --baseline: it compares with the first MODEL)" if max_kld is not None else ""
+        raise UsageError(f"--baseline needs a limit to gate on: --max-ppl-increase PCT and/or --max-acc-drop POINTS{kld}")
     if max_acc_drop is not None and tasks is None:
         raise UsageError("--max-acc-drop gates the scores of --tasks; pass --tasks NAMES too")
 
@@ -184,25 +202,29 @@ def same_path(a: str, b: str) -> bool:
     return Path(a).exists() and Path(b).exists() and Path(a).resolve() == Path(b).resolve()
 
 
-def gate_dict(baseline: str | None, max_increase: float | None, max_drop: float | None, failures: list[str]) -> dict | None:
-    if baseline is None:
+def gate_dict(baseline: str | None, max_increase: float | None, max_drop: float | None, failures: list[str],
+              max_kld: float | None = None) -> dict | None:
+    if baseline is None and max_kld is None:
         return None
     return {"baseline": baseline, "max_ppl_increase_pct": max_increase, "max_acc_drop_points": max_drop,
-            "passed": not failures, "failures": failures}
+            "max_kld": max_kld, "passed": not failures, "failures": failures}
 
 
 def print_table(reports, baseline: str | None) -> None:
     """One line per model under a short name (its directory's, or M1..Mn when two collide or the table would not
-    fit the terminal), then a legend with each name's full path and how the model was made."""
+    fit the terminal), then a legend with each name's full path and how the model was made. --kl-divergence's
+    columns are the table's last, or a table of their own under it where the terminal cannot hold them all."""
     from rich.text import Text
 
     base = next((r for r in reports if r.label == baseline), reports[0])
-    names = [short_name(r) for r in reports]
-    table = results_table(reports, base, names)
-    if len(set(names)) < len(names) or out.measure(table, options=out.options.update_width(10_000)).maximum > out.width:
-        names = [f"M{i}" for i in range(1, len(reports) + 1)]
-        table = results_table(reports, base, names)
-    out.print(table)
+    short, numbered = [short_name(r) for r in reports], [f"M{i}" for i in range(1, len(reports) + 1)]
+    divergence = any(r.kl_divergence for r in reports)
+    layouts = [(names, beside) for names in ([short, numbered] if len(set(short)) == len(short) else [numbered])
+               for beside in ((True, False) if divergence else (False,))]  # the first that fits, else the last
+    names, beside = next((layout for layout in layouts if not too_wide(results_table(reports, base, *layout))), layouts[-1])
+    out.print(results_table(reports, base, names, beside))
+    if divergence and not beside:
+        out.print(divergence_table(reports, names))
     for name, r in zip(names, reports):
         note = window_note(r, base)
         if note:
@@ -212,7 +234,11 @@ def print_table(reports, baseline: str | None) -> None:
         out.print(legend(entries))
 
 
-def results_table(reports, base, names: list[str]):
+def too_wide(table) -> bool:
+    return out.measure(table, options=out.options.update_width(10_000)).maximum > out.width
+
+
+def results_table(reports, base, names: list[str], divergence: bool = False):
     from rich.table import Table
     from rich.text import Text
 
@@ -226,8 +252,11 @@ def results_table(reports, base, names: list[str]):
     sharded = max(r.tensor_parallel for r in reports) > 1
     if sharded:
         table.caption += f"; each model sharded over {reports[0].tensor_parallel} processes (tensor parallel)"
+    if divergence:
+        table.caption += f"; {divergence_caption(names[0])}"
     table.add_column("model", no_wrap=True)
-    for column in ("size", "perplexity", "change", "tokens/s") + (("weights / rank", "peak RSS / rank") if sharded else ()):
+    for column in (("size", "perplexity", "change", "tokens/s") + (("weights / rank", "peak RSS / rank") if sharded else ())
+                   + (DIVERGENCE_COLUMNS if divergence else ())):
         table.add_column(column, justify="right", no_wrap=True)
     for task in tasks:  # a long task name folds in the header; the scores themselves stay on one line
         table.add_column(task, justify="right", overflow="fold")
@@ -239,9 +268,39 @@ def results_table(reports, base, names: list[str]):
         task_cells = [f"{100 * r.tasks[t].value:.1f}" if t in r.tasks else scored for t in tasks]
         memory = (human_bytes(max(r.weight_bytes_per_rank)), human_bytes(max(r.peak_rss_per_rank))) if sharded else ()
         marker = "*" if window_note(r, base) else ""
+        kld = divergence_cells(r.kl_divergence) if divergence else ()
         table.add_row(Text(name), size, f"{r.perplexity.perplexity:.3f}{marker}", change, f"{r.perplexity.tokens_per_second:,.0f}",
-                      *memory, *task_cells)
+                      *memory, *kld, *task_cells)
     return table
+
+
+DIVERGENCE_COLUMNS = ("KLD mean", "KLD median", "KLD p99", "top-1", "ppl ratio")
+
+
+def divergence_caption(reference: str) -> str:
+    return f"KL divergence (nats per token), top-1 agreement and perplexity ratio are relative to {reference}"
+
+
+def divergence_table(reports, names: list[str]):
+    """--kl-divergence's columns alone, for a terminal too narrow to hold them beside the others."""
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(title="KL divergence", caption=divergence_caption(names[0]))
+    table.add_column("model", no_wrap=True)
+    for column in DIVERGENCE_COLUMNS:
+        table.add_column(column, justify="right", no_wrap=True)
+    for name, r in zip(names, reports):
+        table.add_row(Text(name), *divergence_cells(r.kl_divergence))
+    return table
+
+
+def divergence_cells(found) -> tuple[str, ...]:
+    """A row's --kl-divergence columns; the reference's (no divergence of its own) says so in the first."""
+    if found is None:
+        return ("reference",) + ("",) * (len(DIVERGENCE_COLUMNS) - 1)
+    return (f"{found.mean:.4g}", f"{found.median:.4g}", f"{found.p99:.4g}", f"{100 * found.top1_agreement:.2f}%",
+            f"{found.perplexity_ratio:.4f}")
 
 
 def format_notes(reports, tasks: bool) -> list[str]:

@@ -80,11 +80,13 @@ def evaluate(
     threads: int | None = None,
     trust_remote_code: bool = False,
     text_field: str = "text",
+    kl_divergence: bool = False,
 ) -> list[ModelReport]:
     """`quantkit eval MODEL ... --data DATA`: each model's perplexity on `data` (a local file or a `datasets`
     spec), and for each recipe in `quantize` (one, or several), each full-precision model quantized in memory as
     `finalize` would; one `ModelReport` per row of the command's table, in the same order. `models`: one model (a path or
-    a hub id) or several; `device`: auto, as the command's, is a GPU when there is one, else the CPU."""
+    a hub id) or several; `device`: auto, as the command's, is a GPU when there is one, else the CPU; `kl_divergence`:
+    every row after the first gets its `kl_divergence` from the first's next-token distributions (`--kl-divergence`)."""
     from quantkit.evaluation.evaluate import compare
     from quantkit.finalization.checks import CalibrationOptions, check_at_least, check_threads
     from quantkit.runtime.hardware import eval_device
@@ -103,7 +105,7 @@ def evaluate(
     calibration = CalibrationOptions(data=calib_data, device=device, text_field=text_field) if calib_data else None
     return compare([str(m) for m in models], data, quantize, seq_len=seq_len, stride=stride, max_samples=max_samples,
                    batch_size=batch_size, threads=threads, trust_remote_code=trust_remote_code, calibration=calibration,
-                   device=device, text_field=text_field)
+                   device=device, text_field=text_field, kl_divergence=kl_divergence)
 
 
 def __getattr__(name: str):

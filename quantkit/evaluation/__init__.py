@@ -2,6 +2,8 @@
 
 - `evaluate.py`: perplexity over strided windows, loading any model or artifact to evaluate, reports, the gate.
 - `nll.py`: the loss of a batch of windows, lm_head's logits a chunk of tokens at a time (never a batch's full logits).
+- `divergence.py`: `--kl-divergence`: each scored position's logits observed as the loss is computed, the first
+  model's kept in a temporary file, every later model's KL divergence from them and top-1 agreement.
 - `tasks.py`: lm-evaluation-harness tasks (`--tasks`) on an already-loaded model.
 - `tensor_parallel.py`: `--tp N`: a model sharded with transformers' tensor-parallel plan.
 - `artifacts.py`: which format's reader reads a MODEL (`export.reader_for`), and the engine that runs it where

@@ -16,6 +16,7 @@ import torch
 from quantkit.data import eval_windows, load_texts, tokenize
 from quantkit.errors import UsageError
 from quantkit.evaluation.artifacts import engine, in_engine, locate
+from quantkit.evaluation.divergence import Comparison, DivergenceResult, Observer
 from quantkit.evaluation.nll import IGNORE_INDEX, NllFunction, nll_function
 from quantkit.evaluation.tasks import TaskOptions, TaskResult, TaskSuite, load_tasks
 from quantkit.evaluation.tensor_parallel import check_options as check_tensor_parallel_options
@@ -58,6 +59,7 @@ class ModelReport:
     tensor_parallel: int = 1  # ranks the model was sharded over (`eval --tp`)
     runtime: str = "transformers"  # what computed it: transformers, or the engine its format runs in (llama.cpp)
     tokens_note: str | None = None  # an engine's tokenization, where it is not simply the Hugging Face rows' ids
+    kl_divergence: DivergenceResult | None = None  # from the first model's distributions (--kl-divergence); None for it
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -105,10 +107,11 @@ def perplexity(
     batch_size: int = 1,
     max_samples: int | None = None,
     progress: Progress = QUIET,
+    logits: Observer | None = None,
 ) -> PerplexityResult:
     """exp(mean NLL) over `ids` (1-D), scored in the windows of `quantkit.data.eval_windows` (a bf16 / fp16 model's
     Linear products in float32 on a CPU without native ones, `precision.float32_products`), from lm_head's logits a
-    chunk of tokens at a time (`nll.nll_function`)."""
+    chunk of tokens at a time (`nll.nll_function`), each chunk handed to `logits` too where given."""
     if batch_size < 1:
         raise UsageError(f"batch_size must be at least 1 (got {batch_size})")
     if ids.dim() != 1:
@@ -117,26 +120,31 @@ def perplexity(
     device = next(model.parameters()).device
     with torch.inference_mode(), float32_products(model_dtype(model), device):
         sum_nll = nll_function(model, ids[: windows[0][1]].to(device))  # lm_head by chunks of tokens where it can
-        return score_windows(sum_nll, ids, windows, seq_len, batch_size, device, progress)
+        return score_windows(sum_nll, ids, windows, seq_len, batch_size, device, progress, logits)
 
 
 def score_windows(sum_nll: NllFunction, ids: torch.Tensor, windows: list[Window], seq_len: int, batch_size: int = 1,
-                  device: torch.device | str = "cpu", progress: Progress = QUIET) -> PerplexityResult:
-    """exp(mean NLL) of the windows' scored tokens, `sum_nll` (inputs [B, L], labels [B, L]) -> (summed NLL, count)
-    computing each batch's loss; tokens/s counts every token fed (context included) per wall second."""
+                  device: torch.device | str = "cpu", progress: Progress = QUIET,
+                  logits: Observer | None = None) -> PerplexityResult:
+    """exp(mean NLL) of the windows' scored tokens, `sum_nll` (inputs [B, L], labels [B, L], observe) -> (summed NLL,
+    count) computing each batch's loss and handing its scored positions' logits to `logits` (started with the windows'
+    digest and scored tokens); tokens/s counts every token fed (context included) per wall second."""
+    digest = windows_digest(ids, windows)
+    if logits is not None:
+        logits.start(digest, sum(end - target_begin for _, end, target_begin in windows))
     total_nll, scored, fed = 0.0, 0, 0
     start = time.perf_counter()
     with progress.task("Perplexity", total=len(windows)) as advance:
         for batch in _batches(windows, batch_size):
             inputs, labels = _window_tensors(ids, batch)
-            nll, count = sum_nll(inputs.to(device), labels.to(device))
+            nll, count = sum_nll(inputs.to(device), labels.to(device), logits)
             total_nll, scored, fed = total_nll + nll, scored + count, fed + inputs.numel()
             advance(len(batch))
     seconds = time.perf_counter() - start
     return PerplexityResult(
         perplexity=math.exp(total_nll / scored), nll=total_nll / scored, tokens=scored,
         seconds=seconds, tokens_per_second=fed / seconds if seconds > 0 else float("inf"), seq_len=seq_len,
-        windows_digest=windows_digest(ids, windows),
+        windows_digest=digest,
     )
 
 
@@ -223,20 +231,23 @@ def make_report(
 
 
 def gate(
-    reports: list[ModelReport], baseline_label: str, max_increase_pct: float | None = None,
-    max_acc_drop: float | None = None,
+    reports: list[ModelReport], baseline_label: str | None, max_increase_pct: float | None = None,
+    max_acc_drop: float | None = None, max_kld: float | None = None,
 ) -> list[str]:
     """One message per model whose perplexity rose more than `max_increase_pct` percent over the baseline's,
-    and one per model and task whose score fell more than `max_acc_drop` points (percentage points) below it."""
-    baseline = _find(reports, baseline_label)
+    one per model and task whose score fell more than `max_acc_drop` points (percentage points) below it, and one per
+    model whose mean KL divergence from the first model (`--kl-divergence`'s reference, not the baseline) is over
+    `max_kld`."""
     failures = []
+    baseline = _find(reports, baseline_label) if baseline_label is not None else None
     for report in reports:
-        if report is baseline:
-            continue
-        if max_increase_pct is not None:
-            failures += _perplexity_failures(report, baseline, max_increase_pct)
-        if max_acc_drop is not None:
-            failures += _task_failures(report, baseline, max_acc_drop)
+        if baseline is not None and report is not baseline:
+            if max_increase_pct is not None:
+                failures += _perplexity_failures(report, baseline, max_increase_pct)
+            if max_acc_drop is not None:
+                failures += _task_failures(report, baseline, max_acc_drop)
+        if max_kld is not None and report.kl_divergence is not None:
+            failures += _divergence_failures(report, report.kl_divergence, max_kld)
     return failures
 
 
@@ -258,6 +269,12 @@ def _perplexity_failures(report: ModelReport, baseline: ModelReport, max_increas
         return []
     return [f"{report.label}: perplexity {ppl:.4g} is {(ppl / base - 1.0) * 100.0:+.2f}% over "
             f"{baseline.label} ({base:.4g}); the limit is +{max_increase_pct:g}%"]
+
+
+def _divergence_failures(report: ModelReport, divergence: DivergenceResult, max_kld: float) -> list[str]:
+    if divergence.mean <= max_kld:  # NaN fails too
+        return []
+    return [f"{report.label}: mean KL divergence {divergence.mean:.4g} from {divergence.reference}; the limit is {max_kld:g}"]
 
 
 def _task_failures(report: ModelReport, baseline: ModelReport, max_drop: float) -> list[str]:
@@ -297,9 +314,12 @@ def compare(
     tasks: TaskOptions | None = None,
     tensor_parallel: int = 1,
     device: str = "cpu",
+    kl_divergence: bool = False,
 ) -> list[ModelReport]:
     """Each model on the same data (and `tasks`), labelled by its path as given; then, for each recipe, the
     model quantized under it in memory (labelled "PATH+RECIPE"), as `finalize` would quantize it. With
+    `kl_divergence`, every row after the first also gets its next-token distributions' divergence from the first's
+    (`divergence.Comparison`: the first row's logits kept on disk while the others are scored). With
     `tensor_parallel` > 1 (under torchrun, one process per rank) each model is sharded over the ranks; every
     rank returns the same reports. Otherwise the models run on `device` (cpu, cuda, cuda:N). A MODEL whose format runs
     in an engine of its own (a .gguf file: llama.cpp) is measured there, on the Hugging Face rows' token ids where its
@@ -309,6 +329,9 @@ def compare(
     from quantkit.runtime import environment as runtime
     if tensor_parallel > 1:
         check_tensor_parallel_options(recipes, tasks)
+    if kl_divergence and len(models) < 2 and not recipes:
+        raise UsageError("--kl-divergence compares each model with the first MODEL (the reference): pass at least one more "
+                         "MODEL, or -q RECIPE")
     if seq_len is not None:
         check_seq_len(models, seq_len, trust_remote_code)
     threads = runtime.set_threads(threads)
@@ -318,22 +341,28 @@ def compare(
     settings = dict(seq_len=seq_len or DEFAULT_SEQ_LEN, stride=stride, max_samples=max_samples, batch_size=batch_size,
                     progress=progress)
     reference = _reference_ids(models, tokenizer, texts, trust_remote_code) if any(map(in_engine, models)) else None
-    reports = []
-    for label in models:
-        path, reader = locate(label)  # a directory (a hub id from the cache), or a file its engine runs
-        if reader.ENGINE:
+    with Comparison(enabled=kl_divergence) as comparison:
+        reports = []
+        for label in models:
+            path, reader = locate(label)  # a directory (a hub id from the cache), or a file its engine runs
+            if reader.ENGINE:
+                reset_peak_resident()
+                reports.append(engine(reader).measure(label, texts, reference, threads=threads, device=device,
+                                                      logits=comparison.observer(label), **settings))
+                continue
+            measure = partial(_measure, texts=texts, tokenizer=tokenizer, trust_remote_code=trust_remote_code,
+                              suite=suite, tensor_parallel=tensor_parallel > 1, device=device, **settings)
             reset_peak_resident()
-            reports.append(engine(reader).measure(label, texts, reference, threads=threads, device=device, **settings))
-            continue
-        measure = partial(_measure, texts=texts, tokenizer=tokenizer, trust_remote_code=trust_remote_code,
-                          suite=suite, tensor_parallel=tensor_parallel > 1, device=device, **settings)
-        reset_peak_resident()
-        result, scores, held = measure(path)
-        peaks = gather_ints(peak_resident_bytes())
-        reports.append(make_report(path, label, result, tasks=scores, peak_rss_per_rank=peaks,
-                                   weight_bytes_per_rank=gather_ints(held), tensor_parallel=tensor_parallel))
-        reports += [_preview(path, label, recipe, prepared, measure, trust_remote_code, progress, calibration)
-                    for recipe, prepared in previews.get(label, [])]
+            result, scores, held = measure(path, logits=comparison.observer(label))
+            peaks = gather_ints(peak_resident_bytes())
+            reports.append(make_report(path, label, result, tasks=scores, peak_rss_per_rank=peaks,
+                                       weight_bytes_per_rank=gather_ints(held), tensor_parallel=tensor_parallel))
+            for recipe, prepared in previews.get(label, []):
+                logits = comparison.observer(f"{label}+{recipe.name}")
+                reports.append(_preview(path, label, recipe, prepared, partial(measure, logits=logits), trust_remote_code,
+                                        progress, calibration))
+    for report, found in zip(reports, comparison.results([r.perplexity.perplexity for r in reports])):
+        report.kl_divergence = found
     return reports
 
 

@@ -158,9 +158,10 @@ def _llama(path: Path, **kwargs):
                                    f"llama-cpp-python ({INSTALL_HINT} --upgrade)") from exc
 
 
-def window_nll(model, tokens: Sequence[int], first_target: int, rows: int) -> tuple[float, int]:
+def window_nll(model, tokens: Sequence[int], first_target: int, rows: int, observe=None) -> tuple[float, int]:
     """Summed NLL of tokens[first_target:] (each predicted by the position before it) and how many: one fresh
-    decode of `tokens`, then float32 cross-entropy `rows` positions at a time, as `nll.chunked_nll` sums it."""
+    decode of `tokens`, then float32 cross-entropy `rows` positions at a time, as `nll.chunked_nll` sums it (and
+    hands each chunk's logits to `observe`, where given)."""
     import torch
     import torch.nn.functional as F
 
@@ -171,6 +172,8 @@ def window_nll(model, tokens: Sequence[int], first_target: int, rows: int) -> tu
     total = None
     for start in range(first_target - 1, len(tokens) - 1, rows):
         end = min(start + rows, len(tokens) - 1)
+        if observe is not None:
+            observe(logits[start:end])
         nll = F.cross_entropy(logits[start:end], targets[start:end], reduction="sum")
         total = nll if total is None else total + nll
     return (0.0 if total is None else total.item()), len(tokens) - first_target
@@ -207,10 +210,10 @@ def positions(path: str | Path) -> tuple[int | None, str]:
 
 def measure(label: str, texts: list[str], reference: tuple[list[int], str] | None, seq_len: int = 512,
             stride: int | None = None, max_samples: int | None = None, threads: int = 1, device: str = "cpu",
-            progress: Progress = QUIET, **_):
+            progress: Progress = QUIET, logits=None, **_):
     """A .gguf file's perplexity in llama.cpp, on the windows the Hugging Face rows are scored on where its vocabulary
     allows (`choose_ids`), clipped to its context length; one window at a time (--batch-size does not apply): an
-    `evaluate.ModelReport`."""
+    `evaluate.ModelReport`. The scored positions' logits go to `logits` too (a `divergence.Observer`), where given."""
     from functools import partial
 
     import torch
@@ -226,7 +229,7 @@ def measure(label: str, texts: list[str], reference: tuple[list[int], str] | Non
     model = open_model(path, seq_len, threads, device)
     rows = max(1, LOGITS_CHUNK_BYTES // (4 * model.n_vocab()))
     with torch.inference_mode():
-        result = score_windows(partial(windows_nll, model, rows), ids, windows, seq_len, progress=progress)
+        result = score_windows(partial(windows_nll, model, rows), ids, windows, seq_len, progress=progress, logits=logits)
     fmt = f"gguf {info.file_type}" if info.file_type else "gguf"
     return ModelReport(path=str(path), label=label, recipe=info.recipe, format=fmt, size_bytes=path.stat().st_size,
                        perplexity=result, peak_rss_per_rank=[peak_resident_bytes()], runtime=runtime_name(),
@@ -241,7 +244,7 @@ def _ids(path: Path, texts: list[str], reference: tuple[list[int], str] | None) 
     return choose_ids(vocab, joined_text(texts), *(reference or (None,))), read_info(vocab)
 
 
-def windows_nll(model, rows: int, inputs, labels) -> tuple[float, int]:
+def windows_nll(model, rows: int, inputs, labels, observe=None) -> tuple[float, int]:
     """`nll.NllFunction` over a llama.cpp model: each window (a row of `inputs` [B, L]) decoded alone, its loss from
     `window_nll` (`labels`' IGNORE_INDEX before each window's first target)."""
     from quantkit.evaluation.nll import IGNORE_INDEX
@@ -249,6 +252,6 @@ def windows_nll(model, rows: int, inputs, labels) -> tuple[float, int]:
     total, count = 0.0, 0
     for tokens, targets in zip(inputs.tolist(), labels):
         first_target = int((targets != IGNORE_INDEX).nonzero()[0])
-        nll, scored = window_nll(model, tokens, first_target, rows)
+        nll, scored = window_nll(model, tokens, first_target, rows, observe)
         total, count = total + nll, count + scored
     return total, count

@@ -19,7 +19,8 @@ IGNORE_INDEX = -100
 LOGITS_CHUNK_BYTES = 64 * 2**20  # float32 logits of one chunk: 128 positions of a 128k vocabulary
 PROBE_TOKENS = 8  # tokens on which the chunked logits are compared with the model's own
 
-NllFunction = Callable[[torch.Tensor, torch.Tensor], tuple[float, int]]
+Observe = Callable[[torch.Tensor], None]  # takes each chunk of the scored positions' float32 logits, in order
+NllFunction = Callable[..., tuple[float, int]]  # (inputs [B, L], labels [B, L], observe=None) -> (summed NLL, count)
 
 
 def nll_function(model, probe_ids: torch.Tensor) -> NllFunction:
@@ -71,20 +72,25 @@ def logit_head(model) -> Callable[[torch.Tensor], torch.Tensor] | None:
     return head
 
 
-def chunked_nll(base, head: Callable, rows: int, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[float, int]:
+def chunked_nll(base, head: Callable, rows: int, inputs: torch.Tensor, labels: torch.Tensor,
+                observe: Observe | None = None) -> tuple[float, int]:
     """Summed NLL of the labelled tokens (position t predicts token t + 1) and how many there are, from `rows`
-    positions' logits at a time; the sum is accumulated in float32."""
+    positions' logits at a time (each chunk handed to `observe` too); the sum is accumulated in float32."""
     total, count = None, 0
     for logits, targets in _logit_chunks(base, head, inputs, labels, rows):
+        if observe is not None:
+            observe(logits)
         nll = F.cross_entropy(logits, targets, reduction="sum")
         total, count = nll if total is None else total + nll, count + targets.numel()
     return (0.0 if total is None else total.item()), count
 
 
-def full_logits_nll(model, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[float, int]:
+def full_logits_nll(model, inputs: torch.Tensor, labels: torch.Tensor, observe: Observe | None = None) -> tuple[float, int]:
     """`chunked_nll` from the model's own logits, all of them at once (float32 [B, L, vocab])."""
     logits = model(input_ids=inputs, use_cache=False).logits[:, :-1].float()
     targets = labels[:, 1:]
+    if observe is not None:
+        observe(logits[targets != IGNORE_INDEX])  # the scored positions, window by window, as `_logit_chunks` gives them
     nll = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum")
     return nll.item(), int((targets != IGNORE_INDEX).sum())
 

@@ -127,3 +127,68 @@ def test_too_little_calibration_text_names_evals_options(tiny_model_dir, text_fi
     line = one_line(result)
     assert "; --num-samples 128 x --calib-seq-len 32 needs at least 4097" in line
     assert "at this --calib-seq-len" in line and " --seq-len" not in line
+
+
+# ---------------------------------------------------------------- --kl-divergence and --max-kld
+
+
+@pytest.fixture
+def fake_divergence(monkeypatch):
+    """compare() recorded; with kl_divergence, every report after the first a mean divergence of 0.05 from it."""
+    from quantkit.evaluation.divergence import DivergenceResult
+    from quantkit.models import sources
+
+    monkeypatch.setattr(sources, "resolve_source", lambda src, revision=None: src)
+    calls = []
+
+    def fake(models, data, **kwargs):
+        calls.append(SimpleNamespace(models=models, data=data, **kwargs))
+        reports = [ModelReport(m, m, None, None, 10, PerplexityResult(10.0, 2.3, 100, 1.0, 100.0, 64)) for m in models]
+        for report in reports[1:] if kwargs["kl_divergence"] else []:
+            report.kl_divergence = DivergenceResult(models[0], 0.05, 0.04, 0.2, 0.9, 1.0, 100)
+        return reports
+
+    monkeypatch.setattr(quantkit.evaluation.evaluate, "compare", fake)
+    return calls
+
+
+def test_kl_divergence_reaches_compare_and_json(fake_divergence, tmp_path):
+    report = tmp_path / "r.json"
+    assert invoke("eval", "a", "b", "--data", "t.txt", "--kl-divergence", "--json", report).exit_code == 0
+    assert invoke("eval", "a", "b", "--data", "t.txt").exit_code == 0
+    assert [call.kl_divergence for call in fake_divergence] == [True, False]
+    document = json.loads(report.read_text())
+    assert [r["kl_divergence"] for r in document["results"]] == [None, {
+        "reference": "a", "mean": 0.05, "median": 0.04, "p99": 0.2, "top1_agreement": 0.9, "perplexity_ratio": 1.0,
+        "tokens": 100}]
+    assert document["gate"] is None
+
+
+def test_max_kld_gates_the_mean_divergence_without_a_baseline(fake_divergence, tmp_path):
+    report = tmp_path / "r.json"
+    failed = invoke("eval", "a", "b", "--data", "t.txt", "--kl-divergence", "--max-kld", "0.049", "--json", report, "--quiet")
+    assert failed.exit_code == 3
+    assert one_line(failed) == "error: b: mean KL divergence 0.05 from a; the limit is 0.049"
+    gate = json.loads(report.read_text())["gate"]
+    assert (gate["baseline"], gate["max_kld"], gate["passed"]) == (None, 0.049, False)
+    passed = invoke("eval", "a", "b", "--data", "t.txt", "--kl-divergence", "--max-kld", "0.05", "--json", report)
+    assert passed.exit_code == 0, passed.output
+    assert json.loads(report.read_text())["gate"] == {"baseline": None, "max_ppl_increase_pct": None, "max_acc_drop_points": None,
+                                                      "max_kld": 0.05, "passed": True, "failures": []}
+
+
+@pytest.mark.parametrize("args, message", [
+    (["a", "b", "--max-kld", "0.1"], "error: --max-kld gates the KL divergence from the first MODEL; pass --kl-divergence too"),
+    (["a", "b", "--kl-divergence", "--max-kld", "0.1", "--baseline", "a"],
+     "error: --baseline needs a limit to gate on: --max-ppl-increase PCT and/or --max-acc-drop POINTS (--max-kld needs no "
+     "--baseline: it compares with the first MODEL)"),
+])
+def test_kl_divergence_usage_errors_are_one_line_and_exit_2(fake_divergence, args, message):
+    result = invoke("eval", *args, "--data", "t.txt")
+    assert result.exit_code == 2 and not fake_divergence
+    assert one_line(result).startswith(message)
+
+
+def test_one_model_and_a_recipe_preview_is_something_to_compare(fake_divergence):
+    assert invoke("eval", "a", "-q", "int4-weight-only", "--data", "t.txt", "--kl-divergence").exit_code == 0
+    assert fake_divergence[0].kl_divergence and fake_divergence[0].recipes == ["int4-weight-only"]

@@ -90,3 +90,36 @@ def test_a_full_window_needs_no_note(monkeypatch):
     lines = render(monkeypatch, [full])
     assert [row.split("│")[3].strip() for row in rows(lines)] == ["30.000"]
     assert not [line for line in lines if line.startswith("*")]
+
+
+def test_kl_divergence_columns_name_the_reference_beside_the_others_or_under_them(monkeypatch):
+    from quantkit.evaluation.divergence import DivergenceResult
+
+    reports = [report("base"), report("base-int4", "int4-weight-only", "compressed-tensors"), report("base-int8")]
+    reports[1].kl_divergence = DivergenceResult("base", 0.01234567, 0.0098766, 0.123456, 0.87654, 1.0234567, 1000)
+    reports[2].kl_divergence = DivergenceResult("base", 0.0, 0.0, 0.0, 1.0, 1.0, 1000)
+    wide = render(monkeypatch, reports, width=200)
+    header = next(line for line in wide if "model" in line and "perplexity" in line)
+    assert [c.strip() for c in header.split("┃")[6:11]] == ["KLD mean", "KLD median", "KLD p99", "top-1", "ppl ratio"]
+    assert [[c.strip() for c in row.split("│")[6:11]] for row in rows(wide)] == [
+        ["reference", "", "", "", ""],
+        ["0.01235", "0.009877", "0.1235", "87.65%", "1.0235"],
+        ["0", "0", "0", "100.00%", "1.0000"],
+    ]
+    assert "KL divergence (nats per token), top-1 agreement and perplexity ratio are relative to base" in " ".join(
+        " ".join(line.split()) for line in wide)
+    narrow = render(monkeypatch, reports)  # too narrow for them beside the others: a table of their own, under it
+    assert max(map(len, narrow)) <= 80
+    results, divergence = rows(narrow)[:3], rows(narrow)[3:]
+    assert [row.split()[1] for row in results] == ["base", "base-int4", "base-int8"] and "reference" not in results[0]
+    assert any(line.strip() == "KL divergence" for line in narrow)
+    assert [[c.strip() for c in row.split("│")[1:7]] for row in divergence] == [
+        ["base", "reference", "", "", "", ""],
+        ["base-int4", "0.01235", "0.009877", "0.1235", "87.65%", "1.0235"],
+        ["base-int8", "0", "0", "0", "100.00%", "1.0000"],
+    ]
+
+
+def test_no_kl_divergence_columns_unless_measured(monkeypatch):
+    header = next(line for line in render(monkeypatch, [report("a"), report("b")], width=200) if "model" in line)
+    assert "KLD" not in header and "top-1" not in header

@@ -45,6 +45,32 @@ def test_a_q8_0_gguf_scores_the_same_windows_within_1_percent_of_the_float_model
     assert [row.split()[1] for row in rows] == ["tiny-llama", "tiny-Q8_0.gguf"], run.stdout
 
 
+@pytest.fixture(scope="module")
+def iq4_nl_gguf(tiny_model_dir, tmp_path_factory):
+    """The tiny Llama written as IQ4_NL GGUF: a type without AMX kernels in ggml, whose repacking of Q4_0 and Q8_0
+    crashes llama.cpp's decode on some AMX CPUs (docs/benchmarks.md, --no-repack)."""
+    out = tmp_path_factory.mktemp("gguf") / "tiny-IQ4_NL.gguf"
+    made = run_quantkit("finalize", str(tiny_model_dir), str(out), "-q", "gguf-iq4-nl", "--quiet")
+    assert made.returncode == 0, made.stderr
+    return out
+
+
+def test_kl_divergence_with_a_gguf_as_the_reference_and_as_a_compared_row(tiny_model_dir, iq4_nl_gguf, text_file, tmp_path):
+    """llama.cpp's logits recorded as the reference and compared with it again (0, and agreement 1: llama.cpp
+    computes the same logits twice), and the float model's in transformers compared with them (above 0)."""
+    out = tmp_path / "eval.json"
+    run = run_quantkit("eval", str(iq4_nl_gguf), str(tiny_model_dir), str(iq4_nl_gguf), "--data", str(text_file),
+                       "--seq-len", "128", "--threads", "2", "--kl-divergence", "--json", str(out))
+    assert run.returncode == 0, run.stdout + run.stderr
+    reference, hf, again = json.loads(out.read_text())["results"]
+    assert (reference["kl_divergence"], again["kl_divergence"]["reference"]) == (None, str(iq4_nl_gguf))
+    assert hf["perplexity"]["windows_digest"] == reference["perplexity"]["windows_digest"]
+    assert (again["kl_divergence"]["mean"], again["kl_divergence"]["top1_agreement"]) == (0.0, 1.0)
+    found = hf["kl_divergence"]
+    assert found["mean"] > 0 and found["top1_agreement"] < 1 and found["tokens"] == reference["perplexity"]["tokens"]
+    assert found["perplexity_ratio"] == pytest.approx(hf["perplexity"]["perplexity"] / reference["perplexity"]["perplexity"])
+
+
 def test_a_seq_len_beyond_the_gguf_context_is_one_line_and_exit_2(q8_gguf, text_file):
     run = run_quantkit("eval", str(q8_gguf), "--data", str(text_file), "--seq-len", "1024", "--threads", "1")
     assert run.returncode == 2

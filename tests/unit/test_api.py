@@ -87,6 +87,16 @@ def test_evaluate_takes_one_model_and_runs_where_the_command_does(monkeypatch):
     assert kwargs["device"] == ("cuda" if torch.cuda.is_available() else "cpu")  # eval --device auto
 
 
+def test_evaluate_passes_kl_divergence_on(monkeypatch):
+    import quantkit.evaluation.evaluate
+
+    calls = []
+    monkeypatch.setattr(quantkit.evaluation.evaluate, "compare", lambda models, data, *args, **kwargs: calls.append(kwargs))
+    quantkit.evaluate(["./a", "./b"], data="test.txt", kl_divergence=True)
+    quantkit.evaluate(["./a", "./b"], data="test.txt")
+    assert [kwargs["kl_divergence"] for kwargs in calls] == [True, False]
+
+
 def test_evaluate_takes_one_recipe_as_it_takes_one_model(monkeypatch):
     import quantkit.evaluation.evaluate
 

@@ -13,6 +13,7 @@ import torch
 
 from quantkit.data import eval_windows, tokenize
 from quantkit.errors import SourceModelError, UsageError
+from quantkit.evaluation.divergence import DivergenceResult
 from quantkit.evaluation.evaluate import ModelReport, PerplexityResult, compare, gate, load_eval_model, make_report, perplexity
 from quantkit.models.loading import weights_size
 
@@ -200,6 +201,22 @@ def test_gate_unknown_baseline():
         gate([_report("base", 10.0), _report("q", 10.1)], "fp16", 5.0)
 
 
+def _diverged(label: str, mean: float) -> ModelReport:
+    report = _report(label, 10.0)
+    report.kl_divergence = DivergenceResult("base", mean, mean, 2 * mean, 0.9, 1.01, 100)
+    return report
+
+
+def test_the_kl_gate_fails_models_whose_mean_divergence_is_over_the_limit_without_a_baseline():
+    reports = [_report("base", 10.0), _diverged("ok", 0.01), _diverged("edge", 0.02), _diverged("bad", 0.03),
+               _diverged("nan", float("nan"))]
+    assert gate(reports, None, max_kld=0.02) == ["bad: mean KL divergence 0.03 from base; the limit is 0.02",
+                                                 "nan: mean KL divergence nan from base; the limit is 0.02"]
+    assert gate(reports[:3], None, max_kld=0.02) == []  # the reference row has no divergence: nothing to gate
+    both = gate(reports[:4], "base", max_increase_pct=0.0, max_kld=0.025)  # ppl all equal: only the divergence fails
+    assert both == ["bad: mean KL divergence 0.03 from base; the limit is 0.025"]
+
+
 # ---------------------------------------------------------------- compare
 
 
@@ -271,6 +288,34 @@ def test_compare_measures_each_model_on_the_same_tokens(eval_model_dir, tmp_path
     data.write_text("\n".join(json.dumps({"text": _text(100, seed=s)}) for s in range(4)))
     first, second = compare([str(eval_model_dir), str(eval_model_dir)], str(data), seq_len=64, threads=1)
     assert first.perplexity.perplexity == second.perplexity.perplexity
+
+
+def test_compare_with_kl_divergence_compares_every_later_row_with_the_first(eval_model_dir, tmp_path, keep_threads):
+    """The same model again: divergence 0, agreement 1; its int4 previews (each model's): above 0, with the
+    perplexities' ratio."""
+    data = tmp_path / "eval.txt"
+    data.write_text(_text(400, seed=3))
+    source = str(eval_model_dir)
+    base, preview, again, other_preview = compare([source, source], str(data), recipes=["int4-weight-only"], seq_len=64,
+                                                  threads=1, kl_divergence=True)
+    assert [r.label for r in (base, preview, again)] == [source, f"{source}+int4-weight-only", source]
+    assert base.kl_divergence is None and other_preview.kl_divergence == preview.kl_divergence
+    assert (again.kl_divergence.mean, again.kl_divergence.p99, again.kl_divergence.top1_agreement) == (0.0, 0.0, 1.0)
+    assert again.kl_divergence.perplexity_ratio == 1.0 and again.kl_divergence.tokens == base.perplexity.tokens
+    found = preview.kl_divergence
+    assert found.reference == source and found.mean > 0 and found.p99 >= found.median > 0 and found.top1_agreement < 1
+    assert found.perplexity_ratio == pytest.approx(preview.perplexity.perplexity / base.perplexity.perplexity)
+    assert json.loads(json.dumps(preview.to_dict()))["kl_divergence"]["mean"] == found.mean
+    assert compare([source], str(data), seq_len=64, threads=1)[0].kl_divergence is None  # only when asked for
+
+
+def test_kl_divergence_of_one_model_alone_is_refused_before_it_loads(eval_model_dir, tmp_path, monkeypatch):
+    import quantkit.evaluation.evaluate as evaluate
+
+    monkeypatch.setattr(evaluate, "load_model", lambda *a, **k: pytest.fail("weights loaded"))
+    with pytest.raises(UsageError, match=r"^--kl-divergence compares each model with the first MODEL \(the reference\): "
+                                         r"pass at least one more MODEL, or -q RECIPE$"):
+        compare([str(eval_model_dir)], str(tmp_path / "unread.txt"), kl_divergence=True)
 
 
 def test_a_torchao_artifact_whose_kernels_need_a_gpu_is_refused_on_the_cpu_in_one_line(tmp_path):
