@@ -8,6 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from quantkit.cli.console import human_bytes, json_to_stdout, out, quiet_libraries, write_json
+from quantkit.cli import budget
 from quantkit.cli.launch import Launch, relaunch
 from quantkit.errors import UsageError
 from quantkit.export import atomic
@@ -28,7 +29,6 @@ from quantkit.cli.options import (
     NnodesOpt,
     NodeRankOpt,
     NumSamplesOpt,
-    QuantizeOpt,
     TextFieldOpt,
     QuietOpt,
     RdzvBackend,
@@ -57,7 +57,11 @@ quantkit finalize Qwen/Qwen3-0.6B ./qwen3-fp8 -q fp8-block
 def finalize(
     src: ModelDirArg,
     dst: Annotated[Path, typer.Argument(help="Output directory (written atomically; refused if it exists).")],
-    quantize: QuantizeOpt,
+    quantize: Annotated[
+        Optional[str], typer.Option("--quantize", "-q", show_default=False,
+                                    help="Recipe name (see `quantkit recipes list`) or a path to a recipe .yaml file. "
+                                         "With --target-bpw: the algorithm and calibration of the plan (default gguf-q4-k-m's).")
+    ] = None,
     format: FormatOpt = None,
     calib_data: CalibDataOpt = None,
     text_field: TextFieldOpt = "text",
@@ -71,6 +75,21 @@ def finalize(
                                           help="GGUF: give the tensors whose quantkit or GGUF name REGEX matches (ffn_down, "
                                                "blk\\.0\\.attn_v) GGML type TYPE (q6_k, q8_0, ... or float). Repeatable; "
                                                "the last match wins, after the recipe's own.")
+    ] = None,
+    target_bpw: Annotated[
+        Optional[float], typer.Option("--target-bpw", metavar="BITS", show_default=False,
+                                      help="GGUF: choose a type per tensor from its sensitivity measured on --calib-data, "
+                                           "for an average of BITS bits per weight (scales and float tensors counted).")
+    ] = None,
+    candidates: Annotated[
+        Optional[str], typer.Option("--candidates", metavar="TYPES", show_default=False,
+                                    help="With --target-bpw: the GGML types to choose from, comma-separated "
+                                         "(default q2_k,q3_k,q4_k,q5_k,q6_k,q8_0).")
+    ] = None,
+    save_plan: Annotated[
+        Optional[Path], typer.Option("--save-plan", metavar="FILE.yaml", show_default=False,
+                                     help="With --target-bpw: write the chosen plan as a recipe file; -q FILE.yaml repeats it "
+                                          "without measuring.")
     ] = None,
     num_samples: NumSamplesOpt = None,
     seq_len: SeqLenOpt = None,
@@ -118,8 +137,9 @@ def finalize(
     quantization of a plain model, or the convert step of a QAT-trained one (same recipes).
     """
     launch = Launch(nproc_per_node, nnodes, node_rank, rdzv_endpoint, rdzv_backend)
-    recipe = registry.with_tensor_types(registry.with_kv_cache(registry.resolve(quantize), kv_cache), tensor_type)
-    fmt = format
+    recipe = registry.with_tensor_types(registry.with_kv_cache(registry.resolve(budget.base_recipe(quantize, target_bpw)),
+                                                               kv_cache), tensor_type)
+    fmt = budget.check(target_bpw, candidates, save_plan, format, recipe)
     hub = sources.is_hub_id(src)
     src = sources.resolve_source(src, revision)  # before torch loads: a wrong SRC or DST is reported at once
     if revision is not None and not hub:  # the local directory would be quantized whatever revision it holds
@@ -143,12 +163,17 @@ def finalize(
         every["max_device_bytes"] = gpu_budget(max_gpu_memory, device)
     options = CalibrationOptions(data=calib_data, num_samples=num_samples, seq_len=seq_len, device=device, text_field=text_field,
                                  **every)
+    chosen = None
+    if target_bpw is not None:
+        chosen = budget.plan(src, recipe, target_bpw, candidates, options, dtype.value, trust_remote_code, save_plan,
+                             quiet or not runtime.is_main_process() or json_to_stdout(json_path))
+        recipe = chosen.recipe
     if dry_run:  # minutes on a CPU at 8B, where the recipe calibrates: a terminal shows it working
         with Progress(not quiet and not json_to_stdout(json_path)).task("Planning: one decoder layer of this shape timed here"):
             plan = library.dry_run(src, recipe, fmt, options, launch.world_size, trust_remote_code, revision, dst,
                                    dtype.value, in_memory)
         if json_path:
-            write_json(json_path, "finalize --dry-run", plan)
+            write_json(json_path, "finalize --dry-run", plan | ({"budget": chosen.to_dict()} if chosen else {}))
         if not quiet and not json_to_stdout(json_path):  # --quiet: errors only; the plan goes to --json FILE if given
             print_plan(plan, recipe, dst)
         return
@@ -164,7 +189,7 @@ def finalize(
     if not quiet:
         print_summary(result)
     if json_path and main:
-        write_json(json_path, "finalize", result_dict(result))
+        write_json(json_path, "finalize", result_dict(result) | ({"budget": chosen.to_dict()} if chosen else {}))
 
 
 def gpu_budget(size: str, device: str) -> int:

@@ -18,9 +18,6 @@ class DtypeChoice(str, Enum):
     float16 = "float16"
 
 
-QuantizeOpt = Annotated[
-    str, typer.Option("--quantize", "-q", help="Recipe name (see `quantkit recipes list`) or a path to a recipe .yaml file.")
-]
 FormatOpt = Annotated[
     Optional[Format], typer.Option("--format", help="Output format; default: the recipe's.", show_default=False)
 ]

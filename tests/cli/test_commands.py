@@ -245,7 +245,8 @@ def test_score_gate_exits_3_and_writes_json(fake_compare, tmp_path):
     assert result.exit_code == 3
     assert "b: arc_easy acc 55.00 is 5.00 points below a (60.00); the limit is 4 points" in result.output
     document = json.loads(out.read_text())
-    assert document["gate"] == {"baseline": "a", "max_ppl_increase_pct": None, "max_acc_drop_points": 4.0, "passed": False,
+    assert document["gate"] == {"baseline": "a", "max_ppl_increase_pct": None, "max_acc_drop_points": 4.0, "max_kld": None,
+                                "passed": False,
                                 "failures": [document["gate"]["failures"][0]]}
     assert document["results"][1]["tasks"] == {"arc_easy": {"metric": "acc", "value": 0.55, "stderr": 0.01, "samples": 100, "metrics": {}}}
     within = invoke("eval", "a", "b", "--data", "t.txt", "--tasks", "arc_easy", "--baseline", "a", "--max-acc-drop", "5",

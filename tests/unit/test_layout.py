@@ -81,7 +81,7 @@ LAYERS = [
     ("quantkit.cli",),
     ("=quantkit",),  # the Python API (quantkit/__init__.py): nothing inside the package imports it
     ("quantkit.training",),
-    ("quantkit.evaluation",),
+    ("quantkit.evaluation", "quantkit.budget"),  # budget: `finalize --target-bpw`, above the finalize it plans for
     ("quantkit.finalization",),
     ("quantkit.calibration",),
     ("quantkit.export",),

@@ -1,0 +1,131 @@
+"""`finalize --target-bpw`: a GGUF type per tensor, from sensitivity measured on the calibration data, meeting the
+average bits per weight the file then has."""
+
+import numpy as np
+import pytest
+import yaml
+
+gguf = pytest.importorskip("gguf")
+
+from quantkit.budget import planner, sensitivity  # noqa: E402
+from quantkit.errors import UsageError  # noqa: E402
+from quantkit.finalization.finalize import CalibrationOptions, finalize  # noqa: E402
+from quantkit.quant import gguf_types, registry  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def k_model_dir(tmp_path_factory):
+    """A tiny float32 Llama whose Linears' inputs are whole K super-blocks (256, 512)."""
+    from conftest import make_text
+    from quantkit.models.tiny import build_tiny_llama
+
+    return build_tiny_llama(tmp_path_factory.mktemp("models") / "k-llama", make_text(3000), hidden_size=256,
+                            intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
+
+
+# gguf-q4-k-m's recipe rounding to nearest: the plans' files are written in seconds
+RECIPE = registry.parse_recipe("k-rtn", {**registry.resolve("gguf-q4-k-m").to_file(), "algorithm": {"name": "rtn"}})
+
+
+@pytest.fixture(scope="module")
+def options(text_file):
+    return CalibrationOptions(data=str(text_file), num_samples=8, seq_len=64)
+
+
+@pytest.fixture(scope="module")
+def plans(k_model_dir, options):
+    """The plans at 3 and 5 bits per weight, measured once."""
+    return {target: planner.plan(k_model_dir, RECIPE, target, options) for target in (3.0, 5.0)}
+
+
+def file_bits(path) -> tuple[float, dict[str, str]]:
+    tensors = gguf.GGUFReader(path).tensors
+    size, count = sum(int(t.n_bytes) for t in tensors), sum(int(np.prod(t.shape)) for t in tensors)
+    return size * 8 / count, {t.name: t.tensor_type.name for t in tensors}
+
+
+def test_the_sensitivity_falls_with_the_bits(plans):
+    """Every tensor's estimated error is lower in a wider type; every role's gain was measured, positive."""
+    measured = plans[5.0].measured
+    assert set(measured.errors) == {*(f"model.layers.{i}.{m}" for i in range(2) for m in (
+        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj",
+        "mlp.down_proj")), "lm_head", "token_embd"}
+    for name, by_type in measured.errors.items():
+        ordered = [by_type[t] for t in sorted(by_type, key=gguf_types.bits_per_weight)]
+        assert ordered == sorted(ordered, reverse=True) and ordered[0] > ordered[-1], name
+    assert all(kl > 0 for kl in measured.role_kl.values()) and all(g > 0 for g in measured.gains.values())
+    assert measured.tokens == 8 * 64
+
+
+@pytest.mark.parametrize("target", [3.0, 5.0])
+def test_the_file_has_the_planned_bits_per_weight(k_model_dir, options, plans, tmp_path, target):
+    """The plan meets the target (within one tensor's step on this tiny model); the GGUF file's bits per weight,
+    every tensor counted, are the plan's exactly, and each tensor has its planned type."""
+    plan = plans[target]
+    assert plan.bits_per_weight <= target and target - plan.bits_per_weight < 0.05
+    out = tmp_path / "plan.gguf"
+    finalize(k_model_dir, out, plan.recipe, calibration=options)
+    bits, types = file_bits(out)
+    assert bits == pytest.approx(plan.bits_per_weight, abs=1e-9)
+    assert types["blk.1.ffn_down.weight"] == plan.types["model.layers.1.mlp.down_proj"]
+    assert types["token_embd.weight"] == plan.types["token_embd"] and types["output.weight"] == plan.types["lm_head"]
+    assert len(set(plan.types.values())) > 1  # a mixture, not one type
+
+
+def test_a_wider_budget_estimates_less_error(plans):
+    assert plans[5.0].estimated_kl < plans[3.0].estimated_kl
+    assert plans[5.0].measured.errors == plans[3.0].measured.errors  # the same measurement: deterministic
+
+
+def test_overrides_are_fixed_and_counted_first(k_model_dir, options):
+    recipe = registry.with_tensor_types(RECIPE, ["ffn_down=q8_0"])
+    plan = planner.plan(k_model_dir, recipe, 4.0, options, ("Q2_K", "Q4_K", "Q6_K"))
+    assert not any("down_proj" in name for name in plan.types)
+    assert plan.recipe.tensor_types[0] == "ffn_down=Q8_0" and plan.bits_per_weight <= 4.0
+
+
+def test_a_target_below_the_smallest_candidates_is_one_line(k_model_dir, options):
+    with pytest.raises(UsageError, match="below what the candidates can reach here"):
+        planner.plan(k_model_dir, RECIPE, 2.0, options, ("Q4_K", "Q8_0"))
+    with pytest.raises(UsageError, match="pass --calib-data"):
+        planner.plan(k_model_dir, RECIPE, 4.0, CalibrationOptions())
+
+
+def test_the_saved_plan_repeats_the_file_without_measuring(k_model_dir, options, tmp_path, monkeypatch):
+    """finalize --target-bpw --save-plan, then -q plan.yaml: the same tensors, byte for byte, and no measuring."""
+    from typer.testing import CliRunner
+
+    from quantkit.cli.main import app
+
+    (tmp_path / "k-rtn.yaml").write_text(yaml.safe_dump(RECIPE.to_file()))
+    data = ["--calib-data", options.data, "--num-samples", "8", "--seq-len", "64"]
+    first = CliRunner().invoke(app, ["finalize", str(k_model_dir), str(tmp_path / "a.gguf"), "-q", str(tmp_path / "k-rtn.yaml"),
+                                     "--target-bpw", "4.0",
+                                     "--candidates", "q3_k,q4_k,q6_k",
+                                     "--save-plan", str(tmp_path / "plan.yaml"), "--quiet", *data])
+    assert first.exit_code == 0, first.output
+    assert yaml.safe_load((tmp_path / "plan.yaml").read_text())["tensor_types"]
+    monkeypatch.setattr(sensitivity, "measure", lambda *a, **k: pytest.fail("measured again"))
+    again = CliRunner().invoke(app, ["finalize", str(k_model_dir), str(tmp_path / "b.gguf"), "-q",
+                                     str(tmp_path / "plan.yaml"), "--quiet", *data])
+    assert again.exit_code == 0, again.output
+    a, b = gguf.GGUFReader(tmp_path / "a.gguf").tensors, gguf.GGUFReader(tmp_path / "b.gguf").tensors
+    assert [t.name for t in a] == [t.name for t in b]
+    assert all(t.tensor_type == u.tensor_type and np.array_equal(t.data, u.data) for t, u in zip(a, b))
+
+
+@pytest.mark.parametrize("args, message", [
+    (["-q", "int4-weight-only", "--target-bpw", "4"], "use --format gguf"),
+    (["--target-bpw", "0.5"], "between 1 and 32"),
+    (["--target-bpw", "4", "--candidates", "q4_k,q9"], "not a GGML type"),
+    (["-q", "gguf-q4-0", "--candidates", "q4_k"], "go with --target-bpw"),
+    ([], "pass -q RECIPE"),
+])
+def test_bad_budget_options_are_one_line(tiny_model_dir, tmp_path, args, message):
+    from typer.testing import CliRunner
+
+    from quantkit.cli.main import app
+
+    result = CliRunner().invoke(app, ["finalize", str(tiny_model_dir), str(tmp_path / "x.gguf"), *args])
+    assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output
+    assert not (tmp_path / "x.gguf").exists()
