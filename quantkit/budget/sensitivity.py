@@ -3,12 +3,14 @@ units of the KL divergence of the model's next-token distribution from the float
 
 Two measurements on the calibration samples, with the whole model in memory:
 
-1. **A proxy per tensor and type** (one forward pass over all samples): each Linear's input second moments
-   E[x_j^2] (an importance matrix, llama.cpp's imatrix: the diagonal of GPTQ's Hessian over the token count) are
-   collected; a type's proxy is sum_ij (W - Q(W))_ij^2 E[x_j^2], the expected squared error it adds to the
-   Linear's output per token (Q rounded to nearest on the type's grid, the K types' search weighted by the same
-   E[x^2]). The token embedding's is sum_t p(t) |E_t - Q(E)_t|^2 with p the tokens' frequencies.
-2. **An end-to-end gain per role** (one short forward per role over a few probe samples): the proxy compares
+1. **A proxy per tensor and type** (one forward pass over up to MOMENT_SAMPLES samples): each Linear's input
+   second moments E[x_j^2] (an importance matrix, llama.cpp's imatrix: the diagonal of GPTQ's Hessian over the
+   token count) are collected; a type's proxy is sum_ij (W - Q(W))_ij^2 E[x_j^2], the expected squared error it
+   adds to the Linear's output per token (Q rounded to nearest on the type's grid, the K types' search weighted by
+   the same E[x^2]), computed on every k-th row (ROWS of them) and scaled to the whole weight: every format here
+   rounds rows independently. The token embedding's is sum_t p(t) |E_t - Q(E)_t|^2 with p the tokens'
+   frequencies in the samples, over the EMBEDDING_ROWS most frequent tokens.
+2. **An end-to-end gain per role** (one forward per role over PROBE_SAMPLES samples): the proxy compares
    tensors of one role well, but not a value projection with an MLP's down projection: an error early in the
    residual stream or in a tensor the attention amplifies costs more at the output. So all tensors of a role
    (GGUF's: attn_q, attn_v, ffn_down, output, token_embd, ...) are put on their smallest candidate together, the
@@ -30,7 +32,11 @@ from torch import nn
 from quantkit.grids import quantize_weight
 from quantkit.quant import gguf_types
 
-PROBE_FLOATS = 1 << 27  # reference log-probabilities kept for the gains: at most 512 MiB of float32
+MOMENT_SAMPLES = 32  # samples the input moments are taken on (E[x^2] settles long before: it is a mean)
+ROWS = 256  # rows of a weight its proxy is computed on: every k-th row, the sum scaled up (rows are alike)
+EMBEDDING_ROWS = 2048  # the most frequent tokens' rows of the embedding (the others weigh little or nothing)
+PROBE_SAMPLES = 4  # samples the gains' KL divergences are measured on
+PROBE_FLOATS = 1 << 25  # and the reference log-probabilities kept for them: at most 128 MiB of float32
 BATCH = 4
 
 
@@ -52,7 +58,7 @@ def measure(model: nn.Module, candidates: dict[str, list[str]], roles: dict[str,
     its `candidates` types; `roles`: each tensor's role (its gain's group). `samples`: token ids [n, seq_len]."""
     started = time.perf_counter()
     linears = {name: model.get_submodule(name) for name in candidates if name != embedding}
-    moments, tokens = _input_moments(model, linears, samples)
+    moments, tokens = _input_moments(model, linears, samples[:MOMENT_SAMPLES])
     seconds = {"moments": time.perf_counter() - started}
     started = time.perf_counter()
     proxies = {}
@@ -60,12 +66,13 @@ def measure(model: nn.Module, candidates: dict[str, list[str]], roles: dict[str,
         if name == embedding:
             weight = model.get_input_embeddings().weight.data
             freq = torch.bincount(samples.flatten(), minlength=weight.shape[0])[: weight.shape[0]].float() / samples.numel()
-            proxies[name] = {t: _proxy(weight, t, freq, rows=True) for t in types}
+            top = freq.topk(min(EMBEDDING_ROWS, int((freq > 0).sum()))).indices.sort().values
+            proxies[name] = {t: _proxy(weight[top], t, freq[top], rows=True) for t in types}
         else:
             proxies[name] = {t: _proxy(linears[name].weight.data, t, moments[name]) for t in types}
     seconds["proxies"] = time.perf_counter() - started
     started = time.perf_counter()
-    probe = samples[: max(1, min(len(samples), PROBE_FLOATS // (samples.shape[1] * model.config.vocab_size)))]
+    probe = samples[: max(1, min(PROBE_SAMPLES, PROBE_FLOATS // (samples.shape[1] * model.config.vocab_size)))]
     reference = _log_probs(model, probe)
     role_kl, gains = {}, {}
     for role in sorted(set(roles.values())):
@@ -103,8 +110,9 @@ def _input_moments(model: nn.Module, linears: dict[str, nn.Linear], samples: tor
 
 def _proxy(weight: torch.Tensor, type_name: str, importance: torch.Tensor, rows: bool = False) -> float:
     """sum (W - Q(W))^2 weighted by `importance`: per column (a Linear's E[x^2]) or per row (`rows`: the
-    embedding's token frequencies)."""
-    w = weight.float()
+    embedding's token frequencies, all rows given); a Linear's on every k-th of its rows (ROWS), scaled up."""
+    stride = 1 if rows else max(1, weight.shape[0] // ROWS)
+    w = weight[::stride].float()
     spec = gguf_types.spec(type_name)
     if spec is None:
         return 0.0
@@ -112,7 +120,7 @@ def _proxy(weight: torch.Tensor, type_name: str, importance: torch.Tensor, rows:
     q = quantize_weight(w, spec, importance=column_importance).dequantize(torch.float32)
     error = (w - q).pow_(2)
     weighted = error.sum(1) * importance.to(w.device) if rows else error @ importance.to(w.device)
-    return float(weighted.sum())
+    return float(weighted.sum()) * (weight.shape[0] / w.shape[0])
 
 
 class _on_grids:

@@ -1,0 +1,215 @@
+"""Benchmark `finalize --target-bpw` (a GGUF type per tensor from measured sensitivity) against fixed mixtures of the
+same size, all measured by llama.cpp's llama-perplexity --kl-divergence against the model's F16 file.
+
+    scripts/build_llama_cpp.sh                                   # once
+    python scripts/bench_budget.py --reuse --json budget.json --svg docs/budget-kld.svg
+
+The models, the F16 files, the importance matrix and the measuring are scripts/bench_gguf.py's (read its docstring;
+`--workdir` shares its cache, and `--reuse` keeps the files and measurements an earlier run of either made). Per
+model (the trained Llama and its outlier copy):
+
+- quantkit's budget rows: `quantkit finalize SRC OUT.gguf --target-bpw B --calib-data ... --dtype float16` for each
+  of `--targets` (the default algorithm: gguf-q4-k-m's GPTQ on K grids), and one more at the bits per weight of
+  llama.cpp's Q4_K_M + imatrix file of the same model (its tensors' bytes over the parameters);
+- quantkit's fixed mixtures: the shipped gguf-q2-k, gguf-q3-k-m, gguf-q4-k-m, gguf-q5-k-m (GPTQ, llama.cpp's
+  per-tensor rules);
+- llama.cpp's own: llama-quantize Q2_K, Q3_K_M, Q4_K_M, Q5_K_M with llama-imatrix's importance matrix.
+
+The table is sorted by size per model: bits per weight of the file's tensors (8 x tensor bytes / parameters, the
+measure --target-bpw plans; the header's metadata left out), the mean KL divergence from F16 with its +/-, the
+share of tokens with F16's most likely next token, the paired perplexity ratio, and the time to make the file.
+The targets it checks: each budget row has the lowest KL divergence among the rows no smaller than it (within 1%
+of its size); the budget row at Q4_K_M's size beats quantkit's own gguf-q4-k-m. `--svg` draws KL divergence
+against bits per weight, one line per tool and model (log scale), as a self-contained SVG.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import asdict
+from datetime import date
+from pathlib import Path
+
+import bench_calibration as bench
+import bench_gguf as gg
+import bench_rotations
+import harness
+from harness import WIKITEXT, fmt
+
+TARGETS = [2.75, 3.0, 3.5, 4.0, 4.5, 5.0]
+MIXTURES = ["gguf-q2-k", "gguf-q3-k-m", "gguf-q4-k-m", "gguf-q5-k-m"]
+LLAMA_TYPES = ["Q2_K", "Q3_K_M", "Q4_K_M", "Q5_K_M"]
+
+
+def budget_row(model: str, src: Path, target: float, folder: Path, args: argparse.Namespace, label: str = "") -> gg.Row:
+    row = gg.Row(model, "quantkit budget", label or f"--target-bpw {target:g}", folder / f"quantkit-budget-{target:.4f}.gguf",
+                 kind="budget")
+    calibration = harness.calibration_options(args.calib_data, args.num_samples, args.seq_len)
+    cmd = harness.finalize_command(src, row.path, "gguf-q4-k-m", args.threads, "--target-bpw", f"{target:.4f}",
+                                   "--dtype", "float16", *calibration)
+    row.seconds, row.error = gg.made(row.path, cmd, args)
+    print(f"{model} budget {target}: {gg.row_state(row)}", file=sys.stderr)
+    return row
+
+
+def tensor_bpw(row: gg.Row, parameters: int) -> float | None:
+    return None if row.tensor_bytes is None else 8 * row.tensor_bytes / parameters
+
+
+def rows_of(model: str, src: Path, bin_dir: Path, runner: Path, args: argparse.Namespace) -> list[gg.Row]:
+    folder = args.workdir / "gguf" / (src.parent.name if src.name == "final" else src.name)
+    folder.mkdir(parents=True, exist_ok=True)
+    f16 = gg.convert_f16(model, src, folder / "f16.gguf", runner, args.threads)
+    matrix, matrix_s, matrix_error = gg.imatrix(bin_dir, f16.path, args)
+    rows = [f16]
+    for kind in args.llama_types:
+        row = gg.Row(model, "llama.cpp", f"{kind} + imatrix", folder / f"llama-{kind}-imatrix.gguf", kind=kind)
+        if matrix is None:
+            row.error = f"llama-imatrix failed: {matrix_error}"
+        else:
+            gg.llama_quantize(bin_dir, f16.path, row, kind, matrix, args)
+            row.seconds = None if row.seconds is None else row.seconds + matrix_s
+        rows.append(row)
+    rows += [gg.quantkit_row(model, src, spec, folder, args) for spec in args.mixtures]
+    rows += [budget_row(model, src, target, folder, args) for target in args.targets]
+    parameters = harness.parameter_count(src)
+    q4km = next((r for r in rows if r.row == "Q4_K_M + imatrix" and not r.error), None)
+    if q4km is not None:
+        gg.sizes(q4km, parameters)
+        rows.append(budget_row(model, src, tensor_bpw(q4km, parameters), folder, args, "at Q4_K_M's size"))
+    return rows
+
+
+def measure(rows: list[gg.Row], models: dict[str, Path], bin_dir: Path, args: argparse.Namespace) -> None:
+    bases = {r.model: gg.divergence_base(bin_dir, r, args) for r in rows if r.row == "F16" and not r.error}
+    for row in rows:
+        if row.error:
+            continue
+        gg.sizes(row, harness.parameter_count(models[row.model]))
+        if row.row != "F16" and bases.get(row.model):
+            gg.divergence(bin_dir, row, bases[row.model], args)
+        print(f"{row.model} {row.tool} {row.row}: kld {fmt(row.kld, '.6f')} {row.error}", file=sys.stderr)
+
+
+def table(rows: list[gg.Row], models: dict[str, Path]) -> str:
+    lines = ["| model | tool | row | bits per weight | size MiB | types (blk.*) | embd / output | KLD mean | same top % | PPL ratio | make s |",
+             "|---|---|---|---:|---:|---|---|---:|---:|---:|---:|"]
+    for r in sorted(rows, key=lambda r: (r.model, r.tensor_bytes or 0)):
+        bpw = tensor_bpw(r, harness.parameter_count(models[r.model]))
+        kld = f"{r.kld:.5f} ± {r.kld_error:.5f}" if r.kld is not None else (gg.one_line(r.error)[:60] if r.error else "")
+        ratio = f"{r.ratio:.4f}" if r.ratio is not None else ""
+        lines.append(f"| {r.model} | {r.tool} | {r.row} | {fmt(bpw, '.3f')} | {fmt(r.size and r.size / 2**20, '.2f')} | "
+                     f"{r.decoder_types} | {r.outer_types} | {kld} | {fmt(r.same_top, '.2f')} | {ratio} | {fmt(r.seconds, '.0f')} |")
+    return "\n".join(lines)
+
+
+def targets(rows: list[gg.Row], models: dict[str, Path]) -> list[str]:
+    """Each budget row against every other row no more than 1% smaller; the Q4_K_M-size row against gguf-q4-k-m."""
+    found = []
+    for r in rows:
+        if r.tool != "quantkit budget" or r.kld is None:
+            continue
+        rivals = [o for o in rows if o.tool != "quantkit budget" and o.kld is not None and o.row != "F16"
+                  and o.model == r.model and o.tensor_bytes >= r.tensor_bytes * 0.99]
+        beaten = [o for o in rivals if o.kld <= r.kld]
+        verdict = "met" if not beaten else "not met: " + ", ".join(f"{o.tool} {o.row} {o.kld:.5f}" for o in beaten)
+        found.append(f"{r.model} {r.row} (KLD {r.kld:.5f}, {r.tensor_bytes:,} B): lowest of the {len(rivals)} rows at "
+                     f"its size or larger: {verdict}")
+        if r.row == "at Q4_K_M's size":
+            own = next((o for o in rows if o.model == r.model and o.row == "gguf-q4-k-m" and o.kld is not None), None)
+            if own:
+                found.append(f"{r.model} budget at Q4_K_M's size {r.kld:.5f} vs quantkit gguf-q4-k-m {own.kld:.5f} "
+                             f"({own.tensor_bytes:,} B): {'met' if r.kld < own.kld else 'not met'}")
+    return found
+
+
+def svg(rows: list[gg.Row], models: dict[str, Path], path: Path) -> None:
+    """KL divergence (log scale) against bits per weight, one polyline per model and tool."""
+    points = {}
+    for r in rows:
+        if r.kld and r.row != "F16":
+            points.setdefault((r.model, r.tool), []).append((tensor_bpw(r, harness.parameter_count(models[r.model])), r.kld))
+    xs = [x for line in points.values() for x, _ in line]
+    ys = [math.log10(y) for line in points.values() for _, y in line]
+    if not xs:
+        return
+    w, h, pad = 720, 440, 60
+    x0, x1, y0, y1 = min(xs) - 0.1, max(xs) + 0.1, math.floor(min(ys)), math.ceil(max(ys))
+    def px(x): return pad + (x - x0) / (x1 - x0) * (w - 2 * pad)
+    def py(y): return h - pad - (math.log10(y) - y0) / (y1 - y0) * (h - 2 * pad)
+    colors = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b"]
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="12">',
+             f'<rect width="{w}" height="{h}" fill="white"/>',
+             f'<line x1="{pad}" y1="{h - pad}" x2="{w - pad}" y2="{h - pad}" stroke="black"/>',
+             f'<line x1="{pad}" y1="{pad}" x2="{pad}" y2="{h - pad}" stroke="black"/>',
+             f'<text x="{w / 2}" y="{h - 15}" text-anchor="middle">bits per weight (file tensors / parameters)</text>',
+             f'<text x="15" y="{h / 2}" transform="rotate(-90 15 {h / 2})" text-anchor="middle">mean KL divergence from F16</text>']
+    for e in range(y0, y1 + 1):
+        parts.append(f'<text x="{pad - 5}" y="{py(10 ** e) + 4}" text-anchor="end">1e{e}</text>')
+    for b in range(math.ceil(x0), math.floor(x1) + 1):
+        parts.append(f'<text x="{px(b)}" y="{h - pad + 16}" text-anchor="middle">{b}</text>')
+    for i, ((model, tool), line) in enumerate(sorted(points.items())):
+        color, line = colors[i % len(colors)], sorted(line)
+        dash = ' stroke-dasharray="5,3"' if model != "plain" else ""
+        coords = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in line)
+        parts.append(f'<polyline points="{coords}" fill="none" stroke="{color}" stroke-width="2"{dash}/>')
+        parts += [f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="3" fill="{color}"/>' for x, y in line]
+        parts.append(f'<text x="{w - pad - 200}" y="{pad + 16 * i}" fill="{color}">{tool} ({model})</text>')
+    path.write_text("\n".join(parts + ["</svg>"]) + "\n")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    bench.add_model_arguments(p)
+    p.add_argument("--intermediate", type=int, default=1536)
+    p.set_defaults(train_steps=200)  # the trained model of bench_gguf.py and bench_hqq.py
+    p.add_argument("--models", nargs="+", choices=["plain", "outlier"], default=["plain", "outlier"])
+    p.add_argument("--outlier-channels", type=int, default=4)
+    p.add_argument("--outlier-factor", type=float, default=64.0)
+    p.add_argument("--targets", nargs="*", type=float, default=TARGETS)
+    p.add_argument("--mixtures", nargs="*", default=MIXTURES)
+    p.add_argument("--llama-types", nargs="*", default=LLAMA_TYPES)
+    p.add_argument("--llama-cpp-bin", type=Path)
+    p.add_argument("--calib-data", type=Path, default=WIKITEXT / "valid.txt")
+    p.add_argument("--num-samples", type=int, default=64)
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--eval-data", type=Path, default=WIKITEXT / "test.txt")
+    p.add_argument("--ctx", type=int, default=512)
+    p.add_argument("--chunks", type=int, default=40)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--no-repack", action="store_true", help="as bench_gguf.py's (AMX kernels that segfault in a VM)")
+    p.add_argument("--reuse", action="store_true")
+    p.add_argument("--json", type=Path)
+    p.add_argument("--svg", type=Path)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    bin_dir = gg.llama_cpp_bin(args)
+    runner = gg.converter(bin_dir)
+    src = bench.benchmark_model(args)
+    models = {"plain": src} if "plain" in args.models else {}
+    if "outlier" in args.models:
+        models["outlier"] = bench_rotations.outlier_model(src, args.workdir, args)
+    rows = [row for model, path in models.items() for row in rows_of(model, path, bin_dir, runner, args)]
+    measure(rows, models, bin_dir, args)
+    print(f"\n{date.today().isoformat()}, {harness.host_facts()['platform']}, {args.threads} threads; llama.cpp "
+          f"{gg.llama_cpp_version(bin_dir)}; quantkit {bench_rotations.git_head()}; calibration {args.num_samples} x "
+          f"{args.seq_len} tokens of {args.calib_data.name}; llama-perplexity -c {args.ctx} --chunks {args.chunks} "
+          f"on {args.eval_data.name}\n")
+    print(table(rows, models))
+    print("\nTargets:\n\n" + "\n".join(f"- {line}" for line in targets(rows, models)))
+    if args.svg:
+        svg(rows, models, args.svg)
+    if args.json:
+        args.json.write_text(json.dumps({"rows": [{**asdict(r), "path": str(r.path)} for r in rows],
+                                         "targets": targets(rows, models)}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
