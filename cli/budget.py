@@ -1,60 +1,86 @@
-"""`finalize --target-bpw`: the options' checks before torch loads, and the plan, measured and shown."""
+"""`finalize --target-bpw / --target-size`: the options' checks before torch loads, and the plan, measured and shown."""
 
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
-from quantkit.cli.console import out
+from quantkit.cli.console import human_bytes, out
 from quantkit.errors import UsageError
 from quantkit.quant.registry import Format, Recipe
 
 DEFAULT_RECIPE = "gguf-q4-k-m"  # budget.planner.DEFAULT_RECIPE, named here without importing torch
 
 
-def base_recipe(quantize: str | None, target_bpw: float | None) -> str:
-    """The recipe to resolve: -q's, else with --target-bpw the plan's default; neither is a one-line error."""
+@dataclass(frozen=True)
+class Ask:
+    """The budget options as given."""
+
+    target_bpw: float | None = None
+    target_size: str | None = None
+    candidates: str | None = None
+    save_plan: Path | None = None
+
+    @property
+    def planned(self) -> bool:
+        return self.target_bpw is not None or self.target_size is not None
+
+    @property
+    def flag(self) -> str:
+        return "--target-bpw" if self.target_bpw is not None else "--target-size"
+
+
+def base_recipe(quantize: str | None, ask: Ask) -> str:
+    """The recipe to resolve: -q's, else with a budget the plan's default; neither is a one-line error."""
     if quantize is not None:
         return quantize
-    if target_bpw is not None:
+    if ask.planned:
         return DEFAULT_RECIPE
-    raise UsageError("pass -q RECIPE (see `quantkit recipes list`), or --target-bpw BITS for a GGUF type per tensor")
+    raise UsageError("pass -q RECIPE (see `quantkit recipes list`), or --target-bpw BITS / --target-size SIZE for a "
+                     "GGUF type per tensor")
 
 
-def check(target_bpw: float | None, candidates: str | None, save_plan: Path | None, fmt: Format | None,
-          recipe: Recipe) -> Format | None:
+def check(ask: Ask, fmt: Format | None, recipe: Recipe) -> Format | None:
     """The budget options make sense together (before torch loads); the format to write."""
-    if target_bpw is None:
-        if candidates is not None or save_plan is not None:
-            raise UsageError("--candidates and --save-plan go with --target-bpw BITS")
+    if not ask.planned:
+        if ask.candidates is not None or ask.save_plan is not None:
+            raise UsageError("--candidates and --save-plan go with --target-bpw BITS or --target-size SIZE")
         return fmt
     from quantkit.budget.planner import check_target, parse_candidates
+    from quantkit.models.sources import parse_size
 
-    check_target(target_bpw)
-    parse_candidates(candidates)
+    if ask.target_bpw is not None and ask.target_size is not None:
+        raise UsageError("give --target-bpw or --target-size, not both")
+    if ask.target_bpw is not None:
+        check_target(ask.target_bpw)
+    else:
+        parse_size(ask.target_size, "--target-size")
+    parse_candidates(ask.candidates)
     if (fmt or recipe.format) is not Format.GGUF:
-        raise UsageError(f"--target-bpw chooses GGML types per tensor, which a GGUF file holds; use --format gguf "
+        raise UsageError(f"{ask.flag} chooses GGML types per tensor, which a GGUF file holds; use --format gguf "
                          f"(the recipe '{recipe.name}' writes {recipe.format.value})")
-    if save_plan is not None and save_plan.suffix not in (".yaml", ".yml"):
-        raise UsageError(f"--save-plan {save_plan}: a recipe file is named .yaml, e.g. plan.yaml")
-    if save_plan is not None and not save_plan.parent.is_dir():
-        raise UsageError(f"--save-plan {save_plan}: {save_plan.parent} does not exist; create it or give another path")
+    if ask.save_plan is not None and ask.save_plan.suffix not in (".yaml", ".yml"):
+        raise UsageError(f"--save-plan {ask.save_plan}: a recipe file is named .yaml, e.g. plan.yaml")
+    if ask.save_plan is not None and not ask.save_plan.parent.is_dir():
+        raise UsageError(f"--save-plan {ask.save_plan}: {ask.save_plan.parent} does not exist; create it or give another path")
     return Format.GGUF
 
 
-def plan(src: Path, recipe: Recipe, target_bpw: float, candidates: str | None, options, dtype: str,
-         trust_remote_code: bool, save_plan: Path | None, quiet: bool):
-    """The budget plan (`budget.planner.plan`), shown unless `quiet`, saved to `save_plan` if given."""
+def plan(src: Path, recipe: Recipe, ask: Ask, options, dtype: str, trust_remote_code: bool, quiet: bool):
+    """The budget plan (`budget.planner.plan`), shown unless `quiet`, saved to `--save-plan` if given."""
     from quantkit.budget import planner
+    from quantkit.models.sources import parse_size
     from quantkit.runtime.progress import Progress
 
-    chosen = planner.plan(src, recipe, target_bpw, options, planner.parse_candidates(candidates), dtype,
-                          trust_remote_code, Progress(enabled=not quiet))
-    if save_plan is not None:
-        text = f"# quantkit's budget plan: {target_bpw} bits per weight over {src}\n"
-        save_plan.write_text(text + yaml.safe_dump(chosen.recipe.to_file(), sort_keys=False, width=120))
+    size = None if ask.target_size is None else parse_size(ask.target_size, "--target-size")
+    chosen = planner.plan(src, recipe, ask.target_bpw, options, planner.parse_candidates(ask.candidates), dtype,
+                          trust_remote_code, Progress(enabled=not quiet), target_bytes=size)
+    if ask.save_plan is not None:
+        text = f"# quantkit's budget plan: {chosen.target_bpw:.4g} bits per weight over {src}\n"
+        ask.save_plan.write_text(text + yaml.safe_dump(chosen.recipe.to_file(), sort_keys=False, width=120))
     if not quiet:
         show(chosen)
     return chosen
@@ -64,6 +90,7 @@ def show(chosen) -> None:
     counts = Counter(chosen.types.values())
     mix = ", ".join(f"{n} x {t}" for t, n in sorted(counts.items(), key=lambda item: -item[1]))
     seconds = sum(chosen.measured.seconds.values())
-    out.print(f"budget: {chosen.bits_per_weight:.3f} bits per weight planned (target {chosen.target_bpw}), "
-              f"{len(chosen.types)} tensors: {mix}; estimated KL {chosen.estimated_kl:.4g}; sensitivity measured in "
-              f"{seconds:.1f} s on {chosen.measured.tokens} tokens", highlight=False, soft_wrap=True)
+    out.print(f"budget: {chosen.bits_per_weight:.3f} bits per weight planned (target {chosen.target_bpw:.4g}), tensors "
+              f"{human_bytes(chosen.tensor_bytes)}; {len(chosen.types)} decided: {mix}; estimated KL "
+              f"{chosen.estimated_kl:.4g}; sensitivity measured in {seconds:.1f} s on {chosen.measured.tokens} tokens",
+              highlight=False, soft_wrap=True)

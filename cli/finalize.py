@@ -81,6 +81,11 @@ def finalize(
                                       help="GGUF: choose a type per tensor from its sensitivity measured on --calib-data, "
                                            "for an average of BITS bits per weight (scales and float tensors counted).")
     ] = None,
+    target_size: Annotated[
+        Optional[str], typer.Option("--target-size", metavar="SIZE", show_default=False,
+                                    help="GGUF: as --target-bpw, for tensors of SIZE in all, e.g. 40GB (the file adds its header: "
+                                         "the tokenizer and metadata).")
+    ] = None,
     candidates: Annotated[
         Optional[str], typer.Option("--candidates", metavar="TYPES", show_default=False,
                                     help="With --target-bpw: the GGML types to choose from, comma-separated "
@@ -137,9 +142,10 @@ def finalize(
     quantization of a plain model, or the convert step of a QAT-trained one (same recipes).
     """
     launch = Launch(nproc_per_node, nnodes, node_rank, rdzv_endpoint, rdzv_backend)
-    recipe = registry.with_tensor_types(registry.with_kv_cache(registry.resolve(budget.base_recipe(quantize, target_bpw)),
-                                                               kv_cache), tensor_type)
-    fmt = budget.check(target_bpw, candidates, save_plan, format, recipe)
+    ask = budget.Ask(target_bpw, target_size, candidates, save_plan)
+    recipe = registry.with_tensor_types(registry.with_kv_cache(registry.resolve(budget.base_recipe(quantize, ask)), kv_cache),
+                                        tensor_type)
+    fmt = budget.check(ask, format, recipe)
     hub = sources.is_hub_id(src)
     src = sources.resolve_source(src, revision)  # before torch loads: a wrong SRC or DST is reported at once
     if revision is not None and not hub:  # the local directory would be quantized whatever revision it holds
@@ -164,8 +170,8 @@ def finalize(
     options = CalibrationOptions(data=calib_data, num_samples=num_samples, seq_len=seq_len, device=device, text_field=text_field,
                                  **every)
     chosen = None
-    if target_bpw is not None:
-        chosen = budget.plan(src, recipe, target_bpw, candidates, options, dtype.value, trust_remote_code, save_plan,
+    if ask.planned:
+        chosen = budget.plan(src, recipe, ask, options, dtype.value, trust_remote_code,
                              quiet or not runtime.is_main_process() or json_to_stdout(json_path))
         recipe = chosen.recipe
     if dry_run:  # minutes on a CPU at 8B, where the recipe calibrates: a terminal shows it working

@@ -69,74 +69,88 @@ def check_target(target_bpw: float) -> None:
         raise UsageError(f"--target-bpw {target_bpw}: give an average of bits per weight between 1 and 32, e.g. 4.5")
 
 
-def plan(src: Path, recipe: Recipe, target_bpw: float, options, candidates: tuple[str, ...] = DEFAULT_CANDIDATES,
-         dtype: str = "auto", trust_remote_code: bool = False, progress: Progress = QUIET) -> BudgetPlan:
-    """The budget plan of `src` under `recipe` (see the module docstring); `options`: finalize's
-    CalibrationOptions, whose data the sensitivity is measured on."""
+def plan(src: Path, recipe: Recipe, target_bpw: float | None, options, candidates: tuple[str, ...] = DEFAULT_CANDIDATES,
+         dtype: str = "auto", trust_remote_code: bool = False, progress: Progress = QUIET,
+         target_bytes: int | None = None) -> BudgetPlan:
+    """The budget plan of `src` under `recipe` (see the module docstring): `target_bpw` bits per weight, or
+    `target_bytes` of tensors (`--target-size`: the file is that and its header, the tokenizer and metadata, a few
+    MB at most); `options`: finalize's CalibrationOptions, whose data the sensitivity is measured on."""
     from quantkit.finalization.checks import calibration_samples, prepare
     from quantkit.models import loading as models
     from quantkit.models import moe
 
-    check_target(target_bpw)
+    if target_bpw is not None:
+        check_target(target_bpw)
     if not options.data and not recipe.calibration.dataset:
-        raise UsageError("--target-bpw measures each tensor's sensitivity on data: pass --calib-data FILE")
+        raise UsageError("a budget plan measures each tensor's sensitivity on data: pass --calib-data FILE")
     base = replace(recipe, mixture=None)
     prepared = prepare(src, base, Format.GGUF, trust_remote_code, dtype=dtype)
     with progress.task("Budget: measuring each tensor's sensitivity"):
         samples = calibration_samples(prepared.src, base, options, trust_remote_code)
         model = moe.linearize(models.load_model(prepared.src, prepared.dtype or dtype, trust_remote_code)).eval()
-        decided, fixed_bytes, parameters = _decisions(model, prepared.plan, base, candidates)
-        sizes = {name: {t: gguf_types.tensor_bytes(t, *_shape(model, name)) for t in types} for name, types in decided.items()}
-        budget = int(target_bpw * parameters / 8) - fixed_bytes
+        decided, members, fixed_bytes, parameters = _decisions(model, prepared.plan, base, candidates)
+        sizes = {name: {t: sum(gguf_types.tensor_bytes(t, *_shape(model, m)) for m in members[name]) for t in types}
+                 for name, types in decided.items()}
+        if target_bpw is None:
+            target_bpw = target_bytes * 8 / parameters
+        asked = f"--target-bpw {target_bpw}" if target_bytes is None else f"--target-size {target_bytes:,} bytes"
+        budget = (int(target_bpw * parameters / 8) if target_bytes is None else target_bytes) - fixed_bytes
         least = fixed_bytes + sum(min(by_type.values()) for by_type in sizes.values())
         if least > budget + fixed_bytes:  # before measuring: the sizes alone decide it
-            raise UsageError(f"--target-bpw {target_bpw} is below what the candidates can reach here ({least * 8 / parameters:.3f} "
-                             "bits per weight with each tensor in its smallest); raise it or add smaller --candidates")
+            raise UsageError(f"{asked} is below what the candidates can reach here ({least * 8 / parameters:.3f} bits per "
+                             f"weight, {least:,} bytes, with each tensor in its smallest); raise it or add smaller --candidates")
         roles = {name: _role(name) for name in decided}
-        measured = sensitivity.measure(model, decided, roles, samples, EMBEDDING if EMBEDDING in decided else None)
+        measured = sensitivity.measure(model, decided, roles, samples, EMBEDDING if EMBEDDING in decided else None, members)
     choices = [solver.Choice(name, tuple(solver.Option(t, size, measured.errors[name][t]) for t, size in by_type.items()))
                for name, by_type in sizes.items()]
     chosen = solver.solve(choices, budget)
     used, error = solver.total(chosen)
     types = {name: option.type for name, option in chosen.items()}
-    planned = tuple(f"^{re.escape(name)}$={t}" for name, t in types.items())
+    planned = tuple(f"^{re.escape(member)}$={t}" for name, t in types.items() for member in members[name])
     result = replace(base, tensor_types=recipe.tensor_types + planned,
-                     description=f"quantkit's budget plan: {target_bpw} bits per weight, {recipe.name}'s algorithm and calibration")
+                     description=f"quantkit's budget plan: {target_bpw:.4g} bits per weight, {recipe.name}'s algorithm and calibration")
     return BudgetPlan(result, types, target_bpw, (fixed_bytes + used) * 8 / parameters, fixed_bytes + used, parameters,
                       error, measured)
 
 
-def _decisions(model: torch.nn.Module, plan, recipe: Recipe, candidates: tuple[str, ...]) -> tuple[dict, int, int]:
-    """({tensor: its candidate types}, bytes of every other tensor of the file, the parameter count)."""
+def _decisions(model: torch.nn.Module, plan, recipe: Recipe, candidates: tuple[str, ...]) -> tuple[dict, dict, int, int]:
+    """({tensor: its candidate types}, {tensor: its Linears}, bytes of every other tensor of the file, the parameter
+    count). A tensor is a Linear, the token embedding (EMBEDDING), or an MoE layer's experts of one projection,
+    named as GGUF stacks them (`blk.N.ffn_down_exps`): they take one type."""
     from quantkit.export.gguf import ggml_type
+    from quantkit.models.architectures import expert_projection
 
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
-    decided, fixed, planned = {}, 0, {}
+    decided, members, fixed, planned = {}, {}, 0, {}
     for entry in plan:
         names = (entry.name, tensor_types.gguf_name(entry.name) or "")
         fitting = [t for t in candidates if gguf_types.spec(t) is not None and gguf_types.fits(t, entry.in_features)]
         if entry.quantized and fitting and tensor_types.type_for(names, recipe.tensor_types) is None:
-            decided[entry.name] = fitting
+            unit = names[1] if expert_projection(entry.name) is not None else entry.name
+            decided[unit] = fitting
+            members.setdefault(unit, []).append(entry.name)
         else:
             planned[entry.name] = ggml_type(entry.scheme.weights).name if entry.quantized else None
     embedding = model.get_input_embeddings().weight
     k_types = [t for t in candidates if t.endswith("_K") and gguf_types.fits(t, embedding.shape[1])]
     embedding_free = tensor_types.type_for(tensor_types.EMBEDDING_NAMES, recipe.tensor_types) is None
     if not tied and k_types and embedding_free:
-        decided[EMBEDDING] = k_types
+        decided[EMBEDDING], members[EMBEDDING] = k_types, [EMBEDDING]
+    decided_linears = {m for unit, linears in members.items() if unit != EMBEDDING for m in linears}
     parameters = 0
     for name, param in model.named_parameters():  # a tied lm_head is the embedding's parameter: counted once
         parameters += param.numel()
         owner = name.rpartition(".")[0]
-        if param is embedding and (EMBEDDING in decided or (tied and "lm_head" in decided)):
-            continue
-        if owner in decided:
-            continue
-        kind = planned.get(owner) if name.endswith(".weight") else None
-        if param is embedding and not tied:
+        if param is embedding:
+            if EMBEDDING in decided or (tied and "lm_head" in decided_linears):
+                continue  # decided: as itself, or as the tied output llama.cpp reads from token_embd
             kind = _embedding_type(recipe, model.config)
+        elif name.endswith(".weight") and owner in decided_linears:
+            continue
+        else:
+            kind = planned.get(owner) if name.endswith(".weight") else None
         fixed += gguf_types.tensor_bytes(kind, *param.shape) if kind else _float_bytes(param)
-    return decided, fixed, parameters
+    return decided, members, fixed, parameters
 
 
 def _embedding_type(recipe: Recipe, config) -> str | None:

@@ -53,11 +53,15 @@ class Sensitivity:
 
 @torch.no_grad()
 def measure(model: nn.Module, candidates: dict[str, list[str]], roles: dict[str, str], samples: torch.Tensor,
-            embedding: str | None = None, progress=None) -> Sensitivity:
-    """Estimated errors of each tensor (a Linear's module name, or `embedding`: the token embedding's) in each of
-    its `candidates` types; `roles`: each tensor's role (its gain's group). `samples`: token ids [n, seq_len]."""
+            embedding: str | None = None, members: dict[str, list[str]] | None = None) -> Sensitivity:
+    """Estimated errors of each tensor in each of its `candidates` types. A tensor is a Linear's module name, or
+    `embedding` (the token embedding's name), or a name `members` maps to Linears that take one type together (an
+    MoE layer's experts of one projection: GGUF stacks them into one tensor; their proxies add up, so an expert
+    few tokens reach weighs little, and one none reach nothing). `roles`: each tensor's role (its gain's group).
+    `samples`: token ids [n, seq_len]."""
     started = time.perf_counter()
-    linears = {name: model.get_submodule(name) for name in candidates if name != embedding}
+    members = {name: (members or {}).get(name, [name]) for name in candidates}
+    linears = {linear: model.get_submodule(linear) for name in candidates if name != embedding for linear in members[name]}
     moments, tokens = _input_moments(model, linears, samples[:MOMENT_SAMPLES])
     seconds = {"moments": time.perf_counter() - started}
     started = time.perf_counter()
@@ -69,18 +73,18 @@ def measure(model: nn.Module, candidates: dict[str, list[str]], roles: dict[str,
             top = freq.topk(min(EMBEDDING_ROWS, int((freq > 0).sum()))).indices.sort().values
             proxies[name] = {t: _proxy(weight[top], t, freq[top], rows=True) for t in types}
         else:
-            proxies[name] = {t: _proxy(linears[name].weight.data, t, moments[name]) for t in types}
+            proxies[name] = {t: sum(_proxy(linears[m].weight.data, t, moments[m]) for m in members[name]) for t in types}
     seconds["proxies"] = time.perf_counter() - started
     started = time.perf_counter()
     probe = samples[: max(1, min(PROBE_SAMPLES, PROBE_FLOATS // (samples.shape[1] * model.config.vocab_size)))]
     reference = _log_probs(model, probe)
     role_kl, gains = {}, {}
     for role in sorted(set(roles.values())):
-        members = [name for name in candidates if roles[name] == role]
-        smallest = {name: min(candidates[name], key=lambda t: gguf_types.bits_per_weight(t)) for name in members}
-        with _on_grids(model, smallest, embedding):
+        of_role = [name for name in candidates if roles[name] == role]
+        smallest = {name: min(candidates[name], key=gguf_types.bits_per_weight) for name in of_role}
+        with _on_grids(model, {m: t for name, t in smallest.items() for m in members[name]}, embedding):
             role_kl[role] = _kl(reference, _log_probs(model, probe))
-        proxy = sum(proxies[name][smallest[name]] for name in members)
+        proxy = sum(proxies[name][smallest[name]] for name in of_role)
         gains[role] = role_kl[role] / proxy if proxy > 0 else 0.0
     seconds["gains"] = time.perf_counter() - started
     errors = {name: {t: gains[roles[name]] * p for t, p in by_type.items()} for name, by_type in proxies.items()}

@@ -196,8 +196,27 @@ def adapt_plan(plan: list[ModulePlan], recipe: Recipe, config) -> list[ModulePla
         return None
 
     plan = [fitted(overridden(mixed(entry))) for entry in plan]
-    return [replace(entry, scheme=None, note=why) if entry.quantized and (why := problem(entry)) else entry
+    plan = [replace(entry, scheme=None, note=why) if entry.quantized and (why := problem(entry)) else entry
             for entry in plan]
+    _check_stacked_experts(plan)
+    return plan
+
+
+def _check_stacked_experts(plan: list[ModulePlan]) -> None:
+    """The experts of one MoE projection take one type (llama.cpp stacks them into one tensor): refused before any
+    work where per-tensor types would split them."""
+    from quantkit.models.architectures import expert_projection
+    from quantkit.quant.tensor_types import gguf_name
+
+    stacks: dict[str, set[str]] = {}
+    for entry in plan:
+        if expert_projection(entry.name) is not None:
+            kind = ggml_type(entry.scheme.weights).name if entry.quantized else "float"
+            stacks.setdefault(gguf_name(entry.name), set()).add(kind)
+    for name, kinds in stacks.items():
+        if len(kinds) > 1:
+            raise FormatError(f"{name}: its experts would take different types ({', '.join(sorted(kinds))}), and llama.cpp "
+                              "stacks them into one tensor of one type; give all experts of a projection one --tensor-type")
 
 
 def _tensor_names(module_name: str) -> tuple[str, ...]:

@@ -87,7 +87,7 @@ def test_overrides_are_fixed_and_counted_first(k_model_dir, options):
 def test_a_target_below_the_smallest_candidates_is_one_line(k_model_dir, options):
     with pytest.raises(UsageError, match="below what the candidates can reach here"):
         planner.plan(k_model_dir, RECIPE, 2.0, options, ("Q4_K", "Q8_0"))
-    with pytest.raises(UsageError, match="pass --calib-data"):
+    with pytest.raises(UsageError, match="measures each tensor.s sensitivity on data: pass --calib-data"):
         planner.plan(k_model_dir, RECIPE, 4.0, CalibrationOptions())
 
 
@@ -119,6 +119,9 @@ def test_the_saved_plan_repeats_the_file_without_measuring(k_model_dir, options,
     (["--target-bpw", "0.5"], "between 1 and 32"),
     (["--target-bpw", "4", "--candidates", "q4_k,q9"], "not a GGML type"),
     (["-q", "gguf-q4-0", "--candidates", "q4_k"], "go with --target-bpw"),
+    (["--target-bpw", "4", "--target-size", "1MB"], "not both"),
+    (["--target-size", "lots"], "--target-size"),
+    (["--target-bpw", "4", "--save-plan", "plan.txt"], "is named .yaml"),
     ([], "pass -q RECIPE"),
 ])
 def test_bad_budget_options_are_one_line(tiny_model_dir, tmp_path, args, message):
@@ -129,3 +132,36 @@ def test_bad_budget_options_are_one_line(tiny_model_dir, tmp_path, args, message
     result = CliRunner().invoke(app, ["finalize", str(tiny_model_dir), str(tmp_path / "x.gguf"), *args])
     assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output
     assert not (tmp_path / "x.gguf").exists()
+
+
+def test_an_moe_layers_experts_take_one_type_each_projection(tmp_path, text_file):
+    """Qwen3-MoE: the experts of a projection are one decision (GGUF stacks them), named as GGUF does; the file
+    holds each stack in its planned type and meets the plan's size; a --tensor-type splitting a stack is refused."""
+    from conftest import make_text
+    from quantkit.errors import FormatError
+    from quantkit.finalization.finalize import prepare
+    from quantkit.models.tiny import build_tiny_model
+
+    src = build_tiny_model(tmp_path / "moe", make_text(2000), "qwen3_moe", num_hidden_layers=1, hidden_size=256,
+                           intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, num_experts=4,
+                           num_experts_per_tok=2, moe_intermediate_size=256, head_dim=64, norm_topk_prob=True)
+    options = CalibrationOptions(data=str(text_file), num_samples=4, seq_len=32)
+    plan = planner.plan(src, RECIPE, 4.0, options, ("Q2_K", "Q4_K", "Q8_0"))
+    assert {"blk.0.ffn_gate_exps", "blk.0.ffn_up_exps", "blk.0.ffn_down_exps"} <= set(plan.types)
+    assert not any(".experts." in name for name in plan.types)
+    out = tmp_path / "moe.gguf"
+    finalize(src, out, plan.recipe, calibration=options)
+    bits, types = file_bits(out)
+    assert bits == pytest.approx(plan.bits_per_weight, abs=1e-9)
+    assert types["blk.0.ffn_down_exps.weight"] == plan.types["blk.0.ffn_down_exps"]
+    split = registry.with_tensor_types(RECIPE, [r"experts\.0\.down_proj=q8_0"])
+    with pytest.raises(FormatError, match="blk.0.ffn_down_exps: its experts would take different types"):
+        prepare(src, split, registry.Format.GGUF)
+
+
+def test_a_target_size_is_the_files_tensors(k_model_dir, options, tmp_path):
+    """--target-size: the tensors' bytes at most the size, within one tensor's step."""
+    size = 700_000
+    plan = planner.plan(k_model_dir, RECIPE, None, options, ("Q2_K", "Q3_K", "Q4_K", "Q6_K"), target_bytes=size)
+    assert size * 0.97 < plan.tensor_bytes <= size
+    assert plan.target_bpw == pytest.approx(size * 8 / plan.parameters)
