@@ -20,7 +20,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 LOWEST := .venv-lowest
 
-.PHONY: install test test-lowest test-unit test-gpu test-gguf demo docs bench dist wheel-smoke clean
+.PHONY: install test test-lowest test-unit test-gpu test-gguf test-report demo docs bench dist wheel-smoke clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -89,6 +89,13 @@ test-gguf: $(VENV)/.installed-gguf
 	$(BIN)/python -c "import llama_cpp"
 	bin="$${QUANTKIT_LLAMA_CPP_BIN:-$$(bash scripts/build_llama_cpp.sh)}" && \
 	QUANTKIT_LLAMA_CPP_BIN="$$bin" $(BIN)/python -m pytest -q -rs -m "$(ENGINES)" --durations 10
+
+# The budget report in a real browser (tests marked browser; in the suite they skip where Chromium is missing):
+# Debian's chromium installed here first if it is not (apt-get, about a minute), then those tests alone. A failed
+# install fails the target.
+test-report: install
+	command -v chromium >/dev/null || (apt-get install -y -q chromium >/dev/null || (apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null))
+	$(BIN)/python -m pytest -q -rs -m browser
 
 # quantkit's artifacts in vLLM's own engine and OpenAI server: every compressed-tensors recipe against `quantkit eval`
 # (tests/engines/test_vllm.py, marked vllm; skipped in the suite, which has no vLLM). scripts/vllm_env.sh builds

@@ -23,6 +23,7 @@ class Ask:
     target_size: str | None = None
     candidates: str | None = None
     save_plan: Path | None = None
+    report: Path | None = None
 
     @property
     def planned(self) -> bool:
@@ -46,8 +47,8 @@ def base_recipe(quantize: str | None, ask: Ask) -> str:
 def check(ask: Ask, fmt: Format | None, recipe: Recipe) -> Format | None:
     """The budget options make sense together (before torch loads); the format to write."""
     if not ask.planned:
-        if ask.candidates is not None or ask.save_plan is not None:
-            raise UsageError("--candidates and --save-plan go with --target-bpw BITS or --target-size SIZE")
+        if ask.candidates is not None or ask.save_plan is not None or ask.report is not None:
+            raise UsageError("--candidates, --save-plan and --report go with --target-bpw BITS or --target-size SIZE")
         return fmt
     from quantkit.budget.planner import check_target, parse_candidates
     from quantkit.models.sources import parse_size
@@ -64,8 +65,11 @@ def check(ask: Ask, fmt: Format | None, recipe: Recipe) -> Format | None:
                          f"(the recipe '{recipe.name}' writes {recipe.format.value})")
     if ask.save_plan is not None and ask.save_plan.suffix not in (".yaml", ".yml"):
         raise UsageError(f"--save-plan {ask.save_plan}: a recipe file is named .yaml, e.g. plan.yaml")
-    if ask.save_plan is not None and not ask.save_plan.parent.is_dir():
-        raise UsageError(f"--save-plan {ask.save_plan}: {ask.save_plan.parent} does not exist; create it or give another path")
+    if ask.report is not None and ask.report.suffix not in (".html", ".htm"):
+        raise UsageError(f"--report {ask.report}: the report is a web page, named .html, e.g. budget.html")
+    for flag, path in (("--save-plan", ask.save_plan), ("--report", ask.report)):
+        if path is not None and not path.parent.is_dir():
+            raise UsageError(f"{flag} {path}: {path.parent} does not exist; create it or give another path")
     return Format.GGUF
 
 
@@ -81,6 +85,10 @@ def plan(src: Path, recipe: Recipe, ask: Ask, options, dtype: str, trust_remote_
     if ask.save_plan is not None:
         text = f"# quantkit's budget plan: {chosen.target_bpw:.4g} bits per weight over {src}\n"
         ask.save_plan.write_text(text + yaml.safe_dump(chosen.recipe.to_file(), sort_keys=False, width=120))
+    if ask.report is not None:
+        from quantkit.budget.report import render
+
+        ask.report.write_text(render(chosen, f"quantkit budget plan: {src.name}, {chosen.target_bpw:.4g} bits per weight"))
     if not quiet:
         show(chosen)
     return chosen

@@ -96,6 +96,11 @@ def finalize(
                                      help="With --target-bpw: write the chosen plan as a recipe file; -q FILE.yaml repeats it "
                                           "without measuring.")
     ] = None,
+    report: Annotated[
+        Optional[Path], typer.Option("--report", metavar="FILE.html", show_default=False,
+                                     help="With --target-bpw / --target-size: a web page of the plan (each tensor's estimated "
+                                          "error per type, the type chosen, the budget), self-contained.")
+    ] = None,
     num_samples: NumSamplesOpt = None,
     seq_len: SeqLenOpt = None,
     device: DeviceOpt = "cpu",
@@ -142,7 +147,7 @@ def finalize(
     quantization of a plain model, or the convert step of a QAT-trained one (same recipes).
     """
     launch = Launch(nproc_per_node, nnodes, node_rank, rdzv_endpoint, rdzv_backend)
-    ask = budget.Ask(target_bpw, target_size, candidates, save_plan)
+    ask = budget.Ask(target_bpw, target_size, candidates, save_plan, report)
     recipe = registry.with_tensor_types(registry.with_kv_cache(registry.resolve(budget.base_recipe(quantize, ask)), kv_cache),
                                         tensor_type)
     fmt = budget.check(ask, format, recipe)

@@ -102,8 +102,10 @@ def test_the_saved_plan_repeats_the_file_without_measuring(k_model_dir, options,
     first = CliRunner().invoke(app, ["finalize", str(k_model_dir), str(tmp_path / "a.gguf"), "-q", str(tmp_path / "k-rtn.yaml"),
                                      "--target-bpw", "4.0",
                                      "--candidates", "q3_k,q4_k,q6_k",
-                                     "--save-plan", str(tmp_path / "plan.yaml"), "--quiet", *data])
+                                     "--save-plan", str(tmp_path / "plan.yaml"), "--report", str(tmp_path / "plan.html"),
+                                     "--quiet", *data])
     assert first.exit_code == 0, first.output
+    assert "model.layers.1.mlp.down_proj" in (tmp_path / "plan.html").read_text()
     assert yaml.safe_load((tmp_path / "plan.yaml").read_text())["tensor_types"]
     monkeypatch.setattr(sensitivity, "measure", lambda *a, **k: pytest.fail("measured again"))
     again = CliRunner().invoke(app, ["finalize", str(k_model_dir), str(tmp_path / "b.gguf"), "-q",
@@ -119,6 +121,7 @@ def test_the_saved_plan_repeats_the_file_without_measuring(k_model_dir, options,
     (["--target-bpw", "0.5"], "between 1 and 32"),
     (["--target-bpw", "4", "--candidates", "q4_k,q9"], "not a GGML type"),
     (["-q", "gguf-q4-0", "--candidates", "q4_k"], "go with --target-bpw"),
+    (["--target-bpw", "4", "--report", "plan.txt"], "named .html"),
     (["--target-bpw", "4", "--target-size", "1MB"], "not both"),
     (["--target-size", "lots"], "--target-size"),
     (["--target-bpw", "4", "--save-plan", "plan.txt"], "is named .yaml"),
