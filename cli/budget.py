@@ -59,10 +59,14 @@ def check(ask: Ask, fmt: Format | None, recipe: Recipe) -> Format | None:
         check_target(ask.target_bpw)
     else:
         parse_size(ask.target_size, "--target-size")
-    parse_candidates(ask.candidates)
-    if (fmt or recipe.format) is not Format.GGUF:
-        raise UsageError(f"{ask.flag} chooses GGML types per tensor, which a GGUF file holds; use --format gguf "
-                         f"(the recipe '{recipe.name}' writes {recipe.format.value})")
+    from quantkit.export import FORMATS
+    from quantkit.finalization.request import per_tensor_formats
+
+    target = fmt or recipe.format
+    if FORMATS[target].tensor_types is None:
+        raise UsageError(f"{ask.flag} chooses a type per tensor, which --format {per_tensor_formats()} holds; a "
+                         f"{target.value} artifact takes one scheme")
+    parse_candidates(ask.candidates, target)
     if ask.save_plan is not None and ask.save_plan.suffix not in (".yaml", ".yml"):
         raise UsageError(f"--save-plan {ask.save_plan}: a recipe file is named .yaml, e.g. plan.yaml")
     if ask.report is not None and ask.report.suffix not in (".html", ".htm"):
@@ -70,18 +74,18 @@ def check(ask: Ask, fmt: Format | None, recipe: Recipe) -> Format | None:
     for flag, path in (("--save-plan", ask.save_plan), ("--report", ask.report)):
         if path is not None and not path.parent.is_dir():
             raise UsageError(f"{flag} {path}: {path.parent} does not exist; create it or give another path")
-    return Format.GGUF
+    return target
 
 
-def plan(src: Path, recipe: Recipe, ask: Ask, options, dtype: str, trust_remote_code: bool, quiet: bool):
+def plan(src: Path, recipe: Recipe, fmt: Format, ask: Ask, options, dtype: str, trust_remote_code: bool, quiet: bool):
     """The budget plan (`budget.planner.plan`), shown unless `quiet`, saved to `--save-plan` if given."""
     from quantkit.budget import planner
     from quantkit.models.sources import parse_size
     from quantkit.runtime.progress import Progress
 
     size = None if ask.target_size is None else parse_size(ask.target_size, "--target-size")
-    chosen = planner.plan(src, recipe, ask.target_bpw, options, planner.parse_candidates(ask.candidates), dtype,
-                          trust_remote_code, Progress(enabled=not quiet), target_bytes=size)
+    chosen = planner.plan(src, recipe, ask.target_bpw, options, planner.parse_candidates(ask.candidates, fmt), dtype,
+                          trust_remote_code, Progress(enabled=not quiet), target_bytes=size, fmt=fmt)
     if ask.save_plan is not None:
         text = f"# quantkit's budget plan: {chosen.target_bpw:.4g} bits per weight over {src}\n"
         ask.save_plan.write_text(text + yaml.safe_dump(chosen.recipe.to_file(), sort_keys=False, width=120))

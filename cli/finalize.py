@@ -72,24 +72,26 @@ def finalize(
     ] = None,
     tensor_type: Annotated[
         Optional[list[str]], typer.Option("--tensor-type", metavar="REGEX=TYPE", show_default=False,
-                                          help="GGUF: give the tensors whose quantkit or GGUF name REGEX matches (ffn_down, "
-                                               "blk\\.0\\.attn_v) GGML type TYPE (q6_k, q8_0, ... or float). Repeatable; "
-                                               "the last match wins, after the recipe's own.")
+                                          help="Give the tensors whose quantkit or GGUF name REGEX matches (ffn_down, "
+                                               "blk\\.0\\.attn_v) type TYPE: a GGML type in GGUF (q6_k, q8_0, ...), a recipe's "
+                                               "scheme in compressed-tensors (gptq-w8a16), or float. Repeatable; the last match "
+                                               "wins, after the recipe's own.")
     ] = None,
     target_bpw: Annotated[
         Optional[float], typer.Option("--target-bpw", metavar="BITS", show_default=False,
-                                      help="GGUF: choose a type per tensor from its sensitivity measured on --calib-data, "
-                                           "for an average of BITS bits per weight (scales and float tensors counted).")
+                                      help="Choose a type per tensor (GGUF: GGML types; compressed-tensors: recipes' schemes) from "
+                                           "its sensitivity measured on --calib-data, for an average of BITS bits per weight "
+                                           "(scales and float tensors counted).")
     ] = None,
     target_size: Annotated[
         Optional[str], typer.Option("--target-size", metavar="SIZE", show_default=False,
-                                    help="GGUF: as --target-bpw, for tensors of SIZE in all, e.g. 40GB (the file adds its header: "
+                                    help="As --target-bpw, for tensors of SIZE in all, e.g. 40GB (a GGUF file adds its header: "
                                          "the tokenizer and metadata).")
     ] = None,
     candidates: Annotated[
         Optional[str], typer.Option("--candidates", metavar="TYPES", show_default=False,
-                                    help="With --target-bpw: the GGML types to choose from, comma-separated "
-                                         "(default q2_k,q3_k,q4_k,q5_k,q6_k,q8_0).")
+                                    help="With --target-bpw: the types to choose from, comma-separated (GGUF default "
+                                         "q2_k,q3_k,q4_k,q5_k,q6_k,q8_0; compressed-tensors: gptq-w4a16,gptq-w8a16).")
     ] = None,
     save_plan: Annotated[
         Optional[Path], typer.Option("--save-plan", metavar="FILE.yaml", show_default=False,
@@ -176,7 +178,7 @@ def finalize(
                                  **every)
     chosen = None
     if ask.planned:
-        chosen = budget.plan(src, recipe, ask, options, dtype.value, trust_remote_code,
+        chosen = budget.plan(src, recipe, fmt, ask, options, dtype.value, trust_remote_code,
                              quiet or not runtime.is_main_process() or json_to_stdout(json_path))
         recipe = chosen.recipe
     if dry_run:  # minutes on a CPU at 8B, where the recipe calibrates: a terminal shows it working

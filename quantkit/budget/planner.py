@@ -1,15 +1,18 @@
-"""`finalize --target-bpw B`: a GGUF type for each tensor, chosen to meet an average of B bits per weight with the
-least estimated error (`sensitivity.measure`, `solver.solve`).
+"""`finalize --target-bpw B` / `--target-size S`: a type for each tensor, chosen to meet an average of B bits per
+weight (or S bytes of tensors) with the least estimated error (`sensitivity.measure`, `solver.solve`). In a GGUF file
+the types are GGML types; in a compressed-tensors artifact, recipes' schemes (`gptq-w4a16`, `gptq-w8a16`: each a
+config group vLLM runs side by side).
 
-Bits per weight are the file's: 8 x the bytes of every tensor it holds (quantized blocks with their scales, norms in
-F32, whatever stays float in the artifact's dtype) over the model's parameter count, as llama.cpp reports a file's
-BPW. The tensors the plan decides are the recipe's quantized Linears (lm_head included unless the recipe ignores
-it) and the token embedding (K types: quantkit rounds it as llama.cpp's K quantizer does); a tensor a user's
-`--tensor-type` names keeps that type, and its bytes count against the budget first.
+Bits per weight are the artifact's: 8 x the bytes of every tensor it holds (quantized weights with their scales and
+zero points, as the format's `weight_bytes` counts them; norms in F32 in GGUF; whatever stays float in the
+artifact's dtype) over the model's parameter count, as llama.cpp reports a file's BPW. The tensors the plan decides
+are the recipe's quantized Linears (lm_head included unless the recipe ignores it) and, in GGUF, the token
+embedding (K types: quantkit rounds it as llama.cpp's K quantizer does); a tensor a user's `--tensor-type` names
+keeps that type, and its bytes count against the budget first.
 
 The plan is a recipe: the base recipe (its algorithm and calibration; `gguf-q4-k-m`'s GPTQ on K grids by default)
 without its mixture, plus one exact `tensor_types` entry per decided tensor. Written with `--save-plan FILE.yaml`,
-`-q FILE.yaml` reproduces the artifact without measuring again; quantkit's record in the file holds it too.
+`-q FILE.yaml` reproduces the artifact without measuring again; quantkit's record in the artifact holds it too.
 """
 
 from __future__ import annotations
@@ -22,12 +25,13 @@ import torch
 
 from quantkit.budget import sensitivity, solver
 from quantkit.errors import UsageError
+from quantkit.export import FORMATS, GGML
+from quantkit.grids.schemes import QuantScheme, SchemeError
 from quantkit.quant import gguf_types, tensor_types
-from quantkit.quant.registry import Format, Recipe
+from quantkit.quant.registry import Format, Recipe, tensor_type_spec
 from quantkit.runtime.progress import QUIET, Progress
 
 DEFAULT_RECIPE = "gguf-q4-k-m"  # the algorithm and calibration of a plan when `-q` is not given: GPTQ on K grids
-DEFAULT_CANDIDATES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_0")
 EMBEDDING = "token_embd"  # the token embedding's name in a plan
 
 
@@ -36,7 +40,7 @@ class BudgetPlan:
     recipe: Recipe  # the base recipe with the plan's tensor_types
     types: dict[str, str]  # decided tensor -> type
     target_bpw: float
-    bits_per_weight: float  # the plan's, by the file's tensors (see the module docstring)
+    bits_per_weight: float  # the plan's, by the artifact's tensors (see the module docstring)
     tensor_bytes: int
     parameters: int
     estimated_kl: float
@@ -51,16 +55,25 @@ class BudgetPlan:
                                 "tokens": self.measured.tokens, "probe_tokens": self.measured.probe_tokens}}
 
 
-def parse_candidates(text: str | None) -> tuple[str, ...]:
-    """`--candidates q2_k,q4_k,...` as GGML type names (DEFAULT_CANDIDATES when None)."""
+def parse_candidates(text: str | None, fmt: Format) -> tuple[str, ...]:
+    """`--candidates q2_k,q4_k,...` (GGUF: GGML types) or `gptq-w4a16,gptq-w8a16` (compressed-tensors: recipes);
+    the format's defaults (`Registration.budget_candidates`) when None."""
     if text is None:
-        return DEFAULT_CANDIDATES
+        return FORMATS[fmt].budget_candidates
     try:
-        found = tuple(dict.fromkeys(gguf_types.canonical(t) for t in text.split(",") if t.strip()))
-    except ValueError as exc:
-        raise UsageError(f"--candidates: {exc.args[0].split(': ', 1)[-1]}") from exc
+        found = tuple(dict.fromkeys(tensor_types.type_name(t) for t in text.split(",") if t.strip()))
+        for name in found:
+            tensor_type_spec(name)
+    except SchemeError as exc:
+        raise UsageError(f"--candidates: {exc.message}") from exc
     if not found:
-        raise UsageError("--candidates is empty; give GGML types separated by commas, e.g. q3_k,q4_k,q6_k")
+        raise UsageError("--candidates is empty; give types separated by commas, e.g. q3_k,q4_k,q6_k (GGUF) or "
+                         "gptq-w4a16,gptq-w8a16 (compressed-tensors)")
+    ggml = FORMATS[fmt].tensor_types == GGML
+    wrong = [t for t in found if tensor_types.is_ggml(t) != ggml or t == gguf_types.FLOAT]
+    if wrong:
+        kind = "GGML types (q4_k, q6_k, ...)" if ggml else "recipes whose schemes it takes (gptq-w4a16, ...)"
+        raise UsageError(f"--candidates: {wrong[0]} is not a candidate for {fmt.value}, which takes {kind}")
     return found
 
 
@@ -69,27 +82,31 @@ def check_target(target_bpw: float) -> None:
         raise UsageError(f"--target-bpw {target_bpw}: give an average of bits per weight between 1 and 32, e.g. 4.5")
 
 
-def plan(src: Path, recipe: Recipe, target_bpw: float | None, options, candidates: tuple[str, ...] = DEFAULT_CANDIDATES,
+def plan(src: Path, recipe: Recipe, target_bpw: float | None, options, candidates: tuple[str, ...] | None = None,
          dtype: str = "auto", trust_remote_code: bool = False, progress: Progress = QUIET,
-         target_bytes: int | None = None) -> BudgetPlan:
-    """The budget plan of `src` under `recipe` (see the module docstring): `target_bpw` bits per weight, or
-    `target_bytes` of tensors (`--target-size`: the file is that and its header, the tokenizer and metadata, a few
-    MB at most); `options`: finalize's CalibrationOptions, whose data the sensitivity is measured on."""
+         target_bytes: int | None = None, fmt: Format | None = None) -> BudgetPlan:
+    """The budget plan of `src` under `recipe` for `fmt` (the recipe's by default; GGUF or compressed-tensors; see
+    the module docstring): `target_bpw` bits per weight, or `target_bytes` of tensors (`--target-size`: the file
+    adds its header, the tokenizer and metadata in GGUF); `options`: finalize's CalibrationOptions, whose data the
+    sensitivity is measured on."""
     from quantkit.finalization.checks import calibration_samples, prepare
     from quantkit.models import loading as models
     from quantkit.models import moe
 
+    fmt = fmt or recipe.format
+    candidates = candidates or FORMATS[fmt].budget_candidates
     if target_bpw is not None:
         check_target(target_bpw)
     if not options.data and not recipe.calibration.dataset:
         raise UsageError("a budget plan measures each tensor's sensitivity on data: pass --calib-data FILE")
     base = replace(recipe, mixture=None)
-    prepared = prepare(src, base, Format.GGUF, trust_remote_code, dtype=dtype)
+    prepared = prepare(src, base, fmt, trust_remote_code, dtype=dtype)
     with progress.task("Budget: measuring each tensor's sensitivity"):
         samples = calibration_samples(prepared.src, base, options, trust_remote_code)
         model = moe.linearize(models.load_model(prepared.src, prepared.dtype or dtype, trust_remote_code)).eval()
-        decided, members, fixed_bytes, parameters = _decisions(model, prepared.plan, base, candidates)
-        sizes = {name: {t: sum(gguf_types.tensor_bytes(t, *_shape(model, m)) for m in members[name]) for t in types}
+        sizing = _Sizing(fmt, base, model)
+        decided, members, fixed_bytes, parameters = _decisions(model, prepared.plan, base, candidates, sizing)
+        sizes = {name: {t: sum(sizing.candidate_bytes(t, m) for m in members[name]) for t in types}
                  for name, types in decided.items()}
         if target_bpw is None:
             target_bpw = target_bytes * 8 / parameters
@@ -100,7 +117,9 @@ def plan(src: Path, recipe: Recipe, target_bpw: float | None, options, candidate
             raise UsageError(f"{asked} is below what the candidates can reach here ({least * 8 / parameters:.3f} bits per "
                              f"weight, {least:,} bytes, with each tensor in its smallest); raise it or add smaller --candidates")
         roles = {name: _role(name) for name in decided}
-        measured = sensitivity.measure(model, decided, roles, samples, EMBEDDING if EMBEDDING in decided else None, members)
+        smallest = {name: min(by_type, key=by_type.get) for name, by_type in sizes.items()}
+        measured = sensitivity.measure(model, decided, roles, samples, EMBEDDING if EMBEDDING in decided else None,
+                                       members, smallest)
     choices = [solver.Choice(name, tuple(solver.Option(t, size, measured.errors[name][t]) for t, size in by_type.items()))
                for name, by_type in sizes.items()]
     chosen = solver.solve(choices, budget)
@@ -113,28 +132,61 @@ def plan(src: Path, recipe: Recipe, target_bpw: float | None, options, candidate
                       error, measured)
 
 
-def _decisions(model: torch.nn.Module, plan, recipe: Recipe, candidates: tuple[str, ...]) -> tuple[dict, dict, int, int]:
-    """({tensor: its candidate types}, {tensor: its Linears}, bytes of every other tensor of the file, the parameter
-    count). A tensor is a Linear, the token embedding (EMBEDDING), or an MoE layer's experts of one projection,
-    named as GGUF stacks them (`blk.N.ffn_down_exps`): they take one type."""
-    from quantkit.export.gguf import ggml_type
+class _Sizing:
+    """Bytes of a tensor in the artifact of `fmt`, as its exporter counts them (`weight_bytes`)."""
+
+    def __init__(self, fmt: Format, recipe: Recipe, model: torch.nn.Module):
+        from quantkit.export import exporter
+
+        self.recipe, self.model, self.exporter, self.registration = recipe, model, exporter(fmt), FORMATS[fmt]
+        self.element_size = next(model.parameters()).element_size()
+
+    @property
+    def embedding_decided(self) -> bool:
+        """Whether the token embedding is a tensor of the plan: in GGUF (K types), not in a format that keeps it float."""
+        return self.registration.tensor_types == GGML
+
+    def fits(self, type_name: str, columns: int) -> bool:
+        spec = tensor_type_spec(type_name)
+        return spec is not None and tensor_types.fits(spec, type_name, columns)
+
+    def candidate_bytes(self, type_name: str, name: str) -> int:
+        rows, columns = _shape(self.model, name)
+        if name == EMBEDDING:
+            return gguf_types.tensor_bytes(type_name, rows, columns)
+        return self.planned_bytes(QuantScheme(tensor_type_spec(type_name), self.recipe.scheme.activations), rows, columns)
+
+    def planned_bytes(self, scheme: QuantScheme, rows: int, columns: int) -> int:
+        from quantkit.quant.plan import ModulePlan
+
+        return self.exporter.weight_bytes(ModulePlan("", columns, rows, scheme), self.element_size)
+
+    def float_bytes(self, param: torch.Tensor) -> int:
+        """GGUF stores 1-D tensors in F32, matrices in their dtype; compressed-tensors everything in its dtype."""
+        return param.numel() * (4 if self.registration.vectors_float32 and param.dim() == 1 else param.element_size())
+
+
+def _decisions(model: torch.nn.Module, plan, recipe: Recipe, candidates: tuple[str, ...], sizing: _Sizing) -> tuple[dict, dict, int, int]:
+    """({tensor: its candidate types}, {tensor: its Linears}, bytes of every other tensor of the artifact, the
+    parameter count). A tensor is a Linear, the token embedding (EMBEDDING, GGUF only), or an MoE layer's experts of
+    one projection, named as GGUF stacks them (`blk.N.ffn_down_exps`): they take one type (in both formats)."""
     from quantkit.models.architectures import expert_projection
 
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     decided, members, fixed, planned = {}, {}, 0, {}
     for entry in plan:
-        names = (entry.name, tensor_types.gguf_name(entry.name) or "")
-        fitting = [t for t in candidates if gguf_types.spec(t) is not None and gguf_types.fits(t, entry.in_features)]
+        names = tensor_types.names_of(entry.name)
+        fitting = [t for t in candidates if sizing.fits(t, entry.in_features)]
         if entry.quantized and fitting and tensor_types.type_for(names, recipe.tensor_types) is None:
             unit = names[1] if expert_projection(entry.name) is not None else entry.name
             decided[unit] = fitting
             members.setdefault(unit, []).append(entry.name)
-        else:
-            planned[entry.name] = ggml_type(entry.scheme.weights).name if entry.quantized else None
+        elif entry.quantized:
+            planned[entry.name] = entry.scheme
     embedding = model.get_input_embeddings().weight
     k_types = [t for t in candidates if t.endswith("_K") and gguf_types.fits(t, embedding.shape[1])]
     embedding_free = tensor_types.type_for(tensor_types.EMBEDDING_NAMES, recipe.tensor_types) is None
-    if not tied and k_types and embedding_free:
+    if sizing.embedding_decided and not tied and k_types and embedding_free:
         decided[EMBEDDING], members[EMBEDDING] = k_types, [EMBEDDING]
     decided_linears = {m for unit, linears in members.items() if unit != EMBEDDING for m in linears}
     parameters = 0
@@ -143,25 +195,16 @@ def _decisions(model: torch.nn.Module, plan, recipe: Recipe, candidates: tuple[s
         owner = name.rpartition(".")[0]
         if param is embedding:
             if EMBEDDING in decided or (tied and "lm_head" in decided_linears):
-                continue  # decided: as itself, or as the tied output llama.cpp reads from token_embd
-            kind = _embedding_type(recipe, model.config)
+                continue  # decided: as itself, or (GGUF) as the tied output llama.cpp reads from token_embd
+            spec = sizing.exporter.embedding_weights(recipe, model.config)  # a mixture's or an override's, in GGUF
+            fixed += sizing.planned_bytes(QuantScheme(spec), *param.shape) if spec else sizing.float_bytes(param)
         elif name.endswith(".weight") and owner in decided_linears:
             continue
+        elif name.endswith(".weight") and owner in planned:
+            fixed += sizing.planned_bytes(planned[owner], *param.shape)
         else:
-            kind = planned.get(owner) if name.endswith(".weight") else None
-        fixed += gguf_types.tensor_bytes(kind, *param.shape) if kind else _float_bytes(param)
+            fixed += sizing.float_bytes(param)
     return decided, members, fixed, parameters
-
-
-def _embedding_type(recipe: Recipe, config) -> str | None:
-    from quantkit.export.gguf import embedding_type
-
-    return embedding_type(recipe, config)
-
-
-def _float_bytes(param: torch.Tensor) -> int:
-    """As the GGUF writer stores a float tensor: 1-D ones in F32, matrices in their dtype (F32, BF16 or F16)."""
-    return param.numel() * (4 if param.dim() == 1 else min(param.element_size(), 4))
 
 
 def _shape(model: torch.nn.Module, name: str) -> tuple[int, int]:

@@ -31,6 +31,7 @@ from torch import nn
 
 from quantkit.grids import quantize_weight
 from quantkit.quant import gguf_types
+from quantkit.quant.registry import tensor_type_spec as spec_of
 
 MOMENT_SAMPLES = 32  # samples the input moments are taken on (E[x^2] settles long before: it is a mean)
 ROWS = 256  # rows of a weight its proxy is computed on: every k-th row, the sum scaled up (rows are alike)
@@ -53,12 +54,14 @@ class Sensitivity:
 
 @torch.no_grad()
 def measure(model: nn.Module, candidates: dict[str, list[str]], roles: dict[str, str], samples: torch.Tensor,
-            embedding: str | None = None, members: dict[str, list[str]] | None = None) -> Sensitivity:
+            embedding: str | None = None, members: dict[str, list[str]] | None = None,
+            smallest: dict[str, str] | None = None) -> Sensitivity:
     """Estimated errors of each tensor in each of its `candidates` types. A tensor is a Linear's module name, or
     `embedding` (the token embedding's name), or a name `members` maps to Linears that take one type together (an
     MoE layer's experts of one projection: GGUF stacks them into one tensor; their proxies add up, so an expert
     few tokens reach weighs little, and one none reach nothing). `roles`: each tensor's role (its gain's group).
-    `samples`: token ids [n, seq_len]."""
+    `samples`: token ids [n, seq_len]. `smallest`: each tensor's smallest candidate, which its role's gain is
+    measured in (by default the one of fewest bits, for GGML types)."""
     started = time.perf_counter()
     members = {name: (members or {}).get(name, [name]) for name in candidates}
     linears = {linear: model.get_submodule(linear) for name in candidates if name != embedding for linear in members[name]}
@@ -81,10 +84,10 @@ def measure(model: nn.Module, candidates: dict[str, list[str]], roles: dict[str,
     role_kl, gains = {}, {}
     for role in sorted(set(roles.values())):
         of_role = [name for name in candidates if roles[name] == role]
-        smallest = {name: min(candidates[name], key=gguf_types.bits_per_weight) for name in of_role}
-        with _on_grids(model, {m: t for name, t in smallest.items() for m in members[name]}, embedding):
+        least = {name: (smallest or {}).get(name) or min(candidates[name], key=gguf_types.bits_per_weight) for name in of_role}
+        with _on_grids(model, {m: t for name, t in least.items() for m in members[name]}, embedding):
             role_kl[role] = _kl(reference, _log_probs(model, probe))
-        proxy = sum(proxies[name][smallest[name]] for name in of_role)
+        proxy = sum(proxies[name][least[name]] for name in of_role)
         gains[role] = role_kl[role] / proxy if proxy > 0 else 0.0
     seconds["gains"] = time.perf_counter() - started
     errors = {name: {t: gains[roles[name]] * p for t, p in by_type.items()} for name, by_type in proxies.items()}
@@ -117,7 +120,7 @@ def _proxy(weight: torch.Tensor, type_name: str, importance: torch.Tensor, rows:
     embedding's token frequencies, all rows given); a Linear's on every k-th of its rows (ROWS), scaled up."""
     stride = 1 if rows else max(1, weight.shape[0] // ROWS)
     w = weight[::stride].float()
-    spec = gguf_types.spec(type_name)
+    spec = spec_of(type_name)
     if spec is None:
         return 0.0
     column_importance = None if rows else importance.to(w.device)
@@ -140,7 +143,7 @@ class _on_grids:
         for name, type_name in self.types.items():
             param = self._param(name)
             self.saved[name] = param.data
-            spec = gguf_types.spec(type_name)
+            spec = spec_of(type_name)
             if spec is not None:
                 param.data = quantize_weight(param.data.float(), spec).dequantize(torch.float32).to(param.dtype)
         return self

@@ -44,12 +44,20 @@ class Registration:
     # quantkit.export.<reader>: the torch-free module that detects and reads the format's artifacts (`Reader`); None:
     # they are read as the plain transformers directories they are
     reader: str | None = None
+    # what a per-tensor type names in this format (`--tensor-type`, budget plans): GGML (a GGML type, e.g. Q6_K) or
+    # RECIPE (a recipe whose scheme the tensor takes, each its own config group); None: one scheme per artifact
+    tensor_types: str | None = None
+    budget_candidates: tuple[str, ...] = ()  # the types a budget plan (`--target-bpw`) chooses from by default
+    vectors_float32: bool = False  # 1-D tensors (norms, biases) are stored in float32, whatever the model's dtype
 
 
+GGML, RECIPE = "ggml", "recipe"  # Registration.tensor_types
 FORMATS = {
-    Format.COMPRESSED_TENSORS: Registration("compressed_tensors", reader="compressed_tensors_reader"),
+    Format.COMPRESSED_TENSORS: Registration("compressed_tensors", reader="compressed_tensors_reader", tensor_types=RECIPE,
+                                            budget_candidates=("gptq-w4a16", "gptq-w8a16")),
     Format.TORCHAO: Registration("torchao", reader="torchao_reader"),
-    Format.GGUF: Registration("gguf", single_file="model.gguf", reader="gguf_reader"),
+    Format.GGUF: Registration("gguf", single_file="model.gguf", reader="gguf_reader", tensor_types=GGML,
+                              budget_candidates=("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_0"), vectors_float32=True),
 }
 PLAIN_READER = "transformers_reader"  # what no format detects: a Hugging Face directory, read by plain transformers
 

@@ -83,6 +83,32 @@ def compression_format(scheme: QuantScheme) -> str:
     return "int-quantized" if scheme.activations else "pack-quantized"
 
 
+def adapt_plan(plan: list[ModulePlan], recipe: Recipe, config) -> list[ModulePlan]:
+    """The plan with the recipe's per-tensor schemes (`tensor_types`: recipes' names, `plan.with_tensor_type`), each
+    one config group of the artifact. Refused before any work: a scheme whose group does not divide the tensor's
+    inputs, one the installed compressed-tensors cannot write, one of another compression format than the recipe's
+    (one artifact is packed one way)."""
+    from quantkit.errors import FormatError
+    from quantkit.quant.plan import with_tensor_type
+
+    if not recipe.tensor_types:
+        return plan
+    adapted, fmt = [with_tensor_type(entry, recipe) for entry in plan], compression_format(recipe.scheme)
+    for before, entry in zip(plan, adapted):
+        if entry.scheme is None or entry.scheme == before.scheme:
+            continue
+        spec = entry.scheme.weights
+        if spec.granularity is Granularity.GROUP and entry.in_features % spec.group_size:
+            raise FormatError(f"{entry.name}: groups of {spec.group_size} do not divide its {entry.in_features} inputs; "
+                              "give it a tensor type with another group size")
+        if compression_format(entry.scheme) != fmt:
+            raise FormatError(f"{entry.name}: its tensor type is packed as {compression_format(entry.scheme)}, the recipe's "
+                              f"tensors as {fmt}; an artifact holds one compression format: choose types packed as {fmt}")
+        if (problem := ct_compat.cannot_pack(spec.dtype.bits)) and fmt == "pack-quantized":
+            raise FormatError(f"{entry.name}: {problem}")
+    return adapted
+
+
 def loading_caveat(recipe: Recipe) -> str | None:
     """What plain transformers cannot load of what this recipe writes (vLLM serves it), or None."""
     if unsupported(recipe) is not None:

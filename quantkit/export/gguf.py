@@ -158,17 +158,8 @@ def adapt_plan(plan: list[ModulePlan], recipe: Recipe, config) -> list[ModulePla
     stays in full precision, reported, as llama.cpp's quantizer leaves such tensors."""
     from dataclasses import replace
 
-    from quantkit.quant import gguf_mixtures, gguf_types, tensor_types
-
-    def overridden(entry: ModulePlan) -> ModulePlan:
-        kind = tensor_types.type_for(_tensor_names(entry.name), recipe.tensor_types)
-        if kind is None or entry.note == moe.GATE_NOTE:
-            return entry
-        weights = gguf_types.spec(kind)
-        if weights is None:
-            return replace(entry, scheme=None, note=f"left in full precision by tensor type {kind}")
-        activations = (entry.scheme or recipe.scheme).activations
-        return replace(entry, scheme=QuantScheme(weights, activations), note="")
+    from quantkit.quant import gguf_mixtures
+    from quantkit.quant.plan import with_tensor_type
 
     def mixed(entry: ModulePlan) -> ModulePlan:
         role, layer = gguf_mixtures.role_of(entry.name)
@@ -195,7 +186,7 @@ def adapt_plan(plan: list[ModulePlan], recipe: Recipe, config) -> list[ModulePla
             return f"no GGUF block holds groups of {spec.group_size} ({entry.in_features} inputs are not a multiple of {BLOCK})"
         return None
 
-    plan = [fitted(overridden(mixed(entry))) for entry in plan]
+    plan = [fitted(with_tensor_type(mixed(entry), recipe)) for entry in plan]
     plan = [replace(entry, scheme=None, note=why) if entry.quantized and (why := problem(entry)) else entry
             for entry in plan]
     _check_stacked_experts(plan)
@@ -217,22 +208,6 @@ def _check_stacked_experts(plan: list[ModulePlan]) -> None:
         if len(kinds) > 1:
             raise FormatError(f"{name}: its experts would take different types ({', '.join(sorted(kinds))}), and llama.cpp "
                               "stacks them into one tensor of one type; give all experts of a projection one --tensor-type")
-
-
-def _tensor_names(module_name: str) -> tuple[str, ...]:
-    """A planned Linear's names an override's pattern is searched in: quantkit's and GGUF's (`tensor_types`)."""
-    from quantkit.quant.tensor_types import gguf_name
-
-    return (module_name, gguf_name(module_name) or "")
-
-
-def notes(skeleton: nn.Module, recipe: Recipe) -> list[str]:
-    """A note for each per-tensor override that matches no tensor of this model (most often a typo)."""
-    from quantkit.quant import tensor_types
-
-    tensors = [_tensor_names(name) for name, module in skeleton.named_modules() if isinstance(module, nn.Linear)]
-    return [f"tensor type {text} matches no tensor of this model, so it changes nothing"
-            for text in tensor_types.unmatched(recipe.tensor_types, tensors + [tensor_types.EMBEDDING_NAMES])]
 
 
 def _gqa(config) -> int:

@@ -115,7 +115,8 @@ def prepare(
     plan = exporter(fmt).adapt_plan(_check_model(src, skeleton, recipe), recipe, config)
     rotator = _check_rotations(skeleton, recipe, trained)
     report = coverage(skeleton, plan, exporter(fmt).quantized_tensors(skeleton, plan, recipe))
-    report["notes"] = exporter(fmt).notes(skeleton, recipe) + unused_calibration(recipe, options) + unmatched_ignore(plan, recipe)
+    report["notes"] = (exporter(fmt).notes(skeleton, recipe) + unused_calibration(recipe, options) + unmatched_ignore(plan, recipe)
+                       + unmatched_tensor_types(plan, recipe))
     prepared = Prepared(src=src, format=fmt, plan=plan, coverage=report, shard_bytes=shard_bytes, rotator=rotator,
                         recipe=recipe)
     prepared.loading = _whole_model_reason(src, fmt, skeleton, in_memory, rotator is not None,
@@ -257,6 +258,15 @@ def unmatched_ignore(plan: list[ModulePlan], recipe: Recipe) -> list[str]:
 
     return [f"ignore: {entry!r} matches no Linear of this model, so it leaves nothing in full precision"
             for entry in recipe.ignore if not any(is_ignored(module.name, (entry,)) for module in plan)]
+
+
+def unmatched_tensor_types(plan: list[ModulePlan], recipe: Recipe) -> list[str]:
+    """A note for each per-tensor override that matches no tensor of this model (most often a typo)."""
+    from quantkit.quant import tensor_types
+
+    tensors = [tensor_types.names_of(entry.name) for entry in plan] + [tensor_types.EMBEDDING_NAMES]
+    return [f"tensor type {text} matches no tensor of this model, so it changes nothing"
+            for text in tensor_types.unmatched(recipe.tensor_types, tensors)]
 
 
 def convert_recipe(recipe: Recipe, trained: dict | None) -> Recipe:

@@ -15,7 +15,7 @@ from pathlib import Path
 from quantkit.errors import UsageError
 from quantkit.export import atomic, check_destination_name, single_file
 from quantkit.models import sources
-from quantkit.quant.registry import Format, Recipe
+from quantkit.quant.registry import Format, Recipe  # noqa: F401 (Format: the request's type)
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # --dtype (`models.loading.DTYPES` maps them to torch's)
 
@@ -47,10 +47,39 @@ def check_request(request: Request) -> int | None:
 
 
 def check_tensor_types(recipe: Recipe, fmt: Format) -> None:
-    """Per-tensor types (`--tensor-type`, a recipe's `tensor_types`) are GGML types: a GGUF file's."""
-    if recipe.tensor_types and fmt is not Format.GGUF:
-        raise UsageError(f"per-tensor types ({recipe.tensor_types[0]}, ...) are GGML types, which a GGUF file holds; "
-                         f"use --format gguf (a {fmt.value} artifact takes one scheme per recipe)")
+    """Per-tensor types (`--tensor-type`, a recipe's `tensor_types`) are the format's: GGML types in a GGUF file,
+    recipes' schemes in a compressed-tensors artifact (`float` in both); other formats take one scheme."""
+    from quantkit.export import FORMATS, GGML
+    from quantkit.quant.gguf_types import FLOAT
+    from quantkit.quant.tensor_types import Override, is_ggml
+
+    if not recipe.tensor_types:
+        return
+    kind = FORMATS[fmt].tensor_types
+    if kind is None:
+        raise UsageError(f"per-tensor types ({recipe.tensor_types[0]}, ...) are for --format {per_tensor_formats()}; a "
+                         f"{fmt.value} artifact takes one scheme per recipe")
+    for override in map(Override.parse, recipe.tensor_types):
+        if override.type != FLOAT and is_ggml(override.type) != (kind == GGML):
+            holder = next(f.value for f, r in FORMATS.items() if r.tensor_types and (r.tensor_types == GGML) == is_ggml(override.type))
+            raise UsageError(f"tensor type {override}: {types_of(fmt)}; {override.type} is not one (use --format {holder} "
+                             "for it)")
+
+
+def per_tensor_formats() -> str:
+    """The formats that hold a type per tensor, for messages."""
+    from quantkit.export import FORMATS
+
+    return " or ".join(f.value for f, registration in FORMATS.items() if registration.tensor_types)
+
+
+def types_of(fmt: Format) -> str:
+    """What a per-tensor type is in `fmt`, for messages."""
+    from quantkit.export import FORMATS, GGML
+
+    if FORMATS[fmt].tensor_types == GGML:
+        return f"a {fmt.value} artifact holds GGML types (q4_k, q6_k, q8_0, ... or float)"
+    return f"a {fmt.value} artifact takes recipes' schemes per tensor (e.g. gptq-w8a16, or float)"
 
 
 def check_shard_size(max_shard_size: str | None, fmt: Format) -> int | None:

@@ -79,6 +79,25 @@ def plan_module(name: str, module: nn.Linear, recipe: Recipe, width: int | None 
     return ModulePlan(**shape, scheme=None, note=note)
 
 
+def with_tensor_type(entry: ModulePlan, recipe: Recipe) -> ModulePlan:
+    """The entry under the recipe's per-tensor override that matches it last (`quant.tensor_types`), if any: any
+    Linear but an MoE router, `ignore`d ones too; `float` leaves it in full precision. The format's exporter applies
+    it (`adapt_plan`), and checks the scheme is one it holds."""
+    from dataclasses import replace
+
+    from quantkit.grids.schemes import QuantScheme
+    from quantkit.quant import tensor_types
+    from quantkit.quant.registry import tensor_type_spec
+
+    kind = tensor_types.type_for(tensor_types.names_of(entry.name), recipe.tensor_types)
+    if kind is None or entry.note == moe.GATE_NOTE:
+        return entry
+    weights = tensor_type_spec(kind)
+    if weights is None:
+        return replace(entry, scheme=None, note=f"left in full precision by tensor type {kind}")
+    return replace(entry, scheme=QuantScheme(weights, recipe.scheme.activations), note="")
+
+
 def plan_model(model: nn.Module, recipe: Recipe) -> list[ModulePlan]:
     """One entry per nn.Linear, in module order. Works on a meta-device model (no weights needed).
     A model with weights outside nn.Linear that a recipe should cover (fused MoE experts not yet split by

@@ -294,16 +294,30 @@ def parse_recipe(name: str, data: dict[str, Any], source: str = "") -> Recipe:
 
 def _parse_tensor_types(value: Any, scheme: QuantScheme, steps: tuple[AlgorithmStep, ...]) -> tuple[str, ...]:
     """`tensor_types: [REGEX=TYPE, ...]` (quant.tensor_types), each type one the quantizer rounds onto."""
-    from quantkit.quant import gguf_types, tensor_types
+    from quantkit.quant import tensor_types
 
     overrides = tensor_types.parse_all(_str_list(value, "tensor_types"))
     quantizer = steps[-1].algorithm
     for override in map(tensor_types.Override.parse, overrides):
-        weights = gguf_types.spec(override.type)
+        weights = tensor_type_spec(override.type)
         refusal = None if weights is None else quantizer.refusal(QuantScheme(weights, scheme.activations))
         if refusal:
             raise SchemeError("tensor_types", f"{override}: {refusal}")
     return overrides
+
+
+def tensor_type_spec(name: str) -> WeightSpec | None:
+    """The weights' grid of a per-tensor type (`quant.tensor_types`): a GGML type's, a recipe's scheme's; None for
+    `float`. SchemeError for a name that is no recipe."""
+    from quantkit.quant import gguf_types, tensor_types
+
+    if tensor_types.is_ggml(name):
+        return gguf_types.spec(name)
+    if name not in _recipe_files():
+        close = difflib.get_close_matches(name, list(_recipe_files()), n=3, cutoff=0.5)
+        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        raise SchemeError("tensor type", f"'{name}' is neither a GGML type nor a recipe{hint} (see `quantkit recipes list`)")
+    return resolve(name).scheme.weights
 
 
 def with_tensor_types(recipe: Recipe, texts: list[str] | None) -> Recipe:

@@ -4,8 +4,9 @@ in the same `REGEX=TYPE` spelling. A budget plan is written the same way, one ex
 REGEX is searched (`re.search`) in a tensor's quantkit module name (`model.layers.3.mlp.down_proj`) and in its GGUF
 name (`blk.3.ffn_down`, `output`, `token_embd`), so `ffn_down`, `down_proj` and `^blk\\.(0|1)\\.attn_v$` all work.
 Every override is applied in order and the last one that matches a tensor wins; the recipe's come before the
-command line's. TYPE is a GGML type (`gguf_types.names()`, any case) or `float`. Torch-free: the request check
-parses overrides before any model is read.
+command line's. TYPE is what the format holds per tensor: a GGML type (`gguf_types.names()`, any case) in a GGUF
+file, a recipe name whose scheme the tensor takes (`gptq-w8a16`) in a compressed-tensors artifact, or `float`
+(left in full precision) in either. Torch-free: the request check parses overrides before any model is read.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from quantkit.grids.schemes import SchemeError
+from quantkit.grids.schemes import SchemeError, WeightSpec
 from quantkit.quant import gguf_types
 
 EMBEDDING_NAMES = ("model.embed_tokens", "token_embd")  # the token embedding, as quantkit and GGUF name it
@@ -34,13 +35,43 @@ class Override:
             re.compile(pattern)
         except re.error as exc:
             raise SchemeError("tensor_types", f"'{pattern}' is not a regular expression ({exc}); escape it or fix it") from exc
-        return cls(pattern.strip(), gguf_types.canonical(kind))
+        return cls(pattern.strip(), type_name(kind))
 
     def matches(self, names: tuple[str, ...]) -> bool:
         return any(re.search(self.pattern, name) for name in names if name)
 
     def __str__(self) -> str:
         return f"{self.pattern}={self.type}"
+
+
+_RECIPE_NAME = re.compile(r"[a-z0-9][a-z0-9._-]*")
+
+
+def type_name(text: str) -> str:
+    """A GGML type as llama.cpp spells it (`q6_k` -> `Q6_K`), `float`, or what can be a recipe's name (the registry
+    checks that it is one: `registry.tensor_type_spec`); SchemeError otherwise."""
+    try:
+        return gguf_types.canonical(text)
+    except SchemeError:
+        if _RECIPE_NAME.fullmatch(text.strip()):
+            return text.strip()
+        raise SchemeError("tensor type", f"'{text}' is neither a GGML type quantkit writes ({', '.join(gguf_types.names())}) "
+                          "nor a recipe name (`quantkit recipes list`)") from None
+
+
+def is_ggml(name: str) -> bool:
+    """Whether a type is GGUF's (a GGML type or `float`), not a recipe's scheme."""
+    return name == gguf_types.FLOAT or name in gguf_types.BLOCK_BYTES
+
+
+def fits(spec: WeightSpec | None, type_name_: str, columns: int) -> bool:
+    """Whether rows of `columns` weights take a type whose grid is `spec`: whole blocks of a GGML type, whole groups
+    of a recipe's scheme; `float` always."""
+    if spec is None:
+        return True
+    if is_ggml(type_name_):
+        return gguf_types.fits(type_name_, columns)
+    return spec.group_size is None or columns % spec.group_size == 0
 
 
 def parse_all(texts) -> tuple[str, ...]:
@@ -61,6 +92,11 @@ def unmatched(overrides: tuple[str, ...], tensors: list[tuple[str, ...]]) -> lis
     """The overrides that match none of `tensors` (each its names), to be reported: a pattern matching nothing is
     most often a typo."""
     return [text for text in overrides if not any(Override.parse(text).matches(names) for names in tensors)]
+
+
+def names_of(module_name: str) -> tuple[str, ...]:
+    """A planned Linear's names an override's pattern is searched in: quantkit's and GGUF's."""
+    return (module_name, gguf_name(module_name) or "")
 
 
 def gguf_name(module_name: str) -> str | None:

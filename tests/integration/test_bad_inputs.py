@@ -140,7 +140,7 @@ CASES = {
     "--tensor-type without a type": (["finalize", "{model}", "{dst}.gguf", "-q", "gguf-q4-0", "--tensor-type", "ffn_down"], 2,
                                      "is not REGEX=TYPE"),
     "--tensor-type of an unknown type": (["finalize", "{model}", "{dst}.gguf", "-q", "gguf-q4-0", "--tensor-type",
-                                          "ffn_down=q4_k_m"], 2, "is not a GGML type quantkit writes"),
+                                          "ffn_down=q4_k_m"], 2, "is neither a GGML type"),
     "--tensor-type outside GGUF": (["finalize", "{model}", "{dst}", "-q", "int4-weight-only", "--tensor-type",
                                     "down_proj=q8_0"], 2, "use --format gguf"),
     "train config with a python tag": (["train", "{evil-config}"], 2, "not valid YAML"),

@@ -1,6 +1,8 @@
 """`finalize --target-bpw`: a GGUF type per tensor, from sensitivity measured on the calibration data, meeting the
 average bits per weight the file then has."""
 
+import json
+
 import numpy as np
 import pytest
 import yaml
@@ -117,9 +119,10 @@ def test_the_saved_plan_repeats_the_file_without_measuring(k_model_dir, options,
 
 
 @pytest.mark.parametrize("args, message", [
-    (["-q", "int4-weight-only", "--target-bpw", "4"], "use --format gguf"),
+    (["-q", "int4-weight-only", "--format", "torchao", "--target-bpw", "4"], "a torchao artifact takes one scheme"),
+    (["-q", "int4-weight-only", "--target-bpw", "4", "--candidates", "q4_k"], "not a candidate for compressed-tensors"),
     (["--target-bpw", "0.5"], "between 1 and 32"),
-    (["--target-bpw", "4", "--candidates", "q4_k,q9"], "not a GGML type"),
+    (["--target-bpw", "4", "--candidates", "q4_k,q9"], "neither a GGML type"),
     (["-q", "gguf-q4-0", "--candidates", "q4_k"], "go with --target-bpw"),
     (["--target-bpw", "4", "--report", "plan.txt"], "named .html"),
     (["--target-bpw", "4", "--target-size", "1MB"], "not both"),
@@ -168,3 +171,34 @@ def test_a_target_size_is_the_files_tensors(k_model_dir, options, tmp_path):
     plan = planner.plan(k_model_dir, RECIPE, None, options, ("Q2_K", "Q3_K", "Q4_K", "Q6_K"), target_bytes=size)
     assert size * 0.97 < plan.tensor_bytes <= size
     assert plan.target_bpw == pytest.approx(size * 8 / plan.parameters)
+
+
+def test_a_compressed_tensors_plan_mixes_schemes_that_plain_transformers_loads(wide_model_dir, options, tmp_path):
+    """compressed-tensors: the candidates are recipes' schemes (int4 groups, int8 channels); the artifact's tensors
+    take the plan's bytes exactly, its config holds one group per scheme, and plain transformers loads it to the
+    logits of quantkit's in-memory quantized model."""
+    import torch
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from quantkit.finalization.finalize import prepare, quantize_model
+
+    recipe = registry.resolve("int4-weight-only")
+    plan = planner.plan(wide_model_dir, recipe, 13.0, options, ("int4-weight-only", "int8-weight-only"))
+    assert set(plan.types.values()) == {"int4-weight-only", "int8-weight-only"} and plan.bits_per_weight <= 13.0
+    out = tmp_path / "mixed"
+    finalize(wide_model_dir, out, plan.recipe, calibration=options)
+    stored = 0
+    for path in out.glob("*.safetensors"):
+        with safe_open(path, "pt") as f:
+            stored += sum(f.get_tensor(k).numel() * f.get_tensor(k).element_size() for k in f.keys())
+    assert stored == plan.tensor_bytes
+    groups = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]
+    assert sorted(g["weights"]["num_bits"] for g in groups.values()) == [4, 8]
+    eight = next(g for g in groups.values() if g["weights"]["num_bits"] == 8)
+    assert sorted(eight["targets"]) == sorted(n for n, t in plan.types.items() if t == "int8-weight-only")
+    ids = torch.randint(3, 300, (1, 16), generator=torch.Generator().manual_seed(0))
+    expected = quantize_model(prepare(wide_model_dir, plan.recipe), plan.recipe)
+    loaded = AutoModelForCausalLM.from_pretrained(out)
+    with torch.no_grad():
+        assert torch.allclose(loaded(ids).logits, expected(ids).logits, atol=1e-4)

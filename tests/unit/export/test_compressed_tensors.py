@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 import torch
 
 from quantkit.export import compressed_tensors, exporter
@@ -35,3 +36,23 @@ def test_write_records_the_quantization_config(tiny_model_dir, tmp_path):
     config = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
     assert config["quant_method"] == "compressed-tensors" and config["ignore"] == ["lm_head"]
     assert list(tmp_path.glob("*.safetensors"))
+
+
+def test_tensor_types_are_recipes_schemes_in_compressed_tensors(wide_model_dir):
+    """--tensor-type in compressed-tensors: a recipe's scheme on the tensors it matches (its own config group);
+    refused before any work: a GGML type, a scheme packed another way, and GGUF refuses a recipe name."""
+    from quantkit.errors import FormatError, UsageError
+    from quantkit.finalization.finalize import prepare
+    from quantkit.quant import registry
+
+    recipe = registry.with_tensor_types(registry.resolve("int4-weight-only"), ["down_proj=int8-weight-only", "k_proj=float"])
+    plan = {entry.name: entry for entry in prepare(wide_model_dir, recipe).plan}
+    assert plan["model.layers.1.mlp.down_proj"].scheme.weights == registry.resolve("int8-weight-only").scheme.weights
+    assert plan["model.layers.1.self_attn.q_proj"].scheme.weights == recipe.scheme.weights
+    assert not plan["model.layers.0.self_attn.k_proj"].quantized
+    with pytest.raises(UsageError, match="Q8_0 is not one .use --format gguf for it"):
+        prepare(wide_model_dir, registry.with_tensor_types(registry.resolve("int4-weight-only"), ["down_proj=q8_0"]))
+    with pytest.raises(FormatError, match="one compression format"):
+        prepare(wide_model_dir, registry.with_tensor_types(registry.resolve("int4-weight-only"), ["down_proj=fp8-block"]))
+    with pytest.raises(UsageError, match="a gguf artifact holds GGML types.*use --format compressed-tensors"):
+        prepare(wide_model_dir, registry.with_tensor_types(registry.resolve("gguf-q4-0"), ["down_proj=int8-weight-only"]))

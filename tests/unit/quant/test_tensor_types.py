@@ -14,7 +14,7 @@ def test_parse_splits_at_the_last_equals_and_names_the_type_as_llama_cpp():
 
 
 @pytest.mark.parametrize("text, message", [("ffn_down", "REGEX=TYPE"), ("=q4_0", "REGEX=TYPE"), ("x=", "REGEX=TYPE"),
-                                           ("(=q4_0", "regular expression"), ("x=q9_k", "not a GGML type")])
+                                           ("(=q4_0", "regular expression"), ("x=Q9 K!", "neither a GGML type")])
 def test_bad_overrides_say_what_to_write(text, message):
     with pytest.raises(SchemeError, match=message):
         Override.parse(text)
@@ -48,3 +48,7 @@ def test_a_type_the_recipes_algorithm_cannot_round_onto_is_refused():
         registry.with_tensor_types(registry.resolve("hqq-w4a16"), ["mlp=q4_k"])
     with pytest.raises(RecipeError, match="REGEX=TYPE"):
         registry.with_tensor_types(registry.resolve("gguf-q4-0"), ["mlp"])
+    with pytest.raises(RecipeError, match="'q9_k' is neither a GGML type nor a recipe"):
+        registry.with_tensor_types(registry.resolve("gguf-q4-0"), ["mlp=q9_k"])
+    with pytest.raises(RecipeError, match="did you mean gptq-w8a16"):
+        registry.with_tensor_types(registry.resolve("gptq-w4a16"), ["mlp=gptq-w8a61"])
