@@ -10,7 +10,7 @@ model (the trained Llama and its outlier copy):
 
 - quantkit's budget rows: `quantkit finalize SRC OUT.gguf --target-bpw B --calib-data ... --dtype float16` for each
   of `--targets` (the default algorithm: gguf-q4-k-m's GPTQ on K grids), and one more at the bits per weight of
-  llama.cpp's Q4_K_M + imatrix file of the same model (its tensors' bytes over the parameters);
+  each llama.cpp file of the same model ("at Q4_K_M's size": its tensors' bytes over the parameters);
 - quantkit's fixed mixtures: the shipped gguf-q2-k, gguf-q3-k-m, gguf-q4-k-m, gguf-q5-k-m (GPTQ, llama.cpp's
   per-tensor rules);
 - llama.cpp's own: llama-quantize Q2_K, Q3_K_M, Q4_K_M, Q5_K_M with llama-imatrix's importance matrix.
@@ -18,8 +18,9 @@ model (the trained Llama and its outlier copy):
 The table is sorted by size per model: bits per weight of the file's tensors (8 x tensor bytes / parameters, the
 measure --target-bpw plans; the header's metadata left out), the mean KL divergence from F16 with its +/-, the
 share of tokens with F16's most likely next token, the paired perplexity ratio, and the time to make the file.
-The targets it checks: each budget row has the lowest KL divergence among the rows no smaller than it (within 1%
-of its size); the budget row at Q4_K_M's size beats quantkit's own gguf-q4-k-m. `--svg` draws KL divergence
+The targets it checks, for each mixture: the budget row at its size is no larger than llama.cpp's file and quantkit's
+gguf-* file of that mixture, and its KL divergence is below both (at Q4_K_M's size: below quantkit's own
+gguf-q4-k-m). `--svg` draws KL divergence
 against bits per weight, one line per tool and model (log scale), as a self-contained SVG.
 """
 
@@ -76,10 +77,9 @@ def rows_of(model: str, src: Path, bin_dir: Path, runner: Path, args: argparse.N
     rows += [gg.quantkit_row(model, src, spec, folder, args) for spec in args.mixtures]
     rows += [budget_row(model, src, target, folder, args) for target in args.targets]
     parameters = harness.parameter_count(src)
-    q4km = next((r for r in rows if r.row == "Q4_K_M + imatrix" and not r.error), None)
-    if q4km is not None:
-        gg.sizes(q4km, parameters)
-        rows.append(budget_row(model, src, tensor_bpw(q4km, parameters), folder, args, "at Q4_K_M's size"))
+    for peer in [r for r in rows if r.tool == "llama.cpp" and r.row != "F16" and not r.error]:
+        gg.sizes(peer, parameters)
+        rows.append(budget_row(model, src, tensor_bpw(peer, parameters), folder, args, f"at {peer.kind}'s size"))
     return rows
 
 
@@ -107,22 +107,21 @@ def table(rows: list[gg.Row], models: dict[str, Path]) -> str:
 
 
 def targets(rows: list[gg.Row], models: dict[str, Path]) -> list[str]:
-    """Each budget row against every other row no more than 1% smaller; the Q4_K_M-size row against gguf-q4-k-m."""
+    """Each "at X's size" budget row against llama.cpp's X + imatrix and quantkit's gguf-x of the same model."""
     found = []
     for r in rows:
-        if r.tool != "quantkit budget" or r.kld is None:
+        if r.tool != "quantkit budget" or not r.row.startswith("at ") or r.kld is None:
             continue
-        rivals = [o for o in rows if o.tool != "quantkit budget" and o.kld is not None and o.row != "F16"
-                  and o.model == r.model and o.tensor_bytes >= r.tensor_bytes * 0.99]
-        beaten = [o for o in rivals if o.kld <= r.kld]
-        verdict = "met" if not beaten else "not met: " + ", ".join(f"{o.tool} {o.row} {o.kld:.5f}" for o in beaten)
-        found.append(f"{r.model} {r.row} (KLD {r.kld:.5f}, {r.tensor_bytes:,} B): lowest of the {len(rivals)} rows at "
-                     f"its size or larger: {verdict}")
-        if r.row == "at Q4_K_M's size":
-            own = next((o for o in rows if o.model == r.model and o.row == "gguf-q4-k-m" and o.kld is not None), None)
-            if own:
-                found.append(f"{r.model} budget at Q4_K_M's size {r.kld:.5f} vs quantkit gguf-q4-k-m {own.kld:.5f} "
-                             f"({own.tensor_bytes:,} B): {'met' if r.kld < own.kld else 'not met'}")
+        kind = r.row[3:].split("'")[0]
+        peers = [o for o in rows if o.model == r.model and o.kld is not None and o.tool != "quantkit budget"
+                 and (o.row == f"{kind} + imatrix" or o.row == f"gguf-{kind.lower().replace('_', '-')}")]
+        if not peers:
+            continue
+        smaller = all(r.tensor_bytes <= o.tensor_bytes for o in peers)
+        lower = all(r.kld < o.kld for o in peers)
+        against = ", ".join(f"{o.tool} {o.row} {o.kld:.5f} ({o.tensor_bytes:,} B)" for o in peers)
+        found.append(f"{r.model} at {kind}'s size: budget {r.kld:.5f} ({r.tensor_bytes:,} B) against {against}: "
+                     f"{'met' if smaller and lower else 'not met'}")
     return found
 
 
