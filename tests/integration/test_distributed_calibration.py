@@ -146,6 +146,23 @@ def test_gptq_on_llama_cpps_k_grids_on_two_ranks_writes_the_one_rank_file(calib_
     assert len(rows) == 2 and min(rows) > 0, rows
 
 
+def test_a_budget_plan_on_two_ranks_writes_the_one_rank_file(calib_file, tmp_path):
+    """--target-bpw: every rank measures and plans alike (the same samples, the same solver), so the two ranks'
+    GPTQ runs on the planned types write the one-rank file's tensors."""
+    gguf = pytest.importorskip("gguf")
+    from quantkit.models.tiny import build_tiny_llama
+
+    src = build_tiny_llama(tmp_path / "k-llama", make_text(2000), hidden_size=256, intermediate_size=512,
+                           num_attention_heads=4, num_key_value_heads=2)
+    for n in (1, 2):
+        done = finalize(src, tmp_path / f"n{n}.gguf", "gguf-q4-k-m", calib_file, n, "--target-bpw", "4.0")
+        assert done.returncode == 0, done.stderr[-3000:]
+    one, two = ({t.name: t for t in gguf.GGUFReader(tmp_path / f"n{n}.gguf").tensors} for n in (1, 2))
+    assert len({t.tensor_type for name, t in one.items() if name.startswith("blk.")}) > 2  # a mixture: F32 norms and 2+ types
+    for name, tensor in one.items():
+        assert tensor.tensor_type == two[name].tensor_type and bytes(tensor.data) == bytes(two[name].data), name
+
+
 def test_two_machines_write_what_one_machine_of_two_ranks_writes(tiny_model_dir, calib_file, tmp_path):
     """`--nnodes 2` with one process per node, both started at once, each in a directory of its own that stands for
     its machine's disk (DST is relative): node 0 holds global rank 0 and writes the single-node artifact, tensor
