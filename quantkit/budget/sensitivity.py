@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from quantkit.evaluation.divergence import kl_divergence
 from quantkit.grids import quantize_weight
 from quantkit.quant import gguf_types
 from quantkit.quant.registry import tensor_type_spec as spec_of
@@ -37,7 +38,7 @@ MOMENT_SAMPLES = 32  # samples the input moments are taken on (E[x^2] settles lo
 ROWS = 256  # rows of a weight its proxy is computed on: every k-th row, the sum scaled up (rows are alike)
 EMBEDDING_ROWS = 2048  # the most frequent tokens' rows of the embedding (the others weigh little or nothing)
 PROBE_SAMPLES = 4  # samples the gains' KL divergences are measured on
-PROBE_FLOATS = 1 << 25  # and the reference log-probabilities kept for them: at most 128 MiB of float32
+PROBE_FLOATS = 1 << 25  # and the reference logits kept for them: at most 128 MiB of float32
 BATCH = 4
 
 
@@ -80,13 +81,13 @@ def measure(model: nn.Module, candidates: dict[str, list[str]], roles: dict[str,
     seconds["proxies"] = time.perf_counter() - started
     started = time.perf_counter()
     probe = samples[: max(1, min(PROBE_SAMPLES, PROBE_FLOATS // (samples.shape[1] * model.config.vocab_size)))]
-    reference = _log_probs(model, probe)
+    reference = _logits(model, probe)
     role_kl, gains = {}, {}
     for role in sorted(set(roles.values())):
         of_role = [name for name in candidates if roles[name] == role]
         least = {name: (smallest or {}).get(name) or min(candidates[name], key=gguf_types.bits_per_weight) for name in of_role}
         with _on_grids(model, {m: t for name, t in least.items() for m in members[name]}, embedding):
-            role_kl[role] = _kl(reference, _log_probs(model, probe))
+            role_kl[role] = float(kl_divergence(reference, _logits(model, probe))[0].mean())
         proxy = sum(proxies[name][least[name]] for name in of_role)
         gains[role] = role_kl[role] / proxy if proxy > 0 else 0.0
     seconds["gains"] = time.perf_counter() - started
@@ -153,13 +154,10 @@ class _on_grids:
             self._param(name).data = data
 
 
-def _log_probs(model: nn.Module, samples: torch.Tensor) -> torch.Tensor:
-    return torch.cat([torch.log_softmax(model(b.to(_device(model))).logits.float(), -1).cpu() for b in samples.split(BATCH)])
-
-
-def _kl(reference: torch.Tensor, other: torch.Tensor) -> float:
-    """Mean over tokens of KL(reference || other), natural log."""
-    return float((reference.exp() * (reference - other)).sum(-1).mean())
+def _logits(model: nn.Module, samples: torch.Tensor) -> torch.Tensor:
+    """float32 logits [tokens, vocab] of every position of `samples`."""
+    logits = [model(b.to(_device(model))).logits.float().cpu() for b in samples.split(BATCH)]
+    return torch.cat(logits).flatten(0, -2)
 
 
 def _device(model: nn.Module) -> torch.device:

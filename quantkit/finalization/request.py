@@ -15,7 +15,7 @@ from pathlib import Path
 from quantkit.errors import UsageError
 from quantkit.export import atomic, check_destination_name, single_file
 from quantkit.models import sources
-from quantkit.quant.registry import Format, Recipe  # noqa: F401 (Format: the request's type)
+from quantkit.quant.registry import Format, Recipe
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # --dtype (`models.loading.DTYPES` maps them to torch's)
 

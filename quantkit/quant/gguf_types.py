@@ -7,7 +7,8 @@ it. Pure data: no torch, no gguf (tests/unit/quant/test_gguf_types.py checks the
 
 from __future__ import annotations
 
-from quantkit.grids.schemes import K_QUANT_TYPES, Granularity, QDtype, ScaleDtype, SchemeError, WeightSpec
+from quantkit.grids.schemes import Granularity, QDtype, ScaleDtype, SchemeError, WeightSpec
+from quantkit.quant.gguf_mixtures import k_spec
 
 FLOAT = "float"
 
@@ -46,8 +47,7 @@ def spec(name: str) -> WeightSpec | None:
     if name.startswith("IQ4"):
         scales = ScaleDtype.FLOAT16 if name == "IQ4_NL" else ScaleDtype.K_QUANT
         return WeightSpec(QDtype.IQ4_NL, Granularity.GROUP, 32, symmetric=True, scale_dtype=scales)
-    dtype, group, symmetric = next(key for key, type_name in K_QUANT_TYPES.items() if type_name == name)
-    return WeightSpec(dtype, Granularity.GROUP, group, symmetric=symmetric, scale_dtype=ScaleDtype.K_QUANT)
+    return k_spec(name)
 
 
 def bits_per_weight(name: str, float_bits: int = 16) -> float:

@@ -11,6 +11,7 @@ import difflib
 import os
 from dataclasses import asdict, dataclass, field, fields, replace
 from enum import Enum
+from functools import lru_cache
 from importlib import resources
 from importlib.resources.abc import Traversable
 from pathlib import Path
@@ -241,10 +242,14 @@ def resolve(name_or_path: str) -> Recipe:
         return load_recipe_file(path)
     files = _recipe_files()
     if name_or_path not in files:
-        close = difflib.get_close_matches(name_or_path, list(files), n=3, cutoff=0.5)
-        hint = f"; did you mean {', '.join(close)}?" if close else ""
-        raise RecipeNotFoundError(f"unknown recipe '{name_or_path}'{hint} (see `quantkit recipes list`)")
+        raise RecipeNotFoundError(f"unknown recipe '{name_or_path}'{_close_names(name_or_path, files)} (see `quantkit recipes list`)")
     return load_recipe_file(files[name_or_path])
+
+
+def _close_names(name: str, files: dict) -> str:
+    """"; did you mean a, b?" for the recipe names close to a mistyped one, or ""."""
+    close = difflib.get_close_matches(name, list(files), n=3, cutoff=0.5)
+    return f"; did you mean {', '.join(close)}?" if close else ""
 
 
 # ---------------------------------------------------------------- parsing
@@ -298,7 +303,10 @@ def _parse_tensor_types(value: Any, scheme: QuantScheme, steps: tuple[AlgorithmS
 
     overrides = tensor_types.parse_all(_str_list(value, "tensor_types"))
     quantizer = steps[-1].algorithm
+    first_of_each_type: dict[str, tensor_types.Override] = {}
     for override in map(tensor_types.Override.parse, overrides):
+        first_of_each_type.setdefault(override.type, override)
+    for override in first_of_each_type.values():  # a plan's thousands of overrides take a few types
         weights = tensor_type_spec(override.type)
         refusal = None if weights is None else quantizer.refusal(QuantScheme(weights, scheme.activations))
         if refusal:
@@ -306,17 +314,19 @@ def _parse_tensor_types(value: Any, scheme: QuantScheme, steps: tuple[AlgorithmS
     return overrides
 
 
+@lru_cache(maxsize=64)
 def tensor_type_spec(name: str) -> WeightSpec | None:
-    """The weights' grid of a per-tensor type (`quant.tensor_types`): a GGML type's, a recipe's scheme's; None for
-    `float`. SchemeError for a name that is no recipe."""
+    """The weights' grid of a per-tensor type (`quant.tensor_types`): a GGML type's, a recipe's scheme's (its file
+    read once: the planner asks for every tensor and candidate); None for `float`. SchemeError for a name that is no
+    recipe."""
     from quantkit.quant import gguf_types, tensor_types
 
     if tensor_types.is_ggml(name):
         return gguf_types.spec(name)
-    if name not in _recipe_files():
-        close = difflib.get_close_matches(name, list(_recipe_files()), n=3, cutoff=0.5)
-        hint = f"; did you mean {', '.join(close)}?" if close else ""
-        raise SchemeError("tensor type", f"'{name}' is neither a GGML type nor a recipe{hint} (see `quantkit recipes list`)")
+    files = _recipe_files()
+    if name not in files:
+        raise SchemeError("tensor type", f"'{name}' is neither a GGML type nor a recipe{_close_names(name, files)} "
+                          "(see `quantkit recipes list`)")
     return resolve(name).scheme.weights
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from functools import lru_cache
 
 from quantkit.grids.schemes import SchemeError, WeightSpec
 from quantkit.quant import gguf_types
@@ -64,13 +65,13 @@ def is_ggml(name: str) -> bool:
     return name == gguf_types.FLOAT or name in gguf_types.BLOCK_BYTES
 
 
-def fits(spec: WeightSpec | None, type_name_: str, columns: int) -> bool:
-    """Whether rows of `columns` weights take a type whose grid is `spec`: whole blocks of a GGML type, whole groups
-    of a recipe's scheme; `float` always."""
+def fits(spec: WeightSpec | None, kind: str, columns: int) -> bool:
+    """Whether rows of `columns` weights take type `kind`, whose grid is `spec`: whole blocks of a GGML type, whole
+    groups of a recipe's scheme; `float` always."""
     if spec is None:
         return True
-    if is_ggml(type_name_):
-        return gguf_types.fits(type_name_, columns)
+    if is_ggml(kind):
+        return gguf_types.fits(kind, columns)
     return spec.group_size is None or columns % spec.group_size == 0
 
 
@@ -81,17 +82,54 @@ def parse_all(texts) -> tuple[str, ...]:
 
 def type_for(names: tuple[str, ...], overrides: tuple[str, ...]) -> str | None:
     """The type the last override matching any of `names` gives, or None: no override for this tensor."""
-    found = None
-    for override in map(Override.parse, overrides):
-        if override.matches(names):
-            found = override.type
-    return found
+    matching = _Matcher.of(overrides).matching(names)
+    return Override.parse(overrides[max(matching)]).type if matching else None
 
 
 def unmatched(overrides: tuple[str, ...], tensors: list[tuple[str, ...]]) -> list[str]:
     """The overrides that match none of `tensors` (each its names), to be reported: a pattern matching nothing is
     most often a typo."""
-    return [text for text in overrides if not any(Override.parse(text).matches(names) for names in tensors)]
+    matcher, matched = _Matcher.of(overrides), set()
+    for names in tensors:
+        matched.update(matcher.matching(names))
+    return [text for i, text in enumerate(overrides) if i not in matched]
+
+
+class _Matcher:
+    """Which overrides of a list match a tensor's names. A budget plan gives every tensor its own exact pattern
+    (`^name$`, the name escaped): those are looked up by name, so a plan of n tensors costs n lookups, not n^2
+    regular-expression searches; the others are searched as written. One per overrides list (they are recipes'
+    fields, immutable)."""
+
+    def __init__(self, overrides: tuple[str, ...]):
+        self.exact: dict[str, list[int]] = {}
+        self.searched: list[tuple[int, re.Pattern]] = []
+        for i, override in enumerate(map(Override.parse, overrides)):
+            literal = _literal(override.pattern)
+            if literal is None:
+                self.searched.append((i, re.compile(override.pattern)))
+            else:
+                self.exact.setdefault(literal, []).append(i)
+
+    @staticmethod
+    @lru_cache(maxsize=16)
+    def of(overrides: tuple[str, ...]) -> _Matcher:
+        return _Matcher(overrides)
+
+    def matching(self, names: tuple[str, ...]) -> set[int]:
+        """The indices of the overrides that match any of `names`."""
+        found = {i for name in names if name for i in self.exact.get(name, ())}
+        found.update(i for i, pattern in self.searched if any(pattern.search(name) for name in names if name))
+        return found
+
+
+def _literal(pattern: str) -> str | None:
+    """The one name an anchored, escaped pattern (`^model\\.layers\\.0$`) matches, or None for any other pattern."""
+    if len(pattern) < 2 or pattern[0] != "^" or pattern[-1] != "$":
+        return None
+    body = pattern[1:-1]
+    literal = re.sub(r"\\(.)", r"\1", body)
+    return literal if re.escape(literal) == body else None
 
 
 def names_of(module_name: str) -> tuple[str, ...]:
