@@ -41,6 +41,8 @@ def unsupported(recipe: Recipe) -> str | None:
     """What the installed compressed-tensors cannot write of this recipe (a format of a newer release), or None."""
     if recipe.scheme.weights.scale_dtype in (ScaleDtype.FLOAT16, ScaleDtype.K_QUANT):
         return "fp16 and k_quant scales are GGUF's grids (vLLM's kernels take scales in the model's dtype)"
+    if recipe.scheme.weights.scale_dtype is ScaleDtype.MLX_AFFINE:
+        return "mlx_affine is MLX's grid (a float bias per group, not an integer zero point)"
     if compression_format(recipe.scheme) == "pack-quantized":
         return ct_compat.cannot_pack(recipe.scheme.weights.dtype.bits)
     return None

@@ -40,6 +40,8 @@ def unsupported(recipe: Recipe) -> str | None:
                 "to torchao while it loads")
     if recipe.scheme.weights.scale_dtype in (ScaleDtype.FLOAT16, ScaleDtype.K_QUANT):
         return "fp16 and k_quant scales are GGUF's grids (torchao's tensors keep scales in the model's dtype)"
+    if recipe.scheme.weights.scale_dtype is ScaleDtype.MLX_AFFINE:
+        return "mlx_affine is MLX's grid (a float bias per group, not an integer zero point)"
     if recipe.scheme.weights.observer is not WeightObserver.MINMAX:
         return "torchao's configs choose min/max qparams; the mse weight observer needs compressed-tensors"
     try:

@@ -67,6 +67,8 @@ class ScaleDtype(str, Enum):
     K_QUANT = "k_quant"  # llama.cpp's K-quants: integer scale (and min) codes per sub-block under fp16 ones per 256 weights
     FLOAT8 = "float8_e4m3fn"  # NVFP4's group scales, under a per-tensor float32 global scale
     E8M0 = "float8_e8m0fnu"  # OCP microscaling (MX): a power of two, stored as its biased exponent (uint8)
+    MLX_AFFINE = "mlx_affine"  # MLX's affine grid: a scale and a float bias per group (not an integer zero point), both
+    # in the model's dtype: value = scale * code + bias, code in [0, 2^bits - 1] (`grids.mlx_grids`)
 
 
 # The K-quant types by their grid: (weight dtype, sub-block size, symmetric) -> llama.cpp's type name
@@ -79,6 +81,10 @@ K_QUANT_TYPES = {
 # The i-quant types by their grid: (weight dtype, scale dtype) -> llama.cpp's type name, blocks of 32
 CODEBOOK_TYPES = {(QDtype.IQ4_NL, ScaleDtype.FLOAT16): "IQ4_NL", (QDtype.IQ4_NL, ScaleDtype.K_QUANT): "IQ4_XS"}
 SUPER_BLOCK = 256  # weights under one fp16 scale of llama.cpp's K and IQ4_XS types
+
+# MLX's affine grids (`mx.quantize`'s mode "affine"): the bits and group sizes its kernels take
+MLX_BITS = (2, 3, 4, 5, 6, 8)
+MLX_GROUP_SIZES = (32, 64, 128)
 
 
 class WeightObserver(str, Enum):
@@ -151,6 +157,13 @@ class WeightSpec:
             raise SchemeError("weights.scale_dtype", nvfp4)
         elif self.scale_dtype is ScaleDtype.FLOAT16 and self.dtype.is_float:
             raise SchemeError("weights.scale_dtype", "float16 scales are for integer weights (GGUF's Q4_0 / Q8_0 grids)")
+        elif self.scale_dtype is ScaleDtype.MLX_AFFINE:
+            if (self.dtype.is_float or self.dtype.bits not in MLX_BITS or self.granularity is not Granularity.GROUP
+                    or self.group_size not in MLX_GROUP_SIZES or self.symmetric):
+                raise SchemeError("weights.scale_dtype", "mlx_affine scales are MLX's affine grid: int2, int3, int4, int5, "
+                                  "int6 or int8 weights in groups of 32, 64 or 128, symmetric: false (a float bias per group)")
+            if self.observer is not WeightObserver.MINMAX:
+                raise SchemeError("weights.observer", "mlx_affine grids are chosen as mx.quantize chooses them (minmax)")
         elif self.scale_dtype is ScaleDtype.K_QUANT and self.k_quant_type is None:
             kinds = ", ".join(f"{name}: {d.value} group_size {g}{'' if sym else ' asymmetric'}"
                               for (d, g, sym), name in K_QUANT_TYPES.items())
@@ -215,7 +228,8 @@ class WeightSpec:
     @property
     def group_size_adjustable(self) -> bool:
         """Whether a smaller group keeps the format (integer grids); NVFP4 and MX fix theirs at 16 and 32."""
-        return self.scale_dtype not in (ScaleDtype.FLOAT8, ScaleDtype.E8M0, ScaleDtype.K_QUANT) and not self.dtype.is_codebook
+        return (self.scale_dtype not in (ScaleDtype.FLOAT8, ScaleDtype.E8M0, ScaleDtype.K_QUANT, ScaleDtype.MLX_AFFINE)
+                and not self.dtype.is_codebook)
 
     @property
     def sixteen_bit(self) -> bool:
@@ -232,7 +246,10 @@ class WeightSpec:
 
     def qparam_bytes(self, rows: int, cols: int, element_size: int) -> int:
         """Bytes of the scales as stored (float32, the model's `element_size`, or one byte for FP8 / E8M0 grids), the
-        int8 zero points and the float32 global scale of a [rows, cols] weight."""
+        int8 zero points and the float32 global scale of a [rows, cols] weight; MLX's affine grid a scale and a bias
+        in the model's dtype per group."""
+        if self.scale_dtype is ScaleDtype.MLX_AFFINE:
+            return self.scale_count(rows, cols) * 2 * element_size
         scale = {ScaleDtype.FLOAT32: 4, ScaleDtype.MODEL: element_size, ScaleDtype.FLOAT16: 2}.get(self.scale_dtype, 1)
         return self.scale_count(rows, cols) * (scale + (0 if self.symmetric else 1)) + (4 if self.global_scale else 0)
 
@@ -249,6 +266,8 @@ class WeightSpec:
         if self.codebook_type:
             return f"{self.codebook_type.lower()} i-quant"  # CODEBOOK_TYPES
         mse = " mse" if self.observer is WeightObserver.MSE else ""
+        if self.scale_dtype is ScaleDtype.MLX_AFFINE:
+            return f"{_short(self.dtype)} {grain} mlx affine{mse}"
         return f"{_short(self.dtype)} {grain}{scales}{'' if self.symmetric else ' asym'}{mse}"
 
 

@@ -38,6 +38,7 @@ class Format(str, Enum):
     COMPRESSED_TENSORS = "compressed-tensors"
     TORCHAO = "torchao"
     GGUF = "gguf"  # one file for llama.cpp (export/gguf.py)
+    MLX = "mlx"  # a directory for mlx-lm on Apple silicon (export/mlx.py)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,335 @@
+"""MLX: a directory mlx-lm loads (`mlx_lm.load`, `mlx_lm.generate`, LM Studio's MLX engine), in MLX's affine mode.
+
+Each quantized Linear is three tensors, as `nn.QuantizedLinear` holds it: `weight`, the codes packed into uint32
+words (each row's codes one little-endian bit stream, the first code in the lowest bits, so 3, 5 and 6 bits span
+words), `scales` and `biases` per group in the model's dtype: value = scales * code + biases, code in [0, 2^bits - 1]
+(`mx.dequantize`). config.json carries `quantization` (and the same as `quantization_config`, as mlx-lm writes it):
+{group_size, bits, mode} and an entry for each layer quantized otherwise. The token embedding is quantized as
+mlx-lm's `convert -q` quantizes it (on the recipe's grid, round to nearest) unless the recipe's `ignore` names it; a
+tied lm_head is the embedding (mlx-lm's `as_linear`).
+
+Two grids are held exactly. MLX's own affine grid (`scale_dtype: mlx_affine`, `grids.mlx_grids`: a float bias per
+group) as it is. A symmetric integer grid (scale per group in the model's dtype, q in [qmin, qmax]) as code q - qmin
+and bias qmin * scale, a power of two times the scale and so exact in any float dtype: every value is the recipe's.
+An asymmetric integer grid's bias, (qmin - zero point) * scale, is not a value of the model's dtype in general: it is
+refused, naming MLX's own grid (never rounded a second time).
+
+Written layer by layer (`StreamWriter`) into safetensors shards (`export/shards.py`: `model.safetensors`, or
+`model-0000x-of-0000y.safetensors` with `model.safetensors.index.json`), names as mlx-lm's models name them (the
+Hugging Face names, for the architectures in ARCHITECTURES).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from quantkit.errors import ExportError, FormatError
+from quantkit.grids.ggml_blocks import row_blocks
+from quantkit.grids.mlx_grids import AffineParams
+from quantkit.grids.qparams import QParams
+from quantkit.grids.schemes import (
+    MLX_BITS,
+    MLX_GROUP_SIZES,
+    Granularity,
+    QuantScheme,
+    ScaleDtype,
+    WeightSpec,
+)
+from quantkit.quant.plan import ModulePlan, is_ignored
+from quantkit.quant.quantized_model import QuantizedModel
+from quantkit.quant.registry import Recipe
+from quantkit.runtime import placement
+
+# Hugging Face model_type -> mlx-lm's model module; their tensors carry the Hugging Face names there
+ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+MODE = "affine"
+NEAREST = "recipe mlx-4bit-g64 (MLX's own affine grid: scale_dtype mlx_affine)"
+
+
+# ---------------------------------------------------------------- which grids MLX holds
+
+
+def for_format(recipe: Recipe) -> Recipe:
+    """The recipe as it quantizes for MLX: a symmetric integer grid's float32 scales chosen in the model's dtype,
+    the dtype MLX stores them in (so the grid the algorithm rounds onto is the file's)."""
+    weights = recipe.scheme.weights
+    if weights.dtype.is_float or weights.scale_dtype is not ScaleDtype.FLOAT32:
+        return recipe
+    return replace(recipe, scheme=QuantScheme(replace(weights, scale_dtype=ScaleDtype.MODEL), recipe.scheme.activations))
+
+
+def spec_refusal(spec: WeightSpec) -> str | None:
+    """Why MLX's affine mode cannot hold `spec`'s grid exactly (with the nearest it can), or None."""
+    if spec.scale_dtype is ScaleDtype.MLX_AFFINE:
+        return None
+    if spec.dtype.is_float or spec.dtype.is_codebook or spec.scale_dtype not in (ScaleDtype.MODEL, ScaleDtype.FLOAT32):
+        return f"MLX's affine mode holds integer grids with scales in the model's dtype, not {spec.describe()}; the nearest is {NEAREST}"
+    if spec.dtype.bits not in MLX_BITS:
+        return f"MLX takes {', '.join(map(str, MLX_BITS))}-bit codes, not {spec.dtype.bits}; the nearest is {NEAREST}"
+    if spec.granularity is not Granularity.GROUP or spec.group_size not in MLX_GROUP_SIZES:
+        return (f"MLX takes groups of {', '.join(map(str, MLX_GROUP_SIZES))}, not {spec.describe()}; the nearest is "
+                f"{NEAREST}")
+    if not spec.symmetric:
+        return ("an integer zero point's bias ((qmin - zero point) x scale) is not a value of the model's dtype in "
+                f"general, and MLX stores the bias in it; the nearest is {NEAREST}, whose float bias the algorithm chooses")
+    return None
+
+
+def unsupported(recipe: Recipe) -> str | None:
+    """Why MLX cannot hold the recipe, or None: weight-only, no KV cache or online rotations, a grid it holds
+    exactly (`spec_refusal`)."""
+    if recipe.scheme.activations is not None:
+        return f"MLX's affine mode is weight-only (16-bit activations); the nearest is {NEAREST}"
+    if recipe.kv_cache is not None:
+        return "mlx-lm quantizes its KV cache at run time (--kv-bits), not in the file: drop --kv-cache"
+    if recipe.online_rotations:
+        return "mlx-lm does not apply online rotations (R4); use the fused ones only (R1, R2)"
+    if recipe.tensor_types or recipe.mixture:
+        return "quantkit's MLX files take one scheme per model (per-tensor types are GGUF's and compressed-tensors')"
+    return spec_refusal(for_format(recipe).scheme.weights)
+
+
+def check_model(src: Path, config, skeleton: nn.Module) -> None:
+    """Refuse, before any weight is read, an architecture whose tensors mlx-lm names otherwise than quantkit knows."""
+    from quantkit.models import moe
+
+    model_type = getattr(config, "model_type", None)
+    if model_type not in ARCHITECTURES:
+        raise FormatError(f"quantkit writes MLX for {', '.join(sorted(ARCHITECTURES))} models, not '{model_type}'; "
+                          "use --format gguf or compressed-tensors")
+    if moe.experts_modules(skeleton):
+        raise FormatError("quantkit's MLX writer does not stack MoE experts (mlx-lm's switch_mlp) yet; use --format gguf")
+
+
+def adapt_plan(plan: list[ModulePlan], recipe: Recipe, config) -> list[ModulePlan]:
+    """A Linear whose group size MLX does not take (a smaller group chosen for it: `on_indivisible`) stays in full
+    precision, as mlx-lm's `convert -q` leaves a layer its group does not divide."""
+    def fitted(entry: ModulePlan) -> ModulePlan:
+        spec = entry.scheme.weights if entry.quantized else None
+        if spec is None or spec.group_size in MLX_GROUP_SIZES and entry.in_features % spec.group_size == 0:
+            return entry
+        return replace(entry, scheme=None, note=f"MLX takes groups of {'/'.join(map(str, MLX_GROUP_SIZES))}; "
+                                                f"{entry.in_features} inputs fit none of the recipe's")
+    return [fitted(entry) for entry in plan]
+
+
+# ---------------------------------------------------------------- the token embedding
+
+
+def _embedding_name(model: nn.Module) -> str:
+    embedding = model.get_input_embeddings()
+    return next(name for name, module in model.named_modules() if module is embedding)
+
+
+def embedding_weights(recipe: Recipe, config) -> WeightSpec | None:
+    """The grid the token embedding is stored on (mlx-lm's `convert -q` quantizes it: QuantizedEmbedding), None where
+    the recipe's `ignore` names it or the group does not divide the hidden size."""
+    spec = for_format(recipe).scheme.weights
+    names = ("model.embed_tokens", "embed_tokens", "token_embd")
+    if is_ignored("model.embed_tokens", recipe.ignore) or any(n in recipe.ignore for n in names):
+        return None
+    if spec_refusal(spec) is not None or config.hidden_size % spec.group_size:
+        return None
+    return spec
+
+
+def _embedding_spec(model: nn.Module, recipe: Recipe, plan_names: set[str]) -> WeightSpec | None:
+    """The embedding's grid, None where it is stored as lm_head's (tied, lm_head quantized) or left in full precision."""
+    if getattr(model.config, "tie_word_embeddings", False) and "lm_head" in plan_names:
+        return None
+    return embedding_weights(recipe, model.config)
+
+
+def quantized_tensors(skeleton: nn.Module, plan: list[ModulePlan], recipe: Recipe) -> dict[str, str]:
+    """The token embedding, when the file holds it quantized (`plan.coverage` counts it)."""
+    name = f"{_embedding_name(skeleton)}.weight"
+    planned = {entry.name for entry in plan if entry.quantized}
+    if getattr(skeleton.config, "tie_word_embeddings", False) and "lm_head" in planned:
+        return {name: next(e.scheme.weights.describe() for e in plan if e.name == "lm_head")}
+    spec = _embedding_spec(skeleton, recipe, planned)
+    return {name: spec.describe()} if spec else {}
+
+
+def _quantize_embedding(weight: torch.Tensor, spec: WeightSpec):
+    from quantkit.grids import quantize_weight
+
+    return quantize_weight(weight, spec)
+
+
+def as_loaded(quantized: QuantizedModel) -> nn.Module:
+    """The quantized model: its planned Linears hold their grid's values, and the token embedding (unless ignored,
+    or tied to a quantized lm_head, which already holds the grid the file stores for both) its grid's, as
+    mlx-lm's QuantizedEmbedding dequantizes it."""
+    model = quantized.model
+    planned = {name for name in quantized.qparams}
+    spec = _embedding_spec(model, quantized.recipe, planned)
+    if spec is not None:
+        embedding = model.get_input_embeddings()
+        embedding.weight.data = _quantize_embedding(embedding.weight.data, spec).dequantize(embedding.weight.dtype)
+    return model
+
+
+def weight_bytes(entry: ModulePlan, element_size: int) -> int:
+    spec = entry.scheme.weights
+    return entry.out_features * entry.in_features * spec.dtype.bits // 8 + 2 * element_size * spec.scale_count(
+        entry.out_features, entry.in_features)
+
+
+# ---------------------------------------------------------------- tensors
+
+
+def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint32 [rows, cols * bits / 32] of codes [rows, cols] in [0, 2^bits - 1]: each row one bit stream, code k in
+    bits [k * bits, (k + 1) * bits), little-endian words (`mx.quantize`'s layout). Eight codes at a time are one
+    integer of `bits` bytes."""
+    rows, cols = codes.shape
+    if cols * bits % 32:
+        raise ExportError(f"{cols} codes of {bits} bits do not fill whole 32-bit words")
+    out = torch.empty((rows, cols * bits // 8), dtype=torch.uint8)
+    shifts = torch.arange(8, dtype=torch.int64) * bits
+    byte_shifts = torch.arange(bits, dtype=torch.int64) * 8
+    for part in row_blocks(rows, cols):
+        chunk = codes[part].to(torch.int64).reshape(-1, cols // 8, 8)
+        joined = (chunk << shifts).sum(-1, keepdim=True)  # the 8 codes' bits do not overlap: a sum is an OR
+        out[part] = ((joined >> byte_shifts) & 0xFF).to(torch.uint8).reshape(-1, cols * bits // 8)
+    return out.view(torch.int32).view(torch.uint32)
+
+
+def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """The codes (uint8 [rows, cols]) of `pack`'s words."""
+    data = packed.contiguous().view(torch.uint8)
+    rows = data.shape[0]
+    grouped = data.reshape(rows, -1, bits).to(torch.int64)
+    joined = (grouped << (torch.arange(bits, dtype=torch.int64) * 8)).sum(-1, keepdim=True)
+    codes = (joined >> (torch.arange(8, dtype=torch.int64) * bits)) & ((1 << bits) - 1)
+    return codes.reshape(rows, -1).to(torch.uint8)
+
+
+def grid_tensors(weight: torch.Tensor, qparams: QParams) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes uint8, scales, biases) of a Linear's weight that holds its grid's values: MLX's affine grid's codes
+    rounded back onto it, a symmetric integer grid's as code q - qmin with bias qmin * scale; each checked to decode
+    (in the model's dtype) to the weight exactly."""
+    dtype = weight.dtype
+    if isinstance(qparams.k, AffineParams):
+        grid = qparams.k
+    else:
+        spec = qparams.spec
+        if spec_refusal(spec) is not None or qparams.zero_point is not None:
+            raise ExportError(f"MLX cannot hold {spec.describe()} (a quantkit bug: the recipe should have been refused)")
+        qmin = spec.dtype.qrange[0]
+        grid = AffineParams(qparams.scale.to(dtype), (qparams.scale.float() * qmin).to(dtype), spec.dtype.bits,
+                            spec.group_size)
+    codes = grid.round(weight)
+    for rows in row_blocks(*weight.shape):
+        decoded = grid.rows(rows).dequantize(codes[rows], dtype=dtype)
+        if not torch.equal(decoded, weight[rows]) and not _within_ulp(decoded, weight[rows]):
+            raise ExportError("a quantized weight is not on its MLX grid (a quantkit bug: please report it)")
+    return codes, grid.scales.to(dtype), grid.biases.to(dtype)
+
+
+def _within_ulp(decoded: torch.Tensor, weight: torch.Tensor) -> bool:
+    """float32 weights of a symmetric integer grid: torchao rounds scale * q once, mlx scale * code + bias twice;
+    the grid value is the same, its float32 rounding one unit in the last place apart at most."""
+    if weight.dtype is not torch.float32:
+        return False
+    gap = (decoded - weight).abs()
+    return bool((gap <= torch.finfo(torch.float32).eps * weight.abs()).all())
+
+
+def _linear_tensors(name: str, weight: torch.Tensor, qparams: QParams) -> dict[str, torch.Tensor]:
+    codes, scales, biases = grid_tensors(weight, qparams)
+    return {f"{name}.weight": pack(codes, qparams.spec.dtype.bits), f"{name}.scales": scales, f"{name}.biases": biases}
+
+
+class StreamWriter:
+    """The MLX directory written layer by layer: `add` takes modules whose planned Linears hold their grid's
+    values, with their qparams; `finish` writes the shards' headers, the index and config.json."""
+
+    def __init__(self, model: nn.Module, plan: list[ModulePlan], recipe: Recipe, out_dir: Path,
+                 max_shard_size: int | None = None, expected_bytes: int | None = None):
+        from quantkit.export.shards import ShardWriter
+        from quantkit.models import moe
+
+        self.model, self.recipe, self.out_dir = model, recipe, Path(out_dir)
+        self.planned = {entry.name: entry for entry in plan if entry.quantized}
+        self.names = {module: name for name, module in model.named_modules()}
+        self.stored_name = moe.checkpoint_renamer(model)
+        self.tied = bool(getattr(model.config, "tie_word_embeddings", False))
+        self.embedding = f"{_embedding_name(model)}.weight"
+        self.embedding_spec = _embedding_spec(model, recipe, set(self.planned))
+        self.shards = ShardWriter(out_dir, max_shard_size, expected_bytes)
+
+    def add(self, modules: list[nn.Module], qparams: dict[str, QParams], input_scales: dict[str, torch.Tensor],
+            kv_scales: dict[str, torch.Tensor] | None = None) -> None:
+        placement.check_on_host("the MLX writer", modules=modules, qparams=qparams)
+        tensors: dict[str, torch.Tensor] = {}
+        for module in modules:
+            prefix = self.names[module]
+            for key, value in module.state_dict(prefix=f"{prefix}." if prefix else "", keep_vars=True).items():
+                tensors.update(self._tensors(key, value.detach(), qparams))
+        self.shards.add({self.stored_name(key): value for key, value in tensors.items()})
+
+    def _tensors(self, key: str, value: torch.Tensor, qparams: dict[str, QParams]) -> dict[str, torch.Tensor]:
+        module_name, _, leaf = key.rpartition(".")
+        if key == "lm_head.weight" and self.tied:
+            return {}  # mlx-lm computes a tied lm_head from the embedding (`as_linear`)
+        if key == self.embedding and self.tied and "lm_head" in self.planned:
+            return _linear_tensors(module_name, value, self._qparams("lm_head", qparams))
+        if key == self.embedding and self.embedding_spec is not None:
+            quantized = _quantize_embedding(value, self.embedding_spec)
+            return _linear_tensors(module_name, quantized.dequantize(value.dtype), quantized.qparams)
+        if module_name in self.planned and leaf == "weight":
+            return _linear_tensors(module_name, value, self._qparams(module_name, qparams))
+        return {key: value}
+
+    @staticmethod
+    def _qparams(name: str, qparams: dict[str, QParams]) -> QParams:
+        if name not in qparams:
+            raise RuntimeError(f"{name} is planned for quantization but has no qparams")
+        return qparams[name]
+
+    def finish(self) -> None:
+        """The shards (and their index), config.json with `quantization` and `quantization_config`."""
+        self.shards.finish()
+        self.model.config.save_pretrained(self.out_dir)
+        if getattr(self.model, "generation_config", None) is not None and self.model.can_generate():
+            self.model.generation_config.save_pretrained(self.out_dir)
+        config_file = self.out_dir / "config.json"
+        config = json.loads(config_file.read_text())
+        config["quantization"] = config["quantization_config"] = quantization_config(
+            self.recipe.scheme.weights, self.planned.values(), self.stored_name)
+        config.update(rope_keys(config))
+        config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def quantization_config(spec: WeightSpec, planned, stored_name=lambda name: name) -> dict:
+    """config.json's `quantization`: the recipe's {group_size, bits, mode}, and each layer quantized otherwise by
+    its name (mlx-lm's per-layer entries)."""
+    config = {"group_size": spec.group_size, "bits": spec.dtype.bits, "mode": MODE}
+    for entry in planned:
+        own = entry.scheme.weights
+        if (own.group_size, own.dtype.bits) != (spec.group_size, spec.dtype.bits):
+            config[stored_name(entry.name)] = {"group_size": own.group_size, "bits": own.dtype.bits, "mode": MODE}
+    return config
+
+
+def rope_keys(config: dict) -> dict:
+    """`rope_theta` and `rope_scaling` at the top of config.json, where mlx-lm's Llama, Mistral and Qwen2 read them
+    (transformers 5 writes them inside `rope_parameters`, which only mlx-lm's Qwen3 reads)."""
+    rope = config.get("rope_parameters") or {}
+    keys = {"rope_theta": rope["rope_theta"]} if "rope_theta" in rope and "rope_theta" not in config else {}
+    kind = rope.get("rope_type") or rope.get("type")
+    if kind not in (None, "default") and not config.get("rope_scaling"):
+        keys["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+    return keys
+
+
+def write(quantized: QuantizedModel, out_dir: Path, max_shard_size: int | None = None) -> None:
+    writer = StreamWriter(quantized.model, quantized.plan, quantized.recipe, out_dir, max_shard_size)
+    writer.add([quantized.model], quantized.qparams, quantized.input_scales)
+    writer.finish()
