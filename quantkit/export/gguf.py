@@ -57,10 +57,15 @@ def _gguf():
 def ggml_type(spec: WeightSpec):
     """The GGML type whose grid holds `spec`'s exactly, or None. Symmetric int8 / int5 / int4 with fp16 scales per
     group (a multiple of 32) or per row are Q8_0 / Q5_0 / Q4_0 blocks of 32 sharing the group's scale; asymmetric
-    int5 / int4 with fp16 scales are Q5_1 / Q4_1 (`qparams.fp16_minimum_grid`); a K or i-quant grid is its type."""
+    int5 / int4 with fp16 scales are Q5_1 / Q4_1 (`qparams.fp16_minimum_grid`); a K or i-quant grid is its type;
+    FP4 in groups of 32 with E8M0 scales (quantkit's MXFP4 grid) is MXFP4."""
+    from quantkit.quant import gguf_types
+
     t = _gguf().GGMLQuantizationType
     if spec.block_type:
         return t[spec.block_type]
+    if spec == gguf_types.MXFP4:
+        return t.MXFP4
     if spec.dtype.is_float or spec.scale_dtype is not ScaleDtype.FLOAT16:
         return None
     if spec.granularity is Granularity.GROUP and spec.group_size % BLOCK:
@@ -72,7 +77,7 @@ def ggml_type(spec: WeightSpec):
 
 def _nearest(spec: WeightSpec) -> str:
     if spec.dtype.is_float:
-        return "Q8_0 (recipe gguf-q8-0)" if spec.dtype is QDtype.FLOAT8 else "Q4_0 (recipe gguf-q4-0)"
+        return "Q8_0 (recipe gguf-q8-0)" if spec.dtype is QDtype.FLOAT8 else "MXFP4 (recipe gguf-mxfp4)"
     if not spec.symmetric:
         return "Q4_1 (asymmetric int4 in groups of a multiple of 32: recipe gguf-q4-1)"
     return "Q4_0 or Q8_0 (symmetric int4 / int8 in groups of a multiple of 32: recipes gguf-q4-0, gguf-q8-0)"
@@ -158,15 +163,16 @@ def adapt_plan(plan: list[ModulePlan], recipe: Recipe, config) -> list[ModulePla
     stays in full precision, reported, as llama.cpp's quantizer leaves such tensors."""
     from dataclasses import replace
 
-    from quantkit.quant import gguf_mixtures
+    from quantkit.quant import gguf_mixtures, gguf_types
     from quantkit.quant.plan import with_tensor_type
 
     def mixed(entry: ModulePlan) -> ModulePlan:
         role, layer = gguf_mixtures.role_of(entry.name)
         if recipe.mixture is None or not entry.quantized or role is None:
             return entry
-        kind = gguf_mixtures.tensor_type(recipe.mixture, role, layer, config.num_hidden_layers, _gqa(config))
-        return replace(entry, scheme=QuantScheme(gguf_mixtures.k_spec(kind), entry.scheme.activations))
+        kind = gguf_mixtures.tensor_type(recipe.mixture, role, layer, config.num_hidden_layers, _gqa(config),
+                                         _experts(config))
+        return replace(entry, scheme=QuantScheme(gguf_types.spec(kind), entry.scheme.activations))
 
     def fitted(entry: ModulePlan) -> ModulePlan:
         spec = entry.scheme.weights if entry.quantized else None
@@ -214,43 +220,76 @@ def _gqa(config) -> int:
     return config.num_attention_heads // (getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
 
 
+EMBEDDING_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_0")  # what quantkit rounds a token embedding to
+
+
 def embedding_type(recipe: Recipe, config) -> str | None:
-    """The K type of token_embd, or None: kept in the model's dtype. A mixture gives it its base type (a tied one
-    the output's, Q6_K); a per-tensor override matching `model.embed_tokens` or `token_embd` wins. Rows that are
-    not whole super-blocks stay float, as llama.cpp leaves them. Other types than K types are refused (quantkit
-    rounds the embedding as llama.cpp's K quantizer does)."""
+    """The GGML type of token_embd, or None: kept in the model's dtype. A mixture gives it its own (a tied one the
+    output's: Q6_K, or MXFP4_MOE's Q8_0); a per-tensor override matching `model.embed_tokens` or `token_embd` wins.
+    Rows that are not whole blocks stay float, as llama.cpp leaves them. Types other than the K types and Q8_0 are
+    refused (quantkit rounds the embedding as llama.cpp's quantizer does)."""
     from quantkit.quant import gguf_mixtures, gguf_types, tensor_types
 
     kind = None
     if recipe.mixture is not None:
         role = "output" if getattr(config, "tie_word_embeddings", False) else "token_embd"
-        kind = gguf_mixtures.tensor_type(recipe.mixture, role, None, config.num_hidden_layers, _gqa(config))
+        kind = gguf_mixtures.tensor_type(recipe.mixture, role, None, config.num_hidden_layers, _gqa(config),
+                                         _experts(config))
     kind = tensor_types.type_for(tensor_types.EMBEDDING_NAMES, recipe.tensor_types) or kind
-    if kind is None or kind == gguf_types.FLOAT or config.hidden_size % K_SUPER_BLOCK:
+    if kind is None or kind == gguf_types.FLOAT:
         return None
-    if not kind.endswith("_K"):
-        raise FormatError(f"token_embd takes a K type (Q2_K ... Q6_K) or float in quantkit's GGUF files; {kind} is "
-                          "not one: change the --tensor-type that matches it")
-    return kind
+    if kind not in EMBEDDING_TYPES:
+        raise FormatError(f"token_embd takes a K type (Q2_K ... Q6_K), Q8_0 or float in quantkit's GGUF files; {kind} "
+                          "is not one: change the --tensor-type that matches it")
+    return kind if gguf_types.fits(kind, config.hidden_size) else None
 
 
 def embedding_weights(recipe: Recipe, config) -> WeightSpec | None:
-    """The K grid of the token embedding (`embedding_type`), which QAT trains it on, or None."""
-    from quantkit.quant import gguf_mixtures
+    """The grid of the token embedding (`embedding_type`), which QAT trains it on, or None."""
+    from quantkit.quant import gguf_types
 
     kind = embedding_type(recipe, config)
-    return gguf_mixtures.k_spec(kind) if kind else None
+    return gguf_types.spec(kind) if kind else None
 
 
-def quantize_embedding(weight: torch.Tensor, recipe: Recipe, config):
-    """The token embedding on its mixture's K grid (llama.cpp's own rounding: it is not a Linear, so no
-    calibration reaches it), as `k_grids.KQuantizedWeight`, or None."""
+@dataclass
+class QuantizedEmbedding:
+    """The token embedding on its type's grid: a K type's (`k_grids.KQuantizedWeight`, llama.cpp's own rounding) or
+    Q8_0's (`QuantizedWeight`, the integer grid's)."""
+
+    quantized: object
+    qtype: object
+
+    def ggml_blocks(self) -> np.ndarray:
+        found = self.quantized
+        if isinstance(found, QuantizedWeight):
+            from quantkit.grids import ggml_blocks
+
+            return ggml_blocks.pack(self.qtype, found.qdata.numpy(), d=found.scale.to(torch.float16).numpy())
+        return found.ggml_blocks()
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        found = self.quantized
+        if isinstance(found, QuantizedWeight):
+            return found.dequantize(dtype)
+        return found.qparams.dequantize(found.codes, dtype=dtype)
+
+
+def quantize_embedding(weight: torch.Tensor, recipe: Recipe, config) -> QuantizedEmbedding | None:
+    """The token embedding on its type's grid (`embedding_type`; llama.cpp's own rounding for the K types: it is
+    not a Linear, so no calibration reaches it), or None."""
     kind = embedding_type(recipe, config)
     if kind is None:
         return None
+    qtype = _gguf().GGMLQuantizationType[kind]
+    if kind == "Q8_0":
+        from quantkit.grids import quantize_weight
+        from quantkit.quant import gguf_types
+
+        return QuantizedEmbedding(quantize_weight(weight, gguf_types.spec(kind)), qtype)
     from quantkit.grids.k_grids import quantize_k
 
-    return quantize_k(weight, _gguf().GGMLQuantizationType[kind])
+    return QuantizedEmbedding(quantize_k(weight, qtype), qtype)
 
 
 def quantized_tensors(skeleton: nn.Module, plan: list[ModulePlan], recipe: Recipe) -> dict[str, str]:
@@ -285,7 +324,7 @@ def as_loaded(quantized: QuantizedModel) -> nn.Module:
     embedding = model.get_input_embeddings()
     found = quantize_embedding(embedding.weight.data, quantized.recipe, model.config)
     if found is not None:
-        embedding.weight.data = found.qparams.dequantize(found.codes, dtype=embedding.weight.dtype)
+        embedding.weight.data = found.dequantize(embedding.weight.dtype)
     return model
 
 
@@ -343,13 +382,33 @@ def block_codes(weight: torch.Tensor, qparams: QParams) -> torch.Tensor:
     return q
 
 
+def mx_codes(weight: torch.Tensor, qparams: QParams) -> np.ndarray:
+    """The E2M1 bit patterns (uint8) of an MXFP4 weight that holds its grid's values (FP4 value x its group's
+    power-of-two scale, exact in the model's dtype), checked to decode to the weight exactly, a block of rows at a
+    time."""
+    from quantkit.grids import float_grids
+    from quantkit.grids.ggml_blocks import row_blocks
+
+    group = weight.shape[1] // qparams.scale.shape[1]
+    out = torch.empty(weight.shape, dtype=torch.uint8)
+    for rows in row_blocks(*weight.shape):
+        scale = qparams.scale[rows].float().repeat_interleave(group, dim=1)
+        q = float_grids.fp4_codes(weight[rows].float() / scale)
+        if not torch.equal((float_grids.fp4_values(q) * scale).to(weight.dtype), weight[rows]):
+            raise ExportError("a quantized weight is not on its MXFP4 grid (a quantkit bug: please report it)")
+        out[rows] = q
+    return out.numpy()
+
+
 def pack(weight: torch.Tensor, qparams: QParams):
     """(GGML type, the weight's block bytes [rows, bytes per row])."""
-    from quantkit.grids import ggml_blocks
+    from quantkit.grids import float_grids, ggml_blocks
 
     qtype = ggml_type(qparams.spec)
     if qparams.k is not None:
         return qtype, qparams.k.pack(block_codes(weight, qparams))
+    if qtype == _gguf().GGMLQuantizationType.MXFP4:
+        return qtype, ggml_blocks.pack(qtype, mx_codes(weight, qparams), e=float_grids.mx_exponents(qparams.scale).numpy())
     q = codes(weight, qparams)
     blocks = weight.shape[1] // qparams.scale.shape[1] // BLOCK
     d = qparams.scale.to(torch.float16).repeat_interleave(blocks, dim=1)

@@ -43,7 +43,19 @@ def check_request(request: Request) -> int | None:
     shard_bytes = check_shard_size(request.max_shard_size, request.fmt)
     check_dtype(request.dtype)
     check_tensor_types(request.recipe, request.fmt)
+    check_mixture_data(request.recipe)
     return shard_bytes
+
+
+def check_mixture_data(recipe: Recipe) -> None:
+    """A llama.cpp mixture that llama.cpp refuses to write without an importance matrix (Q2_K_S) is refused from a
+    recipe that reads no calibration data (a calibrated one without --calib-data is refused by `checks.prepare`)."""
+    from quantkit.quant.gguf_mixtures import NEEDS_DATA
+
+    if recipe.mixture in NEEDS_DATA and not recipe.needs_calibration_without_kv:
+        raise UsageError(f"llama.cpp's {recipe.mixture} needs an importance matrix, and recipe '{recipe.name}' reads no "
+                         f"data: use a calibrated one (gguf-{recipe.mixture.lower().replace('_', '-')}) and pass "
+                         "--calib-data FILE")
 
 
 def check_tensor_types(recipe: Recipe, fmt: Format) -> None:
@@ -60,10 +72,26 @@ def check_tensor_types(recipe: Recipe, fmt: Format) -> None:
         raise UsageError(f"per-tensor types ({recipe.tensor_types[0]}, ...) are for --format {per_tensor_formats()}; a "
                          f"{fmt.value} artifact takes one scheme per recipe")
     for override in map(Override.parse, recipe.tensor_types):
+        if kind != GGML and _recipe_too(override.type):
+            continue
         if override.type != FLOAT and is_ggml(override.type) != (kind == GGML):
             holder = next(f.value for f, r in FORMATS.items() if r.tensor_types and (r.tensor_types == GGML) == is_ggml(override.type))
             raise UsageError(f"tensor type {override}: {types_of(fmt)}; {override.type} is not one (use --format {holder} "
                              "for it)")
+
+
+def _recipe_too(name: str) -> bool:
+    """Whether GGML type `name` is also a recipe's name whose weights are the type's grid (MXFP4: recipe `mxfp4`), so
+    that a format taking recipes per tensor takes it as that recipe (the grid is the same)."""
+    from quantkit.quant import gguf_types, registry
+    from quantkit.quant.tensor_types import is_ggml
+
+    if not is_ggml(name) or name == gguf_types.FLOAT:
+        return False
+    try:
+        return registry.resolve(name.lower()).scheme.weights == gguf_types.spec(name)
+    except UsageError:  # no such recipe
+        return False
 
 
 def per_tensor_formats() -> str:

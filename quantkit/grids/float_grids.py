@@ -28,6 +28,17 @@ def round_to_fp4(x: torch.Tensor) -> torch.Tensor:
     return f4_unpacked_to_f32(f32_to_f4_unpacked(x.float().clamp(-FP4_MAX, FP4_MAX)))
 
 
+def fp4_codes(x: torch.Tensor) -> torch.Tensor:
+    """The E2M1 bit patterns (uint8 0-15, the sign in bit 3) of the nearest FP4 values, as `round_to_fp4` rounds:
+    the nibbles MX formats store (ggml's block_mxfp4 among them)."""
+    return f32_to_f4_unpacked(x.float().clamp(-FP4_MAX, FP4_MAX))
+
+
+def fp4_values(codes: torch.Tensor) -> torch.Tensor:
+    """The float32 values of E2M1 bit patterns (`fp4_codes`)."""
+    return f4_unpacked_to_f32(codes)
+
+
 def round_to_fp8(x: torch.Tensor) -> torch.Tensor:
     """The nearest FP8 e4m3 value, clamped to +-448, as a float8_e4m3fn tensor."""
     return x.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)

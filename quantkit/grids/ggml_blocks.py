@@ -51,6 +51,7 @@ FORMATS: dict[GGMLQuantizationType, BlockFormat] = {f.qtype: f for f in (
     BlockFormat(Q.Q4_K, 32, 256, (0, 15), (0, 63), True),
     BlockFormat(Q.Q5_K, 32, 256, (0, 31), (0, 63), True),
     BlockFormat(Q.Q6_K, 16, 256, (-32, 31), (-128, 127), False),
+    BlockFormat(Q.MXFP4, 32, 32, (0, 15), (0, 255), False),  # codes: E2M1 bit patterns; scale codes: E8M0 exponents
 )}
 
 
@@ -271,14 +272,26 @@ def pack_q6_k(codes: np.ndarray, scales: np.ndarray, d: np.ndarray) -> np.ndarra
     return _rows([ql, qh, sc.astype(np.int8).view(np.uint8), _half_bytes(d)], q.shape[0], fmt)
 
 
+def pack_mxfp4(codes: np.ndarray, e: np.ndarray) -> np.ndarray:
+    """block_mxfp4 {uint8 e; qs[16]}: value = kvalues_mxfp4[q] * 2^(e - 128) = e2m1(q) * 2^(e - 127), q the E2M1 bit
+    pattern (sign in bit 3; kvalues_mxfp4 holds the e2m1 values doubled, GGML_E8M0_TO_FP32_HALF the scale halved);
+    byte j holds weights j (low nibble) and j + 16 (high)."""
+    fmt = FORMATS[Q.MXFP4]
+    q = _check_codes(codes, fmt)
+    e = _check_scale_codes(e, q, fmt, fmt.scale_range, "e")
+    levels = _blocks(q, 32)
+    return _rows([e.reshape(-1, 1).astype(np.uint8), _nibbles(levels[:, :16], levels[:, 16:])], q.shape[0], fmt)
+
+
 PACKERS = {
     Q.Q8_0: pack_q8_0, Q.Q4_0: pack_q4_0, Q.Q4_1: pack_q4_1, Q.Q5_0: pack_q5_0, Q.Q5_1: pack_q5_1,
     Q.Q2_K: pack_q2_k, Q.Q3_K: pack_q3_k, Q.Q4_K: pack_q4_k, Q.Q5_K: pack_q5_k, Q.Q6_K: pack_q6_k,
+    Q.MXFP4: pack_mxfp4,
 }
 
 
 def pack(qtype: GGMLQuantizationType, codes: np.ndarray, **scales: np.ndarray) -> np.ndarray:
-    """The packer of `qtype`, called with the codes and its scale arguments by name (d; m; scales, mins, dmin), a
+    """The packer of `qtype`, called with the codes and its scale arguments by name (d; m; scales, mins, dmin; e), a
     block of rows at a time (`row_blocks`: the packers' integer intermediates stay small for a 128k-token
     embedding; every argument is per row)."""
     block_format(qtype)

@@ -1,29 +1,85 @@
-"""llama.cpp's named GGUF mixtures (Q4_K_M, Q5_K_M, Q3_K_M, Q2_K): which tensor gets which GGML type.
+"""llama.cpp's named GGUF mixtures: which tensor gets which GGML type.
 
-The rules are llama.cpp's `llama_tensor_get_type` (src/llama-quant.cpp, b11434) for dense decoder models, restated:
+The rules are llama.cpp's `llama_tensor_get_type` (src/llama-quant.cpp; read at llama.cpp commit 0c1e570, the
+source llama-cpp-python 0.3.36 vendors and scripts/build_llama_cpp.sh builds, which holds these rules as b11434
+did) for dense and MoE decoder models, restated (n layers, layer i; g query heads per KV head):
 
-| tensor | Q2_K | Q3_K_M | Q4_K_M | Q5_K_M |
-|---|---|---|---|---|
-| most Linears | Q2_K | Q3_K | Q4_K | Q5_K |
-| attn_v, attn_qkv (layer i of n) | Q4_K if 4+ query heads share a KV head, else Q3_K | Q5_K for i < 2, else Q4_K | Q6_K where more_bits(i, n), else Q4_K | Q6_K where more_bits(i, n), else Q5_K |
-| ffn_down (layer i of n) | Q3_K | Q5_K for i < n/16, else Q4_K | Q6_K where more_bits(i, n), else Q4_K | Q6_K where more_bits(i, n), else Q5_K |
-| attn_output | Q3_K | Q4_K | Q4_K | Q5_K |
-| output (lm_head) | Q6_K | Q6_K | Q6_K | Q6_K |
-| token_embd | Q2_K | Q3_K | Q4_K | Q5_K |
+| tensor | Q2_K_S | Q2_K | Q3_K_S | Q3_K_M | Q3_K_L | Q4_K_S | Q4_K_M | Q5_K_S | Q5_K_M | Q6_K |
+|---|---|---|---|---|---|---|---|---|---|---|
+| most Linears | Q2_K | Q2_K | Q3_K | Q3_K | Q3_K | Q4_K | Q4_K | Q5_K | Q5_K | Q6_K |
+| attn_v, attn_qkv | Q4_K if g >= 4, else Q2_K | Q4_K if g >= 4, else Q3_K | Q3_K | Q5_K for i < 2, else Q4_K | Q5_K | Q5_K for i < 4, else Q4_K | Q6_K where more_bits(i, n), else Q4_K | Q5_K | Q6_K where more_bits(i, n), else Q5_K | Q6_K |
+| ffn_down | Q4_K for i < n/8, else Q2_K | Q3_K | Q3_K | Q5_K for i < n/16, else Q4_K | Q5_K | Q5_K for i < n/8, else Q4_K | Q6_K where more_bits(i, n), else Q4_K | Q5_K | Q6_K where more_bits(i, n), else Q5_K | Q6_K |
+| attn_output | Q2_K | Q3_K | Q3_K | Q4_K | Q5_K | Q4_K | Q4_K | Q5_K | Q5_K | Q6_K |
+| output (lm_head) | Q6_K | Q6_K | Q6_K | Q6_K | Q6_K | Q6_K | Q6_K | Q6_K | Q6_K | Q6_K |
+| token_embd | Q2_K | Q2_K | Q3_K | Q3_K | Q3_K | Q4_K | Q4_K | Q5_K | Q5_K | Q6_K |
 
-more_bits(i, n) = i < n/8 or i >= 7n/8 or (i - n/8) % 3 == 2 (integer division, as C computes it). A tied
-token_embd takes the output's type (llama.cpp writes no separate output then). Left out, as they apply to none of
-the architectures quantkit writes to GGUF: llama.cpp's rules for Falcon, for 8-expert MoE models and for its 70B
-model type. A fused attn_qkv (Phi-3's qkv_proj) is attn_v to these rules (`category_is_attn_v`: their
-ATTENTION_QKV branch comes after it, and never runs for these mixtures); a fused gate/up (Phi-3's gate_up_proj) is
-ffn_up. Pure data and arithmetic: no gguf.
+more_bits(i, n) = i < n/8 or i >= 7n/8 or (i - n/8) % 3 == 2 (integer division, as C computes it). Q4_K_S's
+"i < 4" is llama.cpp's count of the attn_v tensors seen so far, which is the layer index (one attn_v a layer). A
+tied token_embd takes the output's type (llama.cpp writes no separate output then). Q2_K_S is one of the mixtures
+llama.cpp refuses to write without an importance matrix (`NEEDS_DATA`: its Q2_K tensors, `tensor_requires_imatrix`);
+quantkit refuses it without calibration data (`finalization.request`).
+
+MXFP4_MOE (llama.cpp's `LLAMA_FTYPE_MOSTLY_MXFP4_MOE`): an MoE model's stacked experts (ffn_*_exps, the 3-D
+tensors) in MXFP4, every other Linear, output and token_embd in Q8_0. On a dense model llama.cpp's rule leaves
+no tensor in MXFP4 (all Q8_0: the file gguf-q8-0 writes); quantkit puts a dense model's decoder Linears in MXFP4
+instead, output and token_embd in Q8_0 as llama.cpp does, so that the mixture is an MXFP4 file on any model.
+
+Left out, as they apply to none of the architectures quantkit writes to GGUF or to none of these mixtures:
+llama.cpp's rules for Falcon, for its 70B model type and for 8-expert MoE models (Mixtral: llama.cpp puts attn_v
+and attn_k in Q8_0 and attn_output in Q5_K there; quantkit's mixtures follow the dense rules). A fused attn_qkv
+(Phi-3's qkv_proj) is attn_v to these rules (`category_is_attn_v`: their ATTENTION_QKV branch comes after it, and
+never runs for these mixtures); a fused gate/up (Phi-3's gate_up_proj) is ffn_up. Pure data and arithmetic: no gguf.
 """
 
 from __future__ import annotations
 
+from typing import Callable, NamedTuple
+
 from quantkit.grids.schemes import K_QUANT_TYPES, Granularity, ScaleDtype, WeightSpec
 
-MIXTURES = {"Q2_K": "Q2_K", "Q3_K_M": "Q3_K", "Q4_K_M": "Q4_K", "Q5_K_M": "Q5_K"}  # mixture -> its base type
+# mixture -> its base type (llama.cpp's default type of the file type: `llama_ftype_get_default_type`)
+MIXTURES = {"Q2_K_S": "Q2_K", "Q2_K": "Q2_K", "Q3_K_S": "Q3_K", "Q3_K_M": "Q3_K", "Q3_K_L": "Q3_K",
+            "Q4_K_S": "Q4_K", "Q4_K_M": "Q4_K", "Q5_K_S": "Q5_K", "Q5_K_M": "Q5_K", "Q6_K": "Q6_K",
+            "MXFP4_MOE": "MXFP4"}
+NEEDS_DATA = frozenset({"Q2_K_S"})  # mixtures llama.cpp refuses to write without an importance matrix
+
+
+class Place(NamedTuple):
+    """Where a tensor sits: decoder layer `layer` (None outside the layers) of `layers`, `gqa` query heads per KV
+    head, `experts` routed experts per MoE layer (0: a dense model)."""
+
+    layer: int | None
+    layers: int
+    gqa: int
+    experts: int = 0
+
+
+Rule = Callable[[Place], str]
+
+# role -> mixture -> its rule, for the roles whose type is not the base type (the table above); `output` is Q6_K
+# and token_embd the base type in every K mixture.
+RULES: dict[str, dict[str, Rule]] = {
+    "attn_v": {
+        "Q2_K_S": lambda p: "Q4_K" if p.gqa >= 4 else "Q2_K",
+        "Q2_K": lambda p: "Q4_K" if p.gqa >= 4 else "Q3_K",
+        "Q3_K_M": lambda p: "Q5_K" if p.layer < 2 else "Q4_K",
+        "Q3_K_L": lambda p: "Q5_K",
+        "Q4_K_S": lambda p: "Q5_K" if p.layer < 4 else "Q4_K",
+        "Q4_K_M": lambda p: "Q6_K" if more_bits(p.layer, p.layers) else "Q4_K",
+        "Q5_K_M": lambda p: "Q6_K" if more_bits(p.layer, p.layers) else "Q5_K",
+    },
+    "ffn_down": {
+        "Q2_K_S": lambda p: "Q4_K" if p.layer < p.layers // 8 else "Q2_K",
+        "Q2_K": lambda p: "Q3_K",
+        "Q3_K_M": lambda p: "Q5_K" if p.layer < p.layers // 16 else "Q4_K",
+        "Q3_K_L": lambda p: "Q5_K",
+        "Q4_K_S": lambda p: "Q5_K" if p.layer < p.layers // 8 else "Q4_K",
+        "Q4_K_M": lambda p: "Q6_K" if more_bits(p.layer, p.layers) else "Q4_K",
+        "Q5_K_M": lambda p: "Q6_K" if more_bits(p.layer, p.layers) else "Q5_K",
+    },
+    "attn_output": {"Q2_K": lambda p: "Q3_K", "Q3_K_M": lambda p: "Q4_K", "Q3_K_L": lambda p: "Q5_K"},
+}
+RULES["attn_qkv"] = RULES["attn_v"]  # llama.cpp's category_is_attn_v
 
 
 def roles() -> dict[str, str]:
@@ -44,27 +100,25 @@ def _c_mod(a: int, b: int) -> int:
     return a - b * int(a / b)  # C's % (truncates toward zero)
 
 
-def tensor_type(mixture: str, role: str, layer: int | None, n_layers: int, gqa: int) -> str:
-    """The GGML type llama.cpp gives a tensor of `role` ('attn_v', 'ffn_down', 'output', 'token_embd', ...) in
-    decoder layer `layer` of `n_layers` under `mixture`; `gqa`: query heads per KV head."""
-    base = MIXTURES[mixture]
+def tensor_type(mixture: str, role: str, layer: int | None, n_layers: int, gqa: int, experts: int = 0) -> str:
+    """The GGML type llama.cpp gives a tensor of `role` ('attn_v', 'ffn_down', 'ffn_down_exps', 'output',
+    'token_embd', ...) in decoder layer `layer` of `n_layers` under `mixture`; `gqa`: query heads per KV head;
+    `experts`: routed experts per MoE layer (0: dense). An expert stack (`_exps`) takes its projection's rule."""
+    place = Place(layer, n_layers, gqa, experts)
+    if mixture == "MXFP4_MOE":
+        return _mxfp4_moe(role, place)
     if role == "output":
         return "Q6_K"
-    if role in ("attn_v", "attn_qkv"):
-        if mixture == "Q2_K":
-            return "Q4_K" if gqa >= 4 else "Q3_K"
-        if mixture == "Q3_K_M":
-            return "Q5_K" if layer < 2 else "Q4_K"
-        return "Q6_K" if more_bits(layer, n_layers) else base
-    if role == "ffn_down":
-        if mixture == "Q2_K":
-            return "Q3_K"
-        if mixture == "Q3_K_M":
-            return "Q5_K" if layer < n_layers // 16 else "Q4_K"
-        return "Q6_K" if more_bits(layer, n_layers) else base
-    if role == "attn_output":
-        return {"Q2_K": "Q3_K", "Q3_K_M": "Q4_K"}.get(mixture, base)
-    return base
+    rule = RULES.get(role.removesuffix("_exps"), {}).get(mixture)
+    return rule(place) if rule else MIXTURES[mixture]
+
+
+def _mxfp4_moe(role: str, place: Place) -> str:
+    """llama.cpp's MXFP4_MOE: the expert stacks MXFP4, the rest Q8_0; a dense model's decoder Linears MXFP4 (the
+    module's docstring)."""
+    if role.endswith("_exps") or (place.experts == 0 and role not in ("output", "token_embd")):
+        return "MXFP4"
+    return "Q8_0"
 
 
 def k_spec(type_name: str) -> WeightSpec:
@@ -74,12 +128,12 @@ def k_spec(type_name: str) -> WeightSpec:
 
 
 def role_of(name: str) -> tuple[str | None, int | None]:
-    """(role, decoder layer index) of a planned Linear's name (`model.layers.3.mlp.down_proj`; an MoE expert's
-    projections are the MLP's: llama.cpp stacks them into ffn_*_exps, which its rules treat as ffn_*), or (None, None)."""
+    """(role, decoder layer index) of a planned Linear's name (`model.layers.3.mlp.down_proj` -> ffn_down; an MoE
+    expert's projection is the stack llama.cpp writes it into, ffn_*_exps), or (None, None)."""
     from quantkit.models.architectures import expert_projection
 
     layer = next((int(p) for p in name.split(".") if p.isdigit()), None)
     if (expert := expert_projection(name)) is not None:
-        return f"ffn_{expert[2]}", layer
+        return f"ffn_{expert[2]}_exps", layer
     role = next((role for tail, role in roles().items() if name == tail or name.endswith(f".{tail}")), None)
     return (role, layer) if role else (None, None)

@@ -16,8 +16,10 @@ FLOAT = "float"
 BLOCK_BYTES = {
     "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q8_0": (32, 34),
     "Q2_K": (256, 84), "Q3_K": (256, 110), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210),
-    "IQ4_NL": (32, 18), "IQ4_XS": (256, 136),
+    "IQ4_NL": (32, 18), "IQ4_XS": (256, 136), "MXFP4": (32, 17),
 }
+# MXFP4: FP4 e2m1 values in blocks of 32 under a power-of-two (E8M0) scale each, the grid of quantkit's MXFP4 recipes
+MXFP4 = WeightSpec(QDtype.FLOAT4, Granularity.GROUP, 32, symmetric=True, scale_dtype=ScaleDtype.E8M0)
 
 _BLOCKS_OF_32 = {"Q4_0": (QDtype.INT4, True), "Q4_1": (QDtype.INT4, False), "Q5_0": (QDtype.INT5, True),
                  "Q5_1": (QDtype.INT5, False), "Q8_0": (QDtype.INT8, True)}
@@ -44,6 +46,8 @@ def spec(name: str) -> WeightSpec | None:
     if name in _BLOCKS_OF_32:
         dtype, symmetric = _BLOCKS_OF_32[name]
         return WeightSpec(dtype, Granularity.GROUP, 32, symmetric=symmetric, scale_dtype=ScaleDtype.FLOAT16)
+    if name == "MXFP4":
+        return MXFP4
     if name.startswith("IQ4"):
         scales = ScaleDtype.FLOAT16 if name == "IQ4_NL" else ScaleDtype.K_QUANT
         return WeightSpec(QDtype.IQ4_NL, Granularity.GROUP, 32, symmetric=True, scale_dtype=scales)

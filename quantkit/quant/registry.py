@@ -343,17 +343,19 @@ def with_tensor_types(recipe: Recipe, texts: list[str] | None) -> Recipe:
 
 
 def _parse_mixture(value: Any, scheme: QuantScheme) -> str | None:
-    """A llama.cpp mixture name, whose base K type the scheme's weights must be."""
+    """A llama.cpp mixture name, whose base type the scheme's weights must be."""
     if value is None:
         return None
+    from quantkit.quant import gguf_types
     from quantkit.quant.gguf_mixtures import MIXTURES
 
     if value not in MIXTURES:
         raise SchemeError("mixture", f"'{value}' is not one quantkit knows; allowed: {', '.join(MIXTURES)}")
     base = MIXTURES[value]
-    if scheme.weights.k_quant_type != base:
-        raise SchemeError("mixture", f"{value} is built on {base}: the scheme's weights must be {base}'s grid "
-                          "(scale_dtype: k_quant, e.g. int4 group_size 32 asymmetric for Q4_K)")
+    if scheme.weights.k_quant_type != base and scheme.weights != gguf_types.spec(base):
+        grid = ("float4_e2m1fn group_size 32 with scale_dtype float8_e8m0fnu" if base == "MXFP4" else
+                "scale_dtype: k_quant, e.g. int4 group_size 32 asymmetric for Q4_K")
+        raise SchemeError("mixture", f"{value} is built on {base}: the scheme's weights must be {base}'s grid ({grid})")
     return value
 
 

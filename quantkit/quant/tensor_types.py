@@ -140,13 +140,9 @@ def names_of(module_name: str) -> tuple[str, ...]:
 def gguf_name(module_name: str) -> str | None:
     """The GGUF tensor name (without `.weight`) of a planned Linear: `blk.N.ffn_down`, `blk.N.attn_v`, `output`;
     an MoE expert's projection is its layer's stacked `blk.N.ffn_down_exps`; None when GGUF has no such role."""
-    from quantkit.models.architectures import expert_projection
     from quantkit.quant.gguf_mixtures import role_of
 
     role, layer = role_of(module_name)
     if role is None:
         return None
-    if role == "output":
-        return "output"
-    suffix = "_exps" if expert_projection(module_name) is not None else ""
-    return f"blk.{layer}.{role}{suffix}"
+    return "output" if role == "output" else f"blk.{layer}.{role}"

@@ -248,7 +248,7 @@ def test_a_layer_the_block_does_not_divide_stays_in_full_precision(tiny_model_di
 
 
 @pytest.mark.parametrize("recipe, nearest", [
-    ("nvfp4-a16", "Q4_0"), ("fp8-static", "Q8_0"), ("int8-dynamic-act-int8-weight", "Q8_0"),
+    ("nvfp4-a16", "MXFP4"), ("fp8-static", "Q8_0"), ("int8-dynamic-act-int8-weight", "Q8_0"),
 ])
 def test_a_scheme_no_type_holds_is_refused_naming_the_nearest(tiny_model_dir, tmp_path, recipe, nearest):
     with pytest.raises(FormatError, match=f"cannot be written as gguf: .*{nearest}"):
@@ -513,6 +513,153 @@ def test_tensor_types_matching_nothing_are_noted_and_other_formats_refuse_them(t
 
 
 def test_a_token_embedding_override_outside_the_k_types_is_refused(k_model_dir):
-    recipe = registry.with_tensor_types(registry.resolve("gguf-q4-0"), ["token_embd=q8_0"])
+    recipe = registry.with_tensor_types(registry.resolve("gguf-q4-0"), ["token_embd=iq4_xs"])
     with pytest.raises(FormatError, match="token_embd takes a K type"):
         prepare(k_model_dir, recipe, GGUF)
+
+
+# ---- llama.cpp's other K mixtures, and MXFP4
+
+
+@pytest.fixture(scope="module")
+def deep_model_dir(tmp_path_factory):
+    """A tiny float32 Llama of 8 layers (n/8 = 1), 4 query heads on one KV head (GQA 4), K super-block widths."""
+    from conftest import make_text
+    from quantkit.models.tiny import build_tiny_llama
+
+    return build_tiny_llama(tmp_path_factory.mktemp("models") / "deep-llama", make_text(3000), hidden_size=256,
+                            intermediate_size=512, num_attention_heads=4, num_key_value_heads=1, num_hidden_layers=8)
+
+
+LINEAR_ROLES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+def eight_layer_types(base: str, **rules: list[str]) -> dict[str, str]:
+    """tensor name -> type of the 8-layer model: `base` everywhere but the roles `rules` lists per layer, output Q6_K."""
+    types = {f"blk.{i}.{role}.weight": rules.get(role, [base] * 8)[i] for i in range(8) for role in LINEAR_ROLES}
+    return {**types, "token_embd.weight": base, "output.weight": "Q6_K"}
+
+
+MIXTURE_FILES = {  # recipe -> (its file type, every quantized tensor's type on the 8-layer GQA-4 model)
+    "gguf-q2-k-s": ("Q2_K_S", eight_layer_types("Q2_K", attn_v=["Q4_K"] * 8, ffn_down=["Q4_K"] + ["Q2_K"] * 7)),
+    "gguf-q3-k-s": ("Q3_K_S", eight_layer_types("Q3_K")),
+    "gguf-q3-k-l": ("Q3_K_L", eight_layer_types("Q3_K", attn_v=["Q5_K"] * 8, ffn_down=["Q5_K"] * 8,
+                                                attn_output=["Q5_K"] * 8)),
+    "gguf-q4-k-s": ("Q4_K_S", eight_layer_types("Q4_K", attn_v=["Q5_K"] * 4 + ["Q4_K"] * 4,
+                                                ffn_down=["Q5_K"] + ["Q4_K"] * 7)),
+    "gguf-q5-k-s": ("Q5_K_S", eight_layer_types("Q5_K")),
+    "gguf-q6-k": ("Q6_K", eight_layer_types("Q6_K")),
+    "gguf-mxfp4": ("MXFP4_MOE", {**eight_layer_types("MXFP4"), "token_embd.weight": "Q8_0", "output.weight": "Q8_0"}),
+}
+
+
+@pytest.mark.parametrize("recipe", list(MIXTURE_FILES))
+def test_each_mixture_writes_llama_cpps_types(deep_model_dir, text_file, tmp_path, recipe):
+    """Each recipe's file, read back by gguf's GGUFReader, holds llama.cpp's type for every tensor (GPTQ-calibrated
+    where the recipe calibrates) and llama.cpp's file type."""
+    options = CalibrationOptions(data=str(text_file), num_samples=2, seq_len=32)
+    out = tmp_path / "model.gguf"
+    finalize(deep_model_dir, out, registry.resolve(recipe), calibration=options, threads=1)
+    fields, tensors = read(out)
+    file_type, expected = MIXTURE_FILES[recipe]
+    assert {name: t.tensor_type.name for name, t in tensors.items() if not name.endswith("norm.weight")} == expected
+    assert field(fields, "general.file_type") == gguf.LlamaFileType[f"MOSTLY_{file_type}"]
+
+
+def test_mxfp4_is_bit_for_bit_the_quantized_model(deep_model_dir, tmp_path):
+    """gguf-mxfp4 on a dense model: every MXFP4 tensor of the file, dequantized by gguf's own MXFP4 code, equals the
+    in-memory quantized model's exactly (its MXFP4 grid, compressed-tensors' scales). MX weights make the artifact
+    bfloat16 (`WeightSpec.sixteen_bit`), which holds FP4 x 2^k exactly but not Q8_0's d x q: the Q8_0 output and
+    embedding equal the model's to bfloat16's rounding, which is the model's own dtype."""
+    out = tmp_path / "mxfp4.gguf"
+    finalize(deep_model_dir, out, registry.resolve("gguf-mxfp4"))
+    _, tensors = read(out)
+    expected, _ = expected_tensors(deep_model_dir, "gguf-mxfp4")
+    assert set(tensors) == set(expected)
+    kinds = {name: tensor.tensor_type.name for name, tensor in tensors.items()}
+    for name, tensor in tensors.items():
+        found = dequantized(tensor).reshape(expected[name].shape)
+        if kinds[name] == "Q8_0":
+            found = found.to(torch.bfloat16).float()
+        assert torch.equal(found, expected[name]), name
+    assert sum(kind == "MXFP4" for kind in kinds.values()) == 7 * 8 and kinds["output.weight"] == "Q8_0"
+
+
+def test_a_k_mixture_with_new_rules_is_bit_for_bit_the_quantized_model(deep_model_dir, text_file, tmp_path):
+    """gguf-q3-k-l calibrated by GPTQ: Q3_K and Q5_K tensors and the Q3_K embedding equal the in-memory model's."""
+    options = CalibrationOptions(data=str(text_file), num_samples=2, seq_len=32)
+    out = tmp_path / "q3kl.gguf"
+    finalize(deep_model_dir, out, registry.resolve("gguf-q3-k-l"), calibration=options)
+    _, tensors = read(out)
+    expected, _ = expected_tensors(deep_model_dir, "gguf-q3-k-l", options)
+    for name, tensor in tensors.items():
+        assert torch.equal(dequantized(tensor).reshape(expected[name].shape), expected[name]), name
+
+
+def test_mxfp4_moe_puts_the_experts_in_mxfp4_and_the_rest_in_q8_0(tmp_path):
+    """A Qwen3-MoE in gguf-mxfp4: the stacked experts MXFP4, attention, lm_head and the embedding Q8_0, the router
+    F32, as llama-quantize MXFP4_MOE writes it; each expert's blocks dequantize (gguf's MXFP4) to its Linear."""
+    from conftest import make_text
+    from quantkit.models.tiny import build_tiny_model
+
+    src = build_tiny_model(tmp_path / "moe", make_text(2000), "qwen3_moe", num_hidden_layers=1, hidden_size=256,
+                           intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, num_experts=4,
+                           num_experts_per_tok=2, moe_intermediate_size=256, head_dim=64, norm_topk_prob=True)
+    out = tmp_path / "moe.gguf"
+    finalize(src, out, registry.resolve("gguf-mxfp4"))
+    fields, tensors = read(out)
+    types = {name: t.tensor_type.name for name, t in tensors.items() if "norm" not in name}
+    assert types == {"token_embd.weight": "Q8_0", "output.weight": "Q8_0", "blk.0.ffn_gate_inp.weight": "F32",
+                     **{f"blk.0.{r}.weight": "Q8_0" for r in ("attn_q", "attn_k", "attn_v", "attn_output")},
+                     **{f"blk.0.ffn_{p}_exps.weight": "MXFP4" for p in ("gate", "up", "down")}}
+    assert field(fields, "general.file_type") == gguf.LlamaFileType.MOSTLY_MXFP4_MOE
+    recipe = for_format(registry.resolve("gguf-mxfp4"), GGUF)
+    model = quantize_model(prepare(src, recipe, GGUF), recipe)
+    block = model.get_submodule(next(name for name, _ in model.named_modules() if name.endswith(".experts")))
+    for index, projection in enumerate(("gate", "up", "down")):
+        expected = torch.stack([block.get_submodule(str(i)).projections()[index].weight.float() for i in range(4)])
+        tensor = tensors[f"blk.0.ffn_{projection}_exps.weight"]
+        assert torch.equal(dequantized(tensor).reshape(expected.shape), expected), projection
+
+
+def test_mxfp4_is_a_tensor_type_and_mxfp4_recipes_reach_gguf(k_model_dir, tmp_path):
+    """`--tensor-type ffn_down=mxfp4` on Q4_0, and mxfp4-a16 with --format gguf (every Linear MXFP4, no mixture)."""
+    recipe = registry.with_tensor_types(registry.resolve("gguf-q4-0"), ["ffn_down=mxfp4"])
+    finalize(k_model_dir, tmp_path / "a.gguf", recipe)
+    _, tensors = read(tmp_path / "a.gguf")
+    assert tensors["blk.1.ffn_down.weight"].tensor_type.name == "MXFP4"
+    assert tensors["blk.1.ffn_up.weight"].tensor_type.name == "Q4_0"
+    finalize(k_model_dir, tmp_path / "b.gguf", registry.resolve("mxfp4-a16"), GGUF)
+    _, tensors = read(tmp_path / "b.gguf")
+    assert {t.tensor_type.name for name, t in tensors.items() if name.startswith("blk.") and "norm" not in name} == {"MXFP4"}
+
+
+def test_q2_k_s_without_calibration_data_is_refused_in_one_line(k_model_dir, tmp_path):
+    """llama.cpp refuses Q2_K_S without an importance matrix: the calibrated recipe without --calib-data, and a
+    round-to-nearest recipe on the mixture, are refused before any work, saying to pass --calib-data."""
+    with pytest.raises(UsageError, match="pass --calib-data") as raised:
+        finalize(k_model_dir, tmp_path / "a.gguf", registry.resolve("gguf-q2-k-s"))
+    assert "\n" not in str(raised.value)
+    rtn = registry.parse_recipe("rtn-q2-k-s", {**registry.resolve("gguf-q2-k-s").to_file(), "algorithm": {"name": "rtn"}})
+    with pytest.raises(UsageError, match="Q2_K_S needs an importance matrix.*pass --calib-data") as raised:
+        finalize(k_model_dir, tmp_path / "b.gguf", rtn, calibration=CalibrationOptions(data="unused.txt"))
+    assert "\n" not in str(raised.value)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_mxfp4_blocks_hold_the_grid_bit_for_bit(dtype):
+    """`pack` on quantkit's MXFP4 grid (compressed-tensors' scales), over block scales from 2^-120 to 2^100 and an
+    all-zero block: gguf's MXFP4 dequantization of the bytes is the in-memory dequantized weight exactly."""
+    from quantkit.export.gguf import pack
+    from quantkit.grids import quantize_weight
+    from quantkit.quant import gguf_types
+
+    torch.manual_seed(0)
+    weight = torch.randn(8, 512) * torch.exp2(torch.arange(-120, 100, 220 / 16).floor()).repeat_interleave(32)
+    weight[3, 64:96] = 0
+    quantized = quantize_weight(weight.to(dtype), gguf_types.spec("mxfp4"))
+    values = quantized.dequantize(dtype)
+    qtype, data = pack(values, quantized.qparams)
+    assert qtype.name == "MXFP4" and data.shape == (8, 512 // 32 * 17)
+    assert torch.equal(torch.from_numpy(gguf.quants.dequantize(data, qtype)), values.float())

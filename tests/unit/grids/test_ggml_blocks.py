@@ -35,7 +35,10 @@ def _random_fields(qtype, seed=0):
     return codes, fields, scaled * q - per_super(fields["dmin"]) * per_sub(fields["mins"]).astype(np.float32)
 
 
-@pytest.mark.parametrize("qtype", list(FORMATS), ids=lambda q: q.name)
+SCALED = [q for q in FORMATS if q != Q.MXFP4]  # d x scale x code (MXFP4: an E2M1 table under a power of two, below)
+
+
+@pytest.mark.parametrize("qtype", SCALED, ids=lambda q: q.name)
 def test_packed_blocks_decode_to_the_defined_values(qtype):
     codes, fields, expected = _random_fields(qtype)
     packed = pack(qtype, codes, **fields)
@@ -44,7 +47,7 @@ def test_packed_blocks_decode_to_the_defined_values(qtype):
     np.testing.assert_array_equal(quants.dequantize(packed, qtype), expected)
 
 
-@pytest.mark.parametrize("qtype", list(FORMATS), ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", SCALED, ids=lambda q: q.name)
 def test_extreme_codes_decode_exactly(qtype):
     """All codes at one end of their range, and scale codes at theirs: the bits that only they set."""
     fmt = FORMATS[qtype]
@@ -79,6 +82,34 @@ def test_packing_ggufs_choice_gives_ggufs_bytes(qtype):
         values = values - fields["m"].astype(np.float32)[..., None]
     codes = np.rint(values / scale).astype(np.int16).reshape(ROWS, COLS)
     np.testing.assert_array_equal(pack(qtype, codes, **fields), theirs)
+
+
+E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])  # by bit pattern (OCP MX spec)
+
+
+def test_mxfp4_blocks_decode_to_e2m1_values_times_their_power_of_two():
+    """block_mxfp4: every E2M1 code under E8M0 exponents across the range (0 and 1 are ggml's subnormal halves,
+    252 the largest under which 6 x 2^(e - 127) is a finite float32) decodes to e2m1(code) x 2^(e - 127) exactly."""
+    rng = np.random.default_rng(3)
+    codes = rng.integers(0, 15, endpoint=True, size=(ROWS, COLS))
+    e = rng.integers(0, 252, endpoint=True, size=(ROWS, COLS // 32))
+    e[0, :4] = [0, 1, 127, 252]
+    expected = (E2M1[codes] * np.exp2(np.repeat(e, 32, axis=1).astype(np.float64) - 127)).astype(np.float32)
+    packed = pack(Q.MXFP4, codes, e=e.astype(np.uint8))
+    assert packed.shape == (ROWS, COLS // 32 * 17)
+    np.testing.assert_array_equal(quants.dequantize(packed, Q.MXFP4), expected)
+
+
+def test_packing_ggufs_mxfp4_choice_gives_ggufs_bytes():
+    """gguf's MXFP4 quantizer (llama.cpp's quantize_row_mxfp4_ref) picks exponents and codes; the codes recovered
+    from its values (E2M1 bit patterns of value / 2^(e - 127)) pack to its bytes."""
+    weight = (np.random.default_rng(4).standard_normal((ROWS, COLS)) * np.exp2(np.arange(COLS) % 40 - 20)).astype(np.float32)
+    theirs = quants.quantize(weight, Q.MXFP4)
+    e = theirs.reshape(ROWS, -1, 17)[:, :, 0]
+    scale = np.repeat(np.exp2(e.astype(np.float64) - 127), 32, axis=1)
+    values = quants.dequantize(theirs, Q.MXFP4).reshape(ROWS, COLS) / scale
+    codes = np.array([np.flatnonzero(E2M1 == v)[0] for v in values.reshape(-1)]).reshape(ROWS, COLS)
+    np.testing.assert_array_equal(pack(Q.MXFP4, codes, e=e), theirs)
 
 
 def _with_corner(values, corner):
