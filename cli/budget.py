@@ -77,15 +77,21 @@ def check(ask: Ask, fmt: Format | None, recipe: Recipe) -> Format | None:
     return target
 
 
-def plan(src: Path, recipe: Recipe, fmt: Format, ask: Ask, options, dtype: str, trust_remote_code: bool, quiet: bool):
+def plan(src: Path, recipe: Recipe, fmt: Format, ask: Ask, options, dtype: str, trust_remote_code: bool, quiet: bool,
+         in_memory: bool = False):
     """The budget plan (`budget.planner.plan`), shown unless `quiet`, saved to `--save-plan` if given."""
     from quantkit.budget import planner
     from quantkit.models.sources import parse_size
+    from quantkit.runtime import distributed
     from quantkit.runtime.progress import Progress
 
     size = None if ask.target_size is None else parse_size(ask.target_size, "--target-size")
-    chosen = planner.plan(src, recipe, ask.target_bpw, options, planner.parse_candidates(ask.candidates, fmt), dtype,
-                          trust_remote_code, Progress(enabled=not quiet), target_bytes=size, fmt=fmt)
+    with distributed.process_group(options.device) as ctx:  # under torchrun: the ranks share the measuring
+        chosen = planner.plan(src, recipe, ask.target_bpw, options, planner.parse_candidates(ask.candidates, fmt), dtype,
+                              trust_remote_code, Progress(enabled=not quiet), target_bytes=size, fmt=fmt,
+                              in_memory=in_memory, ctx=ctx)
+    if not ctx.is_main:  # every rank has the plan; rank 0 writes what is written
+        return chosen
     if ask.save_plan is not None:
         text = f"# quantkit's budget plan: {chosen.target_bpw:.4g} bits per weight over {src}\n"
         ask.save_plan.write_text(text + yaml.safe_dump(chosen.recipe.to_file(), sort_keys=False, width=120))

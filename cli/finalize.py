@@ -179,7 +179,7 @@ def finalize(
     chosen = None
     if ask.planned:
         chosen = budget.plan(src, recipe, fmt, ask, options, dtype.value, trust_remote_code,
-                             quiet or not runtime.is_main_process() or json_to_stdout(json_path))
+                             quiet or not runtime.is_main_process() or json_to_stdout(json_path), in_memory)
         recipe = chosen.recipe
     if dry_run:  # minutes on a CPU at 8B, where the recipe calibrates: a terminal shows it working
         with Progress(not quiet and not json_to_stdout(json_path)).task("Planning: one decoder layer of this shape timed here"):

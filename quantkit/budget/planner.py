@@ -29,6 +29,8 @@ from quantkit.export import FORMATS, GGML
 from quantkit.grids.schemes import QuantScheme, SchemeError
 from quantkit.quant import gguf_types, tensor_types
 from quantkit.quant.registry import Format, Recipe, tensor_type_spec
+from quantkit.runtime import distributed
+from quantkit.runtime.distributed import Context
 from quantkit.runtime.progress import QUIET, Progress
 
 DEFAULT_RECIPE = "gguf-q4-k-m"  # the algorithm and calibration of a plan when `-q` is not given: GPTQ on K grids
@@ -84,12 +86,15 @@ def check_target(target_bpw: float) -> None:
 
 def plan(src: Path, recipe: Recipe, target_bpw: float | None, options, candidates: tuple[str, ...] | None = None,
          dtype: str = "auto", trust_remote_code: bool = False, progress: Progress = QUIET,
-         target_bytes: int | None = None, fmt: Format | None = None) -> BudgetPlan:
+         target_bytes: int | None = None, fmt: Format | None = None, in_memory: bool = False,
+         ctx: Context | None = None) -> BudgetPlan:
     """The budget plan of `src` under `recipe` for `fmt` (the recipe's by default; GGUF or compressed-tensors; see
     the module docstring): `target_bpw` bits per weight, or `target_bytes` of tensors (`--target-size`: the file
     adds its header, the tokenizer and metadata in GGUF); `options`: finalize's CalibrationOptions, whose data the
-    sensitivity is measured on."""
+    sensitivity is measured on. The model is streamed (one decoder layer in memory) unless `in_memory` or it cannot
+    be; with a distributed `ctx`, the ranks share the measuring and every rank gets the same plan."""
     from quantkit.finalization.checks import calibration_samples, prepare
+    from quantkit.finalization.finalize import open_streamed
     from quantkit.models import loading as models
     from quantkit.models import moe
 
@@ -100,10 +105,12 @@ def plan(src: Path, recipe: Recipe, target_bpw: float | None, options, candidate
     if not options.data and not recipe.calibration.dataset:
         raise UsageError("a budget plan measures each tensor's sensitivity on data: pass --calib-data FILE")
     base = replace(recipe, mixture=None)
-    prepared = prepare(src, base, fmt, trust_remote_code, dtype=dtype)
-    with progress.task("Budget: measuring each tensor's sensitivity"):
+    prepared = prepare(src, base, fmt, trust_remote_code, in_memory=in_memory, dtype=dtype)
+    with progress.task("Budget: reading the model and the calibration data"):
         samples = calibration_samples(prepared.src, base, options, trust_remote_code)
-        model = moe.linearize(models.load_model(prepared.src, prepared.dtype or dtype, trust_remote_code)).eval()
+        streamed = open_streamed(prepared, trust_remote_code)
+        model = streamed.model if streamed is not None else \
+            moe.linearize(models.load_model(prepared.src, prepared.dtype or dtype, trust_remote_code)).eval()
         sizing = _Sizing(fmt, base, model)
         decided, members, fixed_bytes, parameters = _decisions(model, prepared.plan, base, candidates, sizing)
         sizes = {name: {t: sum(sizing.candidate_bytes(t, m) for m in members[name]) for t in types}
@@ -118,8 +125,9 @@ def plan(src: Path, recipe: Recipe, target_bpw: float | None, options, candidate
                              f"weight, {least:,} bytes, with each tensor in its smallest); raise it or add smaller --candidates")
         roles = {name: _role(name) for name in decided}
         smallest = {name: min(by_type, key=by_type.get) for name, by_type in sizes.items()}
-        measured = sensitivity.measure(model, decided, roles, samples, EMBEDDING if EMBEDDING in decided else None,
-                                       members, smallest)
+    device = ctx.device if ctx is not None else distributed.rank_device(options.device, 0)
+    measured = sensitivity.measure(model, decided, roles, samples, EMBEDDING if EMBEDDING in decided else None,
+                                   members, smallest, streamed, ctx, device, progress)
     choices = [solver.Choice(name, tuple(solver.Option(t, size, measured.errors[name][t]) for t, size in by_type.items()))
                for name, by_type in sizes.items()]
     chosen = solver.solve(choices, budget)

@@ -202,3 +202,26 @@ def test_a_compressed_tensors_plan_mixes_schemes_that_plain_transformers_loads(w
     loaded = AutoModelForCausalLM.from_pretrained(out)
     with torch.no_grad():
         assert torch.allclose(loaded(ids).logits, expected(ids).logits, atol=1e-4)
+
+
+def test_the_streamed_measurement_holds_one_layer_and_measures_what_the_loaded_model_does(k_model_dir, options, plans,
+                                                                                         monkeypatch):
+    """The sensitivity pass reads one decoder layer at a time (a streamed model: the others stay on the meta
+    device) and measures what it measures with the whole model in memory."""
+    from quantkit.models.streaming import StreamedModel
+
+    held = []
+    load = StreamedModel.load
+
+    def counting(self, module):
+        load(self, module)
+        held.append(sum(next(layer.parameters()).device.type != "meta" for layer in self.layers))
+
+    monkeypatch.setattr(StreamedModel, "load", counting)
+    planner.plan(k_model_dir, RECIPE, 5.0, options)
+    assert len(held) == 2 and max(held) == 1  # the tiny model's two decoder layers, one at a time
+    monkeypatch.setattr(StreamedModel, "load", lambda *a: pytest.fail("streamed"))
+    loaded = planner.plan(k_model_dir, RECIPE, 5.0, options, in_memory=True)  # --in-memory: loaded whole
+    for name, by_type in plans[5.0].measured.errors.items():
+        assert loaded.measured.errors[name] == pytest.approx(by_type, rel=1e-5), name
+    assert loaded.types == plans[5.0].types
