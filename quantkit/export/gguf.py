@@ -171,7 +171,7 @@ def adapt_plan(plan: list[ModulePlan], recipe: Recipe, config) -> list[ModulePla
         if recipe.mixture is None or not entry.quantized or role is None:
             return entry
         kind = gguf_mixtures.tensor_type(recipe.mixture, role, layer, config.num_hidden_layers, _gqa(config),
-                                         _experts(config))
+                                         _experts(config), recipe.needs_calibration_without_kv)
         return replace(entry, scheme=QuantScheme(gguf_types.spec(kind), entry.scheme.activations))
 
     def fitted(entry: ModulePlan) -> ModulePlan:
@@ -234,7 +234,7 @@ def embedding_type(recipe: Recipe, config) -> str | None:
     if recipe.mixture is not None:
         role = "output" if getattr(config, "tie_word_embeddings", False) else "token_embd"
         kind = gguf_mixtures.tensor_type(recipe.mixture, role, None, config.num_hidden_layers, _gqa(config),
-                                         _experts(config))
+                                         _experts(config), recipe.needs_calibration_without_kv)
     kind = tensor_types.type_for(tensor_types.EMBEDDING_NAMES, recipe.tensor_types) or kind
     if kind is None or kind == gguf_types.FLOAT:
         return None

@@ -19,6 +19,21 @@ tied token_embd takes the output's type (llama.cpp writes no separate output the
 llama.cpp refuses to write without an importance matrix (`NEEDS_DATA`: its Q2_K tensors, `tensor_requires_imatrix`);
 quantkit refuses it without calibration data (`finalization.request`).
 
+The i-quant mixtures, as rules only (`IQ_MIXTURES`: no recipe takes them until quantkit writes every type they use;
+"imatrix": written from calibration data, as quantkit's calibrated recipes are; without one where it says so):
+
+| tensor | IQ1_M | IQ2_XXS | IQ2_M | IQ3_XXS | IQ3_M | IQ4_XS |
+|---|---|---|---|---|---|---|
+| most Linears | IQ1_M | IQ2_XXS | IQ2_S | IQ3_XXS | IQ3_S | IQ4_XS |
+| attn_v, attn_qkv | Q4_K if g >= 4 or 4+ experts, else Q2_K | as IQ1_M | Q4_K if g >= 4 or 4+ experts, else IQ3_S | Q4_K if g >= 4, else IQ3_XXS (IQ3_S without an imatrix) | Q4_K | Q5_K if g >= 4 |
+| attn_q, attn_k | IQ1_M | IQ2_XXS | IQ2_S | IQ2_S | IQ3_S | IQ4_XS |
+| ffn_down | Q2_K for i < n/8 | Q2_K for i < n/8 | IQ3_S for i < n/8 | (without an imatrix: Q4_K for i < n/8, else Q3_K) | Q4_K for i < n/8 | (without an imatrix: Q5_K for i < n/8) |
+| attn_output | IQ2_XXS | IQ2_XXS | IQ3_S | IQ3_S | Q4_K | IQ4_XS |
+| output (lm_head) | Q5_K | Q5_K | Q5_K | Q5_K | Q6_K | Q6_K |
+| token_embd | Q2_K | Q2_K | IQ3_S | IQ3_S | IQ3_S | IQ4_XS |
+
+IQ1_M, IQ2_XXS, IQ2_M and IQ3_XXS need an importance matrix in llama.cpp (their IQ1/IQ2/IQ3_XXS tensors).
+
 MXFP4_MOE (llama.cpp's `LLAMA_FTYPE_MOSTLY_MXFP4_MOE`): an MoE model's stacked experts (ffn_*_exps, the 3-D
 tensors) in MXFP4, every other Linear, output and token_embd in Q8_0. On a dense model llama.cpp's rule leaves
 no tensor in MXFP4 (all Q8_0: the file gguf-q8-0 writes); quantkit puts a dense model's decoder Linears in MXFP4
@@ -41,23 +56,29 @@ from quantkit.grids.schemes import K_QUANT_TYPES, Granularity, ScaleDtype, Weigh
 MIXTURES = {"Q2_K_S": "Q2_K", "Q2_K": "Q2_K", "Q3_K_S": "Q3_K", "Q3_K_M": "Q3_K", "Q3_K_L": "Q3_K",
             "Q4_K_S": "Q4_K", "Q4_K_M": "Q4_K", "Q5_K_S": "Q5_K", "Q5_K_M": "Q5_K", "Q6_K": "Q6_K",
             "MXFP4_MOE": "MXFP4"}
-NEEDS_DATA = frozenset({"Q2_K_S"})  # mixtures llama.cpp refuses to write without an importance matrix
+# llama.cpp's i-quant mixtures -> their base types: rules only (RULES), no recipe takes them yet (the module's docstring)
+IQ_MIXTURES = {"IQ1_M": "IQ1_M", "IQ2_XXS": "IQ2_XXS", "IQ2_M": "IQ2_S", "IQ3_XXS": "IQ3_XXS", "IQ3_M": "IQ3_S",
+               "IQ4_XS": "IQ4_XS"}
+# mixtures llama.cpp refuses to write without an importance matrix
+NEEDS_DATA = frozenset({"Q2_K_S", "IQ1_M", "IQ2_XXS", "IQ2_M", "IQ3_XXS"})
 
 
 class Place(NamedTuple):
     """Where a tensor sits: decoder layer `layer` (None outside the layers) of `layers`, `gqa` query heads per KV
-    head, `experts` routed experts per MoE layer (0: a dense model)."""
+    head, `experts` routed experts per MoE layer (0: a dense model); `imatrix`: written from calibration data
+    (llama-quantize --imatrix)."""
 
     layer: int | None
     layers: int
     gqa: int
     experts: int = 0
+    imatrix: bool = True
 
 
 Rule = Callable[[Place], str]
 
-# role -> mixture -> its rule, for the roles whose type is not the base type (the table above); `output` is Q6_K
-# and token_embd the base type in every K mixture.
+# role -> mixture -> its rule, for the roles whose type is not the base type (the tables above); where a mixture
+# has none, `output` is Q6_K and token_embd the base type.
 RULES: dict[str, dict[str, Rule]] = {
     "attn_v": {
         "Q2_K_S": lambda p: "Q4_K" if p.gqa >= 4 else "Q2_K",
@@ -67,7 +88,15 @@ RULES: dict[str, dict[str, Rule]] = {
         "Q4_K_S": lambda p: "Q5_K" if p.layer < 4 else "Q4_K",
         "Q4_K_M": lambda p: "Q6_K" if more_bits(p.layer, p.layers) else "Q4_K",
         "Q5_K_M": lambda p: "Q6_K" if more_bits(p.layer, p.layers) else "Q5_K",
+        "IQ1_M": lambda p: "Q4_K" if p.gqa >= 4 or p.experts >= 4 else "Q2_K",
+        "IQ2_XXS": lambda p: "Q4_K" if p.gqa >= 4 or p.experts >= 4 else "Q2_K",
+        "IQ2_M": lambda p: "Q4_K" if p.gqa >= 4 or p.experts >= 4 else "IQ3_S",
+        "IQ3_XXS": lambda p: "Q4_K" if p.gqa >= 4 else "IQ3_XXS" if p.imatrix else "IQ3_S",
+        "IQ3_M": lambda p: "Q4_K",
+        "IQ4_XS": lambda p: "Q5_K" if p.gqa >= 4 else "IQ4_XS",
     },
+    "attn_q": {"IQ3_XXS": lambda p: "IQ2_S"},
+    "attn_k": {"IQ3_XXS": lambda p: "IQ2_S"},
     "ffn_down": {
         "Q2_K_S": lambda p: "Q4_K" if p.layer < p.layers // 8 else "Q2_K",
         "Q2_K": lambda p: "Q3_K",
@@ -76,8 +105,19 @@ RULES: dict[str, dict[str, Rule]] = {
         "Q4_K_S": lambda p: "Q5_K" if p.layer < p.layers // 8 else "Q4_K",
         "Q4_K_M": lambda p: "Q6_K" if more_bits(p.layer, p.layers) else "Q4_K",
         "Q5_K_M": lambda p: "Q6_K" if more_bits(p.layer, p.layers) else "Q5_K",
+        "IQ1_M": lambda p: "Q2_K" if p.layer < p.layers // 8 else "IQ1_M",
+        "IQ2_XXS": lambda p: "Q2_K" if p.layer < p.layers // 8 else "IQ2_XXS",
+        "IQ2_M": lambda p: "IQ3_S" if p.layer < p.layers // 8 else "IQ2_S",
+        "IQ3_XXS": lambda p: "IQ3_XXS" if p.imatrix else "Q4_K" if p.layer < p.layers // 8 else "Q3_K",
+        "IQ3_M": lambda p: "Q4_K" if p.layer < p.layers // 8 else "IQ3_S",
+        "IQ4_XS": lambda p: "Q5_K" if p.layer < p.layers // 8 and not p.imatrix else "IQ4_XS",
     },
-    "attn_output": {"Q2_K": lambda p: "Q3_K", "Q3_K_M": lambda p: "Q4_K", "Q3_K_L": lambda p: "Q5_K"},
+    "attn_output": {"Q2_K": lambda p: "Q3_K", "Q3_K_M": lambda p: "Q4_K", "Q3_K_L": lambda p: "Q5_K",
+                    "IQ1_M": lambda p: "IQ2_XXS", "IQ2_M": lambda p: "IQ3_S", "IQ3_XXS": lambda p: "IQ3_S",
+                    "IQ3_M": lambda p: "Q4_K"},
+    "output": {name: lambda p: "Q5_K" for name in ("IQ1_M", "IQ2_XXS", "IQ2_M", "IQ3_XXS")},
+    "token_embd": {"IQ1_M": lambda p: "Q2_K", "IQ2_XXS": lambda p: "Q2_K", "IQ2_M": lambda p: "IQ3_S",
+                   "IQ3_XXS": lambda p: "IQ3_S"},
 }
 RULES["attn_qkv"] = RULES["attn_v"]  # llama.cpp's category_is_attn_v
 
@@ -100,17 +140,19 @@ def _c_mod(a: int, b: int) -> int:
     return a - b * int(a / b)  # C's % (truncates toward zero)
 
 
-def tensor_type(mixture: str, role: str, layer: int | None, n_layers: int, gqa: int, experts: int = 0) -> str:
+def tensor_type(mixture: str, role: str, layer: int | None, n_layers: int, gqa: int, experts: int = 0,
+                imatrix: bool = True) -> str:
     """The GGML type llama.cpp gives a tensor of `role` ('attn_v', 'ffn_down', 'ffn_down_exps', 'output',
-    'token_embd', ...) in decoder layer `layer` of `n_layers` under `mixture`; `gqa`: query heads per KV head;
-    `experts`: routed experts per MoE layer (0: dense). An expert stack (`_exps`) takes its projection's rule."""
-    place = Place(layer, n_layers, gqa, experts)
+    'token_embd', ...) in decoder layer `layer` of `n_layers` under `mixture` (MIXTURES, IQ_MIXTURES); `gqa`: query
+    heads per KV head; `experts`: routed experts per MoE layer (0: dense); `imatrix`: written from calibration data.
+    An expert stack (`_exps`) takes its projection's rule."""
+    place = Place(layer, n_layers, gqa, experts, imatrix)
     if mixture == "MXFP4_MOE":
         return _mxfp4_moe(role, place)
-    if role == "output":
-        return "Q6_K"
     rule = RULES.get(role.removesuffix("_exps"), {}).get(mixture)
-    return rule(place) if rule else MIXTURES[mixture]
+    if rule:
+        return rule(place)
+    return "Q6_K" if role == "output" else {**MIXTURES, **IQ_MIXTURES}[mixture]
 
 
 def _mxfp4_moe(role: str, place: Place) -> str:

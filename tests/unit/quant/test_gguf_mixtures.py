@@ -149,3 +149,46 @@ def test_each_new_mixture_has_its_recipe_on_its_base_grid(name):
     assert recipe.mixture == name.removeprefix("gguf-").upper().replace("-", "_")
     assert recipe.scheme.weights == k_spec({"Q2_K_S": "Q2_K", "Q3_K_S": "Q3_K", "Q3_K_L": "Q3_K", "Q4_K_S": "Q4_K",
                                             "Q5_K_S": "Q5_K", "Q6_K": "Q6_K"}[recipe.mixture])
+
+
+# ---- the i-quant mixtures' rules (no recipe takes them yet), restated from the same source as literal lists
+
+def llama_cpp_iq_types(mixture: str, n: int, gqa: int, experts: int = 0, imatrix: bool = True) -> dict[str, list[str]]:
+    base = {"IQ1_M": "IQ1_M", "IQ2_XXS": "IQ2_XXS", "IQ2_M": "IQ2_S", "IQ3_XXS": "IQ3_XXS", "IQ3_M": "IQ3_S",
+            "IQ4_XS": "IQ4_XS"}[mixture]
+    types = {role: [base] * n for role in ROLES}
+    output, embedding = "Q6_K", base
+    if mixture in ("IQ1_M", "IQ2_XXS", "IQ2_M"):  # llama.cpp's IQ1/IQ2 branch
+        low = "IQ3_S" if mixture == "IQ2_M" else "Q2_K"
+        types["attn_v"] = [("Q4_K" if gqa >= 4 or experts >= 4 else low)] * n
+        types["ffn_down"] = first(n // 8, low, base, n)
+        types["attn_output"] = [{"IQ1_M": "IQ2_XXS", "IQ2_M": "IQ3_S"}.get(mixture, base)] * n
+        output, embedding = "Q5_K", low
+    if mixture == "IQ3_XXS":
+        types["attn_v"] = [("Q4_K" if gqa >= 4 else "IQ3_XXS" if imatrix else "IQ3_S")] * n
+        types["attn_q"] = types["attn_k"] = ["IQ2_S"] * n
+        types["ffn_down"] = [base] * n if imatrix else first(n // 8, "Q4_K", "Q3_K", n)
+        types["attn_output"] = ["IQ3_S"] * n
+        output, embedding = "Q5_K", "IQ3_S"
+    if mixture == "IQ3_M":
+        types["attn_v"] = types["attn_output"] = ["Q4_K"] * n
+        types["ffn_down"] = first(n // 8, "Q4_K", base, n)
+    if mixture == "IQ4_XS":
+        types["attn_v"] = [("Q5_K" if gqa >= 4 else base)] * n
+        types["ffn_down"] = [base] * n if imatrix else first(n // 8, "Q5_K", base, n)
+    return {**types, "output": [output], "token_embd": [embedding]}
+
+
+@pytest.mark.parametrize("mixture", ["IQ1_M", "IQ2_XXS", "IQ2_M", "IQ3_XXS", "IQ3_M", "IQ4_XS"])
+@pytest.mark.parametrize("n, gqa, experts, imatrix", [(32, 4, 0, True), (32, 8, 0, True), (28, 1, 0, True),
+                                                      (32, 1, 0, False), (48, 1, 128, True)])
+def test_each_i_quant_mixtures_rules_give_llama_cpps_types(mixture, n, gqa, experts, imatrix):
+    from quantkit.quant.gguf_mixtures import IQ_MIXTURES, MIXTURES, NEEDS_DATA
+
+    expected = llama_cpp_iq_types(mixture, n, gqa, experts, imatrix)
+    found = {role: [tensor_type(mixture, role, i, n, gqa, experts, imatrix) for i in range(n)] for role in ROLES}
+    for role in ("output", "token_embd"):
+        found[role] = [tensor_type(mixture, role, None, n, gqa, experts, imatrix)]
+    assert found == expected
+    assert mixture in IQ_MIXTURES and mixture not in MIXTURES  # rules only: no recipe takes it yet
+    assert (mixture in NEEDS_DATA) == (mixture in ("IQ1_M", "IQ2_XXS", "IQ2_M", "IQ3_XXS"))
