@@ -227,18 +227,24 @@ def grid_tensors(weight: torch.Tensor, qparams: QParams) -> tuple[torch.Tensor, 
     codes = grid.round(weight)
     for rows in row_blocks(*weight.shape):
         decoded = grid.rows(rows).dequantize(codes[rows], dtype=dtype)
-        if not torch.equal(decoded, weight[rows]) and not _within_ulp(decoded, weight[rows]):
+        if not torch.equal(decoded, weight[rows]) and not _within_rounding(decoded, weight[rows], grid.rows(rows), codes[rows]):
             raise ExportError("a quantized weight is not on its MLX grid (a quantkit bug: please report it)")
     return codes, grid.scales.to(dtype), grid.biases.to(dtype)
 
 
-def _within_ulp(decoded: torch.Tensor, weight: torch.Tensor) -> bool:
-    """float32 weights of a symmetric integer grid: torchao rounds scale * q once, mlx scale * code + bias twice;
-    the grid value is the same, its float32 rounding one unit in the last place apart at most."""
+def _within_rounding(decoded: torch.Tensor, weight: torch.Tensor, grid: AffineParams, codes: torch.Tensor) -> bool:
+    """float32 weights of a symmetric integer grid: torchao rounds scale x q once, mlx scale x code + bias twice
+    (`rounding_bound`); the grid value is the same, its two float32 roundings within the bound."""
     if weight.dtype is not torch.float32:
         return False
-    gap = (decoded - weight).abs()
-    return bool((gap <= torch.finfo(torch.float32).eps * weight.abs()).all())
+    return bool(((decoded - weight).abs() <= rounding_bound(grid, codes)).all())
+
+
+def rounding_bound(grid: AffineParams, codes: torch.Tensor) -> torch.Tensor:
+    """How far float32's scale x code + bias (two roundings) may lie from the exact value: half a unit in the last
+    place of the product and of the sum, each at most eps x (|scale x code| + |bias|)."""
+    step, offset = grid.column_scales(0, codes.shape[1])
+    return torch.finfo(torch.float32).eps * ((step * codes.float()).abs() + offset.abs())
 
 
 def _linear_tensors(name: str, weight: torch.Tensor, qparams: QParams) -> dict[str, torch.Tensor]:

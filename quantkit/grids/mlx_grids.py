@@ -84,7 +84,9 @@ class AffineParams:
         return {"scales": self.scales, "biases": self.biases}
 
     def result(self, codes: torch.Tensor, spec: WeightSpec) -> QuantizedWeight:
-        return QuantizedWeight(codes, self.scales, None, spec, k=self)
+        """The quantized weight of `codes` on this grid: each group's step, as float32, its scale (a copy: a resume
+        file holds the two apart)."""
+        return QuantizedWeight(codes, self.scales.to(torch.float32, copy=True), None, spec, k=self)
 
     def map(self, fn) -> AffineParams:
         return AffineParams(fn(self.scales), fn(self.biases), self.bits, self.group_size)

@@ -1,0 +1,206 @@
+"""quantkit's MLX directories read by mlx itself (`make test-mlx`; marked `mlx`).
+
+mlx runs in its own environment (mlx[cpu] and mlx-lm: `make test-mlx` builds ~/.cache/quantkit/mlx-venv, MLX_PYTHON
+names another), through tests/engines/mlx_worker.py in a subprocess; this module skips, saying so, where that Python
+is missing or cannot import mlx_lm.
+
+For tiny random models of each architecture quantkit writes for mlx-lm (Llama, Mistral, Qwen2, Qwen3; hidden 128,
+MLP 256: every group size divides them), in float32 and bfloat16, under MLX's own affine grid (2 to 8 bits, groups of
+32 to 128; round to nearest, GPTQ, AWQ) and a symmetric integer recipe (gptq-w4a16, held as code q + 8 and bias
+-8 x scale):
+
+- every quantized tensor (Linears, lm_head, the token embedding) dequantized by `mx.dequantize` from the file (scales
+  and biases widened to float32, as quantkit computes a value: the product, then the sum) equals quantkit's in-memory
+  preview's weight (`eval -q`'s model) bit for bit, once rounded to the model's dtype (float32 symmetric grids: within
+  one float32 unit in the last place: torchao rounds scale x q once, mlx scale x code + bias twice);
+- `mlx_lm.utils.load` loads the directory and its logits on a prompt are the preview's within LOGITS_TOLERANCE of
+  the largest logit (float32; mlx's CPU kernels dequantize a bfloat16 weight in bfloat16, rounding twice, and sum in
+  bfloat16: BF16_LOGITS_TOLERANCE there, and the same weights dequantized by mlx-lm and run in float32 within
+  LOGITS_TOLERANCE of quantkit's float32 forward);
+- quantkit's round to nearest is `mx.quantize` itself: the same packed words, scales and biases for a float32 weight;
+  for bfloat16 the same scales and biases, and codes no farther from the weight than mx.quantize's (mlx rounds onto its
+  float32 grid before storing it in bfloat16; quantkit onto the grid as stored).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from dataclasses import replace
+from functools import cache
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytestmark = [pytest.mark.integration, pytest.mark.mlx]
+
+WORKER = Path(__file__).with_name("mlx_worker.py")
+DEFAULT_PYTHON = Path.home() / ".cache" / "quantkit" / "mlx-venv" / "bin" / "python"
+LOGITS_TOLERANCE = 1e-4  # max |mlx-lm's logit - the preview's| / max |logit|, float32 models
+# bfloat16 models: mlx's CPU kernel dequantizes in bfloat16 and sums its products in bfloat16 (`_qmm`), 3-4% of the
+# largest logit from quantkit's bfloat16 logits (0.041 at most here) while mlx-lm and transformers agree within 0.7% on
+# the float bfloat16 model; so bfloat16 models are also run dequantized in float32, where LOGITS_TOLERANCE holds
+BF16_LOGITS_TOLERANCE = 0.06
+PROMPT = [1, 5, 9, 20, 33, 7, 44, 61, 3, 18, 27, 90, 12, 8, 71, 40]
+SHAPES = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2)
+
+
+@cache
+def mlx_python() -> str | None:
+    python = os.environ.get("MLX_PYTHON") or str(DEFAULT_PYTHON)
+    if not Path(python).is_file():
+        return None
+    found = subprocess.run([python, "-c", "import mlx.core, mlx_lm"], capture_output=True)
+    return python if found.returncode == 0 else None
+
+
+if mlx_python() is None:
+    pytest.skip(f"needs mlx and mlx-lm in {os.environ.get('MLX_PYTHON') or DEFAULT_PYTHON} (MLX_PYTHON): `make test-mlx` "
+                "builds that environment and runs these tests", allow_module_level=True)
+
+
+def worker(*args: str) -> None:
+    done = subprocess.run([mlx_python(), str(WORKER), *map(str, args)], capture_output=True, text=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def calib_text(tmp_path_factory) -> Path:
+    from conftest import make_text
+
+    path = tmp_path_factory.mktemp("calib") / "calib.txt"
+    path.write_text(make_text(4000, seed=3))
+    return path
+
+
+@cache
+def model_dir(root: Path, model_type: str, dtype: str) -> Path:
+    from quantkit.models.tiny import build_tiny_model
+    from conftest import make_text
+
+    return build_tiny_model(root / f"{model_type}-{dtype}", make_text(3000), model_type, dtype=dtype, **SHAPES)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mlx-models")
+    return lambda model_type, dtype: model_dir(root, model_type, dtype)
+
+
+def recipe_of(name: str, bits: int | None = None, group: int | None = None):
+    from quantkit.quant.registry import Format, resolve
+    from quantkit.export import for_format
+
+    recipe = resolve(name)
+    if bits or group:
+        weights = recipe.scheme.weights
+        weights = replace(weights, dtype=type(weights.dtype)(f"int{bits or weights.dtype.bits}"),
+                          group_size=group or weights.group_size)
+        recipe = replace(recipe, name=f"{name}-int{weights.dtype.bits}-g{weights.group_size}",
+                         scheme=replace(recipe.scheme, weights=weights))
+    return for_format(replace(recipe, format=Format.MLX), Format.MLX)
+
+
+def preview(src: Path, recipe, calib: Path) -> torch.nn.Module:
+    from quantkit.finalization.checks import CalibrationOptions, prepare
+    from quantkit.finalization.finalize import quantize_model
+
+    options = CalibrationOptions(data=str(calib), num_samples=8, seq_len=64)
+    return quantize_model(prepare(src, recipe, calibration=options), recipe, calibration=options)
+
+
+def written(src: Path, dst: Path, recipe, calib: Path) -> Path:
+    from quantkit.finalization.checks import CalibrationOptions
+    from quantkit.finalization.finalize import finalize
+
+    finalize(src, dst, recipe, calibration=CalibrationOptions(data=str(calib), num_samples=8, seq_len=64))
+    return dst
+
+
+CASES = [  # (recipe, bits, group, architecture, dtype)
+    ("mlx-4bit-g64", None, None, "llama", "float32"),
+    ("mlx-4bit-g64", None, None, "mistral", "float32"),
+    ("mlx-4bit-g64", None, None, "qwen2", "float32"),
+    ("mlx-4bit-g64", None, None, "qwen3", "float32"),
+    ("mlx-4bit-g64", None, None, "llama", "bfloat16"),
+    ("mlx-4bit-g64", 2, 32, "qwen3", "float32"),
+    ("mlx-4bit-g64", 5, 128, "qwen2", "bfloat16"),
+    ("mlx-4bit-g64", 6, 32, "llama", "float32"),
+    ("mlx-3bit-g64", None, None, "llama", "bfloat16"),
+    ("mlx-8bit-g64", None, None, "qwen3", "bfloat16"),
+    ("mlx-gptq-4bit-g64", None, None, "llama", "float32"),
+    ("mlx-gptq-4bit-g64", None, None, "qwen2", "bfloat16"),
+    ("mlx-awq-4bit-g64", None, None, "llama", "float32"),
+    ("gptq-w4a16", None, None, "llama", "bfloat16"),
+    ("gptq-w4a16", None, None, "qwen3", "float32"),
+]
+
+
+@pytest.mark.parametrize("name, bits, group, model_type, dtype", CASES,
+                         ids=[f"{c[0]}{f'-int{c[1]}-g{c[2]}' if c[1] else ''}-{c[3]}-{c[4]}" for c in CASES])
+def test_mlx_reads_what_quantkit_computes(name, bits, group, model_type, dtype, models, calib_text, tmp_path):
+    recipe = recipe_of(name, bits, group)
+    src = models(model_type, dtype)
+    out = written(src, tmp_path / "out", recipe, calib_text)
+    model = preview(src, recipe, calib_text)
+    modules = dict(model.named_modules())
+    worker("dequantize", out, tmp_path / "dequantized.npz")
+    dequantized = np.load(tmp_path / "dequantized.npz")
+    names = [n for n in dequantized.files if "@" not in n]
+    lm_head = "lm_head" not in recipe.ignore
+    assert "model.embed_tokens" in names and ("lm_head" in names) == lm_head
+    assert len(names) == 1 + lm_head + 7 * SHAPES["num_hidden_layers"]
+    symmetric_float32 = recipe.scheme.weights.symmetric and dtype == "float32"
+    for name in names:
+        ours = modules[name].weight.detach()
+        theirs = torch.from_numpy(dequantized[name]).to(ours.dtype)
+        if symmetric_float32:  # two float32 roundings of scale x code + bias: within 4 eps of the row's largest value
+            bound = 4 * torch.finfo(torch.float32).eps * ours.abs().amax(1, keepdim=True)
+            assert ((theirs - ours).abs() <= bound).all(), name
+        else:
+            assert torch.equal(theirs, ours), name
+    worker("logits", out, ",".join(map(str, PROMPT)), tmp_path / "logits.npy")
+    theirs = torch.from_numpy(np.load(tmp_path / "logits.npy"))
+    with torch.no_grad():
+        ours = model(torch.tensor([PROMPT])).logits[0].float()
+        wide = model.float()(torch.tensor([PROMPT])).logits[0] if dtype != "float32" else ours
+    gap = ((theirs - ours).abs().max() / ours.abs().max()).item()
+    print(f"{recipe.name} {model_type} {dtype}: logits max |mlx-lm - quantkit| / max |logit| = {gap:.2e}", end="")
+    assert gap <= (LOGITS_TOLERANCE if dtype == "float32" else BF16_LOGITS_TOLERANCE)
+    if dtype != "float32":  # the file's weights, dequantized by mlx-lm and run in float32: quantkit's float32 logits
+        worker("wide", out, ",".join(map(str, PROMPT)), tmp_path / "wide.npy")
+        gap = ((torch.from_numpy(np.load(tmp_path / "wide.npy")) - wide).abs().max() / wide.abs().max()).item()
+        print(f"; both in float32 {gap:.2e}", end="")
+        assert gap <= LOGITS_TOLERANCE
+    print()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bits, group", [(2, 32), (3, 64), (4, 64), (5, 128), (6, 32), (8, 128)])
+def test_round_to_nearest_is_mx_quantize(bits, group, dtype, tmp_path):
+    from quantkit.export import mlx
+    from quantkit.grids import quantize_weight
+    from quantkit.grids.mlx_grids import AffineParams
+    from quantkit.grids.schemes import Granularity, QDtype, ScaleDtype, WeightSpec
+
+    generator = torch.Generator().manual_seed(bits * group)
+    weight = (torch.randn(64, 512, generator=generator) * 0.02).to(dtype)
+    spec = WeightSpec(QDtype(f"int{bits}"), Granularity.GROUP, group, symmetric=False, scale_dtype=ScaleDtype.MLX_AFFINE)
+    ours = quantize_weight(weight, spec)
+    np.savez(tmp_path / "in.npz", w=weight.float().numpy(), **{"w@dtype": str(dtype).split(".")[1], "w@bits": bits,
+                                                                  "w@group": group})
+    worker("quantize", tmp_path / "in.npz", tmp_path / "out.npz")
+    theirs = np.load(tmp_path / "out.npz")
+    assert np.array_equal(ours.k.scales.float().numpy(), theirs["w.scales"])
+    assert np.array_equal(ours.k.biases.float().numpy(), theirs["w.biases"])
+    packed = torch.from_numpy(theirs["w.weight"].view(np.int32)).view(torch.uint32)
+    if dtype == torch.float32:
+        assert torch.equal(mlx.pack(ours.qdata, bits).view(torch.int32), packed.view(torch.int32))
+        return
+    grid = AffineParams(ours.k.scales, ours.k.biases, bits, group)
+    their_error = (weight.float() - grid.dequantize(mlx.unpack(packed, bits))).abs()
+    our_error = (weight.float() - ours.dequantize(torch.float32)).abs()
+    assert (our_error <= their_error).all()  # where the codes differ, quantkit's is the nearer one
