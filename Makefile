@@ -107,7 +107,7 @@ test-vllm:
 	py="$$(bash scripts/vllm_env.sh)" && "$$py" -c "import vllm" && \
 	"$$py" -m pytest -q -rs -m vllm tests/engines --durations 5
 
-# quantkit's MLX directories read by mlx itself (tests/engines/test_mlx.py, marked mlx; left out of `make test`, and
+# quantkit's MLX directories read by mlx itself (tests/engines/test_mlx_lm.py, marked mlx; left out of `make test`, and
 # skipped anywhere mlx's environment is missing): mlx's CPU build and mlx-lm in their own environment outside the
 # repository (MLX_VENV, ~/.cache/quantkit/mlx-venv; MLX_SPEC; about a minute to build, once), which the tests run
 # through tests/engines/mlx_worker.py from quantkit's .venv. 29 tests, about 4 minutes on 2 busy cores.
@@ -117,7 +117,7 @@ MLX_SPEC ?= "mlx[cpu]" mlx-lm
 test-mlx: install
 	test -x "$(MLX_VENV)/bin/python" || $(PYTHON) -m venv "$(MLX_VENV)"
 	"$(MLX_VENV)/bin/python" -c "import mlx.core, mlx_lm" 2>/dev/null || "$(MLX_VENV)/bin/python" -m pip install -q $(MLX_SPEC)
-	MLX_PYTHON="$(MLX_VENV)/bin/python" $(BIN)/python -m pytest -q -rs -m mlx tests/engines/test_mlx.py --durations 5
+	MLX_PYTHON="$(MLX_VENV)/bin/python" $(BIN)/python -m pytest -q -rs -m mlx tests/engines/test_mlx_lm.py --durations 5
 
 # docs/commands.md from the CLI itself (tests/cli/test_commands_doc.py fails when it is stale)
 docs: install

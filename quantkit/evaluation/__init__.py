@@ -10,6 +10,8 @@
   transformers does not; torch-free, for the CLI.
 - `gguf.py`: GGUF's engine, reached through its reader: a .gguf file run in llama.cpp (llama-cpp-python, the `gguf`
   extra): checks, its token ids, a window's loss, its perplexity on quantkit's windows.
+- `mlx.py`: MLX's engine, reached through its reader: an MLX directory run in mlx-lm, in the Python that has it
+  (`mlx_runner.py`, a standalone script in a subprocess): checks, a window's loss, its perplexity on quantkit's windows.
 
 Imports anything below it: `quantkit.finalization` (`eval -q` previews a recipe in memory), `quantkit.export`,
 `quantkit.models`, `quantkit.quant`, `quantkit.runtime`, `quantkit.data`, `quantkit.errors`.

@@ -10,6 +10,7 @@ from pathlib import Path
 from quantkit.export import config_json
 from quantkit.errors import SourceModelError
 
+ENGINE = "quantkit.evaluation.mlx"  # mlx-lm, in its own Python: windows' losses from its logits
 TENSOR_PARALLEL = False
 RUN_IT = "run it in mlx-lm (`mlx_lm.generate --model PATH`, `mlx_lm.perplexity --model PATH`)"
 
@@ -48,6 +49,10 @@ def quantized(path: Path) -> str:
 
 def unsharded(path: Path) -> str:
     return f"--tp shards transformers models; {path} is an MLX model: evaluate it without --tp"
+
+
+def legend(runtimes: list[str], tasks: bool) -> str:
+    return f"MLX models run in {', '.join(runtimes)}" + (", without task scores (n/a)" if tasks else "")
 
 
 def check_load(path: Path) -> None:

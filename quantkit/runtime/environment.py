@@ -57,6 +57,14 @@ def configure_cuda_allocator() -> None:
     os.environ.setdefault(CUDA_ALLOCATOR_VARIABLE, "expandable_segments:True")
 
 
+MLX_PYTHON_VARIABLE = "QUANTKIT_MLX_PYTHON"  # the Python that has mlx and mlx-lm (`quantkit eval` of MLX models)
+
+
+def mlx_python() -> str | None:
+    """The Python `eval` runs MLX models in, where the environment names one (QUANTKIT_MLX_PYTHON), else None."""
+    return os.environ.get(MLX_PYTHON_VARIABLE) or None
+
+
 def debug_enabled() -> bool:
     """QUANTKIT_DEBUG=1 (or true / yes): show tracebacks instead of one-line errors."""
     return os.environ.get("QUANTKIT_DEBUG", "").strip().lower() in ("1", "true", "yes")

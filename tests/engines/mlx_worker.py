@@ -1,4 +1,4 @@
-"""Runs in mlx's environment (tests/engines/test_mlx.py starts it with MLX_PYTHON): mlx's own reading of a quantkit
+"""Runs in mlx's environment (tests/engines/test_mlx_lm.py starts it with MLX_PYTHON): mlx's own reading of a quantkit
 MLX directory. Imports nothing of quantkit's.
 
     mlx_worker.py dequantize DIR OUT.npz   every quantized tensor of DIR dequantized by mx.dequantize: its scales and

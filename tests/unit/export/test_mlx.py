@@ -1,4 +1,4 @@
-"""The MLX format without mlx (mlx itself reads quantkit's files in tests/engines/test_mlx.py): the packing against a
+"""The MLX format without mlx (mlx itself reads quantkit's files in tests/engines/test_mlx_lm.py): the packing against a
 bit stream built from Python integers, MLX's affine grid against a scalar port of mlx's CPU quantizer, GPTQ on it,
 which schemes are held exactly and which refused, and the written directory (tensors, config.json, shards, reader)."""
 

@@ -125,9 +125,9 @@ def test_every_format_has_a_reader_module_beside_its_writer():
 
 ENGINES = {reader.ENGINE for reader in readers() if reader.ENGINE}
 # the modules that detect, load or run artifacts for `eval`, which ask `export.reader_for` (the engines it names are
-# their formats' own code)
+# their formats' own code, with the scripts they run beside them: `<engine>_*.py`, MLX's mlx_runner.py)
 READING = [path for path in (ROOT / "quantkit" / "evaluation").glob("*.py")
-           if f"quantkit.evaluation.{path.stem}" not in ENGINES] + [ROOT / "quantkit" / "models" / "loading.py",
+           if not any(f"quantkit.evaluation.{path.stem}".startswith((engine, f"{engine}_")) for engine in ENGINES)] + [ROOT / "quantkit" / "models" / "loading.py",
                                                                     ROOT / "cli" / "eval.py"]
 TOKENS = sorted({token for fmt, registration in FORMATS.items()
                  for token in (fmt.value, registration.module, registration.reader)} | {"is_gguf"})
@@ -162,7 +162,7 @@ def _code_names(path: Path) -> list[str]:
 
 
 def test_the_reading_modules_name_no_format():
-    assert len(READING) > 5 and ENGINES == {"quantkit.evaluation.gguf"}
+    assert len(READING) > 5 and ENGINES == {"quantkit.evaluation.gguf", "quantkit.evaluation.mlx"}
     offenders = {str(path.relative_to(ROOT)): hits for path in READING
                  for hits in [sorted({s for s in _code_names(path) if any(t in s.lower() for t in TOKENS)})] if hits}
     assert not offenders, f"name a format through export.reader_for, not by name: {offenders}"

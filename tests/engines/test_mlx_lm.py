@@ -210,3 +210,23 @@ def test_round_to_nearest_is_mx_quantize(bits, group, dtype, tmp_path):
     their_error = (weight.float() - grid.dequantize(mlx.unpack(packed, bits))).abs()
     our_error = (weight.float() - ours.dequantize(torch.float32)).abs()
     assert (our_error <= their_error).all()  # where the codes differ, quantkit's is the nearer one
+
+
+def test_eval_runs_mlx_models_in_mlx_lm(models, calib_text, tmp_path, monkeypatch):
+    """`quantkit eval SRC MLX_DIR -q RECIPE`: the MLX row, computed by mlx-lm, scores the same windows as the preview of
+    the same recipe and agrees with it (float32: within 1e-5 of the perplexity, and near-zero KL divergence)."""
+    from quantkit import evaluate
+    from quantkit.evaluation import mlx as engine
+
+    monkeypatch.setenv("QUANTKIT_MLX_PYTHON", mlx_python())
+    engine.mlx_python.cache_clear()
+    src = models("llama", "float32")
+    out = written(src, tmp_path / "out", recipe_of("mlx-4bit-g64"), calib_text)
+    reports = evaluate([src, out], str(calib_text), quantize="mlx-4bit-g64", seq_len=64, max_samples=4,
+                       kl_divergence=True, device="cpu")
+    by_label = {report.label: report for report in reports}
+    ours, theirs = by_label[f"{src}+mlx-4bit-g64"], by_label[str(out)]
+    assert theirs.runtime.startswith("mlx ") and theirs.format == "mlx 4-bit g64" and theirs.recipe == "mlx-4bit-g64"
+    assert theirs.perplexity.windows_digest == ours.perplexity.windows_digest
+    assert abs(theirs.perplexity.perplexity / ours.perplexity.perplexity - 1) < 1e-5
+    assert theirs.kl_divergence.mean < 1e-3
