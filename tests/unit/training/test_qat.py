@@ -120,6 +120,9 @@ def test_configs_use_torchao_where_it_is_exact_and_quantkit_elsewhere():
         "gguf-q3-k-m": ("NoneType", "BlockGridFakeQuantizeConfig"),
         "gguf-q4-k-m": ("NoneType", "BlockGridFakeQuantizeConfig"),
         "gguf-q5-k-m": ("NoneType", "BlockGridFakeQuantizeConfig"),
+        **{name: ("NoneType", "BlockGridFakeQuantizeConfig") for name in ("gguf-q2-k-s", "gguf-q3-k-s", "gguf-q3-k-l",
+                                                                           "gguf-q4-k-s", "gguf-q5-k-s", "gguf-q6-k")},
+        "gguf-mxfp4": ("NoneType", "GridFakeQuantizeConfig"),  # the MXFP4 grid, as mxfp4-a16
         "gguf-iq4-nl": ("NoneType", "BlockGridFakeQuantizeConfig"),  # llama.cpp's IQ4 search
     }
     asym = WeightSpec(QDtype.INT4, Granularity.GROUP, 32, symmetric=False)
