@@ -51,3 +51,26 @@ def test_prepare_makes_the_same_check(tiny_model_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(checks, "check_request", lambda request: seen.append(request) or None)
     checks.prepare(tiny_model_dir, registry.resolve("int4-weight-only"), dst=tmp_path / "out", dtype="bfloat16")
     assert [(r.dst, r.dtype) for r in seen] == [(tmp_path / "out", "bfloat16")]
+
+
+def test_q2_k_s_needs_a_recipe_that_reads_data(tmp_path):
+    """llama.cpp refuses Q2_K_S without an importance matrix: the mixture from a round-to-nearest recipe is refused
+    in one line naming --calib-data; gguf-q2-k-s (GPTQ) passes here (its data is checked by `prepare`)."""
+    (tmp_path / "src").mkdir()
+    rtn = registry.parse_recipe("rtn-q2-k-s", {**registry.resolve("gguf-q2-k-s").to_file(), "algorithm": {"name": "rtn"}})
+    with pytest.raises(UsageError, match=r"Q2_K_S needs an importance matrix.*gguf-q2-k-s.*--calib-data") as raised:
+        check_request(Request(src=tmp_path / "src", recipe=rtn, fmt=rtn.format))
+    assert "\n" not in str(raised.value)
+    check_request(_request(tmp_path, recipe="gguf-q2-k-s"))
+
+
+def test_mxfp4_per_tensor_is_the_mxfp4_recipe_in_compressed_tensors(tmp_path):
+    """MXFP4 is a GGML type and recipe `mxfp4`'s grid: compressed-tensors takes `--tensor-type X=mxfp4` as that
+    recipe (the same weights); a GGML type no recipe is named after stays GGUF's."""
+    (tmp_path / "src").mkdir()
+    recipe = registry.with_tensor_types(registry.resolve("int4-weight-only"), ["ffn_down=mxfp4"])
+    check_request(Request(src=tmp_path / "src", recipe=recipe, fmt=recipe.format))
+    assert registry.tensor_type_spec("MXFP4") == registry.resolve("mxfp4").scheme.weights
+    recipe = registry.with_tensor_types(registry.resolve("int4-weight-only"), ["ffn_down=q4_k"])
+    with pytest.raises(UsageError, match="use --format gguf"):
+        check_request(Request(src=tmp_path / "src", recipe=recipe, fmt=recipe.format))
