@@ -152,7 +152,8 @@ def qat_recipe(recipe: Recipe) -> Recipe:
 # 32, symmetric, fp16 scales. Q5_K's fallback, Q5_1, has a float minimum quantkit's grids do not hold: F16 instead.
 # llama.cpp's tensor_type_fallback: (dtype, symmetric) of Q4_0, Q5_0, Q5_1 and Q8_0 blocks of 32
 K_FALLBACKS = {"Q2_K": (QDtype.INT4, True), "Q3_K": (QDtype.INT4, True), "Q4_K": (QDtype.INT5, True),
-               "Q5_K": (QDtype.INT5, False), "Q6_K": (QDtype.INT8, True), "IQ4_XS": (QDtype.IQ4_NL, True)}
+               "Q5_K": (QDtype.INT5, False), "Q6_K": (QDtype.INT8, True), "IQ4_XS": (QDtype.IQ4_NL, True),
+               **{name: (QDtype.IQ4_NL, True) for name in ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S")}}
 
 
 def adapt_plan(plan: list[ModulePlan], recipe: Recipe, config) -> list[ModulePlan]:

@@ -44,7 +44,25 @@ def check_request(request: Request) -> int | None:
     check_dtype(request.dtype)
     check_tensor_types(request.recipe, request.fmt)
     check_mixture_data(request.recipe)
+    check_importance(request.recipe)
     return shard_bytes
+
+
+# llama.cpp's types it refuses to write without an importance matrix (llama-quant.cpp: "Please do not use IQ1_S,
+# IQ1_M, IQ2_S, IQ2_XXS, IQ2_XS or Q2_K_S quantization without an importance matrix")
+NEEDS_IMPORTANCE = ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S")
+
+
+def check_importance(recipe: Recipe) -> None:
+    """A type of NEEDS_IMPORTANCE, the recipe's or a per-tensor one, is refused from a recipe that reads no
+    calibration data (a calibrated one without --calib-data is refused by `checks.prepare`)."""
+    from quantkit.quant.tensor_types import Override
+
+    types = [recipe.scheme.weights.codebook_type] + [Override.parse(text).type.upper() for text in recipe.tensor_types]
+    needing = next((t for t in types if t in NEEDS_IMPORTANCE), None)
+    if needing and not recipe.needs_calibration_without_kv:
+        raise UsageError(f"llama.cpp's {needing} needs an importance matrix, and recipe '{recipe.name}' reads no data: "
+                         f"use a calibrated one (gguf-{needing.lower().replace('_', '-')}) and pass --calib-data FILE")
 
 
 def check_mixture_data(recipe: Recipe) -> None:

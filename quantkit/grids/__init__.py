@@ -16,7 +16,7 @@ A family owns, for the specs it holds:
 - `fake_quant`: the kind of QAT fake quantizer that reproduces it (`quant.fake_quant.WEIGHT_CONFIGS`).
 
 Members, in the order they are asked: llama.cpp's K-quants (`k_grids`), llama.cpp's non-linear i-quants
-(`iq_grids`), MLX's affine grids (`mlx_grids`: a scale and a float bias per group), the float grids (FP8 blocks, NVFP4, MX: `qparams.FLOAT_GRID`), the integer and FP8-per-channel grids
+(`iq_grids`), llama.cpp's codebook i-quants below 4 bits (`iq_low`), MLX's affine grids (`mlx_grids`: a scale and a float bias per group), the float grids (FP8 blocks, NVFP4, MX: `qparams.FLOAT_GRID`), the integer and FP8-per-channel grids
 (`qparams.INTEGER_GRID`). A new family is a module in this layer defining one object, and its place in `families()`.
 """
 
@@ -35,11 +35,12 @@ if TYPE_CHECKING:
 
 def families() -> list[GridFamily]:
     from quantkit.grids.iq_grids import IQ_GRID
+    from quantkit.grids.iq_low import CODEBOOK_GRID
     from quantkit.grids.k_grids import K_GRID
     from quantkit.grids.mlx_grids import MLX_GRID
     from quantkit.grids.qparams import FLOAT_GRID, INTEGER_GRID
 
-    return [K_GRID, IQ_GRID, MLX_GRID, FLOAT_GRID, INTEGER_GRID]
+    return [K_GRID, IQ_GRID, CODEBOOK_GRID, MLX_GRID, FLOAT_GRID, INTEGER_GRID]
 
 
 def family_of(spec: WeightSpec) -> GridFamily:

@@ -21,6 +21,14 @@ class QDtype(str, Enum):
     FLOAT8 = "float8_e4m3fn"
     FLOAT4 = "float4_e2m1fn"  # FP4 e2m1: 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives (NVFP4, MXFP4)
     IQ4_NL = "iq4_nl"  # llama.cpp's 16 non-linear values (kvalues_iq4nl, -127 .. 113) times a block's scale
+    # llama.cpp's codebook i-quants: points of 8 (IQ3: 4) weights from the type's table (grids.iq_codebooks)
+    IQ3_XXS = "iq3_xxs"
+    IQ3_S = "iq3_s"
+    IQ2_XXS = "iq2_xxs"
+    IQ2_XS = "iq2_xs"
+    IQ2_S = "iq2_s"
+    IQ1_S = "iq1_s"
+    IQ1_M = "iq1_m"
 
     @property
     def is_float(self) -> bool:
@@ -29,20 +37,21 @@ class QDtype(str, Enum):
     @property
     def is_codebook(self) -> bool:
         """Values from a table (llama.cpp's i-quants), a code being an index into it, not a level."""
-        return self is QDtype.IQ4_NL
+        return self.value.startswith("iq")
 
     @property
     def bits(self) -> int:
         if self.is_codebook:
-            return 4
+            return int(self.value[2])  # the type's nominal bits (IQ2_XXS: 2.06 a weight in the file)
         return 4 if self is QDtype.FLOAT4 else 8 if self is QDtype.FLOAT8 else int(self.value[3:])
 
     @property
     def qrange(self) -> tuple[float, float]:
         """The representable range: the full two's-complement range for ints, +-448 for float8 e4m3, +-6 for fp4; a
-        table's code indices for a codebook."""
+        table's code indices for a codebook (IQ4), a signed level index (IQ2, IQ3: +-(index + 1)) or a level
+        index (IQ1: -1, 0, 1 as 0, 1, 2)."""
         if self.is_codebook:
-            return (0, 15)
+            return CODEBOOK_CODES.get(self, (0, 15))
         if self.is_float:
             return (-6.0, 6.0) if self is QDtype.FLOAT4 else (-448.0, 448.0)
         return (-(2 ** (self.bits - 1)), 2 ** (self.bits - 1) - 1)
@@ -78,8 +87,15 @@ K_QUANT_TYPES = {
 }
 
 
-# The i-quant types by their grid: (weight dtype, scale dtype) -> llama.cpp's type name, blocks of 32
-CODEBOOK_TYPES = {(QDtype.IQ4_NL, ScaleDtype.FLOAT16): "IQ4_NL", (QDtype.IQ4_NL, ScaleDtype.K_QUANT): "IQ4_XS"}
+# The i-quant types by their grid: (weight dtype, scale dtype) -> llama.cpp's type name, in groups of 32 (a sub-scale
+# per 32 weights) but where CODEBOOK_GROUPS says 16; the codebook types below 4 bits have k_quant scales (4-bit,
+# IQ1's 3-bit, sub-scales under an fp16 scale per 256)
+CODEBOOK_TYPES = {(QDtype.IQ4_NL, ScaleDtype.FLOAT16): "IQ4_NL", (QDtype.IQ4_NL, ScaleDtype.K_QUANT): "IQ4_XS",
+                  **{(d, ScaleDtype.K_QUANT): d.name for d in (QDtype.IQ3_XXS, QDtype.IQ3_S, QDtype.IQ2_XXS,
+                                                             QDtype.IQ2_XS, QDtype.IQ2_S, QDtype.IQ1_S, QDtype.IQ1_M)}}
+CODEBOOK_GROUPS = {"IQ2_XS": 16, "IQ2_S": 16, "IQ1_M": 16}
+CODEBOOK_CODES = {QDtype.IQ3_XXS: (-8, 8), QDtype.IQ3_S: (-8, 8), QDtype.IQ2_XXS: (-3, 3), QDtype.IQ2_XS: (-3, 3),
+                  QDtype.IQ2_S: (-3, 3), QDtype.IQ1_S: (0, 2), QDtype.IQ1_M: (0, 2)}
 SUPER_BLOCK = 256  # weights under one fp16 scale of llama.cpp's K and IQ4_XS types
 
 # MLX's affine grids (`mx.quantize`'s mode "affine"): the bits and group sizes its kernels take
@@ -142,9 +158,13 @@ class WeightSpec:
 
     def _check_scale_grid(self) -> None:
         if self.dtype.is_codebook:
-            if self.codebook_type is None or self.granularity is not Granularity.GROUP or self.group_size != 32 or not self.symmetric:
-                raise SchemeError("weights.dtype", "iq4_nl values take groups of 32, symmetric, with scale_dtype float16 "
-                                  "(IQ4_NL) or k_quant (IQ4_XS: 6-bit sub-scales under an fp16 scale per 256)")
+            if self.codebook_type is None or self.granularity is not Granularity.GROUP or not self.symmetric:
+                if self.dtype is QDtype.IQ4_NL:
+                    raise SchemeError("weights.dtype", "iq4_nl values take groups of 32, symmetric, with scale_dtype float16 "
+                                      "(IQ4_NL) or k_quant (IQ4_XS: 6-bit sub-scales under an fp16 scale per 256)")
+                group = CODEBOOK_GROUPS.get(self.dtype.name, 32)
+                raise SchemeError("weights.dtype", f"{self.dtype.value} values take granularity group, group_size {group}, "
+                                  "symmetric, scale_dtype k_quant (llama.cpp's sub-scales under an fp16 scale per 256)")
             return
         nvfp4 = "float4_e2m1fn weights take group_size 16 with scale_dtype float8_e4m3fn and global_scale: true (NVFP4), or group_size 32 with scale_dtype float8_e8m0fnu (MXFP4)"
         if self.scale_dtype is ScaleDtype.FLOAT8:
@@ -206,10 +226,11 @@ class WeightSpec:
 
     @property
     def codebook_type(self) -> str | None:
-        """llama.cpp's i-quant type name (IQ4_NL, IQ4_XS) of a codebook grid, or None."""
-        if self.granularity is not Granularity.GROUP or self.group_size != 32:
+        """llama.cpp's i-quant type name (IQ4_NL, IQ4_XS, IQ2_XXS ...) of a codebook grid, or None."""
+        name = CODEBOOK_TYPES.get((self.dtype, self.scale_dtype))
+        if self.granularity is not Granularity.GROUP or self.group_size != CODEBOOK_GROUPS.get(name, 32):
             return None
-        return CODEBOOK_TYPES.get((self.dtype, self.scale_dtype))
+        return name
 
     @property
     def block_type(self) -> str | None:

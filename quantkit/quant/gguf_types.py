@@ -17,7 +17,11 @@ BLOCK_BYTES = {
     "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q8_0": (32, 34),
     "Q2_K": (256, 84), "Q3_K": (256, 110), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210),
     "IQ4_NL": (32, 18), "IQ4_XS": (256, 136), "MXFP4": (32, 17),
+    "IQ1_S": (256, 50), "IQ1_M": (256, 56), "IQ2_XXS": (256, 66), "IQ2_XS": (256, 74), "IQ2_S": (256, 82),
+    "IQ3_XXS": (256, 98), "IQ3_S": (256, 110),
 }
+# llama.cpp's codebook i-quants (`grids.iq_low`): their grids' sub-scales cover 16 weights here, 32 elsewhere
+_CODEBOOKS = {"IQ1_S": 32, "IQ1_M": 16, "IQ2_XXS": 32, "IQ2_XS": 16, "IQ2_S": 16, "IQ3_XXS": 32, "IQ3_S": 32}
 # MXFP4: FP4 e2m1 values in blocks of 32 under a power-of-two (E8M0) scale each, the grid of quantkit's MXFP4 recipes
 MXFP4 = WeightSpec(QDtype.FLOAT4, Granularity.GROUP, 32, symmetric=True, scale_dtype=ScaleDtype.E8M0)
 
@@ -48,6 +52,8 @@ def spec(name: str) -> WeightSpec | None:
         return WeightSpec(dtype, Granularity.GROUP, 32, symmetric=symmetric, scale_dtype=ScaleDtype.FLOAT16)
     if name == "MXFP4":
         return MXFP4
+    if name in _CODEBOOKS:
+        return WeightSpec(QDtype(name.lower()), Granularity.GROUP, _CODEBOOKS[name], symmetric=True, scale_dtype=ScaleDtype.K_QUANT)
     if name.startswith("IQ4"):
         scales = ScaleDtype.FLOAT16 if name == "IQ4_NL" else ScaleDtype.K_QUANT
         return WeightSpec(QDtype.IQ4_NL, Granularity.GROUP, 32, symmetric=True, scale_dtype=scales)

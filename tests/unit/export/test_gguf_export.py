@@ -449,10 +449,11 @@ def test_the_quantized_tensors_outside_the_plan_are_the_embeddings_the_writer_qu
     assert stored(registry.resolve("gguf-q4-k-m"), width=128) == {}  # rows not whole super-blocks: left float
 
 
-@pytest.mark.parametrize("recipe, qtype", [("gguf-iq4-nl", "IQ4_NL"), ("gguf-iq4-xs", "IQ4_XS")])
+@pytest.mark.parametrize("recipe, qtype", [("gguf-iq4-nl", "IQ4_NL"), ("gguf-iq4-xs", "IQ4_XS")] + [
+    (f"gguf-{name.lower().replace('_', '-')}", name) for name in ("IQ3_XXS", "IQ3_S", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M")])
 def test_i_quants_are_llama_cpps_grids_in_the_file(k_model_dir, text_file, tmp_path, recipe, qtype):
-    """IQ4_NL by llama.cpp's own search (round to nearest), IQ4_XS by GPTQ on that grid: the file dequantizes, in
-    gguf's own dequantization, to the quantized model exactly, every Linear in the type."""
+    """IQ4_NL by llama.cpp's own search (round to nearest), IQ4_XS and the codebook types by GPTQ on their grids: the
+    file dequantizes, in gguf's own dequantization, to the quantized model exactly, every Linear in the type."""
     options = CalibrationOptions(data=str(text_file), num_samples=4, seq_len=32)
     out = tmp_path / "model.gguf"
     finalize(k_model_dir, out, registry.resolve(recipe), calibration=options)

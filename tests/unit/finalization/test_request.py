@@ -53,6 +53,22 @@ def test_prepare_makes_the_same_check(tiny_model_dir, tmp_path, monkeypatch):
     assert [(r.dst, r.dtype) for r in seen] == [(tmp_path / "out", "bfloat16")]
 
 
+@pytest.mark.parametrize("weights, tensor_types", [
+    ({"dtype": "iq2_xxs", "granularity": "group", "group_size": 32, "scale_dtype": "k_quant"}, []),
+    ({"dtype": "int4", "granularity": "group", "group_size": 32, "scale_dtype": "float16"}, ["ffn_up=iq1_m"]),
+])
+def test_the_types_llama_cpp_writes_only_with_an_importance_matrix_need_a_calibrated_recipe(tmp_path, weights, tensor_types):
+    """llama.cpp refuses IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS and IQ2_S without an imatrix: a recipe that reads no data is
+    refused in one line, the recipe's type or a per-tensor one; a calibrated one passes (its data is checked later)."""
+    (tmp_path / "src").mkdir()
+    recipe = registry.parse_recipe("rtn-low", {"scheme": {"weights": weights}, "format": "gguf", "tensor_types": tensor_types})
+    with pytest.raises(UsageError, match=r"needs an importance matrix.*pass --calib-data FILE") as raised:
+        check_request(Request(src=tmp_path / "src", recipe=recipe, fmt=recipe.format))
+    assert "\n" not in str(raised.value)
+    for name in ("gguf-iq2-xxs", "gguf-iq1-s", "gguf-iq3-xxs"):
+        check_request(_request(tmp_path, recipe=name))
+
+
 def test_q2_k_s_needs_a_recipe_that_reads_data(tmp_path):
     """llama.cpp refuses Q2_K_S without an importance matrix: the mixture from a round-to-nearest recipe is refused
     in one line naming --calib-data; gguf-q2-k-s (GPTQ) passes here (its data is checked by `prepare`)."""

@@ -70,8 +70,22 @@ def test_qranges():
     assert QDtype.INT2.qrange == (-2, 1) and QDtype.INT3.qrange == (-4, 3) and QDtype.INT4.qrange == (-8, 7) and QDtype.INT8.qrange == (-128, 127)
     assert QDtype.FLOAT8.qrange == (-448.0, 448.0) and QDtype.FLOAT4.qrange == (-6.0, 6.0)
     assert [QDtype(f"int{n}").bits for n in range(2, 9)] == list(range(2, 9)) and QDtype.FLOAT4.bits == 4
-    assert [d.bits for d in QDtype] == [2, 3, 4, 5, 6, 7, 8, 8, 4, 4]  # iq4_nl: 4-bit indices into its table
+    assert [d.bits for d in QDtype] == [2, 3, 4, 5, 6, 7, 8, 8, 4, 4, 3, 3, 2, 2, 2, 1, 1]  # iq4_nl: 4-bit indices
     assert QDtype.IQ4_NL.qrange == (0, 15) and QDtype.IQ4_NL.is_codebook and not QDtype.INT4.is_codebook
+    # the codebook types below 4 bits: a signed level index per weight (IQ2, IQ3), a level index (IQ1)
+    assert QDtype.IQ2_XXS.qrange == (-3, 3) and QDtype.IQ3_S.qrange == (-8, 8) and QDtype.IQ1_M.qrange == (0, 2)
+    assert all(QDtype(f"iq{n}").is_codebook for n in ("3_xxs", "3_s", "2_xxs", "2_xs", "2_s", "1_s", "1_m"))
+
+
+def test_codebook_grids_take_their_types_sub_blocks_only():
+    from quantkit.grids.schemes import Granularity, ScaleDtype, SchemeError, WeightSpec
+
+    assert WeightSpec(QDtype.IQ2_XS, Granularity.GROUP, 16, scale_dtype=ScaleDtype.K_QUANT).codebook_type == "IQ2_XS"
+    assert WeightSpec(QDtype.IQ2_XXS, Granularity.GROUP, 32, scale_dtype=ScaleDtype.K_QUANT).describe() == "iq2_xxs i-quant"
+    with pytest.raises(SchemeError, match="iq2_xs values take granularity group, group_size 16"):
+        WeightSpec(QDtype.IQ2_XS, Granularity.GROUP, 32, scale_dtype=ScaleDtype.K_QUANT)
+    with pytest.raises(SchemeError, match="scale_dtype k_quant"):
+        WeightSpec(QDtype.IQ1_S, Granularity.GROUP, 32, scale_dtype=ScaleDtype.FLOAT16)
 
 
 def test_k_quant_scales_take_llama_cpps_k_grids_only():
