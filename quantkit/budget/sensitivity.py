@@ -178,7 +178,10 @@ class _Run:
                     streams[role] = None  # the float model's, until one of its tensors is reached
         with self._timed("read"):
             self.layers.release_rest()
-        with progress.task(f"Budget: measuring sensitivity, {len(self.decoder)} layers", total=len(self.decoder)) as advance:
+        trials = sum(len(types) for types in self.candidates.values())
+        passes = self.moment.shape[0] + self.probe.shape[0] * (len(by_role) + 1)
+        with progress.task(f"Budget: measuring sensitivity ({passes} sample passes per layer, {trials} rounding trials)",
+                           total=len(self.decoder)) as advance:
             for i, layer in enumerate(self.decoder):
                 with self._timed("read"):
                     self.layers.load(layer)
