@@ -164,7 +164,8 @@ class _Tables:
     def __init__(self, fmt: CodebookFormat, device: torch.device):
         points = torch.from_numpy(grid(fmt.qtype)).to(device)
         self.values = (torch.stack([points + IQ1_DELTA, points - IQ1_DELTA]) if not fmt.signed else points[None])
-        self.squares = self.values * self.values
+        # [2 width, shifts x points]: a vector's scores at step s are [s^2 w, -2 s w x] @ this (`_Units.nearest`)
+        self.scoring = torch.cat([self.values * self.values, self.values], -1).reshape(-1, 2 * fmt.width).T.contiguous()
         self.levels = torch.from_numpy(grid_levels(fmt.qtype)).to(device)
         self.top = float(self.values.abs().amax())
 
@@ -177,23 +178,25 @@ class _Units:
     xval: torch.Tensor
     negative: torch.Tensor
     weights: torch.Tensor
-    cross: torch.Tensor  # sum w x g [N, vectors, shifts, points]
-    norm: torch.Tensor  # sum w g^2, alike
+    tables: _Tables
     const: torch.Tensor  # sum w x^2 [N, vectors]
 
     @classmethod
     def of(cls, x: torch.Tensor, w: torch.Tensor, fmt: CodebookFormat, tables: _Tables) -> _Units:
         xval, negative = _signs(x, w, fmt)
         v, wv = xval.reshape(x.shape[0], -1, fmt.width), w.reshape(x.shape[0], -1, fmt.width)
-        cross = torch.einsum("nvi,cki->nvck", wv * v, tables.values)
-        norm = torch.einsum("nvi,cki->nvck", wv, tables.squares)
-        return cls(xval, negative, w, cross, norm, (wv * v * v).sum(-1))
+        return cls(xval, negative, w, tables, (wv * v * v).sum(-1))
 
     def nearest(self, steps: torch.Tensor, fmt: CodebookFormat, shift: torch.Tensor | None = None):
         """Each vector's nearest grid point at its step [N, vectors]: (point, shift index, weighted squared error),
-        the shift chosen per shift block unless given ([N, vectors])."""
-        s = steps[..., None, None]
-        best, index = (s * s * self.norm - 2 * s * self.cross).min(-1)  # [N, vectors, shifts]
+        the shift chosen per shift block unless given ([N, vectors]). The scores s^2 sum w g^2 - 2 s sum w x g of
+        every point come out of one matrix product."""
+        n, vectors = steps.shape
+        s = steps[..., None]
+        wv = self.weights.reshape(n, vectors, fmt.width)
+        lhs = torch.cat([s * s * wv, -2 * s * wv * self.xval.reshape(n, vectors, fmt.width)], -1).reshape(-1, 2 * fmt.width)
+        scores = (lhs @ self.tables.scoring).reshape(n, vectors, self.tables.values.shape[0], -1)
+        best, index = scores.min(-1)  # [N, vectors, shifts]
         if best.shape[-1] == 1:
             return index[..., 0], torch.zeros_like(index[..., 0]), best[..., 0] + self.const
         if shift is None:
