@@ -190,6 +190,13 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     rows, cols = codes.shape
     if cols * bits % 32:
         raise ExportError(f"{cols} codes of {bits} bits do not fill whole 32-bit words")
+    if 8 % bits == 0:  # 2, 4, 8 bits: whole codes to a byte, the first in the lowest bits
+        per_byte = 8 // bits
+        parts = codes.reshape(rows, -1, per_byte)
+        out = parts[..., 0].clone()
+        for k in range(1, per_byte):
+            out |= parts[..., k] << (k * bits)
+        return out.contiguous().view(torch.int32).view(torch.uint32)
     out = torch.empty((rows, cols * bits // 8), dtype=torch.uint8)
     shifts = torch.arange(8, dtype=torch.int64) * bits
     byte_shifts = torch.arange(bits, dtype=torch.int64) * 8

@@ -24,6 +24,12 @@ MLX_EPS = 1e-7  # mx.quantize's smallest step
 PARTS = ("scales", "biases")  # the grid's tensors, in AffineParams' constructor order
 
 
+def _blocks(x: torch.Tensor) -> list[slice]:
+    from quantkit.grids.ggml_blocks import row_blocks
+
+    return row_blocks(*x.shape)
+
+
 def levels(spec: WeightSpec) -> int:
     """The largest code, 2^bits - 1 (mx.quantize's n_bins)."""
     return (1 << spec.dtype.bits) - 1
@@ -33,7 +39,7 @@ def choose(groups: torch.Tensor, n_bins: int) -> tuple[torch.Tensor, torch.Tenso
     """float32 (scale, bias) [rows, groups] of `groups` [rows, groups, group_size], as mx.quantize chooses them: the
     step spans the group's range; the end of larger magnitude (`edge`) is the bias, the step then made to put zero on
     the grid (edge / its code), unless the edge rounds to code 0."""
-    w_max, w_min = groups.amax(-1).float(), groups.amin(-1).float()
+    w_min, w_max = (t.float() for t in torch.aminmax(groups, dim=-1))
     mask = w_min.abs() > w_max.abs()
     scale = torch.clamp((w_max - w_min) / n_bins, min=MLX_EPS)
     scale = torch.where(mask, scale, -scale)
@@ -64,17 +70,44 @@ class AffineParams:
         index = torch.arange(first_column, first_column + count, device=self.scales.device) // self.group_size
         return self.scales.float()[:, index], -self.biases.float()[:, index]
 
+    def _grouped(self, x: torch.Tensor, first_column: int):
+        """(x as [rows, groups, group_size], its groups' float32 scale and bias [rows, groups, 1]) where x's columns are
+        whole groups from `first_column` on, else None: broadcast, not gathered per column."""
+        g = self.group_size
+        if first_column % g or x.shape[1] % g:
+            return None
+        groups = slice(first_column // g, first_column // g + x.shape[1] // g)
+        return (x.reshape(x.shape[0], -1, g), self.scales[:, groups].float().unsqueeze(-1),
+                self.biases[:, groups].float().unsqueeze(-1))
+
     def dequantize(self, codes: torch.Tensor, first_column: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """scale * code + bias in float32 (the product, then the sum, as mx.dequantize computes them in float32), in
-        `dtype`."""
-        step, offset = self.column_scales(first_column, codes.shape[1])
-        return (step * codes.float() - offset).to(dtype)
+        `dtype`; a block of rows at a time."""
+        out = torch.empty(codes.shape, dtype=dtype, device=codes.device)
+        for rows in _blocks(codes):
+            grouped = self.rows(rows)._grouped(codes[rows], first_column)
+            if grouped is None:
+                step, offset = self.rows(rows).column_scales(first_column, codes.shape[1])
+                out[rows] = step * codes[rows].float() - offset
+                continue
+            part, step, bias = grouped
+            out[rows] = part.float().mul_(step).add_(bias).reshape(part.shape[0], -1)
+        return out
 
     def round(self, weight: torch.Tensor, first_column: int = 0) -> torch.Tensor:
         """The nearest codes (uint8) of `weight`'s columns from `first_column` on: rint((w - bias) / scale), clamped,
-        in float32 (mx.quantize's arithmetic)."""
-        step, offset = self.column_scales(first_column, weight.shape[1])
-        return torch.round((weight.float() + offset) / step).clamp_(*self.code_range).to(torch.uint8)
+        in float32 (mx.quantize's arithmetic); a block of rows at a time."""
+        out = torch.empty(weight.shape, dtype=torch.uint8, device=weight.device)
+        for rows in _blocks(weight):
+            grouped = self.rows(rows)._grouped(weight[rows], first_column)
+            if grouped is None:
+                step, offset = self.rows(rows).column_scales(first_column, weight.shape[1])
+                out[rows] = torch.round((weight[rows].float() + offset) / step).clamp_(*self.code_range)
+                continue
+            part, step, bias = grouped
+            codes = part.to(torch.float32, copy=True).sub_(bias).div_(step).round_().clamp_(*self.code_range)
+            out[rows] = codes.reshape(part.shape[0], -1)
+        return out
 
     def rows(self, rows: slice) -> AffineParams:
         return self.map(lambda t: t[rows])
