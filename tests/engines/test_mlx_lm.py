@@ -95,10 +95,14 @@ def models(tmp_path_factory):
 
 
 def recipe_of(name: str, bits: int | None = None, group: int | None = None):
-    from quantkit.quant.registry import Format, resolve
+    """The recipe `name` written as MLX (NAME+R1R2: with fused Hadamard rotations R1 and R2), at `bits` / `group`."""
+    from quantkit.quant.registry import Format, Transform, resolve
     from quantkit.export import for_format
 
+    name, _, rotated = name.partition("+")
     recipe = resolve(name)
+    if rotated:
+        recipe = replace(recipe, name=f"{name}+{rotated}", transforms=(Transform(rotations=("R1", "R2")),))
     if bits or group:
         weights = recipe.scheme.weights
         weights = replace(weights, dtype=type(weights.dtype)(f"int{bits or weights.dtype.bits}"),
@@ -138,6 +142,7 @@ CASES = [  # (recipe, bits, group, architecture, dtype)
     ("mlx-gptq-4bit-g64", None, None, "llama", "float32"),
     ("mlx-gptq-4bit-g64", None, None, "qwen2", "bfloat16"),
     ("mlx-awq-4bit-g64", None, None, "llama", "float32"),
+    ("mlx-gptq-4bit-g64+R1R2", None, None, "qwen2", "float32"),  # fused rotations: the embedding rotated, then quantized
     ("gptq-w4a16", None, None, "llama", "bfloat16"),
     ("gptq-w4a16", None, None, "qwen3", "float32"),
     ("mlx-4bit-g64", None, None, "qwen3-tied", "bfloat16"),  # lm_head quantized: the file's embedding is its grid
