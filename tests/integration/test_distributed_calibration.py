@@ -61,7 +61,7 @@ R4_GPTQ = ("scheme: {weights: {dtype: int4, granularity: group, group_size: 32, 
 
 
 @pytest.mark.parametrize("recipe", ["gptq-w4a16", "fp8-static", "awq-w4a16", "smoothquant-w8a8", "spinquant-gptq-w4a16",
-                                    "r4-gptq.yaml"])
+                                    "r4-gptq.yaml", "mlx-gptq-4bit-g64"])
 def test_one_two_and_three_ranks_write_the_same_artifact(tiny_model_dir, calib_file, tmp_path, recipe):
     """Bit-identical at equal threads per process: whole batches (24 samples = 3 batches of 8) are shared out,
     so every per-batch statistic is the same tensor, and reductions are exact (MIN/MAX, float64 sums). GPTQ's
