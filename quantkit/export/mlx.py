@@ -318,6 +318,7 @@ class StreamWriter:
             self.recipe.scheme.weights, self.planned.values(), self.stored_name)
         config.update(rope_keys(config))
         config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        (self.out_dir / "README.md").write_text(model_card(self.recipe))
 
 
 def quantization_config(spec: WeightSpec, planned, stored_name=lambda name: name) -> dict:
@@ -329,6 +330,17 @@ def quantization_config(spec: WeightSpec, planned, stored_name=lambda name: name
         if (own.group_size, own.dtype.bits) != (spec.group_size, spec.dtype.bits):
             config[stored_name(entry.name)] = {"group_size": own.group_size, "bits": own.dtype.bits, "mode": MODE}
     return config
+
+
+def model_card(recipe: Recipe) -> str:
+    """README.md as mlx-lm writes one (`library_name: mlx`: the Hugging Face Hub and LM Studio list the model as MLX),
+    saying how it was made and how to run it."""
+    from quantkit.version import __version__
+
+    return (f"---\nlibrary_name: mlx\npipeline_tag: text-generation\ntags:\n- mlx\n- quantkit\n---\n\n"
+            f"Quantized by quantkit {__version__} with the recipe `{recipe.name}` ({recipe.scheme.weights.describe()}, "
+            f"{recipe.describe_algorithm()}), in MLX's format; quantkit.json holds the recipe and the versions.\n\n"
+            "```bash\npip install mlx-lm\nmlx_lm.generate --model PATH --prompt \"hello\"\n```\n")
 
 
 def rope_keys(config: dict) -> dict:

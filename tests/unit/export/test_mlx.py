@@ -227,7 +227,8 @@ def header(file: Path) -> dict:
 
 def test_the_directory_is_mlx_lms_layout(written, wide_model_dir):
     files = {p.name for p in written.iterdir()}
-    assert {"config.json", "model.safetensors", "tokenizer.json", "quantkit.json"} <= files
+    assert {"config.json", "model.safetensors", "tokenizer.json", "quantkit.json", "README.md"} <= files
+    assert (written / "README.md").read_text().startswith("---\nlibrary_name: mlx\n")
     config = json.loads((written / "config.json").read_text())
     assert config["quantization"] == config["quantization_config"] == {"group_size": 64, "bits": 4, "mode": "affine"}
     assert config["rope_theta"] == 10000.0
