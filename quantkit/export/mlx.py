@@ -36,6 +36,7 @@ from quantkit.grids.schemes import (
     MLX_BITS,
     MLX_GROUP_SIZES,
     Granularity,
+    QDtype,
     QuantScheme,
     ScaleDtype,
     WeightSpec,
@@ -47,7 +48,6 @@ from quantkit.runtime import placement
 
 # Hugging Face model_type -> mlx-lm's model module; their tensors carry the Hugging Face names there
 ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
-MODE = "affine"
 NEAREST = "recipe mlx-4bit-g64 (MLX's own affine grid: scale_dtype mlx_affine)"
 
 
@@ -63,12 +63,21 @@ def for_format(recipe: Recipe) -> Recipe:
     return replace(recipe, scheme=QuantScheme(replace(weights, scale_dtype=ScaleDtype.MODEL), recipe.scheme.activations))
 
 
+def mode_of(spec: WeightSpec) -> str:
+    """mlx's quantization mode of a grid it holds: affine (integer codes, scale and bias), mxfp4 / mxfp8 (FP4 / FP8
+    values in groups of 32 under E8M0 scales: OCP microscaling, quantkit's MX grids as they are)."""
+    if spec.scale_dtype is ScaleDtype.E8M0 and spec.group_size == 32:
+        return {QDtype.FLOAT4: "mxfp4", QDtype.FLOAT8: "mxfp8"}.get(spec.dtype, "affine")
+    return "affine"
+
+
 def spec_refusal(spec: WeightSpec) -> str | None:
     """Why MLX's affine mode cannot hold `spec`'s grid exactly (with the nearest it can), or None."""
-    if spec.scale_dtype is ScaleDtype.MLX_AFFINE:
+    if spec.scale_dtype is ScaleDtype.MLX_AFFINE or mode_of(spec) in ("mxfp4", "mxfp8"):
         return None
     if spec.dtype.is_float or spec.dtype.is_codebook or spec.scale_dtype not in (ScaleDtype.MODEL, ScaleDtype.FLOAT32):
-        return f"MLX's affine mode holds integer grids with scales in the model's dtype, not {spec.describe()}; the nearest is {NEAREST}"
+        return (f"MLX holds integer grids with scales in the model's dtype (affine) and MX grids (mxfp4, mxfp8), not "
+                f"{spec.label()}; the nearest is {NEAREST}, or mxfp4-a16 for FP4")
     if spec.dtype.bits not in MLX_BITS:
         return f"MLX takes {', '.join(map(str, MLX_BITS))}-bit codes, not {spec.dtype.bits}; the nearest is {NEAREST}"
     if spec.granularity is not Granularity.GROUP or spec.group_size not in MLX_GROUP_SIZES:
@@ -84,7 +93,7 @@ def unsupported(recipe: Recipe) -> str | None:
     """Why MLX cannot hold the recipe, or None: weight-only, no KV cache or online rotations, a grid it holds
     exactly (`spec_refusal`)."""
     if recipe.scheme.activations is not None:
-        return f"MLX's affine mode is weight-only (16-bit activations); the nearest is {NEAREST}"
+        return f"MLX's files are weight-only (16-bit activations); the nearest is {NEAREST}, or mxfp4-a16 for FP4"
     if recipe.kv_cache is not None:
         return "mlx-lm quantizes its KV cache at run time (--kv-bits), not in the file: drop --kv-cache"
     if recipe.online_rotations:
@@ -176,7 +185,8 @@ def as_loaded(quantized: QuantizedModel) -> nn.Module:
 
 def weight_bytes(entry: ModulePlan, element_size: int) -> int:
     spec = entry.scheme.weights
-    return entry.out_features * entry.in_features * spec.dtype.bits // 8 + 2 * element_size * spec.scale_count(
+    per_group = 2 * element_size if mode_of(spec) == "affine" else 1  # scale and bias, or an E8M0 exponent
+    return entry.out_features * entry.in_features * spec.dtype.bits // 8 + per_group * spec.scale_count(
         entry.out_features, entry.in_features)
 
 
@@ -254,9 +264,36 @@ def rounding_bound(grid: AffineParams, codes: torch.Tensor) -> torch.Tensor:
     return torch.finfo(torch.float32).eps * ((step * codes.float()).abs() + offset.abs())
 
 
+def mx_tensors(weight: torch.Tensor, qparams: QParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes uint8, E8M0 exponents uint8) of a Linear's weight that holds an MX grid's values: FP4 e2m1 nibbles
+    (the sign in bit 3) or FP8 e4m3 bytes, each group's power-of-two scale as its biased exponent; checked to decode
+    to the weight exactly (an FP4 / FP8 value times a power of two is exact in the model's dtype)."""
+    from quantkit.grids import float_grids
+
+    spec, group = qparams.spec, qparams.spec.group_size
+    codes = torch.empty(weight.shape, dtype=torch.uint8)
+    for rows in row_blocks(*weight.shape):
+        scale = qparams.scale[rows].float().repeat_interleave(group, dim=1)
+        values = weight[rows].float() / scale
+        if spec.dtype is QDtype.FLOAT4:
+            codes[rows] = float_grids.fp4_codes(values)
+            decoded = float_grids.fp4_values(codes[rows]) * scale
+        else:
+            fp8 = values.to(torch.float8_e4m3fn)
+            codes[rows] = fp8.view(torch.uint8)
+            decoded = fp8.float() * scale
+        if not torch.equal(decoded.to(weight.dtype), weight[rows]):
+            raise ExportError("a quantized weight is not on its MX grid (a quantkit bug: please report it)")
+    return codes, float_grids.mx_exponents(qparams.scale)
+
+
 def _linear_tensors(name: str, weight: torch.Tensor, qparams: QParams) -> dict[str, torch.Tensor]:
+    bits = qparams.spec.dtype.bits
+    if mode_of(qparams.spec) != "affine":
+        codes, exponents = mx_tensors(weight, qparams)
+        return {f"{name}.weight": pack(codes, bits), f"{name}.scales": exponents}
     codes, scales, biases = grid_tensors(weight, qparams)
-    return {f"{name}.weight": pack(codes, qparams.spec.dtype.bits), f"{name}.scales": scales, f"{name}.biases": biases}
+    return {f"{name}.weight": pack(codes, bits), f"{name}.scales": scales, f"{name}.biases": biases}
 
 
 class StreamWriter:
@@ -324,11 +361,13 @@ class StreamWriter:
 def quantization_config(spec: WeightSpec, planned, stored_name=lambda name: name) -> dict:
     """config.json's `quantization`: the recipe's {group_size, bits, mode}, and each layer quantized otherwise by
     its name (mlx-lm's per-layer entries)."""
-    config = {"group_size": spec.group_size, "bits": spec.dtype.bits, "mode": MODE}
+    def params(own: WeightSpec) -> dict:
+        return {"group_size": own.group_size, "bits": own.dtype.bits, "mode": mode_of(own)}
+
+    config = params(spec)
     for entry in planned:
-        own = entry.scheme.weights
-        if (own.group_size, own.dtype.bits) != (spec.group_size, spec.dtype.bits):
-            config[stored_name(entry.name)] = {"group_size": own.group_size, "bits": own.dtype.bits, "mode": MODE}
+        if params(entry.scheme.weights) != params(spec):
+            config[stored_name(entry.name)] = params(entry.scheme.weights)
     return config
 
 

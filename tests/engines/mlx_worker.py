@@ -28,8 +28,12 @@ def dequantize(directory: str, out: str) -> None:
     result = {}
     for name in [n[: -len(".scales")] for n in weights if n.endswith(".scales")]:
         own = quantization.get(name, quantization)
-        w, s, b = weights[f"{name}.weight"], weights[f"{name}.scales"], weights[f"{name}.biases"]
-        args = dict(group_size=own["group_size"], bits=own["bits"], mode="affine")
+        w, s = weights[f"{name}.weight"], weights[f"{name}.scales"]
+        args = dict(group_size=own["group_size"], bits=own["bits"], mode=own["mode"])
+        if own["mode"] != "affine":  # MX: E8M0 exponents, no biases; FP4 / FP8 values times powers of two are exact
+            result[name] = result[f"{name}@stored"] = np.array(mx.dequantize(w, s, **args, dtype=mx.float32))
+            continue
+        b = weights[f"{name}.biases"]
         wide = mx.dequantize(w, s.astype(mx.float32), b.astype(mx.float32), **args)
         result[name] = np.array(wide)
         result[f"{name}@stored"] = np.array(mx.dequantize(w, s, b, **args).astype(mx.float32))
@@ -56,7 +60,7 @@ def logits(directory: str, ids: str, out: str, wide: bool = False) -> None:
     model, _ = load(directory)
     if wide:
         dtype = model.model.norm.weight.dtype
-        widen = lambda p: p.astype(mx.float32) if p.dtype == dtype else p  # noqa: E731
+        widen = lambda p: p.astype(mx.float32) if p.dtype == dtype else p  # noqa: E731 (not MX's uint8 scales)
         model.update(tree_map(widen, model.parameters()))
         model = dequantize_model(model)
         model.update(tree_map(lambda p: p.astype(dtype).astype(mx.float32), model.parameters()))

@@ -145,6 +145,8 @@ CASES = [  # (recipe, bits, group, architecture, dtype)
     ("mlx-gptq-4bit-g64+R1R2", None, None, "qwen2", "float32"),  # fused rotations: the embedding rotated, then quantized
     ("gptq-w4a16", None, None, "llama", "bfloat16"),
     ("gptq-w4a16", None, None, "qwen3", "float32"),
+    ("mxfp4-a16", None, None, "llama", "bfloat16"),  # mlx's mxfp4 mode: quantkit's MXFP4 grid as it is
+    ("mxfp4-a16", None, None, "qwen3", "float32"),  # (MX artifacts are bfloat16: a float32 source is written so)
     ("mlx-4bit-g64", None, None, "qwen3-tied", "bfloat16"),  # lm_head quantized: the file's embedding is its grid
     ("gptq-w4a16", None, None, "qwen2-tied", "float32"),  # lm_head ignored: mlx-lm's lm_head is the quantized embedding
 ]
@@ -158,13 +160,14 @@ def test_mlx_reads_what_quantkit_computes(name, bits, group, model_type, dtype, 
     out = written(src, tmp_path / "out", recipe, calib_text)
     model = preview(src, recipe, calib_text)
     modules = dict(model.named_modules())
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")  # the artifact's: MX grids are 16-bit
     worker("dequantize", out, tmp_path / "dequantized.npz")
     dequantized = np.load(tmp_path / "dequantized.npz")
     names = [n for n in dequantized.files if "@" not in n]
     lm_head = "lm_head" not in recipe.ignore and not model.config.tie_word_embeddings  # tied: the embedding is lm_head
     assert "model.embed_tokens" in names and ("lm_head" in names) == lm_head
     assert len(names) == 1 + lm_head + 7 * SHAPES["num_hidden_layers"]
-    symmetric_float32 = recipe.scheme.weights.symmetric and dtype == "float32"
+    symmetric_float32 = recipe.scheme.weights.symmetric and not recipe.scheme.weights.dtype.is_float and dtype == "float32"
     for name in names:
         ours = modules[name].weight.detach()
         theirs = torch.from_numpy(dequantized[name]).to(ours.dtype)

@@ -171,7 +171,7 @@ def test_symmetric_integer_grids_are_held_exactly():
 
 
 @pytest.mark.parametrize("name", ["gptq-w4a16", "awq-w4a16", "int4-weight-only", "mlx-4bit-g64",
-                                  "mlx-3bit-g64", "mlx-8bit-g64", "mlx-gptq-4bit-g64", "mlx-awq-4bit-g64"])
+                                  "mlx-3bit-g64", "mlx-8bit-g64", "mlx-gptq-4bit-g64", "mlx-awq-4bit-g64", "mxfp4-a16"])
 def test_recipes_mlx_holds(name):
     check_supported(resolve(name), Format.MLX)
 
@@ -180,7 +180,8 @@ def test_recipes_mlx_holds(name):
     ("int4-asym", "integer zero point's bias .* the nearest is recipe mlx-4bit-g64"),
     ("gptq-w4a16-asym", "integer zero point"),
     ("gptq-w8a16", "MLX takes groups of 32, 64, 128, not int8 channel"),
-    ("nvfp4-a16", "integer grids with scales in the model's dtype"),
+    ("nvfp4-a16", "and MX grids \\(mxfp4, mxfp8\\), not nvfp4"),
+    ("mxfp4", "weight-only"),
     ("gguf-q4-0", "integer grids with scales in the model's dtype"),
     ("int8-dynamic-act-int8-weight", "weight-only"),
     ("quarot-w4a8", "weight-only"),
@@ -189,6 +190,24 @@ def test_recipes_mlx_refuses_in_one_line(name, reason):
     with pytest.raises(FormatError, match=reason) as raised:
         check_supported(resolve(name), Format.MLX)
     assert "\n" not in str(raised.value)
+
+
+@pytest.mark.parametrize("dtype", [QDtype.FLOAT4, QDtype.FLOAT8])
+def test_mx_grids_are_held_as_they_are(dtype):
+    """MXFP4 / MXFP8: E2M1 nibbles or E4M3 bytes and each group's E8M0 exponent, decoding to the grid's values."""
+    from quantkit.grids import float_grids
+
+    spec = WeightSpec(dtype, Granularity.GROUP, 32, scale_dtype=ScaleDtype.E8M0)
+    w = weight(dtype=torch.bfloat16)
+    q = quantize_weight(w, spec)
+    values = q.dequantize(torch.bfloat16)
+    codes, exponents = mlx.mx_tensors(values, q.qparams)
+    assert exponents.dtype == torch.uint8 and exponents.shape == (32, 256 // 32)
+    scale = torch.exp2(exponents.float() - 127).repeat_interleave(32, dim=1)
+    decoded = float_grids.fp4_values(codes) if dtype is QDtype.FLOAT4 else codes.view(torch.float8_e4m3fn).float()
+    assert torch.equal((decoded * scale).to(torch.bfloat16), values)
+    assert mlx.mode_of(spec) == ("mxfp4" if dtype is QDtype.FLOAT4 else "mxfp8")
+    assert mlx.pack(codes, spec.dtype.bits).shape == (32, 256 * spec.dtype.bits // 32)
 
 
 @pytest.mark.parametrize("fmt", [Format.COMPRESSED_TENSORS, Format.TORCHAO, Format.GGUF])
