@@ -160,7 +160,8 @@ def measure(label: str, texts: list[str], reference: tuple[list[int], str] | Non
     finally:
         runner.close()
     quantization = config_json(path).get("quantization") or {}
-    fmt = f"mlx {quantization.get('bits')}-bit g{quantization.get('group_size')}"
+    mode = quantization.get("mode", "affine")
+    fmt = f"mlx {quantization.get('bits')}-bit g{quantization.get('group_size')}" if mode == "affine" else f"mlx {mode}"
     recipe = ((metadata.read(path) or {}).get("recipe") or {}).get("name")
     return ModelReport(path=str(path), label=label, recipe=recipe, format=fmt, size_bytes=weights_size(path),
                        perplexity=result, peak_rss_per_rank=[peak_resident_bytes()], runtime=runner.versions)

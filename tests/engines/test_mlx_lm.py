@@ -100,6 +100,13 @@ def recipe_of(name: str, bits: int | None = None, group: int | None = None):
     from quantkit.export import for_format
 
     name, _, rotated = name.partition("+")
+    if name == "mxfp8-a16":  # MXFP8 weights alone (quantkit's mxfp8 recipe quantizes activations too)
+        from quantkit.grids.schemes import QDtype
+
+        recipe = resolve("mxfp4-a16")
+        weights = replace(recipe.scheme.weights, dtype=QDtype.FLOAT8)
+        return for_format(replace(recipe, name=name, format=Format.MLX, scheme=replace(recipe.scheme, weights=weights)),
+                          Format.MLX)
     recipe = resolve(name)
     if rotated:
         recipe = replace(recipe, name=f"{name}+{rotated}", transforms=(Transform(rotations=("R1", "R2")),))
@@ -147,6 +154,7 @@ CASES = [  # (recipe, bits, group, architecture, dtype)
     ("gptq-w4a16", None, None, "qwen3", "float32"),
     ("mxfp4-a16", None, None, "llama", "bfloat16"),  # mlx's mxfp4 mode: quantkit's MXFP4 grid as it is
     ("mxfp4-a16", None, None, "qwen3", "float32"),  # (MX artifacts are bfloat16: a float32 source is written so)
+    ("mxfp8-a16", None, None, "qwen2", "bfloat16"),  # mlx's mxfp8 mode
     ("mlx-4bit-g64", None, None, "qwen3-tied", "bfloat16"),  # lm_head quantized: the file's embedding is its grid
     ("gptq-w4a16", None, None, "qwen2-tied", "float32"),  # lm_head ignored: mlx-lm's lm_head is the quantized embedding
 ]
