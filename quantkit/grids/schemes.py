@@ -288,7 +288,7 @@ class WeightSpec:
             return f"{self.codebook_type.lower()} i-quant"  # CODEBOOK_TYPES
         mse = " mse" if self.observer is WeightObserver.MSE else ""
         if self.scale_dtype is ScaleDtype.MLX_AFFINE:
-            return f"{_short(self.dtype)} {grain} mlx affine{mse}"
+            return f"{_short(self.dtype)} {grain} mlx{mse}"
         return f"{_short(self.dtype)} {grain}{scales}{'' if self.symmetric else ' asym'}{mse}"
 
 

@@ -150,7 +150,7 @@ def test_mlx_affine_specs_are_checked():
         WeightSpec(QDtype.INT7, Granularity.GROUP, 64, symmetric=False, scale_dtype=ScaleDtype.MLX_AFFINE)
     with pytest.raises(SchemeError, match="symmetric: false"):
         WeightSpec(QDtype.INT4, Granularity.GROUP, 64, symmetric=True, scale_dtype=ScaleDtype.MLX_AFFINE)
-    assert affine(4).describe() == "int4 g64 mlx affine"
+    assert affine(4).describe() == "int4 g64 mlx"
     assert affine(4).qparam_bytes(8, 128, 2) == 8 * 2 * 2 * 2
 
 

@@ -113,6 +113,9 @@ def test_configs_use_torchao_where_it_is_exact_and_quantkit_elsewhere():
         "int8-dynamic-act-int4-weight": (IntxFakeQuantizeConfig.__name__,) * 2,
         "int8-dynamic-act-int8-weight": ("Int8TokenFakeQuantizeConfig", IntxFakeQuantizeConfig.__name__),
         "int8-weight-only": ("NoneType", IntxFakeQuantizeConfig.__name__),
+        "mlx-3bit-g64": ("NoneType", "GridFakeQuantizeConfig"),  # MLX's float bias: quantkit's grid exactly
+        "mlx-4bit-g64": ("NoneType", "GridFakeQuantizeConfig"),
+        "mlx-8bit-g64": ("NoneType", "GridFakeQuantizeConfig"),
         "gguf-q4-0": ("NoneType", "GridFakeQuantizeConfig"),  # fp16 scales: quantkit's grid exactly
         "gguf-q4-1": ("NoneType", "GridFakeQuantizeConfig"),
         "gguf-q8-0": ("NoneType", "GridFakeQuantizeConfig"),
@@ -212,14 +215,14 @@ def test_float8_prepared_linear_matches_torchao_ptq_on_cuda():
 # ---------------------------------------------------------------- a whole model
 
 def _recipe_with_a_skipped_module(name):
-    """The recipe with one more module left out; FP8 blocks of 16x16 and activation groups of 16 (128 fits none of
-    the tiny model's Linears)."""
+    """The recipe with one more module left out, and lm_head (which MLX recipes quantize); FP8 blocks of 16x16 and
+    activation groups of 16 (128 fits none of the tiny model's Linears)."""
     recipe = registry.resolve(name)
     if recipe.scheme.weights.granularity is Granularity.BLOCK:
         recipe = dataclasses.replace(recipe, scheme=QuantScheme(
             dataclasses.replace(recipe.scheme.weights, block_shape=(16, 16)),
             dataclasses.replace(recipe.scheme.activations, group_size=16)))
-    return dataclasses.replace(recipe, ignore=(*recipe.ignore, "re:layers\\.1\\.mlp\\.up_proj"))
+    return dataclasses.replace(recipe, ignore=(*recipe.ignore, "lm_head", "re:layers\\.1\\.mlp\\.up_proj"))
 
 
 @pytest.mark.parametrize("name", PLAN_RECIPES)
