@@ -14,7 +14,9 @@ scale is searched over 13 trial steps around its largest magnitude and refitted 
 llama.cpp sets d = largest scale / top sub-scale and rounds each sub-block's scale to the nearest code without
 rounding again, quantkit tries seven d around that and, for each, the two sub-scale codes around each
 sub-block's scale, each rounded anew to the nearest points at its exact fp16 step, and keeps what has the least
-weighted error per super-block (`tests/unit/grids/test_iq_low.py` checks it against the plain rule).
+weighted error per super-block (`tests/unit/grids/test_iq_low.py` checks it against the plain rule). On grids of
+more than 512 points (IQ2_S, IQ1 with its two shifts) the trials search a shortlist, each vector's nearest points
+at 9 steps across the trials' range, and the final rounding the whole grid: 2-3.5x faster, the error within 0.1%.
 
 GPTQ (`CodebookColumns`): the grid's d and sub-scales (and IQ1_S's shifts) are chosen up front by the search
 above on the weight and H's diagonal; the loop then rounds each 8 columns jointly, when it reaches the first of
@@ -43,6 +45,8 @@ NAMES = tuple(q.name for q in QTYPES)
 PARTS = ("scales", "d", "shifts")  # a codebook grid's tensors, in CodebookParams' constructor order
 SCALE_TRIALS = tuple(0.7 + 0.05 * i for i in range(13))  # a sub-block's trial steps: its largest magnitude times these, over the top level
 D_TRIALS = (0.8, 0.85, 0.9, 0.95, 1.0, 1.05, 1.1)  # d: the largest sub-block scale over the top sub-scale times these
+SHORTLIST_ABOVE = 512  # grid points (times IQ1's two shifts) above which the trials search a shortlist
+SHORTLIST_AT = tuple(0.6 + 0.1 * i for i in range(9))  # a large grid's shortlist: the nearest points at these steps
 _CHUNK = 1 << 21  # elements of a chunk's [vectors, shifts, grid points] scores
 
 
@@ -191,20 +195,16 @@ class _Units:
         """Each vector's nearest grid point at its step [N, vectors]: (point, shift index, weighted squared error),
         the shift chosen per shift block unless given ([N, vectors]). The scores s^2 sum w g^2 - 2 s sum w x g of
         every point come out of one matrix product."""
+        best, index = self.scores(steps, fmt).min(-1)  # [N, vectors, shifts]
+        return _pick_shift(best, index, self.const, fmt, shift)
+
+    def scores(self, steps: torch.Tensor, fmt: CodebookFormat) -> torch.Tensor:
+        """[N, vectors, shifts, points]: every point's weighted squared error at the step, less sum w x^2."""
         n, vectors = steps.shape
         s = steps[..., None]
         wv = self.weights.reshape(n, vectors, fmt.width)
         lhs = torch.cat([s * s * wv, -2 * s * wv * self.xval.reshape(n, vectors, fmt.width)], -1).reshape(-1, 2 * fmt.width)
-        scores = (lhs @ self.tables.scoring).reshape(n, vectors, self.tables.values.shape[0], -1)
-        best, index = scores.min(-1)  # [N, vectors, shifts]
-        if best.shape[-1] == 1:
-            return index[..., 0], torch.zeros_like(index[..., 0]), best[..., 0] + self.const
-        if shift is None:
-            per = fmt.shift_block // fmt.width
-            totals = best.reshape(best.shape[0], -1, per, 2).sum(2)
-            shift = totals.argmin(-1).repeat_interleave(per, dim=1)
-        pick = shift[..., None]
-        return index.gather(-1, pick)[..., 0], shift, best.gather(-1, pick)[..., 0] + self.const
+        return (lhs @ self.tables.scoring).reshape(n, vectors, self.tables.values.shape[0], -1)
 
     def codes(self, index: torch.Tensor, fmt: CodebookFormat, tables: _Tables) -> torch.Tensor:
         level = tables.levels[index].reshape(self.xval.shape)
@@ -219,6 +219,46 @@ class _Units:
         num = (wv * v * q).sum(-1).reshape(q.shape[0], -1, per).sum(-1)
         den = (wv * q * q).sum(-1).reshape(q.shape[0], -1, per).sum(-1)
         return torch.where((den > 0) & (num > 0), num / torch.where(den > 0, den, 1.0), 0.0)
+
+
+class _Shortlist:
+    """The nearest-point search among each vector's nearest points (per shift) at some steps across the trials'
+    range: the trials of a grid of more than 512 points (IQ2_S, IQ1) search these, the final rounding the whole
+    grid at the steps chosen. (The nearest point moves with the step in few jumps; torch's topk over the grid, the
+    other way to a shortlist, costs more than the trials it saves.)"""
+
+    def __init__(self, units: _Units, trial_steps: list[torch.Tensor], fmt: CodebookFormat):
+        self.units = units
+        self.candidates = torch.stack([units.scores(steps, fmt).min(-1).indices for steps in trial_steps], -1)  # [N, vectors, shifts, m]
+        shifts = torch.arange(self.candidates.shape[2], device=self.candidates.device)[:, None]
+        values = units.tables.values[shifts, self.candidates]  # [N, vectors, shifts, m, width]
+        n, vectors = self.candidates.shape[:2]
+        wv = units.weights.reshape(n, vectors, 1, 1, fmt.width)
+        self.cross = (wv * units.xval.reshape(n, vectors, 1, 1, fmt.width) * values).sum(-1)
+        self.norm = (wv * values * values).sum(-1)
+
+    def nearest(self, steps: torch.Tensor, fmt: CodebookFormat, shift: torch.Tensor | None = None):
+        s = steps[..., None, None]
+        best, position = (s * s * self.norm - 2 * s * self.cross).min(-1)
+        index = self.candidates.gather(-1, position[..., None])[..., 0]
+        return _pick_shift(best, index, self.units.const, fmt, shift)
+
+    def refit(self, index: torch.Tensor, shift: torch.Tensor, tables: _Tables, per: int) -> torch.Tensor:
+        return self.units.refit(index, shift, tables, per)
+
+
+def _pick_shift(best: torch.Tensor, index: torch.Tensor, const: torch.Tensor, fmt: CodebookFormat,
+                shift: torch.Tensor | None):
+    """(point, shift index, error) of each vector from its best point per shift [N, vectors, shifts]: IQ1's shift
+    the better per shift block (the sum of its vectors' errors), unless given."""
+    if best.shape[-1] == 1:
+        return index[..., 0], torch.zeros_like(index[..., 0]), best[..., 0] + const
+    if shift is None:
+        per = fmt.shift_block // fmt.width
+        totals = best.reshape(best.shape[0], -1, per, 2).sum(2)
+        shift = totals.argmin(-1).repeat_interleave(per, dim=1)
+    pick = shift[..., None]
+    return index.gather(-1, pick)[..., 0], shift, best.gather(-1, pick)[..., 0] + const
 
 
 def _signs(x: torch.Tensor, w: torch.Tensor, fmt: CodebookFormat) -> tuple[torch.Tensor, torch.Tensor]:
@@ -271,26 +311,31 @@ def quantize_codebook(weight: torch.Tensor, qtype: GGMLQuantizationType, importa
 def _search(x: torch.Tensor, w: torch.Tensor, fmt: CodebookFormat, tables: _Tables):
     """Super-blocks [S, 256]: (codes [S, 256], sub-scale codes, fp16 d [S], shift signs)."""
     S, per = x.shape[0], fmt.scale_block // fmt.width
-    units = _Units.of(x, w, fmt, tables)
-    scale = _sub_block_scales(units, x, fmt, tables)
+    units = searched = _Units.of(x, w, fmt, tables)
+    if tables.values.shape[0] * tables.values.shape[1] > SHORTLIST_ABOVE:
+        typical = x.abs().reshape(S, -1, fmt.scale_block).amax(-1).repeat_interleave(per, dim=1) / tables.top
+        searched = _Shortlist(units, [typical * c for c in SHORTLIST_AT], fmt)
+    scale = _sub_block_scales(searched, x, fmt, tables)
     best = None
     top = float(decode_steps(torch.ones(1), torch.tensor([fmt.max_scale]), fmt))
     largest = scale.amax(1)
     for m in D_TRIALS:
         d = (largest * m / top).clamp(max=65504.0).half()
-        found = _with_d(units, scale, d, fmt, per)
+        found = _with_d(searched, scale, d, fmt, per)
         if best is None:
             best = found
             continue
         take = found[0] < best[0]
         best = tuple(torch.where(take.reshape(S, *[1] * (new.dim() - 1)), new, old) for new, old in zip(found, best))
     _, ls, index, shift, d = best
+    if searched is not units:  # the final rounding on the whole grid, at the steps chosen
+        index, shift, _ = units.nearest(decode_steps(d.float()[:, None], ls, fmt).repeat_interleave(per, dim=1), fmt)
     codes = units.codes(index, fmt, tables)
     shifts = shift[:, ::fmt.shift_block // fmt.width].to(torch.int8) if fmt.shift_block else torch.empty(S, 0, dtype=torch.int8)
     return codes, ls.to(torch.int8), d, shifts
 
 
-def _sub_block_scales(units: _Units, x: torch.Tensor, fmt: CodebookFormat, tables: _Tables) -> torch.Tensor:
+def _sub_block_scales(units: _Units | _Shortlist, x: torch.Tensor, fmt: CodebookFormat, tables: _Tables) -> torch.Tensor:
     """Each sub-block's float step [S, sub-blocks]: the refit of the best of the trial steps."""
     per = fmt.scale_block // fmt.width
     largest = x.abs().reshape(x.shape[0], -1, fmt.scale_block).amax(-1)
@@ -307,7 +352,7 @@ def _sub_block_scales(units: _Units, x: torch.Tensor, fmt: CodebookFormat, table
     return best
 
 
-def _with_d(units: _Units, scale: torch.Tensor, d: torch.Tensor, fmt: CodebookFormat, per: int):
+def _with_d(units: _Units | _Shortlist, scale: torch.Tensor, d: torch.Tensor, fmt: CodebookFormat, per: int):
     """Given fp16 d [S]: each sub-block's best of the two sub-scale codes around its scale, at its exact step.
     Returns (the super-blocks' errors [S], ls, points, shifts, d)."""
     offset, mult, post = fmt.step
