@@ -50,8 +50,9 @@ MOE = {  # one layer each (the layer loop is the dense models' to test); Mixtral
 ARCHITECTURES.update(MOE)
 STAGED = ["llama", "qwen2", "mistral", "qwen3", "phi3", "starcoder2"]  # GPTQ's staged pass reproduces these layers, not Gemma's
 # extra norms, OLMo2's post-norms or Granite's scaled residual
-RECIPES = [name for name in registry.recipe_names()  # GGUF files: tests/unit/export/test_gguf_export.py
-           if registry.resolve(name).needs_calibration and registry.resolve(name).format is not registry.Format.GGUF]
+RECIPES = [name for name in registry.recipe_names()  # GGUF files: tests/unit/export/test_gguf_export.py; MLX: tests/engines
+           if registry.resolve(name).needs_calibration
+           and registry.resolve(name).format not in (registry.Format.GGUF, registry.Format.MLX)]
 # calibrated recipes whose algorithm another recipe already runs on every architecture, on another grid: their grid
 # is tested on these architectures (a staged dense one, an unstaged one, an MoE one)
 GRID_VARIANTS = {"nvfp4", "gptq-nvfp4-a16", "awq-nvfp4-a16", "gptq-w4a16-asym", "awq-w4a16-asym"}

@@ -35,6 +35,7 @@ CASES = [
     for name in registry.recipe_names()
     for fmt in Format
     if fmt is not Format.GGUF  # one file for llama.cpp, not reloaded by transformers: tests/unit/export/test_gguf_export.py
+    and fmt is not Format.MLX  # mlx-lm's, not transformers': tests/unit/export/test_mlx.py, tests/engines/test_mlx_lm.py
     and checks.missing_requirement(registry.resolve(name), fmt) is None
     and exporter(fmt).unsupported(registry.resolve(name)) is None
     and not registry.resolve(name).needs_calibration
@@ -95,7 +96,7 @@ def test_every_round_to_nearest_recipe_has_a_cpu_format():
     """Every round-to-nearest recipe has a CPU case, except those the installed compressed-tensors release cannot
     pack (3-bit weights under 0.17, `make test-lowest`), which say so."""
     rtn = {name for name in registry.recipe_names()
-           if not registry.resolve(name).needs_calibration and registry.resolve(name).format is not Format.GGUF}
+           if not registry.resolve(name).needs_calibration and registry.resolve(name).format not in (Format.GGUF, Format.MLX)}
     too_old = {name for name in rtn if ct_compat.cannot_pack(registry.resolve(name).scheme.weights.dtype.bits)}
     assert {name for name, _ in CASES} == rtn - too_old
     for name in too_old:
