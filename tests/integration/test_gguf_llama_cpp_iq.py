@@ -23,7 +23,18 @@ BOUNDS = {"gguf-iq3-xxs": 1.3, "gguf-iq3-s": 1.3, "gguf-iq2-xxs": 2.0, "gguf-iq2
 @pytest.mark.parametrize("recipe", list(BOUNDS))
 def test_llama_perplexity_runs_the_codebook_file(tools, gguf_files, texts, float_perplexities, recipe):  # noqa: F811
     args = perplexity_args(tools, gguf_files("llama", recipe), texts["eval"]) + ["--no-repack"]
-    ppl, reference = run_tool(args, r"Final estimate: PPL = (\S+) \+/-"), float_perplexities("llama")
+    ppl, reference = _perplexity(args), float_perplexities("llama")
     print(f"llama {recipe}: llama-perplexity {ppl:.4f}, float model {reference:.4f} ({ppl / reference - 1:+.2%})")
     assert math.isfinite(ppl), ppl
     assert ppl / reference <= BOUNDS[recipe], (ppl, reference)
+
+
+def _perplexity(args: list) -> float:
+    """`run_tool`'s result, asked up to 3 times (15 runs): on a loaded machine llama.cpp's logger thread lost the
+    last lines of 2 runs in 3 (measured on the IQ2_XS file while other jobs held both cores)."""
+    for _ in range(2):
+        try:
+            return run_tool(args, r"Final estimate: PPL = (\S+) \+/-")
+        except pytest.fail.Exception:
+            continue
+    return run_tool(args, r"Final estimate: PPL = (\S+) \+/-")
