@@ -221,14 +221,16 @@ def _gqa(config) -> int:
     return config.num_attention_heads // (getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
 
 
-EMBEDDING_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_0")  # what quantkit rounds a token embedding to
+# what quantkit rounds a token embedding to: the K types (llama.cpp's own rounding), Q8_0 (MXFP4_MOE's) and the
+# i-quant types the i-quant mixtures give it (their grid family's rounding)
+EMBEDDING_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "IQ3_S", "IQ4_XS")
 
 
 def embedding_type(recipe: Recipe, config) -> str | None:
     """The GGML type of token_embd, or None: kept in the model's dtype. A mixture gives it its own (a tied one the
     output's: Q6_K, or MXFP4_MOE's Q8_0); a per-tensor override matching `model.embed_tokens` or `token_embd` wins.
-    Rows that are not whole blocks stay float, as llama.cpp leaves them. Types other than the K types and Q8_0 are
-    refused (quantkit rounds the embedding as llama.cpp's quantizer does)."""
+    Rows that are not whole blocks stay float, as llama.cpp leaves them. Types other than EMBEDDING_TYPES are
+    refused."""
     from quantkit.quant import gguf_mixtures, gguf_types, tensor_types
 
     kind = None
@@ -240,8 +242,8 @@ def embedding_type(recipe: Recipe, config) -> str | None:
     if kind is None or kind == gguf_types.FLOAT:
         return None
     if kind not in EMBEDDING_TYPES:
-        raise FormatError(f"token_embd takes a K type (Q2_K ... Q6_K), Q8_0 or float in quantkit's GGUF files; {kind} "
-                          "is not one: change the --tensor-type that matches it")
+        raise FormatError(f"token_embd takes a K type (Q2_K ... Q6_K), {', '.join(EMBEDDING_TYPES[5:])} or float in "
+                          f"quantkit's GGUF files; {kind} is not one: change the --tensor-type that matches it")
     return kind if gguf_types.fits(kind, config.hidden_size) else None
 
 
@@ -255,14 +257,16 @@ def embedding_weights(recipe: Recipe, config) -> WeightSpec | None:
 
 @dataclass
 class QuantizedEmbedding:
-    """The token embedding on its type's grid: a K type's (`k_grids.KQuantizedWeight`, llama.cpp's own rounding) or
-    Q8_0's (`QuantizedWeight`, the integer grid's)."""
+    """The token embedding on its type's grid: a K type's (`k_grids.KQuantizedWeight`, llama.cpp's own rounding), or
+    another's (`QuantizedWeight`: Q8_0's integer grid, an i-quant's block grid)."""
 
     quantized: object
     qtype: object
 
     def ggml_blocks(self) -> np.ndarray:
         found = self.quantized
+        if isinstance(found, QuantizedWeight) and found.k is not None:
+            return found.k.pack(found.qdata)
         if isinstance(found, QuantizedWeight):
             from quantkit.grids import ggml_blocks
 
@@ -283,7 +287,7 @@ def quantize_embedding(weight: torch.Tensor, recipe: Recipe, config) -> Quantize
     if kind is None:
         return None
     qtype = _gguf().GGMLQuantizationType[kind]
-    if kind == "Q8_0":
+    if not kind.endswith("_K"):
         from quantkit.grids import quantize_weight
         from quantkit.quant import gguf_types
 

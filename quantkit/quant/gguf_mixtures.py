@@ -19,8 +19,8 @@ tied token_embd takes the output's type (llama.cpp writes no separate output the
 llama.cpp refuses to write without an importance matrix (`NEEDS_DATA`: its Q2_K tensors, `tensor_requires_imatrix`);
 quantkit refuses it without calibration data (`finalization.request`).
 
-The i-quant mixtures, as rules only (`IQ_MIXTURES`: no recipe takes them until quantkit writes every type they use;
-"imatrix": written from calibration data, as quantkit's calibrated recipes are; without one where it says so):
+The i-quant mixtures (`IQ_MIXTURES`; recipes gguf-iq2-m and gguf-iq3-m, the others by a recipe's `mixture:` key on
+the base type's grid; "imatrix": written from calibration data, as quantkit's calibrated recipes are):
 
 | tensor | IQ1_M | IQ2_XXS | IQ2_M | IQ3_XXS | IQ3_M | IQ4_XS |
 |---|---|---|---|---|---|---|
@@ -53,12 +53,11 @@ from typing import Callable, NamedTuple
 from quantkit.grids.schemes import K_QUANT_TYPES, Granularity, ScaleDtype, WeightSpec
 
 # mixture -> its base type (llama.cpp's default type of the file type: `llama_ftype_get_default_type`)
-MIXTURES = {"Q2_K_S": "Q2_K", "Q2_K": "Q2_K", "Q3_K_S": "Q3_K", "Q3_K_M": "Q3_K", "Q3_K_L": "Q3_K",
-            "Q4_K_S": "Q4_K", "Q4_K_M": "Q4_K", "Q5_K_S": "Q5_K", "Q5_K_M": "Q5_K", "Q6_K": "Q6_K",
-            "MXFP4_MOE": "MXFP4"}
-# llama.cpp's i-quant mixtures -> their base types: rules only (RULES), no recipe takes them yet (the module's docstring)
 IQ_MIXTURES = {"IQ1_M": "IQ1_M", "IQ2_XXS": "IQ2_XXS", "IQ2_M": "IQ2_S", "IQ3_XXS": "IQ3_XXS", "IQ3_M": "IQ3_S",
                "IQ4_XS": "IQ4_XS"}
+MIXTURES = {"Q2_K_S": "Q2_K", "Q2_K": "Q2_K", "Q3_K_S": "Q3_K", "Q3_K_M": "Q3_K", "Q3_K_L": "Q3_K",
+            "Q4_K_S": "Q4_K", "Q4_K_M": "Q4_K", "Q5_K_S": "Q5_K", "Q5_K_M": "Q5_K", "Q6_K": "Q6_K",
+            **IQ_MIXTURES, "MXFP4_MOE": "MXFP4"}
 # mixtures llama.cpp refuses to write without an importance matrix
 NEEDS_DATA = frozenset({"Q2_K_S", "IQ1_M", "IQ2_XXS", "IQ2_M", "IQ3_XXS"})
 
@@ -143,7 +142,7 @@ def _c_mod(a: int, b: int) -> int:
 def tensor_type(mixture: str, role: str, layer: int | None, n_layers: int, gqa: int, experts: int = 0,
                 imatrix: bool = True) -> str:
     """The GGML type llama.cpp gives a tensor of `role` ('attn_v', 'ffn_down', 'ffn_down_exps', 'output',
-    'token_embd', ...) in decoder layer `layer` of `n_layers` under `mixture` (MIXTURES, IQ_MIXTURES); `gqa`: query
+    'token_embd', ...) in decoder layer `layer` of `n_layers` under `mixture` (MIXTURES); `gqa`: query
     heads per KV head; `experts`: routed experts per MoE layer (0: dense); `imatrix`: written from calibration data.
     An expert stack (`_exps`) takes its projection's rule."""
     place = Place(layer, n_layers, gqa, experts, imatrix)
@@ -152,7 +151,7 @@ def tensor_type(mixture: str, role: str, layer: int | None, n_layers: int, gqa: 
     rule = RULES.get(role.removesuffix("_exps"), {}).get(mixture)
     if rule:
         return rule(place)
-    return "Q6_K" if role == "output" else {**MIXTURES, **IQ_MIXTURES}[mixture]
+    return "Q6_K" if role == "output" else MIXTURES[mixture]
 
 
 def _mxfp4_moe(role: str, place: Place) -> str:

@@ -514,7 +514,7 @@ def test_tensor_types_matching_nothing_are_noted_and_other_formats_refuse_them(t
 
 
 def test_a_token_embedding_override_outside_the_k_types_is_refused(k_model_dir):
-    recipe = registry.with_tensor_types(registry.resolve("gguf-q4-0"), ["token_embd=iq4_xs"])
+    recipe = registry.with_tensor_types(registry.resolve("gguf-q4-0"), ["token_embd=q4_0"])
     with pytest.raises(FormatError, match="token_embd takes a K type"):
         prepare(k_model_dir, recipe, GGUF)
 
@@ -551,6 +551,11 @@ MIXTURE_FILES = {  # recipe -> (its file type, every quantized tensor's type on 
     "gguf-q5-k-s": ("Q5_K_S", eight_layer_types("Q5_K")),
     "gguf-q6-k": ("Q6_K", eight_layer_types("Q6_K")),
     "gguf-mxfp4": ("MXFP4_MOE", {**eight_layer_types("MXFP4"), "token_embd.weight": "Q8_0", "output.weight": "Q8_0"}),
+    "gguf-iq2-m": ("IQ2_M", {**eight_layer_types("IQ2_S", attn_v=["Q4_K"] * 8, ffn_down=["IQ3_S"] + ["IQ2_S"] * 7,
+                                                 attn_output=["IQ3_S"] * 8),
+                             "token_embd.weight": "IQ3_S", "output.weight": "Q5_K"}),
+    "gguf-iq3-m": ("IQ3_M", eight_layer_types("IQ3_S", attn_v=["Q4_K"] * 8, ffn_down=["Q4_K"] + ["IQ3_S"] * 7,
+                                              attn_output=["Q4_K"] * 8)),
 }
 
 
@@ -586,13 +591,22 @@ def test_mxfp4_is_bit_for_bit_the_quantized_model(deep_model_dir, tmp_path):
     assert sum(kind == "MXFP4" for kind in kinds.values()) == 7 * 8 and kinds["output.weight"] == "Q8_0"
 
 
-def test_a_k_mixture_with_new_rules_is_bit_for_bit_the_quantized_model(deep_model_dir, text_file, tmp_path):
-    """gguf-q3-k-l calibrated by GPTQ: Q3_K and Q5_K tensors and the Q3_K embedding equal the in-memory model's."""
+@pytest.mark.parametrize("recipe", ["gguf-q3-k-l", "rtn-iq3-m"])
+def test_a_mixture_with_new_rules_is_bit_for_bit_the_quantized_model(deep_model_dir, k_model_dir, text_file, tmp_path,
+                                                                    recipe):
+    """gguf-q3-k-l calibrated by GPTQ (Q3_K, Q5_K, Q6_K; the embedding Q3_K by llama.cpp's rounding), and IQ3_M
+    rounded to nearest on the 2-layer model (IQ3_S, Q4_K, Q6_K; the embedding IQ3_S by the i-quant grid's): every
+    tensor of the file equals the in-memory model's."""
     options = CalibrationOptions(data=str(text_file), num_samples=2, seq_len=32)
-    out = tmp_path / "q3kl.gguf"
-    finalize(deep_model_dir, out, registry.resolve("gguf-q3-k-l"), calibration=options)
+    src, found = deep_model_dir, registry.resolve("gguf-q3-k-l")
+    if recipe == "rtn-iq3-m":
+        src, found = k_model_dir, registry.parse_recipe(recipe, {**registry.resolve("gguf-iq3-m").to_file(),
+                                                                 "algorithm": {"name": "rtn"}})
+    out = tmp_path / "mixture.gguf"
+    finalize(src, out, found, calibration=options)
     _, tensors = read(out)
-    expected, _ = expected_tensors(deep_model_dir, "gguf-q3-k-l", options)
+    assert {"Q3_K", "IQ3_S"} & {t.tensor_type.name for t in tensors.values()}
+    expected, _ = expected_tensors(src, found, options)
     for name, tensor in tensors.items():
         assert torch.equal(dequantized(tensor).reshape(expected[name].shape), expected[name]), name
 

@@ -151,7 +151,7 @@ def test_each_new_mixture_has_its_recipe_on_its_base_grid(name):
                                             "Q5_K_S": "Q5_K", "Q6_K": "Q6_K"}[recipe.mixture])
 
 
-# ---- the i-quant mixtures' rules (no recipe takes them yet), restated from the same source as literal lists
+# ---- the i-quant mixtures' rules, restated from the same source as literal lists
 
 def llama_cpp_iq_types(mixture: str, n: int, gqa: int, experts: int = 0, imatrix: bool = True) -> dict[str, list[str]]:
     base = {"IQ1_M": "IQ1_M", "IQ2_XXS": "IQ2_XXS", "IQ2_M": "IQ2_S", "IQ3_XXS": "IQ3_XXS", "IQ3_M": "IQ3_S",
@@ -183,12 +183,19 @@ def llama_cpp_iq_types(mixture: str, n: int, gqa: int, experts: int = 0, imatrix
 @pytest.mark.parametrize("n, gqa, experts, imatrix", [(32, 4, 0, True), (32, 8, 0, True), (28, 1, 0, True),
                                                       (32, 1, 0, False), (48, 1, 128, True)])
 def test_each_i_quant_mixtures_rules_give_llama_cpps_types(mixture, n, gqa, experts, imatrix):
-    from quantkit.quant.gguf_mixtures import IQ_MIXTURES, MIXTURES, NEEDS_DATA
+    from quantkit.quant.gguf_mixtures import NEEDS_DATA
 
     expected = llama_cpp_iq_types(mixture, n, gqa, experts, imatrix)
     found = {role: [tensor_type(mixture, role, i, n, gqa, experts, imatrix) for i in range(n)] for role in ROLES}
     for role in ("output", "token_embd"):
         found[role] = [tensor_type(mixture, role, None, n, gqa, experts, imatrix)]
     assert found == expected
-    assert mixture in IQ_MIXTURES and mixture not in MIXTURES  # rules only: no recipe takes it yet
     assert (mixture in NEEDS_DATA) == (mixture in ("IQ1_M", "IQ2_XXS", "IQ2_M", "IQ3_XXS"))
+
+
+@pytest.mark.parametrize("name, mixture, base", [("gguf-iq2-m", "IQ2_M", "IQ2_S"), ("gguf-iq3-m", "IQ3_M", "IQ3_S")])
+def test_the_i_quant_mixture_recipes_are_on_their_base_grid(name, mixture, base):
+    from quantkit.quant import gguf_types
+
+    recipe = registry.resolve(name)
+    assert recipe.mixture == mixture and recipe.scheme.weights == gguf_types.spec(base)
