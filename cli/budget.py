@@ -13,6 +13,7 @@ from quantkit.errors import UsageError
 from quantkit.quant.registry import Format, Recipe
 
 DEFAULT_RECIPE = "gguf-q4-k-m"  # budget.planner.DEFAULT_RECIPE, named here without importing torch
+DEFAULT_RECIPES = {Format.MLX: "mlx-gptq-4bit-g64"}  # a format DEFAULT_RECIPE's K grids are not: GPTQ on its own grid
 
 
 @dataclass(frozen=True)
@@ -34,12 +35,12 @@ class Ask:
         return "--target-bpw" if self.target_bpw is not None else "--target-size"
 
 
-def base_recipe(quantize: str | None, ask: Ask) -> str:
-    """The recipe to resolve: -q's, else with a budget the plan's default; neither is a one-line error."""
+def base_recipe(quantize: str | None, ask: Ask, fmt: Format | None = None) -> str:
+    """The recipe to resolve: -q's, else with a budget the plan's default for the format; neither is a one-line error."""
     if quantize is not None:
         return quantize
     if ask.planned:
-        return DEFAULT_RECIPE
+        return DEFAULT_RECIPES.get(fmt, DEFAULT_RECIPE)
     raise UsageError("pass -q RECIPE (see `quantkit recipes list`), or --target-bpw BITS / --target-size SIZE for a "
                      "GGUF type per tensor")
 

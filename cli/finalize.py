@@ -74,12 +74,12 @@ def finalize(
         Optional[list[str]], typer.Option("--tensor-type", metavar="REGEX=TYPE", show_default=False,
                                           help="Give the tensors whose quantkit or GGUF name REGEX matches (ffn_down, "
                                                "blk\\.0\\.attn_v) type TYPE: a GGML type in GGUF (q6_k, q8_0, ...), a recipe's "
-                                               "scheme in compressed-tensors (gptq-w8a16), or float. Repeatable; the last match "
+                                               "scheme in compressed-tensors (gptq-w8a16) or MLX (mlx-8bit-g64), or float. Repeatable; the last match "
                                                "wins, after the recipe's own.")
     ] = None,
     target_bpw: Annotated[
         Optional[float], typer.Option("--target-bpw", metavar="BITS", show_default=False,
-                                      help="Choose a type per tensor (GGUF: GGML types; compressed-tensors: recipes' schemes) from "
+                                      help="Choose a type per tensor (GGUF: GGML types; compressed-tensors, MLX: recipes' schemes) from "
                                            "its sensitivity measured on --calib-data, for an average of BITS bits per weight "
                                            "(scales and float tensors counted).")
     ] = None,
@@ -91,7 +91,8 @@ def finalize(
     candidates: Annotated[
         Optional[str], typer.Option("--candidates", metavar="TYPES", show_default=False,
                                     help="With --target-bpw: the types to choose from, comma-separated (GGUF default "
-                                         "q2_k,q3_k,q4_k,q5_k,q6_k,q8_0; compressed-tensors: gptq-w4a16,gptq-w8a16).")
+                                         "q2_k,q3_k,q4_k,q5_k,q6_k,q8_0; compressed-tensors: gptq-w4a16,gptq-w8a16; MLX: "
+                                         "mlx-3bit-g64,...,mlx-8bit-g64, 3/4/5/6/8 bits).")
     ] = None,
     save_plan: Annotated[
         Optional[Path], typer.Option("--save-plan", metavar="FILE.yaml", show_default=False,
@@ -150,7 +151,7 @@ def finalize(
     """
     launch = Launch(nproc_per_node, nnodes, node_rank, rdzv_endpoint, rdzv_backend)
     ask = budget.Ask(target_bpw, target_size, candidates, save_plan, report)
-    recipe = registry.with_tensor_types(registry.with_kv_cache(registry.resolve(budget.base_recipe(quantize, ask)), kv_cache),
+    recipe = registry.with_tensor_types(registry.with_kv_cache(registry.resolve(budget.base_recipe(quantize, ask, format)), kv_cache),
                                         tensor_type)
     fmt = budget.check(ask, format, recipe)
     hub = sources.is_hub_id(src)

@@ -1,7 +1,8 @@
 """`finalize --target-bpw B` / `--target-size S`: a type for each tensor, chosen to meet an average of B bits per
 weight (or S bytes of tensors) with the least estimated error (`sensitivity.measure`, `solver.solve`). In a GGUF file
 the types are GGML types; in a compressed-tensors artifact, recipes' schemes (`gptq-w4a16`, `gptq-w8a16`: each a
-config group vLLM runs side by side).
+config group vLLM runs side by side); in an MLX directory, MLX recipes' bit widths (`mlx-3bit-g64` ... `mlx-8bit-g64`:
+per-layer entries of config.json's `quantization`, mlx-lm's mixed bits).
 
 Bits per weight are the artifact's: 8 x the bytes of every tensor it holds (quantized weights with their scales and
 zero points, as the format's `weight_bytes` counts them; norms in F32 in GGUF; whatever stays float in the
@@ -74,8 +75,16 @@ def parse_candidates(text: str | None, fmt: Format) -> tuple[str, ...]:
     ggml = FORMATS[fmt].tensor_types == GGML
     wrong = [t for t in found if tensor_types.is_ggml(t) != ggml or t == gguf_types.FLOAT]
     if wrong:
-        kind = "GGML types (q4_k, q6_k, ...)" if ggml else "recipes whose schemes it takes (gptq-w4a16, ...)"
+        examples = ", ".join(FORMATS[fmt].budget_candidates[:2])
+        kind = "GGML types (q4_k, q6_k, ...)" if ggml else f"recipes whose schemes it takes ({examples}, ...)"
         raise UsageError(f"--candidates: {wrong[0]} is not a candidate for {fmt.value}, which takes {kind}")
+    if fmt is Format.MLX:  # a scheme MLX does not hold exactly: refused before the sensitivity is measured
+        from quantkit.export.mlx import for_format, unsupported
+        from quantkit.quant.registry import resolve
+
+        for name in found:
+            if problem := unsupported(for_format(resolve(name))):
+                raise UsageError(f"--candidates: {name}: {problem}")
     return found
 
 

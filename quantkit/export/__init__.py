@@ -58,7 +58,8 @@ FORMATS = {
     Format.TORCHAO: Registration("torchao", reader="torchao_reader"),
     Format.GGUF: Registration("gguf", single_file="model.gguf", reader="gguf_reader", tensor_types=GGML,
                               budget_candidates=("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_0"), vectors_float32=True),
-    Format.MLX: Registration("mlx", reader="mlx_reader"),
+    Format.MLX: Registration("mlx", reader="mlx_reader", tensor_types=RECIPE,
+                             budget_candidates=("mlx-3bit-g64", "mlx-4bit-g64", "mlx-5bit-g64", "mlx-6bit-g64", "mlx-8bit-g64")),
 }
 PLAIN_READER = "transformers_reader"  # what no format detects: a Hugging Face directory, read by plain transformers
 

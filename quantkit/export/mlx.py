@@ -41,6 +41,7 @@ from quantkit.grids.schemes import (
     ScaleDtype,
     WeightSpec,
 )
+from quantkit.quant import tensor_types
 from quantkit.quant.plan import ModulePlan, is_ignored
 from quantkit.quant.quantized_model import QuantizedModel
 from quantkit.quant.registry import Recipe
@@ -58,9 +59,16 @@ def for_format(recipe: Recipe) -> Recipe:
     """The recipe as it quantizes for MLX: a symmetric integer grid's float32 scales chosen in the model's dtype,
     the dtype MLX stores them in (so the grid the algorithm rounds onto is the file's)."""
     weights = recipe.scheme.weights
-    if weights.dtype.is_float or weights.scale_dtype is not ScaleDtype.FLOAT32:
+    if _for_mlx(weights) is weights:
         return recipe
-    return replace(recipe, scheme=QuantScheme(replace(weights, scale_dtype=ScaleDtype.MODEL), recipe.scheme.activations))
+    return replace(recipe, scheme=QuantScheme(_for_mlx(weights), recipe.scheme.activations))
+
+
+def _for_mlx(spec: WeightSpec) -> WeightSpec:
+    """A grid as MLX stores it: an integer grid's float32 scales in the model's dtype."""
+    if spec.dtype.is_float or spec.scale_dtype is not ScaleDtype.FLOAT32:
+        return spec
+    return replace(spec, scale_dtype=ScaleDtype.MODEL)
 
 
 def mode_of(spec: WeightSpec) -> str:
@@ -98,8 +106,8 @@ def unsupported(recipe: Recipe) -> str | None:
         return "mlx-lm quantizes its KV cache at run time (--kv-bits), not in the file: drop --kv-cache"
     if recipe.online_rotations:
         return "mlx-lm does not apply online rotations (R4); use the fused ones only (R1, R2)"
-    if recipe.tensor_types or recipe.mixture:
-        return "quantkit's MLX files take one scheme per model (per-tensor types are GGUF's and compressed-tensors')"
+    if recipe.mixture:
+        return "llama.cpp's mixtures are GGUF's; give MLX per-tensor types as recipes' names (--tensor-type REGEX=mlx-8bit-g64)"
     return spec_refusal(for_format(recipe).scheme.weights)
 
 
@@ -116,15 +124,36 @@ def check_model(src: Path, config, skeleton: nn.Module) -> None:
 
 
 def adapt_plan(plan: list[ModulePlan], recipe: Recipe, config) -> list[ModulePlan]:
-    """A Linear whose group size MLX does not take (a smaller group chosen for it: `on_indivisible`) stays in full
-    precision, as mlx-lm's `convert -q` leaves a layer its group does not divide."""
+    """The plan with the recipe's per-tensor schemes (`tensor_types`: recipes' names, `plan.with_tensor_type`), each
+    a per-layer entry of config.json's `quantization` (mlx-lm's mixed bits); a tensor type whose grid MLX does not
+    hold exactly is refused before any work. A Linear whose group size MLX does not take (a smaller group chosen for
+    it: `on_indivisible`) stays in full precision, as mlx-lm's `convert -q` leaves a layer its group does not divide."""
+    from quantkit.quant.plan import with_tensor_type
+
+    def typed(entry: ModulePlan) -> ModulePlan:
+        if not recipe.tensor_types:
+            return entry
+        adapted = with_tensor_type(entry, recipe)
+        if adapted.scheme is None or adapted.scheme == entry.scheme:
+            return adapted
+        spec = _for_mlx(adapted.scheme.weights)
+        kind = tensor_types.type_for(tensor_types.names_of(entry.name), recipe.tensor_types)
+        if problem := spec_refusal(spec):
+            raise FormatError(f"{entry.name}: tensor type {kind}: {problem}")
+        if entry.in_features % spec.group_size:
+            raise FormatError(f"{entry.name}: tensor type {kind}'s groups of {spec.group_size} do not divide its "
+                              f"{entry.in_features} inputs; give it a type with another group size")
+        return replace(adapted, scheme=QuantScheme(spec, adapted.scheme.activations))
+
     def fitted(entry: ModulePlan) -> ModulePlan:
         spec = entry.scheme.weights if entry.quantized else None
         if spec is None or spec.group_size in MLX_GROUP_SIZES and entry.in_features % spec.group_size == 0:
             return entry
         return replace(entry, scheme=None, note=f"MLX takes groups of {'/'.join(map(str, MLX_GROUP_SIZES))}; "
                                                 f"{entry.in_features} inputs fit none of the recipe's")
-    return [fitted(entry) for entry in plan]
+    if recipe.tensor_types:
+        embedding_weights(recipe, config)  # an embedding's tensor type MLX cannot hold: refused here, before any work
+    return [fitted(typed(entry)) for entry in plan]
 
 
 # ---------------------------------------------------------------- the token embedding
@@ -140,6 +169,20 @@ def embedding_weights(recipe: Recipe, config) -> WeightSpec | None:
     the recipe's `ignore` names it or the group does not divide the hidden size."""
     spec = for_format(recipe).scheme.weights
     names = ("model.embed_tokens", "embed_tokens", "token_embd")
+    kind = tensor_types.type_for(tensor_types.EMBEDDING_NAMES, recipe.tensor_types)
+    if kind is not None:  # a per-tensor type (`--tensor-type embed_tokens=mlx-8bit-g64`, or float) wins
+        from quantkit.quant.registry import tensor_type_spec
+
+        typed = tensor_type_spec(kind)
+        spec = typed and _for_mlx(typed)
+        if spec is None:
+            return None
+        if problem := spec_refusal(spec):
+            raise FormatError(f"the token embedding: tensor type {kind}: {problem}")
+        if config.hidden_size % spec.group_size:
+            raise FormatError(f"the token embedding: tensor type {kind}'s groups of {spec.group_size} do not divide its "
+                              f"{config.hidden_size} columns; give it a type with another group size")
+        return spec
     if is_ignored("model.embed_tokens", recipe.ignore) or any(n in recipe.ignore for n in names):
         return None
     if spec_refusal(spec) is not None or config.hidden_size % spec.group_size:
@@ -351,23 +394,28 @@ class StreamWriter:
             self.model.generation_config.save_pretrained(self.out_dir)
         config_file = self.out_dir / "config.json"
         config = json.loads(config_file.read_text())
+        embedding = self.planned["lm_head"].scheme.weights if self.tied and "lm_head" in self.planned else self.embedding_spec
         config["quantization"] = config["quantization_config"] = quantization_config(
-            self.recipe.scheme.weights, self.planned.values(), self.stored_name)
+            for_format(self.recipe).scheme.weights, self.planned.values(), self.stored_name,
+            {self.embedding.rpartition(".")[0]: embedding} if embedding is not None else {})
         config.update(rope_keys(config))
         config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         (self.out_dir / "README.md").write_text(model_card(self.recipe))
 
 
-def quantization_config(spec: WeightSpec, planned, stored_name=lambda name: name) -> dict:
-    """config.json's `quantization`: the recipe's {group_size, bits, mode}, and each layer quantized otherwise by
-    its name (mlx-lm's per-layer entries)."""
+def quantization_config(spec: WeightSpec, planned, stored_name=lambda name: name,
+                        others: dict[str, WeightSpec] | None = None) -> dict:
+    """config.json's `quantization`: the recipe's {group_size, bits, mode}, and each layer quantized otherwise
+    (per-tensor types, the token embedding: `others` by module name) by its module path, as mlx-lm's `load` reads
+    per-layer entries (`class_predicate`: config["quantization"][path] passed to `to_quantized`)."""
     def params(own: WeightSpec) -> dict:
         return {"group_size": own.group_size, "bits": own.dtype.bits, "mode": mode_of(own)}
 
     config = params(spec)
-    for entry in planned:
-        if params(entry.scheme.weights) != params(spec):
-            config[stored_name(entry.name)] = params(entry.scheme.weights)
+    layers = {entry.name: entry.scheme.weights for entry in planned} | dict(others or {})
+    for name, own in layers.items():
+        if params(own) != params(spec):
+            config[stored_name(name)] = params(own)
     return config
 
 

@@ -125,7 +125,7 @@ def types_of(fmt: Format) -> str:
 
     if FORMATS[fmt].tensor_types == GGML:
         return f"a {fmt.value} artifact holds GGML types (q4_k, q6_k, q8_0, ... or float)"
-    return f"a {fmt.value} artifact takes recipes' schemes per tensor (e.g. gptq-w8a16, or float)"
+    return f"a {fmt.value} artifact takes recipes' schemes per tensor (e.g. {FORMATS[fmt].budget_candidates[-1]}, or float)"
 
 
 def check_shard_size(max_shard_size: str | None, fmt: Format) -> int | None:

@@ -163,8 +163,46 @@ CASES = [  # (recipe, bits, group, architecture, dtype)
 @pytest.mark.parametrize("name, bits, group, model_type, dtype", CASES,
                          ids=[f"{c[0]}{f'-int{c[1]}-g{c[2]}' if c[1] else ''}-{c[3]}-{c[4]}" for c in CASES])
 def test_mlx_reads_what_quantkit_computes(name, bits, group, model_type, dtype, models, calib_text, tmp_path):
-    recipe = recipe_of(name, bits, group)
-    src = models(model_type, dtype)
+    check_mlx_reads(recipe_of(name, bits, group), models(model_type, dtype), model_type, calib_text, tmp_path)
+
+
+MIXED = [  # (per-tensor types, base recipe, architecture, dtype): mlx-lm's mixed bits, per-layer config entries
+    (("down_proj=mlx-8bit-g64", "q_proj=mlx-3bit-g64", "embed_tokens=mlx-6bit-g64", "lm_head=mlx-5bit-g64"),
+     "mlx-4bit-g64", "llama", "float32"),
+    (("down_proj=mlx-8bit-g64", "v_proj=mlx-5bit-g64", "lm_head=mlx-6bit-g64"), "mlx-gptq-4bit-g64", "qwen3-tied",
+     "bfloat16"),  # tied: the file's embedding is lm_head's 6-bit grid, named model.embed_tokens in the config
+    (("o_proj=gptq-w4a16", "up_proj=float"), "mlx-4bit-g64", "qwen2", "float32"),  # a symmetric grid; a float layer
+]
+
+
+@pytest.mark.parametrize("types, base, model_type, dtype", MIXED, ids=[f"{c[1]}-{c[2]}-{c[3]}" for c in MIXED])
+def test_mlx_reads_mixed_bits(types, base, model_type, dtype, models, calib_text, tmp_path):
+    from quantkit.export import for_format
+    from quantkit.quant.registry import Format, resolve, with_tensor_types
+
+    recipe = for_format(with_tensor_types(resolve(base), list(types)), Format.MLX)
+    check_mlx_reads(recipe, models(model_type, dtype), model_type, calib_text, tmp_path, mixed=True)
+
+
+def test_mlx_reads_a_budget_plan(models, calib_text, tmp_path):
+    """`--target-bpw 5` for MLX: a mixture of bit widths that mlx-lm loads to quantkit's logits."""
+    from quantkit.budget import planner
+    from quantkit.export import for_format
+    from quantkit.finalization.checks import CalibrationOptions
+    from quantkit.quant.registry import Format, resolve
+
+    options = CalibrationOptions(data=str(calib_text), num_samples=8, seq_len=64)
+    src = models("llama", "float32")
+    plan = planner.plan(src, resolve("mlx-4bit-g64"), 5.0, options, ("mlx-3bit-g64", "mlx-4bit-g64", "mlx-8bit-g64"))
+    assert len(set(plan.types.values())) > 1
+    print(f"plan {plan.bits_per_weight:.4f} bpw: ", end="")
+    check_mlx_reads(for_format(plan.recipe, Format.MLX), src, "llama", calib_text, tmp_path, mixed=True)
+
+
+def check_mlx_reads(recipe, src: Path, model_type: str, calib_text: Path, tmp_path: Path, mixed: bool = False) -> None:
+    """mlx's dequantization of every quantized tensor is the preview's weight; mlx-lm's logits are the preview's."""
+    import json
+
     out = written(src, tmp_path / "out", recipe, calib_text)
     model = preview(src, recipe, calib_text)
     modules = dict(model.named_modules())
@@ -173,10 +211,17 @@ def test_mlx_reads_what_quantkit_computes(name, bits, group, model_type, dtype, 
     dequantized = np.load(tmp_path / "dequantized.npz")
     names = [n for n in dequantized.files if "@" not in n]
     lm_head = "lm_head" not in recipe.ignore and not model.config.tie_word_embeddings  # tied: the embedding is lm_head
+    floats = sum(1 for t in recipe.tensor_types if t.endswith("=float")) * SHAPES["num_hidden_layers"]
     assert "model.embed_tokens" in names and ("lm_head" in names) == lm_head
-    assert len(names) == 1 + lm_head + 7 * SHAPES["num_hidden_layers"]
-    symmetric_float32 = recipe.scheme.weights.symmetric and not recipe.scheme.weights.dtype.is_float and dtype == "float32"
+    assert len(names) == 1 + lm_head + 7 * SHAPES["num_hidden_layers"] - floats
+    if mixed:  # per-layer entries: more than one bit width, each a {group_size, bits, mode} mlx-lm passes on
+        config = json.loads((out / "config.json").read_text())["quantization"]
+        layers = {k: v for k, v in config.items() if isinstance(v, dict)}
+        assert layers and all(set(v) == {"group_size", "bits", "mode"} for v in layers.values())
+        print(f"bits {sorted({v['bits'] for v in layers.values()} | {config['bits']})}: ", end="")
     for name in names:
+        spec = layer_spec(recipe, name)
+        symmetric_float32 = spec.symmetric and not spec.dtype.is_float and dtype == "float32"
         ours = modules[name].weight.detach()
         theirs = torch.from_numpy(dequantized[name]).to(ours.dtype)
         if symmetric_float32:  # two float32 roundings of scale x code + bias: within 4 eps of the row's largest value
@@ -246,3 +291,12 @@ def test_eval_runs_mlx_models_in_mlx_lm(models, calib_text, tmp_path, monkeypatc
     assert theirs.perplexity.windows_digest == ours.perplexity.windows_digest
     assert abs(theirs.perplexity.perplexity / ours.perplexity.perplexity - 1) < 1e-5
     assert theirs.kl_divergence.mean < 1e-3
+
+
+def layer_spec(recipe, name: str):
+    """The grid of a layer: its per-tensor type's (the last override matching it), else the recipe's."""
+    from quantkit.quant import tensor_types
+    from quantkit.quant.registry import tensor_type_spec
+
+    kind = tensor_types.type_for(tensor_types.names_of(name), recipe.tensor_types)
+    return (tensor_type_spec(kind) if kind else None) or recipe.scheme.weights

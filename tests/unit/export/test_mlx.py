@@ -328,3 +328,88 @@ def test_rope_keys_for_mlx_lm():
     config = {"rope_parameters": {"rope_theta": 500000.0, "rope_type": "llama3", "factor": 8.0}}
     assert mlx.rope_keys(config) == {"rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}
     assert mlx.rope_keys({"rope_theta": 1.0}) == {}
+
+
+# ---------------------------------------------------------------- per-tensor types (mlx-lm's mixed bits)
+
+
+def typed(*overrides: str, base: str = "mlx-4bit-g64"):
+    from quantkit.quant.registry import with_tensor_types
+
+    return with_tensor_types(resolve(base), list(overrides))
+
+
+@pytest.fixture(scope="module")
+def mixed(wide_model_dir, tmp_path_factory):
+    from quantkit.finalization.finalize import finalize as run
+
+    dst = tmp_path_factory.mktemp("mlx") / "mixed"
+    run(wide_model_dir, dst, typed("down_proj=mlx-8bit-g64", "embed_tokens=mlx-6bit-g64"))
+    return dst
+
+
+def test_tensor_types_are_per_layer_entries_mlx_lm_reads(mixed):
+    """`--tensor-type down_proj=mlx-8bit-g64` on mlx-4bit-g64: those layers at 8 bits, each named in config.json's
+    `quantization` by its module path with {group_size, bits, mode} (what mlx-lm's load passes to `to_quantized`),
+    the others under the recipe's defaults."""
+    config = json.loads((mixed / "config.json").read_text())
+    eight, six = {"group_size": 64, "bits": 8, "mode": "affine"}, {"group_size": 64, "bits": 6, "mode": "affine"}
+    assert config["quantization"] == config["quantization_config"] == {
+        "group_size": 64, "bits": 4, "mode": "affine", "model.layers.0.mlp.down_proj": eight,
+        "model.layers.1.mlp.down_proj": eight, "model.embed_tokens": six}
+    tensors = header(mixed / "model.safetensors")
+    assert tensors["model.layers.1.mlp.down_proj.weight"]["shape"] == [128, 256 * 8 // 32]
+    assert tensors["model.layers.1.mlp.down_proj.scales"]["shape"] == [128, 4]
+    assert tensors["model.layers.1.mlp.up_proj.weight"]["shape"] == [256, 128 * 4 // 32]
+    assert tensors["model.embed_tokens.weight"]["shape"][1] == 128 * 6 // 32
+
+
+def test_mixed_files_hold_the_preview_and_the_planned_bytes(mixed, wide_model_dir):
+    """Each layer, unpacked at its own bits, is the preview's weight exactly; the safetensors bytes of every tensor
+    are the sizes `weight_bytes` (the budget's and --dry-run's) gives."""
+    from safetensors.torch import load_file
+
+    from quantkit.finalization.checks import prepare
+    from quantkit.finalization.finalize import quantize_model
+
+    recipe = for_format(typed("down_proj=mlx-8bit-g64", "embed_tokens=mlx-6bit-g64"), Format.MLX)
+    prepared = prepare(wide_model_dir, recipe)
+    preview = quantize_model(prepared, recipe)
+    stored = load_file(mixed / "model.safetensors")
+    modules = dict(preview.named_modules())
+    config = json.loads((mixed / "config.json").read_text())["quantization"]
+    for name in (n[: -len(".scales")] for n in stored if n.endswith(".scales") and "embed" not in n):
+        bits = config.get(name, config)["bits"]
+        grid = AffineParams(stored[f"{name}.scales"], stored[f"{name}.biases"], bits, 64)
+        assert torch.equal(grid.dequantize(mlx.unpack(stored[f"{name}.weight"], bits), dtype=torch.float32),
+                           modules[name].weight.detach()), name
+    entries = {entry.name: entry for entry in prepared.plan}
+    assert entries["model.layers.0.mlp.down_proj"].scheme.weights.dtype.bits == 8
+    for name, entry in entries.items():
+        held = sum(stored[f"{name}.{part}"].numel() * stored[f"{name}.{part}"].element_size()
+                   for part in ("weight", "scales", "biases"))
+        assert held == mlx.weight_bytes(entry, 4), name
+
+
+@pytest.mark.parametrize("override, error, message", [
+    ("down_proj=int4-asym", FormatError, "down_proj: tensor type int4-asym: an integer zero point's bias"),
+    ("down_proj=gptq-w8a16", FormatError, "MLX takes groups of 32, 64, 128, not int8 channel"),
+    ("embed_tokens=nvfp4-a16", FormatError, "the token embedding: tensor type nvfp4-a16: MLX holds integer grids"),
+    ("down_proj=q6_k", QuantkitError, "Q6_K is not one \\(use --format gguf for it\\)"),
+])
+def test_a_tensor_type_mlx_cannot_hold_is_one_line(wide_model_dir, tmp_path, override, error, message):
+    from quantkit.finalization.finalize import finalize as run
+
+    with pytest.raises(error, match=message) as raised:
+        run(wide_model_dir, tmp_path / "out", typed(override))
+    assert "\n" not in str(raised.value) and not (tmp_path / "out").exists()
+
+
+def test_symmetric_integer_tensor_types_are_chosen_in_the_model_dtype(wide_model_dir):
+    """A symmetric integer recipe as a tensor type (gptq-w4a16's int4 g128): its scales in the model's dtype, as MLX
+    stores them (the grid the algorithm rounds onto is the file's)."""
+    from quantkit.finalization.checks import prepare
+
+    plan = prepare(wide_model_dir, typed("o_proj=gptq-w4a16"), Format.MLX).plan
+    spec = next(e for e in plan if e.name.endswith("o_proj")).scheme.weights
+    assert spec.scale_dtype is ScaleDtype.MODEL and spec.group_size == 128

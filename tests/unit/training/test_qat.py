@@ -115,6 +115,8 @@ def test_configs_use_torchao_where_it_is_exact_and_quantkit_elsewhere():
         "int8-weight-only": ("NoneType", IntxFakeQuantizeConfig.__name__),
         "mlx-3bit-g64": ("NoneType", "GridFakeQuantizeConfig"),  # MLX's float bias: quantkit's grid exactly
         "mlx-4bit-g64": ("NoneType", "GridFakeQuantizeConfig"),
+        "mlx-5bit-g64": ("NoneType", "GridFakeQuantizeConfig"),
+        "mlx-6bit-g64": ("NoneType", "GridFakeQuantizeConfig"),
         "mlx-8bit-g64": ("NoneType", "GridFakeQuantizeConfig"),
         "gguf-q4-0": ("NoneType", "GridFakeQuantizeConfig"),  # fp16 scales: quantkit's grid exactly
         "gguf-q4-1": ("NoneType", "GridFakeQuantizeConfig"),
