@@ -8,7 +8,8 @@ Bits per weight are the artifact's: 8 x the bytes of every tensor it holds (quan
 zero points, as the format's `weight_bytes` counts them; norms in F32 in GGUF; whatever stays float in the
 artifact's dtype) over the model's parameter count, as llama.cpp reports a file's BPW. The tensors the plan decides
 are the recipe's quantized Linears (lm_head included unless the recipe ignores it) and, in GGUF, the token
-embedding (K types: quantkit rounds it as llama.cpp's K quantizer does); a tensor a user's `--tensor-type` names
+embedding (K types: quantkit rounds it as llama.cpp's K quantizer does), in MLX too where the recipe quantizes it
+(mlx-lm's QuantizedEmbedding); a tensor a user's `--tensor-type` names
 keeps that type, and its bytes count against the budget first.
 
 The plan is a recipe: the base recipe (its algorithm and calibration; `gguf-q4-k-m`'s GPTQ on K grids by default)
@@ -120,6 +121,7 @@ def plan(src: Path, recipe: Recipe, target_bpw: float | None, options, candidate
         streamed = open_streamed(prepared, trust_remote_code)
         model = streamed.model if streamed is not None else \
             moe.linearize(models.load_model(prepared.src, prepared.dtype or dtype, trust_remote_code)).eval()
+        layers = _rotated(model, streamed, prepared.rotator)
         sizing = _Sizing(fmt, base, model)
         decided, members, fixed_bytes, parameters = _decisions(model, prepared.plan, base, candidates, sizing)
         sizes = {name: {t: sum(sizing.candidate_bytes(t, m) for m in members[name]) for t in types}
@@ -136,7 +138,7 @@ def plan(src: Path, recipe: Recipe, target_bpw: float | None, options, candidate
         smallest = {name: min(by_type, key=by_type.get) for name, by_type in sizes.items()}
     device = ctx.device if ctx is not None else distributed.rank_device(options.device, 0)
     measured = sensitivity.measure(model, decided, roles, samples, EMBEDDING if EMBEDDING in decided else None,
-                                   members, smallest, streamed, ctx, device, progress)
+                                   members, smallest, layers, ctx, device, progress)
     choices = [solver.Choice(name, tuple(solver.Option(t, size, measured.errors[name][t]) for t, size in by_type.items()))
                for name, by_type in sizes.items()]
     chosen = solver.solve(choices, budget)
@@ -149,6 +151,40 @@ def plan(src: Path, recipe: Recipe, target_bpw: float | None, options, candidate
                       error, measured)
 
 
+def _rotated(model: torch.nn.Module, streamed, rotator):
+    """Where the sensitivity pass reads the layers from: the model as the recipe's rotations leave it (a recipe's
+    `transforms`: its fused R1 / R2, as finalize applies them), the streamed model's layers rotated as they are
+    read. Learned rotations are learned by the calibrated run itself: the plan is measured on the model unrotated."""
+    if rotator is None or rotator.learning is not None:
+        return streamed
+    if streamed is None:
+        rotator.rotate_model(model)
+        return None
+    return _RotatedLayers(streamed, rotator)
+
+
+class _RotatedLayers:
+    """A streamed model's decoder layers and the modules outside them, rotated as they are read (as finalize's
+    `_LayerIO` does)."""
+
+    def __init__(self, streamed, rotator):
+        self.streamed, self.rotator = streamed, rotator
+
+    def load(self, module: torch.nn.Module) -> None:
+        self.streamed.load(module)
+        self.rotator.rotate_layer(module)
+
+    def release(self, module: torch.nn.Module) -> None:
+        self.streamed.release(module)
+
+    def load_rest(self) -> None:
+        self.streamed.load_rest()
+        self.rotator.rotate_rest(self.streamed.model)
+
+    def release_rest(self) -> None:
+        self.streamed.release_rest()
+
+
 class _Sizing:
     """Bytes of a tensor in the artifact of `fmt`, as its exporter counts them (`weight_bytes`)."""
 
@@ -156,12 +192,23 @@ class _Sizing:
         from quantkit.export import exporter
 
         self.recipe, self.model, self.exporter, self.registration = recipe, model, exporter(fmt), FORMATS[fmt]
+        self.fmt = fmt
         self.element_size = next(model.parameters()).element_size()
 
     @property
     def embedding_decided(self) -> bool:
-        """Whether the token embedding is a tensor of the plan: in GGUF (K types), not in a format that keeps it float."""
-        return self.registration.tensor_types == GGML
+        """Whether the token embedding is a tensor of the plan: in GGUF (K types), in MLX where the recipe quantizes
+        it (mlx-lm's QuantizedEmbedding: the candidates' grids), not in a format that keeps it float."""
+        if self.registration.tensor_types == GGML:
+            return True
+        return self.fmt is Format.MLX and self.exporter.embedding_weights(self.recipe, self.model.config) is not None
+
+    def embedding_types(self, candidates: tuple[str, ...], columns: int) -> list[str]:
+        """The candidates the token embedding may take: GGUF's K types (quantkit rounds it as llama.cpp's K quantizer
+        does), MLX's grids whose groups divide it."""
+        if self.registration.tensor_types == GGML:
+            return [t for t in candidates if t.endswith("_K") and gguf_types.fits(t, columns)]
+        return [t for t in candidates if self.fits(t, columns)]
 
     def fits(self, type_name: str, columns: int) -> bool:
         spec = tensor_type_spec(type_name)
@@ -169,8 +216,10 @@ class _Sizing:
 
     def candidate_bytes(self, type_name: str, name: str) -> int:
         rows, columns = _shape(self.model, name)
-        if name == EMBEDDING:
+        if name == EMBEDDING and self.registration.tensor_types == GGML:
             return gguf_types.tensor_bytes(type_name, rows, columns)
+        if name == EMBEDDING:
+            return self.planned_bytes(QuantScheme(tensor_type_spec(type_name)), rows, columns)
         return self.planned_bytes(QuantScheme(tensor_type_spec(type_name), self.recipe.scheme.activations), rows, columns)
 
     def planned_bytes(self, scheme: QuantScheme, rows: int, columns: int) -> int:
@@ -185,7 +234,7 @@ class _Sizing:
 
 def _decisions(model: torch.nn.Module, plan, recipe: Recipe, candidates: tuple[str, ...], sizing: _Sizing) -> tuple[dict, dict, int, int]:
     """({tensor: its candidate types}, {tensor: its Linears}, bytes of every other tensor of the artifact, the
-    parameter count). A tensor is a Linear, the token embedding (EMBEDDING, GGUF only), or an MoE layer's experts of
+    parameter count). A tensor is a Linear, the token embedding (EMBEDDING, GGUF and MLX), or an MoE layer's experts of
     one projection, named as GGUF stacks them (`blk.N.ffn_down_exps`): they take one type (in both formats)."""
     from quantkit.models.architectures import expert_projection
 
@@ -201,7 +250,7 @@ def _decisions(model: torch.nn.Module, plan, recipe: Recipe, candidates: tuple[s
         elif entry.quantized:
             planned[entry.name] = entry.scheme
     embedding = model.get_input_embeddings().weight
-    k_types = [t for t in candidates if t.endswith("_K") and gguf_types.fits(t, embedding.shape[1])]
+    k_types = sizing.embedding_types(candidates, embedding.shape[1])
     embedding_free = tensor_types.type_for(tensor_types.EMBEDDING_NAMES, recipe.tensor_types) is None
     if sizing.embedding_decided and not tied and k_types and embedding_free:
         decided[EMBEDDING], members[EMBEDDING] = k_types, [EMBEDDING]
@@ -214,6 +263,8 @@ def _decisions(model: torch.nn.Module, plan, recipe: Recipe, candidates: tuple[s
             if EMBEDDING in decided or (tied and "lm_head" in decided_linears):
                 continue  # decided: as itself, or (GGUF) as the tied output llama.cpp reads from token_embd
             spec = sizing.exporter.embedding_weights(recipe, model.config)  # a mixture's or an override's, in GGUF
+            if False:  # MLX stores it on lm_head's grid
+                spec = planned["lm_head"].weights
             fixed += sizing.planned_bytes(QuantScheme(spec), *param.shape) if spec else sizing.float_bytes(param)
         elif name.endswith(".weight") and owner in decided_linears:
             continue

@@ -225,3 +225,18 @@ def test_the_streamed_measurement_holds_one_layer_and_measures_what_the_loaded_m
     for name, by_type in plans[5.0].measured.errors.items():
         assert loaded.measured.errors[name] == pytest.approx(by_type, rel=1e-5), name
     assert loaded.types == plans[5.0].types
+
+
+def test_a_rotated_recipe_is_measured_on_the_rotated_model(k_model_dir, options, plans):
+    """A recipe's fused rotations (R1 + R2) change every tensor's rounding error: the plan measures the model as
+    the calibrated run will quantize it, streamed (layers rotated as they are read) or loaded whole alike."""
+    rotated = registry.parse_recipe("k-rtn-rot", {**RECIPE.to_file(),
+                                                  "transforms": [{"type": "hadamard", "rotations": ["R1", "R2"]}]})
+    streamed = planner.plan(k_model_dir, rotated, 5.0, options)
+    loaded = planner.plan(k_model_dir, rotated, 5.0, options, in_memory=True)
+    unrotated = plans[5.0].measured.proxies
+    for name, by_type in loaded.measured.proxies.items():
+        assert streamed.measured.proxies[name] == pytest.approx(by_type, rel=1e-4), name
+    changed = [name for name in unrotated if name != "token_embd"
+               and streamed.measured.proxies[name]["Q4_K"] != pytest.approx(unrotated[name]["Q4_K"], rel=1e-3)]
+    assert len(changed) > len(unrotated) // 2, changed
