@@ -263,7 +263,7 @@ def _decisions(model: torch.nn.Module, plan, recipe: Recipe, candidates: tuple[s
             if EMBEDDING in decided or (tied and "lm_head" in decided_linears):
                 continue  # decided: as itself, or (GGUF) as the tied output llama.cpp reads from token_embd
             spec = sizing.exporter.embedding_weights(recipe, model.config)  # a mixture's or an override's, in GGUF
-            if False:  # MLX stores it on lm_head's grid
+            if tied and "lm_head" in planned and sizing.fmt is Format.MLX:  # MLX stores it on lm_head's grid
                 spec = planned["lm_head"].weights
             fixed += sizing.planned_bytes(QuantScheme(spec), *param.shape) if spec else sizing.float_bytes(param)
         elif name.endswith(".weight") and owner in decided_linears:

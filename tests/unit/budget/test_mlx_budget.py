@@ -53,9 +53,28 @@ def test_an_mlx_plan_is_a_mixture_the_files_hold_exactly(wide_model_dir, options
     assert stored_bytes(out) * 8 / plan.parameters == pytest.approx(plan.bits_per_weight, abs=1e-9)
     config = json.loads((out / "config.json").read_text())["quantization"]
     bits = {"mlx-3bit-g64": 3, "mlx-4bit-g64": 4, "mlx-8bit-g64": 8}
+    assert "token_embd" in plan.types  # mlx-lm quantizes the embedding: a tensor of the plan, as in GGUF
     for name, kind in plan.types.items():
+        name = "model.embed_tokens" if name == "token_embd" else name
         assert config.get(name, {"bits": 4, "group_size": 64, "mode": "affine"}) == {
             "bits": bits[kind], "group_size": 64, "mode": "affine"}, name
+
+
+def test_a_tied_lm_head_typed_is_counted_as_the_file_holds_it(tmp_path, options):
+    """Tied embeddings: MLX stores the embedding on lm_head's grid (`--tensor-type lm_head=...` included), and the
+    plan counts it so."""
+    from conftest import make_text
+    from quantkit.models.tiny import build_tiny_model
+
+    src = build_tiny_model(tmp_path / "tied", make_text(3000), "qwen3", hidden_size=128, intermediate_size=256,
+                           num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    recipe = registry.with_tensor_types(registry.resolve("mlx-4bit-g64"), ["lm_head=mlx-8bit-g64"])
+    chosen = planner.plan(src, recipe, 6.0, options, CANDIDATES)
+    assert "lm_head" not in chosen.types and "token_embd" not in chosen.types
+    out = tmp_path / "out"
+    finalize(src, out, chosen.recipe, Format.MLX, calibration=options)
+    assert stored_bytes(out) == chosen.tensor_bytes
+    assert json.loads((out / "config.json").read_text())["quantization"]["model.embed_tokens"]["bits"] == 8
 
 
 def test_an_mlx_target_size_is_the_files_tensors(wide_model_dir, options, tmp_path):
