@@ -14,8 +14,9 @@ Measured (2 cores), perplexity against the float model's 37.109 (Llama) and 22.9
 +0.05%, Q4_1 +0.01%, Q4_K_M -0.08%, Q5_K_M -0.06%, Q3_K_M +0.00%, Q2_K -0.43%; MoE Q8_0 -0.00%, Q4_K_M -0.03%. Mean
 KL divergence from Q8_0: Q4_0 6.8e-5, Q4_1 3.4e-5, Q5_K_M 5.7e-5, Q4_K_M 6.2e-5, Q3_K_M 8.8e-5, Q2_K 3.1e-3 (the
 K mixtures' lm_head is Q6_K in each, so the 4- and 5-bit ones are close). Later, with llama-perplexity --no-repack:
-Q3_K_L +0.01%, MXFP4 (every Linear; lm_head and token_embd Q8_0) -0.00%, MoE MXFP4_MOE -0.01%; mean KL divergence
-from Q8_0: Q3_K_L 1.3e-4, MXFP4 1.0e-4 (Q3_K_M 1.3e-4, Q2_K 7.0e-3 in that run). Broken on purpose, the Q8_0 and Q4_K_M
+Q3_K_L +0.01%, MXFP4 (every Linear; lm_head and token_embd Q8_0) -0.00%, IQ3_M +0.08%, IQ2_M -0.14%, MoE
+MXFP4_MOE -0.01%; mean KL divergence from Q8_0: Q3_K_L 1.3e-4, MXFP4 1.0e-4, IQ3_M 3.4e-4, IQ2_M 5.2e-4 (Q3_K_M
+1.3e-4, Q2_K 7.0e-3 in that run). Broken on purpose, the Q8_0 and Q4_K_M
 files: attn_q's rows reversed in one layer, perplexity +324% (KL divergence 1.35); one attn_norm doubled +9.8%
 (0.071); the RoPE base x10 -2.3% (0.032); ffn_gate and ffn_up swapped -0.4% (0.012). The bounds below catch each:
 the first three by the perplexity, the last by the KL divergence (of any type but Q8_0, the reference)."""
@@ -42,17 +43,18 @@ TOOLS = ("llama-perplexity", "llama-bench")
 
 CTX, CHUNKS, THREADS = 128, 8, 2  # llama-perplexity -c 128 --chunks 8 -t 2: 8 x 63 scored tokens
 LLAMA_RECIPES = ("gguf-q8-0", "gguf-q4-0", "gguf-q4-1", "gguf-q4-k-m", "gguf-q5-k-m", "gguf-q3-k-m", "gguf-q2-k",
-                 "gguf-q3-k-l", "gguf-mxfp4")
+                 "gguf-q3-k-l", "gguf-mxfp4", "gguf-iq3-m", "gguf-iq2-m")
 CASES = [("llama", recipe) for recipe in LLAMA_RECIPES] + [("qwen3-moe", "gguf-q8-0"), ("qwen3-moe", "gguf-q4-k-m"),
                                                            ("qwen3-moe", "gguf-mxfp4")]
 
 # |perplexity of the file / the float model's - 1| at most: 4x to 15x what was measured (the module docstring).
 BOUNDS = {"gguf-q8-0": 0.005, "gguf-q4-0": 0.01, "gguf-q4-1": 0.01, "gguf-q4-k-m": 0.01, "gguf-q5-k-m": 0.01,
-          "gguf-q3-k-m": 0.015, "gguf-q2-k": 0.02, "gguf-q3-k-l": 0.015, "gguf-mxfp4": 0.01}
+          "gguf-q3-k-m": 0.015, "gguf-q2-k": 0.02, "gguf-q3-k-l": 0.015, "gguf-mxfp4": 0.01,
+          "gguf-iq3-m": 0.01, "gguf-iq2-m": 0.02}
 # The Llama files' mean KL divergence from the Q8_0 file's logits at most: 2.6x (Q2_K) to 15x what was measured,
 # each under the 0.012 of the subtlest breakage measured (the module docstring).
 KLD_BOUNDS = {"gguf-q4-0": 5e-4, "gguf-q4-1": 5e-4, "gguf-q5-k-m": 5e-4, "gguf-q4-k-m": 5e-4, "gguf-q3-k-m": 1e-3,
-              "gguf-q2-k": 8e-3, "gguf-q3-k-l": 1e-3, "gguf-mxfp4": 1e-3}
+              "gguf-q2-k": 8e-3, "gguf-q3-k-l": 1e-3, "gguf-mxfp4": 1e-3, "gguf-iq3-m": 2e-3, "gguf-iq2-m": 3e-3}
 
 SHAPES = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
               num_hidden_layers=2, max_position_embeddings=512)
