@@ -354,7 +354,8 @@ def _parse_mixture(value: Any, scheme: QuantScheme) -> str | None:
     base = MIXTURES[value]
     if scheme.weights.k_quant_type != base and scheme.weights != gguf_types.spec(base):
         grid = ("float4_e2m1fn group_size 32 with scale_dtype float8_e8m0fnu" if base == "MXFP4" else
-                "scale_dtype: k_quant, e.g. int4 group_size 32 asymmetric for Q4_K")
+                "scale_dtype: k_quant, e.g. int4 group_size 32 asymmetric for Q4_K" if base.endswith("_K") else
+                f"the scheme of recipe gguf-{base.lower().replace('_', '-')}")
         raise SchemeError("mixture", f"{value} is built on {base}: the scheme's weights must be {base}'s grid ({grid})")
     return value
 

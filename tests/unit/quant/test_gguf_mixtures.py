@@ -199,3 +199,8 @@ def test_the_i_quant_mixture_recipes_are_on_their_base_grid(name, mixture, base)
 
     recipe = registry.resolve(name)
     assert recipe.mixture == mixture and recipe.scheme.weights == gguf_types.spec(base)
+
+
+def test_an_i_quant_mixture_on_another_grid_names_the_recipe_whose_scheme_it_takes():
+    with pytest.raises(SchemeError, match="IQ2_M is built on IQ2_S: .*recipe gguf-iq2-s"):
+        registry.parse_recipe("bad", {**registry.resolve("gguf-q4-k-m").to_file(), "mixture": "IQ2_M"})
