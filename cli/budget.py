@@ -13,7 +13,6 @@ from quantkit.errors import UsageError
 from quantkit.quant.registry import Format, Recipe
 
 DEFAULT_RECIPE = "gguf-q4-k-m"  # budget.planner.DEFAULT_RECIPE, named here without importing torch
-DEFAULT_RECIPES = {Format.MLX: "mlx-gptq-4bit-g64"}  # a format DEFAULT_RECIPE's K grids are not: GPTQ on its own grid
 
 
 @dataclass(frozen=True)
@@ -40,7 +39,9 @@ def base_recipe(quantize: str | None, ask: Ask, fmt: Format | None = None) -> st
     if quantize is not None:
         return quantize
     if ask.planned:
-        return DEFAULT_RECIPES.get(fmt, DEFAULT_RECIPE)
+        from quantkit.export import FORMATS
+
+        return FORMATS[fmt].budget_recipe if fmt is not None else DEFAULT_RECIPE
     raise UsageError("pass -q RECIPE (see `quantkit recipes list`), or --target-bpw BITS / --target-size SIZE for a "
                      "GGUF type per tensor")
 

@@ -79,12 +79,13 @@ def parse_candidates(text: str | None, fmt: Format) -> tuple[str, ...]:
         examples = ", ".join(FORMATS[fmt].budget_candidates[:2])
         kind = "GGML types (q4_k, q6_k, ...)" if ggml else f"recipes whose schemes it takes ({examples}, ...)"
         raise UsageError(f"--candidates: {wrong[0]} is not a candidate for {fmt.value}, which takes {kind}")
-    if fmt is Format.MLX:  # a scheme MLX does not hold exactly: refused before the sensitivity is measured
-        from quantkit.export.mlx import for_format, unsupported
+    if not ggml:  # a recipe whose scheme the format does not hold: refused before the sensitivity is measured
+        from quantkit.export import exporter
         from quantkit.quant.registry import resolve
 
+        plugin = exporter(fmt)
         for name in found:
-            if problem := unsupported(for_format(resolve(name))):
+            if problem := plugin.unsupported(plugin.for_format(resolve(name))):
                 raise UsageError(f"--candidates: {name}: {problem}")
     return found
 
@@ -201,7 +202,7 @@ class _Sizing:
         it (mlx-lm's QuantizedEmbedding: the candidates' grids), not in a format that keeps it float."""
         if self.registration.tensor_types == GGML:
             return True
-        return self.fmt is Format.MLX and self.exporter.embedding_weights(self.recipe, self.model.config) is not None
+        return self.exporter.embedding_weights(self.recipe, self.model.config) is not None
 
     def embedding_types(self, candidates: tuple[str, ...], columns: int) -> list[str]:
         """The candidates the token embedding may take: GGUF's K types (quantkit rounds it as llama.cpp's K quantizer
@@ -263,7 +264,7 @@ def _decisions(model: torch.nn.Module, plan, recipe: Recipe, candidates: tuple[s
             if EMBEDDING in decided or (tied and "lm_head" in decided_linears):
                 continue  # decided: as itself, or (GGUF) as the tied output llama.cpp reads from token_embd
             spec = sizing.exporter.embedding_weights(recipe, model.config)  # a mixture's or an override's, in GGUF
-            if tied and "lm_head" in planned and sizing.fmt is Format.MLX:  # MLX stores it on lm_head's grid
+            if tied and "lm_head" in planned and sizing.registration.tied_embedding_on_output_grid:
                 spec = planned["lm_head"].weights
             fixed += sizing.planned_bytes(QuantScheme(spec), *param.shape) if spec else sizing.float_bytes(param)
         elif name.endswith(".weight") and owner in decided_linears:

@@ -49,6 +49,11 @@ class Registration:
     tensor_types: str | None = None
     budget_candidates: tuple[str, ...] = ()  # the types a budget plan (`--target-bpw`) chooses from by default
     vectors_float32: bool = False  # 1-D tensors (norms, biases) are stored in float32, whatever the model's dtype
+    # the recipe whose algorithm and calibration a budget plan uses when `-q` is not given (GPTQ on the format's grids)
+    budget_recipe: str = "gguf-q4-k-m"
+    # a tied token embedding is stored on lm_head's grid when lm_head takes a type of its own (MLX); else as the
+    # format stores an embedding
+    tied_embedding_on_output_grid: bool = False
 
 
 GGML, RECIPE = "ggml", "recipe"  # Registration.tensor_types
@@ -59,7 +64,8 @@ FORMATS = {
     Format.GGUF: Registration("gguf", single_file="model.gguf", reader="gguf_reader", tensor_types=GGML,
                               budget_candidates=("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_0"), vectors_float32=True),
     Format.MLX: Registration("mlx", reader="mlx_reader", tensor_types=RECIPE,
-                             budget_candidates=("mlx-3bit-g64", "mlx-4bit-g64", "mlx-5bit-g64", "mlx-6bit-g64", "mlx-8bit-g64")),
+                             budget_candidates=("mlx-3bit-g64", "mlx-4bit-g64", "mlx-5bit-g64", "mlx-6bit-g64", "mlx-8bit-g64"),
+                             budget_recipe="mlx-gptq-4bit-g64", tied_embedding_on_output_grid=True),
 }
 PLAIN_READER = "transformers_reader"  # what no format detects: a Hugging Face directory, read by plain transformers
 
