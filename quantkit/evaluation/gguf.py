@@ -163,20 +163,13 @@ def window_nll(model, tokens: Sequence[int], first_target: int, rows: int, obser
     decode of `tokens`, then float32 cross-entropy `rows` positions at a time, as `nll.chunked_nll` sums it (and
     hands each chunk's logits to `observe`, where given)."""
     import torch
-    import torch.nn.functional as F
+
+    from quantkit.evaluation.nll import decoded_nll
 
     model.reset()  # a fresh sequence: llama.cpp drops the cache past position 0 on the next eval
     model.eval(list(tokens))
     logits = torch.from_numpy(model.scores[: len(tokens) - 1])  # a view: llama.cpp's float32 logits
-    targets = torch.tensor(tokens[1:], dtype=torch.long)
-    total = None
-    for start in range(first_target - 1, len(tokens) - 1, rows):
-        end = min(start + rows, len(tokens) - 1)
-        if observe is not None:
-            observe(logits[start:end])
-        nll = F.cross_entropy(logits[start:end], targets[start:end], reduction="sum")
-        total = nll if total is None else total + nll
-    return (0.0 if total is None else total.item()), len(tokens) - first_target
+    return decoded_nll(logits, tokens, first_target, rows, observe)
 
 
 def check_options(models: Sequence[str], tp: int = 1, max_acc_drop: float | None = None, device: str = "auto") -> None:

@@ -104,19 +104,9 @@ class Runner:
 def window_nll(runner: Runner, tokens: Sequence[int], first_target: int, rows: int, observe=None) -> tuple[float, int]:
     """Summed float32 NLL of tokens[first_target:], each predicted by the position before it, `rows` positions at a
     time (as `nll.chunked_nll` sums it), each chunk's logits handed to `observe` where given."""
-    import torch
-    import torch.nn.functional as F
+    from quantkit.evaluation.nll import decoded_nll
 
-    logits = runner.logits(tokens)[: len(tokens) - 1]
-    targets = torch.tensor(tokens[1:], dtype=torch.long)
-    total = None
-    for start in range(first_target - 1, len(tokens) - 1, rows):
-        end = min(start + rows, len(tokens) - 1)
-        if observe is not None:
-            observe(logits[start:end])
-        nll = F.cross_entropy(logits[start:end], targets[start:end], reduction="sum")
-        total = nll if total is None else total + nll
-    return (0.0 if total is None else total.item()), len(tokens) - first_target
+    return decoded_nll(runner.logits(tokens), tokens, first_target, rows, observe)
 
 
 def windows_nll(runner: Runner, rows: int, inputs, labels, observe=None) -> tuple[float, int]:

@@ -10,7 +10,7 @@ Whether a model's forward computes exactly that is checked on a few tokens befor
 from __future__ import annotations
 
 from functools import partial
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -107,3 +107,20 @@ def _logit_chunks(base, head: Callable, inputs: torch.Tensor, labels: torch.Tens
     hidden, targets = hidden[:, :-1][scored], targets[scored]
     for start in range(0, targets.numel(), rows):
         yield head(hidden[None, start:start + rows])[0].float(), targets[start:start + rows]
+
+
+def decoded_nll(logits, tokens: Sequence[int], first_target: int, rows: int, observe=None) -> tuple[float, int]:
+    """Summed float32 NLL of tokens[first_target:] (each predicted by the position before it) and how many, from
+    one decode's logits of `tokens` [at least len(tokens) - 1, vocab] (an engine's: llama.cpp, mlx-lm), `rows`
+    positions at a time as `chunked_nll` sums them, each chunk's logits handed to `observe` where given."""
+    logits = logits[: len(tokens) - 1]
+    targets = torch.tensor(tokens[1:], dtype=torch.long)
+    total = None
+    for start in range(first_target - 1, len(tokens) - 1, rows):
+        end = min(start + rows, len(tokens) - 1)
+        if observe is not None:
+            observe(logits[start:end])
+        nll = F.cross_entropy(logits[start:end], targets[start:end], reduction="sum")
+        total = nll if total is None else total + nll
+    return (0.0 if total is None else total.item()), len(tokens) - first_target
+
