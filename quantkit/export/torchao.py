@@ -42,6 +42,9 @@ def unsupported(recipe: Recipe) -> str | None:
         return "fp16 and k_quant scales are GGUF's grids (torchao's tensors keep scales in the model's dtype)"
     if recipe.scheme.weights.scale_dtype is ScaleDtype.MLX_AFFINE:
         return "mlx_affine is MLX's grid (a float bias per group, not an integer zero point)"
+    if recipe.mixture:
+        return (f"{recipe.mixture} is llama.cpp's mixture of GGML types, which GGUF holds; per-tensor types here are "
+                "recipes' schemes (--tensor-type REGEX=RECIPE)")
     if recipe.scheme.weights.observer is not WeightObserver.MINMAX:
         return "torchao's configs choose min/max qparams; the mse weight observer needs compressed-tensors"
     try:
