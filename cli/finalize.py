@@ -177,33 +177,40 @@ def finalize(
         every["max_device_bytes"] = gpu_budget(max_gpu_memory, device)
     options = CalibrationOptions(data=calib_data, num_samples=num_samples, seq_len=seq_len, device=device, text_field=text_field,
                                  **every)
-    chosen = None
-    if ask.planned:
-        chosen = budget.plan(src, recipe, fmt, ask, options, dtype.value, trust_remote_code,
-                             quiet or not runtime.is_main_process() or json_to_stdout(json_path), in_memory)
-        recipe = chosen.recipe
-    if dry_run:  # minutes on a CPU at 8B, where the recipe calibrates: a terminal shows it working
-        with Progress(not quiet and not json_to_stdout(json_path)).task("Planning: one decoder layer of this shape timed here"):
-            plan = library.dry_run(src, recipe, fmt, options, launch.world_size, trust_remote_code, revision, dst,
-                                   dtype.value, in_memory)
-        if json_path:
-            write_json(json_path, "finalize --dry-run", plan | ({"budget": chosen.to_dict()} if chosen else {}))
-        if not quiet and not json_to_stdout(json_path):  # --quiet: errors only; the plan goes to --json FILE if given
-            print_plan(plan, recipe, dst)
-        return
-    main = runtime.is_main_process()
-    quiet = quiet or not main or json_to_stdout(json_path)
-    threads = threads or runtime.launched_threads()
-    result = library.finalize(
-        src, dst, recipe, fmt, overwrite=overwrite, dtype=dtype.value, threads=threads,
-        trust_remote_code=trust_remote_code, force_recipe=force_recipe, progress=Progress(enabled=not quiet),
-        calibration=options, revision=revision, max_shard_size=max_shard_size, resume=resume,
-        announce=None if quiet else announce, in_memory=in_memory,
-    )
-    if not quiet:
-        print_summary(result)
-    if json_path and main:
-        write_json(json_path, "finalize", result_dict(result) | ({"budget": chosen.to_dict()} if chosen else {}))
+    from contextlib import ExitStack
+
+    from quantkit.runtime import distributed
+
+    with ExitStack() as group:
+        if ask.planned:  # under torchrun: one process group for the plan and the run
+            group.enter_context(distributed.process_group(options.device))
+        chosen = None
+        if ask.planned:
+            chosen = budget.plan(src, recipe, fmt, ask, options, dtype.value, trust_remote_code,
+                                 quiet or not runtime.is_main_process() or json_to_stdout(json_path), in_memory)
+            recipe = chosen.recipe
+        if dry_run:  # minutes on a CPU at 8B, where the recipe calibrates: a terminal shows it working
+            with Progress(not quiet and not json_to_stdout(json_path)).task("Planning: one decoder layer of this shape timed here"):
+                plan = library.dry_run(src, recipe, fmt, options, launch.world_size, trust_remote_code, revision, dst,
+                                       dtype.value, in_memory)
+            if json_path:
+                write_json(json_path, "finalize --dry-run", plan | ({"budget": chosen.to_dict()} if chosen else {}))
+            if not quiet and not json_to_stdout(json_path):  # --quiet: errors only; the plan goes to --json FILE if given
+                print_plan(plan, recipe, dst)
+            return
+        main = runtime.is_main_process()
+        quiet = quiet or not main or json_to_stdout(json_path)
+        threads = threads or runtime.launched_threads()
+        result = library.finalize(
+            src, dst, recipe, fmt, overwrite=overwrite, dtype=dtype.value, threads=threads,
+            trust_remote_code=trust_remote_code, force_recipe=force_recipe, progress=Progress(enabled=not quiet),
+            calibration=options, revision=revision, max_shard_size=max_shard_size, resume=resume,
+            announce=None if quiet else announce, in_memory=in_memory,
+        )
+        if not quiet:
+            print_summary(result)
+        if json_path and main:
+            write_json(json_path, "finalize", result_dict(result) | ({"budget": chosen.to_dict()} if chosen else {}))
 
 
 def gpu_budget(size: str, device: str) -> int:

@@ -61,22 +61,25 @@ def rank_device(device: str | None, local_rank: int) -> torch.device:
 @contextlib.contextmanager
 def process_group(device: str | None = None, timeout: int | None = None) -> Iterator[Context]:
     """One process group for the duration of the block, when there are several ranks or this process runs under
-    torchrun; `destroy_process_group` always runs. `device`: the compute device the command was given (cpu,
-    cuda, cuda:N; None: CUDA when there is a GPU), which picks the backend. Collectives time out after `timeout`
+    torchrun; `destroy_process_group` always runs at its end. Inside another such block, that block's group is used
+    (one group a process: a second one, made after the first is destroyed, can meet the first's stale addresses in
+    torchrun's store). `device`: the compute device the command was given (cpu, cuda, cuda:N; None: CUDA when there
+    is a GPU), which picks the backend. Collectives time out after `timeout`
     seconds (default QUANTKIT_DIST_TIMEOUT or 600): a failed rank never hangs the others."""
     from quantkit.runtime.environment import under_torchrun
 
     rank, world_size, local_rank = world_from_env()
     here = rank_device(device, local_rank)
     grouped = world_size > 1 or under_torchrun()
-    if grouped and not dist.is_initialized():
+    mine = grouped and not dist.is_initialized()  # inside another block's group: that one is used, and left to it
+    if mine:
         if here.type == "cuda":
             torch.cuda.set_device(here)
         dist.init_process_group(backend(here.type), timeout=timedelta(seconds=timeout or timeout_s()))
     try:
         yield Context(rank=rank, world_size=world_size, local_rank=local_rank, device=here, grouped=grouped)
     finally:
-        if dist.is_initialized():
+        if mine and dist.is_initialized():
             dist.destroy_process_group()
 
 
