@@ -152,10 +152,14 @@ class _Run:
         model, embedding = self.model, self.embedding
         by_role = self._role_tensors()
         linears_of_layer: dict[int | None, list[str]] = {}
+        tensors_of_layer: dict[int | None, list[str]] = {}  # a tensor is in a layer when all its Linears are
         for name in self.candidates:
             if name != embedding:
+                layers = {self._layer_of(linear) for linear in self.members[name]}
                 for linear in self.members[name]:
                     linears_of_layer.setdefault(self._layer_of(linear), []).append(linear)
+                if len(layers) == 1:
+                    tensors_of_layer.setdefault(layers.pop(), []).append(name)
         with self._timed("read"):
             self.layers.load_rest()
         embedding_param = model.get_input_embeddings().weight
@@ -191,8 +195,7 @@ class _Run:
                     outputs = self._moments(layer, here, moment_calls)
                     moment_calls = with_hidden(moment_calls, outputs)
                 with self._timed("proxies"):
-                    self._linear_proxies([n for n in self.candidates if n != embedding
-                                          and all(self._layer_of(m) == i for m in self.members[n])])
+                    self._linear_proxies(tensors_of_layer.get(i, []))
                 with self._timed("gains"):
                     float_out = run_layer(layer, reference)
                     for role, names in by_role.items():
@@ -212,8 +215,7 @@ class _Run:
             self.layers.load_rest()
         norm, head = self._tail()
         with self._timed("moments"):  # Linears outside the decoder layers: lm_head reads the final norm's output
-            outside = [m for m in linears_of_layer.get(None, [])]
-            for linear in outside:
+            for linear in linears_of_layer.get(None, []):
                 module = model.get_submodule(linear)
                 sums = torch.zeros(len(self._all(self.moment)), module.in_features, dtype=torch.float64)
                 for slot, call in zip(self._slots(self.moment, self.moment_batches), hidden_states(moment_calls)):
@@ -221,8 +223,7 @@ class _Run:
                     sums[slot] = (x * x).sum(0).double().cpu()
                 self.moments[linear] = self._reduced_mean(sums, self.moment.numel())
         with self._timed("proxies"):
-            self._linear_proxies([n for n in self.candidates if n != embedding
-                                  and all(self._layer_of(m) is None for m in self.members[n])])
+            self._linear_proxies(tensors_of_layer.get(None, []))
         with self._timed("gains"):
             role_kl, gains = {}, {}
             hidden = hidden_states(reference)

@@ -240,11 +240,6 @@ def _ids(path: Path, texts: list[str], reference: tuple[list[int], str] | None) 
 def windows_nll(model, rows: int, inputs, labels, observe=None) -> tuple[float, int]:
     """`nll.NllFunction` over a llama.cpp model: each window (a row of `inputs` [B, L]) decoded alone, its loss from
     `window_nll` (`labels`' IGNORE_INDEX before each window's first target)."""
-    from quantkit.evaluation.nll import IGNORE_INDEX
+    from quantkit.evaluation.nll import decoded_windows_nll
 
-    total, count = 0.0, 0
-    for tokens, targets in zip(inputs.tolist(), labels):
-        first_target = int((targets != IGNORE_INDEX).nonzero()[0])
-        nll, scored = window_nll(model, tokens, first_target, rows, observe)
-        total, count = total + nll, count + scored
-    return total, count
+    return decoded_windows_nll(window_nll, model, rows, inputs, labels, observe)

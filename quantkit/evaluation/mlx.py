@@ -111,14 +111,9 @@ def window_nll(runner: Runner, tokens: Sequence[int], first_target: int, rows: i
 
 def windows_nll(runner: Runner, rows: int, inputs, labels, observe=None) -> tuple[float, int]:
     """`nll.NllFunction` over mlx-lm: each window (a row of `inputs`) computed alone."""
-    from quantkit.evaluation.nll import IGNORE_INDEX
+    from quantkit.evaluation.nll import decoded_windows_nll
 
-    total, count = 0.0, 0
-    for tokens, targets in zip(inputs.tolist(), labels):
-        first_target = int((targets != IGNORE_INDEX).nonzero()[0])
-        nll, scored = window_nll(runner, tokens, first_target, rows, observe)
-        total, count = total + nll, count + scored
-    return total, count
+    return decoded_windows_nll(window_nll, runner, rows, inputs, labels, observe)
 
 
 def measure(label: str, texts: list[str], reference: tuple[list[int], str] | None, seq_len: int = 512,

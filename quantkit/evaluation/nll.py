@@ -124,3 +124,15 @@ def decoded_nll(logits, tokens: Sequence[int], first_target: int, rows: int, obs
         total = nll if total is None else total + nll
     return (0.0 if total is None else total.item()), len(tokens) - first_target
 
+
+def decoded_windows_nll(window_nll: Callable, engine, rows: int, inputs, labels, observe=None) -> tuple[float, int]:
+    """`NllFunction` over an engine that decodes one sequence at a time (llama.cpp, mlx-lm): each window (a row of
+    `inputs` [B, L]) through `window_nll(engine, tokens, first_target, rows, observe)`, the first target after
+    `labels`' IGNORE_INDEX."""
+    total, count = 0.0, 0
+    for tokens, targets in zip(inputs.tolist(), labels):
+        first_target = int((targets != IGNORE_INDEX).nonzero()[0])
+        nll, scored = window_nll(engine, tokens, first_target, rows, observe)
+        total, count = total + nll, count + scored
+    return total, count
+
