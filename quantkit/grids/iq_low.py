@@ -4,8 +4,11 @@ types' tables and bytes are `iq_codebooks`.
 
 The quantizer (`quantize_codebook`) is llama.cpp's search made exact where llama.cpp approximates, not a port of
 its bytes. As in quantize_row_iq2_xxs_impl and its siblings, each weight counts by its importance qw (an imatrix:
-H's diagonal) times sqrt(sigma2 + x^2), sigma2 the super-block's mean square (times 2 but for IQ2_XXS / IQ2_XS),
-or x^2 without one; IQ2 / IQ3 round the magnitudes and keep each weight's sign, and where a type stores 7 signs per
+H's diagonal) times sqrt(sigma2 + x^2), sigma2 the super-block's mean square (times 2 but for IQ2_XXS / IQ2_XS).
+Without one (a token embedding, which no matrix product calibrates, or round to nearest without data) every weight
+counts alike, where llama.cpp weights by x^2: once the search is exact, x^2 buys the largest weights' error with the
+small ones' (on the trained benchmark Llama, IQ3_S's token embedding had 32% less x^2-weighted error than ggml's and
+twice its plain error, and +33% KL divergence from F16 in llama.cpp; unweighted, -23%); IQ2 / IQ3 round the magnitudes and keep each weight's sign, and where a type stores 7 signs per
 8 weights and 8 has an odd count of negatives, the weight of least w x^2 is flipped first. Where llama.cpp rounds
 each weight to a level and searches a few grid points near that, quantkit takes the nearest grid point of the
 whole grid under the weights (one matrix product per trial: sum w (s g - x)^2 = s^2 sum w g^2 - 2 s sum w g x +
@@ -280,9 +283,10 @@ def _signs(x: torch.Tensor, w: torch.Tensor, fmt: CodebookFormat) -> tuple[torch
 
 
 def element_weights(x: torch.Tensor, importance: torch.Tensor | None, fmt: CodebookFormat) -> torch.Tensor:
-    """Each weight's weight in the search [S, 256] (super-blocks): qw * sqrt(sigma2 + x^2), or x^2 without qw."""
+    """Each weight's weight in the search [S, 256] (super-blocks): qw * sqrt(sigma2 + x^2), or 1 without qw (the
+    module docstring says why not llama.cpp's x^2)."""
     if importance is None:
-        return x * x
+        return torch.ones_like(x)
     sigma2 = (x * x).mean(1, keepdim=True) * (1.0 if fmt.qtype in (Q.IQ2_XXS, Q.IQ2_XS) else 2.0)
     return importance * torch.sqrt(sigma2 + x * x)
 

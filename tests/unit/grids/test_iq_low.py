@@ -11,6 +11,7 @@ from gguf.quants import dequantize
 from quantkit import grids
 from quantkit.algorithms.gptq import gptq_quantize
 from quantkit.algorithms.methods.gptq import GPTQArgs
+from quantkit.grids import iq_low
 from quantkit.grids.iq_codebooks import FORMATS, grid, levels
 from quantkit.grids.iq_low import CODEBOOK_GRID, CodebookParams, decode_steps, quantize_codebook
 from quantkit.grids.schemes import SchemeError
@@ -180,3 +181,19 @@ def test_the_gguf_type_table_knows_the_types(name, bpw):
     assert gguf_types.bits_per_weight(name.lower()) == bpw and gguf_types.canonical(name.lower()) == name
     assert gguf_types.fits(name, 512) and not gguf_types.fits(name, 128)
     assert levels(Q[name]).dtype == np.float32
+
+
+@pytest.mark.parametrize("qtype", [Q.IQ3_S, Q.IQ3_XXS, Q.IQ2_S], ids=lambda q: q.name)
+def test_without_an_importance_matrix_every_weight_counts_alike(qtype, monkeypatch):
+    """No imatrix (a token embedding, round to nearest without data): the search minimises the plain squared error,
+    not llama.cpp's x^2-weighted one, which the exact search over-fits to the largest weights (an embedding row's
+    small entries then carry twice the error)."""
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(16, 512, generator=g) * torch.exp(torch.randn(16, 512, generator=g))  # heavy-tailed rows
+    codes, params = quantize_codebook(w, qtype)
+    plain = float(((params.dequantize(codes) - w) ** 2).sum())
+    monkeypatch.setattr(iq_low, "element_weights", lambda x, qw, fmt: x * x)  # llama.cpp's weights
+    codes, params = quantize_codebook(w, qtype)
+    squared = float(((params.dequantize(codes) - w) ** 2).sum())
+    print(f"{qtype.name}: plain squared error {plain:.2f} unweighted, {squared:.2f} x^2-weighted")
+    assert plain < 0.8 * squared
