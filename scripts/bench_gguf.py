@@ -68,10 +68,12 @@ itself it would write IQ4_NL / IQ4_XS's embedding in the type and the output in 
 for the K mixtures, which quantkit's K recipes follow (Q4_K_M: Q4_K and Q6_K): each type's files then hold the same
 tensors in the same types, and differ only in how the values were chosen.
 
-`--export-time` runs another benchmark instead: the time and peak memory to write a GGUF file of a 0.84B Llama of
-random bf16 weights (hidden 1536, 24 layers, MLP 4608, vocab 32000, untied; built once in `--workdir` with
-scripts/build_large_checkpoint.py's writer): `quantkit finalize -q gguf-q4-0` and `-q gguf-q4-k-m+rtn` (no
-calibration either), against llama.cpp's convert_hf_to_gguf.py (F16) + llama-quantize Q4_0 / Q4_K_M.
+`--export-time` runs another benchmark instead: the time (wall and CPU), peak memory and load average to write a
+GGUF file of a 0.84B Llama of random bf16 weights (hidden 1536, 24 layers, MLP 4608, vocab 32000, untied; built once
+in `--workdir` with scripts/build_large_checkpoint.py's writer), or of `--export-model` (e.g. that script's
+Llama-3.1-8B shape with fewer layers): `quantkit finalize -q gguf-q4-0`, `-q gguf-q4-k-m+rtn` and `-q
+gguf-iq4-xs+rtn` (`--export-types`; none calibrated), streamed from the shards, against llama.cpp's
+convert_hf_to_gguf.py (F16) + llama-quantize Q4_0 / Q4_K_M / IQ4_XS. Each file is removed once measured.
 
 A row that fails (a recipe refused, a file llama.cpp does not load) is kept in the table with its one-line error.
 On 2 shared CPU cores (the trained model of 21M parameters, 64 x 512 calibration tokens) quantkit's GPTQ rows took
@@ -801,53 +803,66 @@ def _build_large(dst: Path, text: Path, threads: int) -> None:
 
 
 def timed(tool: str, kind: str, step: str, cmd: list[str], out: Path, threads: int) -> dict:
-    """One measured process of the export-time table (wall time, peak RSS, the file it wrote)."""
+    """One measured process of the export-time table (wall and CPU time, peak RSS, the file it wrote, the load
+    average over the minute before it ended)."""
     out.unlink(missing_ok=True)
     run = harness.measure(cmd, harness.thread_env(threads))
-    print(f"export time: {tool} {kind} {step}: {run.seconds:.1f} s, {run.peak_rss_mib:.0f} MiB"
+    load = os.getloadavg()[0]
+    print(f"export time: {tool} {kind} {step}: {run.seconds:.1f} s, {run.cpu_seconds:.1f} CPU s, "
+          f"{run.peak_rss_mib:.0f} MiB, load {load:.1f}"
           + (f", FAILED: {one_line(run.stderr_tail)}" if run.returncode else ""), file=sys.stderr)
-    return {"tool": tool, "type": kind, "step": step, "seconds": run.seconds, "peak_rss_mib": run.peak_rss_mib,
-            "size": out.stat().st_size if out.is_file() else None,
+    return {"tool": tool, "type": kind, "step": step, "seconds": run.seconds, "cpu_seconds": run.cpu_seconds,
+            "peak_rss_mib": run.peak_rss_mib, "size": out.stat().st_size if out.is_file() else None, "load": load,
             "error": one_line(run.stderr_tail) if run.returncode else ""}
 
 
+# the round-to-nearest rows of the export-time table: llama-quantize's type, quantkit's recipe
+EXPORT_ROWS = {"Q4_0": "gguf-q4-0", "Q4_K_M": "gguf-q4-k-m+rtn", "IQ4_XS": "gguf-iq4-xs+rtn"}
+
+
 def export_times(bin_dir: Path, runner: Path, args: argparse.Namespace) -> list[dict]:
-    """quantkit finalize (RTN Q4_0, RTN Q4_K_M mixture) against llama.cpp's convert (F16) + llama-quantize of the
-    same types, on the 0.84B model; every file written again (nothing reused)."""
-    src = large_model(args.workdir, args.train_text, args.threads)
+    """quantkit finalize (round to nearest: EXPORT_ROWS, `--export-types`) against llama.cpp's convert (F16) +
+    llama-quantize of the same types, on the 0.84B model or `--export-model`; every file written again (nothing
+    reused), the F16 file removed at the end."""
+    src = args.export_model or large_model(args.workdir, args.train_text, args.threads)
     folder = args.workdir / "export-time"
     folder.mkdir(exist_ok=True)
     t = args.threads
     f16 = folder / "llama-f16.gguf"
     steps = [timed("llama.cpp", "F16", "convert_hf_to_gguf.py --outtype f16", [
         sys.executable, str(runner), str(src), "--outtype", "f16", "--outfile", str(f16)], f16, t)]
-    for kind in ("Q4_0", "Q4_K_M"):
+    for kind in args.export_types:
         out = folder / f"llama-{kind}.gguf"
         outer = ["--token-embedding-type", "f16", "--output-tensor-type", "f16"] if kind in UNQUANTIZED_OUTER else []
         cmd = [str(bin_dir / "llama-quantize"), *outer, str(f16), str(out), kind, str(t)]
         steps.append(timed("llama.cpp", kind, "llama-quantize", cmd, out, t))
-    for kind, spec in (("Q4_0", "gguf-q4-0"), ("Q4_K_M", "gguf-q4-k-m+rtn")):
+        out.unlink(missing_ok=True)
+    f16.unlink(missing_ok=True)
+    for kind in args.export_types:
         out = folder / f"quantkit-{kind}.gguf"
+        spec = EXPORT_ROWS[kind]
         cmd = harness.finalize_command(src, out, recipe_for(spec, folder), t, "--format", "gguf", "--dtype", "float16")
         steps.append(timed("quantkit", kind, f"finalize -q {spec}", cmd, out, t))
+        out.unlink(missing_ok=True)
     return steps
 
 
 def export_table(steps: list[dict]) -> str:
-    """The measured steps, and per llama.cpp type its total (convert + quantize: wall times added, peak RSS the
-    larger)."""
+    """The measured steps, and per llama.cpp type its total (convert + quantize: wall and CPU times added, peak RSS
+    the larger)."""
     convert = next(s for s in steps if s["type"] == "F16")
     rows = []
     for s in steps:
-        rows.append([s["tool"], s["type"], s["step"], f"{s['seconds']:.1f}", f"{s['peak_rss_mib']:.0f}",
-                     fmt(s["size"] and s["size"] / harness.MIB, ".1f"), s["error"]])
+        rows.append([s["tool"], s["type"], s["step"], f"{s['seconds']:.1f}", f"{s.get('cpu_seconds', 0):.1f}",
+                     f"{s['peak_rss_mib']:.0f}", fmt(s["size"] and s["size"] / harness.MIB, ".1f"),
+                     f"{s.get('load', 0):.1f}", s["error"]])
         if s["tool"] == "llama.cpp" and s["type"] != "F16":
-            total = convert["seconds"] + s["seconds"]
-            rows.append([s["tool"], s["type"], "**total: convert + quantize**", f"{total:.1f}",
+            rows.append([s["tool"], s["type"], "**total: convert + quantize**", f"{convert['seconds'] + s['seconds']:.1f}",
+                         f"{convert.get('cpu_seconds', 0) + s.get('cpu_seconds', 0):.1f}",
                          f"{max(convert['peak_rss_mib'], s['peak_rss_mib']):.0f}",
-                         fmt(s["size"] and s["size"] / harness.MIB, ".1f"), ""])
-    return harness.markdown_table(["tool", "type", "step", "wall s", "peak RSS MiB", "file MiB", "error"], rows,
-                                  "lllrrrl")
+                         fmt(s["size"] and s["size"] / harness.MIB, ".1f"), "", ""])
+    return harness.markdown_table(["tool", "type", "step", "wall s", "CPU s", "peak RSS MiB", "file MiB", "load", "error"],
+                                  rows, "lllrrrrrl")
 
 
 # ---------------------------------------------------------------- main
@@ -889,6 +904,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "an earlier run made in --workdir, and make and measure only the missing ones")
     p.add_argument("--export-time", action="store_true", help="instead of the table: the time and peak RSS to write "
                    "a 0.84B model's GGUF files, quantkit against llama.cpp's convert + quantize")
+    p.add_argument("--export-model", type=Path, help="--export-time's model (default: the 0.84B Llama), e.g. "
+                   "scripts/build_large_checkpoint.py --shape llama-3.1-8b --layers 4")
+    p.add_argument("--export-types", nargs="+", default=list(EXPORT_ROWS), choices=list(EXPORT_ROWS),
+                   help="--export-time's types")
     p.add_argument("--json", type=Path)
     return p.parse_args(argv)
 
@@ -929,8 +948,9 @@ def main(argv: list[str] | None = None) -> None:
         steps = export_times(bin_dir, runner, args)
         print(f"\n{date.today().isoformat()}, {harness.host_facts()['platform']}, {args.threads} threads; "
               f"llama.cpp {llama_cpp_version(bin_dir)}; quantkit {bench_rotations.git_head()}; "
-              f"the 0.84B Llama of random bf16 weights "
-              f"({harness.parameter_count(large_model(args.workdir, args.train_text, args.threads)):,} parameters)\n")
+              f"{args.export_model or 'the 0.84B Llama of random bf16 weights'} "
+              f"({harness.parameter_count(args.export_model or large_model(args.workdir, args.train_text, args.threads)):,} "
+              "parameters)\n")
         print(export_table(steps))
         if args.json:
             args.json.write_text(json.dumps({"quantkit_commit": bench_rotations.git_head(), "export_time": steps},

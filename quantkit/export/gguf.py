@@ -349,11 +349,29 @@ def codes(weight: torch.Tensor, qparams: QParams) -> torch.Tensor:
     largest values to half a step only (8 significant bits), so there the nearest code may be a tie, and the
     decode picks. A block of rows at a time: float32 intermediates stay small."""
     from quantkit.grids.ggml_blocks import row_blocks
+    from quantkit.grids.k_grids import _compiled, _map_chunks, cpu_kernels
 
     group = weight.shape[1] // qparams.scale.shape[1]
     lo, hi = qparams.spec.dtype.qrange
     out = torch.empty(weight.shape, dtype=torch.int8)
-    for rows in row_blocks(*weight.shape):
+
+    def nearest(rows: slice) -> bool:
+        """The nearest codes of `rows` in one compiled pass (`cpu_kernels.integer_codes`); False where some lie far
+        from their code (or a weight is not finite), left to the checks below."""
+        x = weight[rows].float()
+        if not _compiled(x):
+            return False
+        zero = (np.empty((x.shape[0], 0), np.float32) if qparams.zero_point is None
+                else qparams.zero_point[rows].float().contiguous().numpy())
+        far = cpu_kernels().integer_codes(x.numpy(), qparams.scale[rows].float().contiguous().numpy(), zero, group,
+                                          np.float32(lo), np.float32(hi), out[rows].numpy())
+        return far == 0
+
+    blocks = row_blocks(*weight.shape)
+    checked = _map_chunks(nearest, blocks, weight.device)
+    for rows, done in zip(blocks, checked):
+        if done:  # every code within a quarter of a step: no tie for the checks below to decide
+            continue
         scale = qparams.scale[rows]
         zero = None if qparams.zero_point is None else qparams.zero_point[rows]
         exact = weight[rows].float() / scale.float().repeat_interleave(group, dim=1)
@@ -373,12 +391,23 @@ def codes(weight: torch.Tensor, qparams: QParams) -> torch.Tensor:
     return out
 
 
+# how far a block grid's float32 value may lie from the weight holding it: 2^-7 of its magnitude, as the dequantized
+# weight is compared (`block_codes`), plus bfloat16's rounding of the value (2^-9 of it, within 2^-8)
+_ON_GRID_RTOL = 2 ** -7 + 2 ** -8
+
+
 def block_codes(weight: torch.Tensor, qparams: QParams) -> torch.Tensor:
     """A block grid's codes (K-quants, i-quants) of the grid values `weight` holds: rounded back on the grid (its
     `round`), checked to decode to the weight (to the model dtype's rounding), a block of rows at a time."""
     from quantkit.grids.ggml_blocks import row_blocks
 
     k = qparams.k
+    on_grid = getattr(k, "codes_on_grid", None)  # K and IQ4 grids: rounded and checked in one compiled pass
+    if on_grid is not None:
+        q = on_grid(weight, rtol=_ON_GRID_RTOL, atol=1e-6)
+        if q is None:
+            raise ExportError("a quantized weight is not on its block grid (a quantkit bug: please report it)")
+        return q
     q = k.round(weight)
     for rows in row_blocks(*weight.shape):
         decoded = k.rows(rows).dequantize(q[rows], dtype=weight.dtype)

@@ -27,7 +27,7 @@ from gguf import GGMLQuantizationType
 
 from quantkit.grids.ggml_blocks import BlockFormat, row_blocks
 from quantkit.grids.family import GridFamily
-from quantkit.grids.k_grids import _columns, _div, _first_absmax, _map_chunks, _sqrt
+from quantkit.grids.k_grids import _columns, _compiled, _div, _first_absmax, _map_chunks, _sqrt, cpu_kernels
 from quantkit.grids.qparams import QuantizedWeight
 from quantkit.grids.schemes import WeightSpec
 
@@ -94,6 +94,12 @@ class IQ4Params:
         """`round_iq4`'s codes on this grid, without their values."""
         return _round(values, self, first_column, decode=False)[0]
 
+    def codes_on_grid(self, values: torch.Tensor, rtol: float, atol: float) -> torch.Tensor | None:
+        """The codes of `values`, which hold this grid's values (in their dtype), rounded back onto it (`round`), or
+        None if one of them decodes farther than atol + rtol * |value| from its value: it was not on the grid."""
+        codes, _, on_grid = _round(values, self, 0, decode=False, tolerance=(rtol, atol))
+        return codes if on_grid else None
+
     def sub_block_scales(self) -> torch.Tensor:
         """float32 [rows, cols // 32]: each block's step as ggml decodes it, float(d) or float(d) * (ls - 32)."""
         return self._steps(self.d.float())
@@ -106,16 +112,26 @@ class IQ4Params:
     def inverse_steps(self, first_column: int, count: int) -> torch.Tensor:
         """float32 [rows, count]: what llama.cpp multiplies a weight by before choosing its code (`nearest_code`),
         1 / d_search (IQ4_NL) or 1 / (d_search * (ls - 32)) (IQ4_XS); 0 where that step is 0."""
+        return _per_column(self.block_inverses(), first_column, count)
+
+    def block_inverses(self) -> torch.Tensor:
+        """float32 [rows, cols // 32]: `inverse_steps` of each block."""
         steps = self._steps(self.d.float() if self.d_search is None else self.d_search)
-        return _per_column(torch.where(steps != 0, _div(1.0, steps), 0.0), first_column, count)
+        return torch.where(steps != 0, _div(1.0, steps), 0.0)
 
     def dequantize(self, codes: torch.Tensor, first_column: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The values of `codes` (the columns from `first_column` on), exactly as ggml decodes them (in float32),
         in `dtype`, a block of rows at a time (`row_blocks`)."""
         out = torch.empty(codes.shape, dtype=dtype, device=codes.device)
         for rows in row_blocks(*codes.shape):
-            step, _ = self.rows(rows).column_scales(first_column, codes.shape[1])
-            out[rows] = step * _lookup(_kvalues(codes.device), codes[rows].int())
+            grid, part = self.rows(rows), codes[rows]
+            values = _lookup(_kvalues(codes.device), part.int())
+            if first_column % BLOCK or part.shape[1] % BLOCK:
+                out[rows] = grid.column_scales(first_column, part.shape[1])[0] * values
+                continue
+            # whole blocks: each one's step broadcast over its weights, the same products
+            step = grid.sub_block_scales()[:, first_column // BLOCK:(first_column + part.shape[1]) // BLOCK, None]
+            out[rows] = values.reshape(part.shape[0], -1, BLOCK).mul_(step).reshape(part.shape)
         return out
 
     def rows(self, rows: slice) -> IQ4Params:
@@ -178,6 +194,8 @@ def choose_iq4_params(columns: torch.Tensor, qtype: GGMLQuantizationType, import
 
     def search_chunk(first: int) -> tuple[torch.Tensor | None, torch.Tensor]:
         chunk = blocks[first:first + size].float()
+        if importance is None and _compiled(chunk):
+            return _compiled_search(chunk, qtype)
         return _search(chunk, _chunk_importance(importance, first, chunk.shape[0], super_block), qtype)
 
     size = max(1, _chunk_weights(x.device) // super_block)
@@ -191,7 +209,7 @@ def round_iq4(values: torch.Tensor, params: IQ4Params, first_column: int = 0) ->
     """The codes (int8) of `values`' columns (the grid's columns from `first_column` on) on the fixed grid
     `params`, as llama.cpp's last pass chooses them (`nearest_code` of the value times `inverse_steps`), and their
     values (float32, as ggml decodes them). A block of rows at a time (`row_blocks`)."""
-    return _round(values, params, first_column, decode=True)
+    return _round(values, params, first_column, decode=True)[:2]
 
 
 def nearest_code(scaled: torch.Tensor) -> torch.Tensor:
@@ -201,19 +219,46 @@ def nearest_code(scaled: torch.Tensor) -> torch.Tensor:
     return _lookup(_table(_TABLE_CODES, torch.int8, scaled.device), index)
 
 
-def _round(values: torch.Tensor, params: IQ4Params, first_column: int, decode: bool):
-    """`round_iq4`'s codes, and (`decode`) their values, else None."""
+def _round(values: torch.Tensor, params: IQ4Params, first_column: int, decode: bool,
+           tolerance: tuple[float, float] | None = None):
+    """`round_iq4`'s codes, (`decode`) their values, else None, and whether every code decodes to its value within
+    `tolerance` (rtol, atol; True without one). On a CPU, without `decode`, each block of rows is one compiled pass
+    (`cpu_kernels.round_iq4`), the blocks in threads; elsewhere torch ops."""
     codes = torch.empty(values.shape, dtype=torch.int8, device=values.device)
     decoded = torch.empty(values.shape, dtype=torch.float32, device=values.device) if decode else None
     code_table, value_table = _table(_TABLE_CODES, torch.int8, values.device), _table_values(values.device)
-    for rows in row_blocks(*values.shape):
-        grid = params.rows(rows)
+    rtol, atol = tolerance if tolerance is not None else (-1.0, 0.0)
+
+    def round_rows(first: int) -> bool:
+        rows = slice(first, first + per_block)
+        grid, x = params.rows(rows), values[rows].float()
+        if not decode and _compiled(x):
+            spanned = slice(first_column // BLOCK, first_column // BLOCK + _blocks_spanned(first_column, x.shape[1]))
+            inverse, steps = grid.block_inverses()[:, spanned], grid.sub_block_scales()[:, spanned]
+            off = cpu_kernels().round_iq4(x.numpy(), inverse.contiguous().numpy(), steps.contiguous().numpy(),
+                                          first_column % BLOCK, np.array(_TABLE_CODES, np.int8),
+                                          np.array(KVALUES_IQ4NL, np.float32), _TABLE_LOW, _TABLE_HIGH,
+                                          np.float32(rtol), np.float32(atol), codes[rows].numpy())
+            return off == 0
         doubled = torch.mul(grid.inverse_steps(first_column, values.shape[1]), values[rows]).mul_(2.0)
         index = _table_index(doubled, torch.empty(doubled.shape, dtype=torch.int32, device=values.device))
         codes[rows] = _lookup(code_table, index)
         if decode:
             decoded[rows] = grid.column_scales(first_column, values.shape[1])[0] * _lookup(value_table, index)
-    return codes, decoded
+        if tolerance is None:
+            return True
+        found = grid.dequantize(codes[rows], first_column, dtype=values.dtype)
+        return torch.allclose(found.float(), x, rtol=rtol, atol=atol)
+
+    blocks = row_blocks(*values.shape)
+    per_block = blocks[0].stop - blocks[0].start if blocks else 1
+    on_grid = all(_map_chunks(round_rows, range(0, values.shape[0], per_block), values.device))
+    return codes, decoded, on_grid
+
+
+def _blocks_spanned(first_column: int, count: int) -> int:
+    """How many blocks of 32 columns first_column .. first_column + count - 1 touch."""
+    return (first_column + count - 1) // BLOCK - first_column // BLOCK + 1
 
 
 # ---- bytes
@@ -312,6 +357,17 @@ def _search(blocks: torch.Tensor, importance: torch.Tensor | None, qtype: GGMLQu
     inverse = torch.where(d != 0, _div(1.0, d), 0.0)
     levels = _nearest_int(inverse[:, None] * scales).clamp_(-32, 31)
     return (levels + 32).to(torch.int8), d[:, None]
+
+
+def _compiled_search(blocks: torch.Tensor, qtype: GGMLQuantizationType) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """`_search` without importance as one compiled loop (`cpu_kernels.search_iq4`), bit for bit."""
+    count = blocks.shape[0]
+    d = np.empty(count, np.float32)
+    scales = np.empty((count, blocks.shape[1] // BLOCK), np.int8)
+    trials = np.array([0.0] + [float(t + KVALUES_IQ4NL[0]) for t in range(-_NTRY, _NTRY + 1)], np.float32)
+    cpu_kernels().search_iq4(blocks.numpy(), trials, _table_values(blocks.device).numpy(), _TABLE_LOW,
+                             np.float32(_GROUP_MAX_EPS), qtype is Q.IQ4_XS, scales, d)
+    return (None if qtype is Q.IQ4_NL else torch.from_numpy(scales)), torch.from_numpy(d)[:, None]
 
 
 def _element_weights(blocks: torch.Tensor, importance: torch.Tensor | None) -> torch.Tensor:

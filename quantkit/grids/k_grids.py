@@ -70,10 +70,19 @@ class KQParams:
         """The values of `codes` (the columns from `first_column` on), exactly as ggml decodes them (in float32),
         in `dtype`. A block of rows at a time (`row_blocks`): a 128k-token embedding holds no float32 copies."""
         out = torch.empty(codes.shape, dtype=dtype, device=codes.device)
+        sub = self.format.sub_block
         for rows in row_blocks(*codes.shape):
-            step, offset = self.rows(rows).column_scales(first_column, codes.shape[1])
-            values = step * codes[rows].float()
-            out[rows] = values if offset is None else values - offset
+            grid, part = self.rows(rows), codes[rows]
+            if first_column % sub or part.shape[1] % sub:
+                step, offset = grid.column_scales(first_column, part.shape[1])
+                values = step * part.float()
+                out[rows] = values if offset is None else values - offset
+                continue
+            # whole sub-blocks: each one's step (and offset) broadcast over its weights, the same products
+            subs = slice(first_column // sub, (first_column + part.shape[1]) // sub)
+            step, offset = (None if t is None else t[:, subs, None] for t in grid.sub_block_scales())
+            values = part.reshape(part.shape[0], -1, sub).float().mul_(step)
+            out[rows] = (values if offset is None else values.sub_(offset)).reshape(part.shape)
         return out
 
     def rows(self, rows: slice) -> KQParams:
@@ -91,6 +100,12 @@ class KQParams:
     def round(self, weight: torch.Tensor, first_column: int = 0) -> torch.Tensor:
         """`round_k` on this grid."""
         return round_k(weight, self, first_column)
+
+    def codes_on_grid(self, values: torch.Tensor, rtol: float, atol: float) -> torch.Tensor | None:
+        """The codes of `values`, which hold this grid's values (in their dtype), rounded back onto it (`round`), or
+        None if one of them decodes farther than atol + rtol * |value| from its value: it was not on the grid."""
+        codes, on_grid = _round_k(values, self, 0, None, (rtol, atol))
+        return codes if on_grid else None
 
     def pack(self, codes: torch.Tensor) -> np.ndarray:
         """GGML's blocks of `codes` on this grid: uint8 [rows, cols // 256 * type_bytes]."""
@@ -146,14 +161,61 @@ def round_k(weight: torch.Tensor, qparams: KQParams, first_column: int = 0) -> t
     """int8 codes of `weight`'s columns (the grid's columns from `first_column` on) rounded to nearest on the
     fixed grid `qparams`, as ggml's final pass does. Columns whose step is 0 get code 0 (any code decodes alike).
     A block of rows at a time (`row_blocks`)."""
+    return _round_k(weight, qparams, first_column, None)[0]
+
+
+def _round_k(weight: torch.Tensor, qparams: KQParams, first_column: int, fallback: torch.Tensor | None,
+             tolerance: tuple[float, float] | None = None) -> tuple[torch.Tensor, bool]:
+    """`round_k`, with `fallback`'s codes (int8, the weight's shape) where a step is 0 (None: 0), and whether every
+    code decodes to its weight within `tolerance` (rtol, atol: atol + rtol * |weight|; True without one). On a CPU
+    each block of rows is one compiled pass (`cpu_kernels.round_k`), the blocks in threads; elsewhere torch ops."""
     low, high = qparams.format.code_range
     codes = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
-    for rows in row_blocks(*weight.shape):
-        step, offset = qparams.rows(rows).column_scales(first_column, weight.shape[1])
-        x = weight[rows].float()
+    rtol, atol = tolerance if tolerance is not None else (-1.0, 0.0)
+
+    def round_rows(first: int) -> bool:
+        rows = slice(first, first + per_block)
+        x, grid = weight[rows].float(), qparams.rows(rows)
+        substitute = fallback[rows] if fallback is not None else torch.zeros(x.shape, dtype=torch.int8, device=x.device)
+        if _compiled(x):
+            parts = [_f32_array(t) for t in (grid.d, grid.scales)]
+            parts += [_f32_array(t) for t in (grid.dmin, grid.mins)] if grid.mins is not None else [_no_columns(x.shape[0])] * 2
+            off = cpu_kernels().round_k(x.numpy(), *parts, qparams.format.sub_block, first_column, np.float32(low),
+                                        np.float32(high), substitute.contiguous().numpy(), np.float32(rtol),
+                                        np.float32(atol), codes[rows].numpy())
+            return off == 0
+        step, offset = grid.column_scales(first_column, weight.shape[1])
         scaled = _div(x if offset is None else x + offset, step)
-        codes[rows] = torch.where(step == 0, 0.0, _clamp(torch.round(scaled), low, high))
-    return codes
+        codes[rows] = torch.where(step == 0, substitute, _clamp(torch.round(scaled), low, high).to(torch.int8))
+        if tolerance is None:
+            return True
+        decoded = grid.dequantize(codes[rows], first_column, dtype=weight.dtype)
+        return torch.allclose(decoded.float(), x, rtol=rtol, atol=atol)
+
+    blocks = row_blocks(*weight.shape)
+    per_block = blocks[0].stop - blocks[0].start if blocks else 1
+    return codes, all(_map_chunks(round_rows, range(0, weight.shape[0], per_block), weight.device))
+
+
+def cpu_kernels():
+    """`grids.cpu_kernels` (numba), imported when first needed."""
+    from quantkit.grids import cpu_kernels as kernels
+
+    return kernels
+
+
+def _compiled(x: torch.Tensor) -> bool:
+    """Whether float32 `x` (2-D) goes through the compiled CPU loops: on the CPU, every value finite (the torch ops
+    keep ggml's handling of the others)."""
+    return x.device.type == "cpu" and bool(cpu_kernels().all_finite(x.reshape(x.shape[0], -1).numpy()))
+
+
+def _f32_array(t: torch.Tensor) -> np.ndarray:
+    return t.float().contiguous().numpy()
+
+
+def _no_columns(rows: int) -> np.ndarray:
+    return np.empty((rows, 0), np.float32)
 
 
 
@@ -548,7 +610,9 @@ def _search(weight: torch.Tensor, qtype: GGMLQuantizationType, importance: torch
 
     def search_chunk(first: int) -> tuple[KQParams, torch.Tensor | None]:
         chunk = blocks[first:first + size].float()
-        found = search(chunk, _chunk_importance(importance, first, chunk.shape[0]), qtype)
+        found = _compiled_search(chunk, importance, qtype)
+        if found is None:
+            found = search(chunk, _chunk_importance(importance, first, chunk.shape[0]), qtype)
         *grid, codes = (None if t is None else t.to(dtype).reshape(chunk.shape[0], -1) for t, dtype in zip(found, dtypes))
         grid = KQParams(qtype, *grid)
         return grid, _final_codes(chunk, grid, codes) if final_codes else None
@@ -563,9 +627,7 @@ def _search(weight: torch.Tensor, qtype: GGMLQuantizationType, importance: torch
 def _final_codes(blocks: torch.Tensor, grid: KQParams, search_codes: torch.Tensor) -> torch.Tensor:
     """ggml's last pass over super-blocks [S, 256]: the codes rounded on their grid, except where a sub-block's step
     is 0 (every code decodes alike there), where llama.cpp leaves its search's."""
-    step, _ = grid.sub_block_scales()
-    zero = (step == 0).repeat_interleave(grid.format.sub_block, dim=1)
-    return torch.where(zero, search_codes, round_k(blocks, grid))
+    return _round_k(blocks, grid, 0, search_codes)[0]
 
 
 def _map_chunks(fn, firsts: range, device: torch.device) -> list:
@@ -653,6 +715,35 @@ def _search_q3_k(blocks: torch.Tensor, importance: torch.Tensor | None, qtype: G
     scales, codes = _fit_signed_scale(x, 4, weights)
     d, scale_codes = _fit_signed_scale(_columns(scales, 16), 32, _columns(_ordered_sum(weights), 16))
     return scale_codes.t(), d, None, None, codes.t()
+
+
+def _compiled_search(blocks: torch.Tensor, importance: torch.Tensor | None, qtype: GGMLQuantizationType):
+    """The reference search (no importance) of Q2_K, Q4_K, Q5_K or Q6_K on super-blocks [S, 256] as one compiled
+    loop (`cpu_kernels`), returning what `_search_with_mins` / `_search_q6_k` return, bit for bit; None where it
+    does not apply (an importance, Q3_K, a device, a non-finite weight)."""
+    if importance is not None or qtype not in (Q.Q2_K, Q.Q4_K, Q.Q5_K, Q.Q6_K) or not _compiled(blocks):
+        return None
+    x, count = blocks.numpy(), blocks.shape[0]
+    codes, d = np.empty((count, SUPER_BLOCK), np.int8), np.empty(count, np.float32)
+    if qtype is Q.Q6_K:
+        scale_codes = np.empty((count, 16), np.float32)
+        cpu_kernels().search_q6_k(x, _Q6_NUMERATORS, np.float32(_GROUP_MAX_EPS), scale_codes, d, codes)
+        return torch.from_numpy(scale_codes), torch.from_numpy(d).half(), None, None, torch.from_numpy(codes)
+    sub = FORMATS[qtype].sub_block
+    nmax, rmin, rdelta, nstep, use_mad, top = _REF_FITS[qtype]
+    numerators = np.array([_f32(np.float32(rmin) + np.float32(rdelta) * np.float32(step) + np.float32(nmax))
+                           for step in range(nstep + 1)], np.float32)  # as _fit_scale_and_min computes them
+    scale_codes, min_codes = np.empty((count, SUPER_BLOCK // sub), np.float32), np.empty((count, SUPER_BLOCK // sub), np.float32)
+    dmin = np.empty(count, np.float32)
+    cpu_kernels().search_with_mins(x, sub, nmax, numerators, use_mad, qtype is Q.Q2_K, top, np.float32(_GROUP_MAX_EPS),
+                                   scale_codes, d, min_codes, dmin, codes)
+    return (torch.from_numpy(scale_codes), torch.from_numpy(d).half(), torch.from_numpy(min_codes),
+            torch.from_numpy(dmin).half(), torch.from_numpy(codes))
+
+
+# make_qx_quants' trial grids for Q6_K (nmax 32), as _fit_signed_scale computes them
+_Q6_NUMERATORS = np.array([-32.0] + [-_f32(np.float32(32) + np.float32(0.1) * np.float32(s)) for s in range(-9, 10) if s],
+                          np.float32)
 
 
 def _search_q6_k(blocks: torch.Tensor, importance: torch.Tensor | None, qtype: GGMLQuantizationType = Q.Q6_K):

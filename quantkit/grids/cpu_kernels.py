@@ -1,0 +1,410 @@
+"""Compiled CPU loops (numba) of ggml's searches and roundings, for the grids that hold them as torch ops.
+
+`k_grids` and `iq_grids` port llama.cpp's quantizers as torch ops over a chunk of sub-blocks held as columns: a
+few dozen passes through memory per trial grid, which is what a GPU wants and a CPU pays for (the K search cost
+~0.4 s per million weights, llama.cpp's own loop ~0.05 s). Here the same loops run over one sub-block at a time in
+registers, as ggml runs them. Each kernel is its torch twin's arithmetic operation for operation: float32
+throughout (every constant a float32, never a Python float, which would widen the expression to float64), ggml's
+order of operations, sums from the first term to the last, rounding half to even (`np.rint`), IEEE division
+(`error_model="numpy"`: a zero divisor gives inf or NaN as in C, not an exception), no fast-math (no fused
+multiply-adds). Constants that the twins compute in numpy come in as float32 arrays made by the twins' own
+expressions. So every code, scale code and d is the torch twin's, bit for bit (tests/unit/grids/test_cpu_kernels.py
+checks each pair on weights that take every branch), and the torch versions stay the reference and the device path.
+
+The kernels take finite float32 weights (the callers fall back to torch otherwise) and release the GIL: the
+callers run chunks of super-blocks (`k_grids._map_chunks`) or blocks of rows in threads. Compiled on first use and
+cached on disk (numba's cache: beside this file, or under the user's cache directory when that is read-only).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+F32 = np.float32
+_JIT = dict(nogil=True, cache=True, error_model="numpy")
+
+
+# ---- K-quants: Q2_K, Q4_K, Q5_K (a scale and a min per sub-block), reference quantizers (no importance)
+
+
+@njit(**_JIT)
+def search_with_mins(blocks, sub, nmax, numerators, use_mad, abs_weights, top, eps,
+                     scale_codes, d, min_codes, dmin, codes):
+    """k_grids._search_with_mins without importance, on super-blocks [S, 256]: per sub-block make_qkx2_quants
+    (weights |x|, or sqrt(mean x^2) + |x|; `numerators[k]`: trial grid k's rmin + rdelta * k + nmax), then each
+    super-block's scales and mins as codes under their largest (`_max_scale_codes`). Writes scale_codes, min_codes
+    [S, 256 // sub] (float32 codes), d, dmin [S] (float32, before the fp16 rounding) and codes [S, 256] (int8, the
+    search's levels)."""
+    n_sub = 256 // sub
+    fnmax, zero, one = F32(nmax), F32(0.0), F32(1.0)
+    w = np.empty(sub, np.float32)
+    levels = np.empty(sub, np.float32)
+    scales = np.empty(n_sub, np.float32)
+    mins = np.empty(n_sub, np.float32)
+    for s in range(blocks.shape[0]):
+        for j in range(n_sub):
+            x = blocks[s, j * sub:(j + 1) * sub]
+            _mins_weights(x, abs_weights, F32(sub), w)
+            scale, low, flat = _fit_scale_and_min(x, w, fnmax, numerators, use_mad, levels)
+            if flat:
+                scales[j], mins[j] = zero, -low
+                for i in range(sub):
+                    codes[s, j * sub + i] = 0
+            else:
+                scales[j], mins[j] = scale, -low
+                for i in range(sub):
+                    codes[s, j * sub + i] = np.int8(levels[i])
+        d[s] = _max_scale_codes(scales, F32(top), scale_codes[s])
+        dmin[s] = _max_scale_codes(mins, F32(top), min_codes[s])
+    return one
+
+
+@njit(**_JIT)
+def _mins_weights(x, abs_weights, n, w):
+    """The reference quantizers' weights: |x| (Q2_K), else sqrt(sum x^2 / n) + |x| (correctly rounded sqrtf)."""
+    if abs_weights:
+        for i in range(x.shape[0]):
+            w[i] = abs(x[i])
+        return
+    total = x[0] * x[0]
+    for i in range(1, x.shape[0]):
+        total += x[i] * x[i]
+    root = np.sqrt(total / n)
+    for i in range(x.shape[0]):
+        w[i] = root + abs(x[i])
+
+
+@njit(**_JIT)
+def _fit_scale_and_min(x, w, nmax, numerators, use_mad, levels):
+    """make_qkx2_quants on one sub-block, as k_grids._fit_scale_and_min: returns (scale, the best min (<= 0), flat)
+    and leaves the best levels in `levels`."""
+    n = x.shape[0]
+    zero, one = F32(0.0), F32(1.0)
+    low, high = x[0], x[0]
+    for i in range(1, n):
+        if x[i] < low:
+            low = x[i]
+        if x[i] > high:
+            high = x[i]
+    if low > zero:
+        low = zero
+    if high == low:
+        return zero, low, True
+    sum_w, sum_x = w[0], w[0] * x[0]
+    for i in range(1, n):
+        sum_w += w[i]
+        sum_x += w[i] * x[i]
+    iscale = nmax / (high - low)
+    scale, offset = one / iscale, low
+    _min_levels(x, iscale, offset, nmax, levels)
+    best = _min_error(x, w, levels, scale, offset, use_mad)
+    best_iscale, best_shift = iscale, offset
+    for k in range(numerators.shape[0]):
+        trial_iscale = numerators[k] / (high - offset)
+        _min_levels(x, trial_iscale, offset, nmax, levels)
+        wl = w[0] * levels[0]
+        sum_l, sum_l2, sum_xl = wl, wl * levels[0], wl * x[0]
+        for i in range(1, n):
+            wl = w[i] * levels[i]
+            sum_l += wl
+            sum_l2 += wl * levels[i]
+            sum_xl += wl * x[i]
+        det = sum_w * sum_l2 - sum_l * sum_l
+        this_scale = (sum_w * sum_xl - sum_x * sum_l) / det
+        this_min = (sum_l2 * sum_x - sum_l * sum_xl) / det
+        if this_min > zero:
+            this_min = zero
+            this_scale = sum_xl / sum_l2
+        error = _min_error(x, w, levels, this_scale, this_min, use_mad)
+        if det > zero and error < best:
+            best_iscale, best_shift = trial_iscale, offset
+            best, scale, offset = error, this_scale, this_min
+    _min_levels(x, best_iscale, best_shift, nmax, levels)
+    return scale, offset, False
+
+
+@njit(**_JIT)
+def _min_levels(x, iscale, shift, nmax, out):
+    """clamp(rint(iscale * (x - shift)), 0, nmax); NaN stays NaN, as torch's clamp keeps it."""
+    zero = F32(0.0)
+    for i in range(x.shape[0]):
+        level = np.rint((x[i] - shift) * iscale)
+        if level < zero:
+            level = zero
+        elif level > nmax:
+            level = nmax
+        out[i] = level
+
+
+@njit(**_JIT)
+def _min_error(x, w, levels, scale, offset, use_mad):
+    """The ordered sum of w * |L * scale + offset - x| (use_mad), else of w * (L * scale + offset - x)^2."""
+    total = F32(0.0)
+    for i in range(x.shape[0]):
+        diff = levels[i] * scale + offset - x[i]
+        term = (abs(diff) if use_mad else diff * diff) * w[i]
+        total = term if i == 0 else total + term
+    return total
+
+
+@njit(**_JIT)
+def _max_scale_codes(values, top, out):
+    """k_grids._max_scale_codes of one super-block's non-negative scales: codes round(top * v / max) (its uint8
+    remainder, then at most top) into `out`; returns max / top."""
+    zero = F32(0.0)
+    peak = values[0]
+    for i in range(1, values.shape[0]):
+        if values[i] > peak:
+            peak = values[i]
+    if not peak > zero:
+        peak = zero
+    inverse = top / peak if peak > zero else zero
+    for i in range(values.shape[0]):
+        code = np.fmod(np.rint(inverse * values[i]), F32(256.0))
+        if code != zero and code < zero:
+            code += F32(256.0)
+        out[i] = code if not code > top else top
+    return peak / top
+
+
+# ---- K-quants: Q6_K (a signed scale per sub-block of 16), reference quantizer
+
+
+@njit(**_JIT)
+def search_q6_k(blocks, numerators, eps, scale_codes, d, codes):
+    """k_grids._search_q6_k without importance, on super-blocks [S, 256]: per sub-block of 16 make_qx_quants
+    (rmse_type 1, weights x^2, `numerators`: its 19 trial grids' -(nmax + 0.1 * is)), then the scales' codes under
+    the one of largest magnitude; a super-block whose scales' largest magnitude is below `eps` is all zeros (levels
+    -32). Writes scale_codes [S, 16] (float32), d [S] (float32, before fp16) and codes [S, 256] (int8)."""
+    zero, one = F32(0.0), F32(1.0)
+    levels = np.empty(16, np.float32)
+    w = np.empty(16, np.float32)
+    wx = np.empty(16, np.float32)
+    scales = np.empty(16, np.float32)
+    trials = numerators.shape[0]
+    sum_lx = np.empty(trials, np.float32)
+    sum_l2 = np.empty(trials, np.float32)
+    for s in range(blocks.shape[0]):
+        for j in range(16):
+            x = blocks[s, j * 16:(j + 1) * 16]
+            for i in range(16):
+                w[i] = x[i] * x[i]
+                wx[i] = w[i] * x[i]
+            scales[j] = _fit_signed_scale(x, w, wx, F32(-32.0), F32(31.0), numerators, eps, sum_lx, sum_l2, levels)
+            for i in range(16):
+                codes[s, j * 16 + i] = np.int8(levels[i])
+        peak = _first_absmax(scales)  # the first of ties, as torch's argmax of |v|
+        if abs(peak) < eps:
+            d[s] = zero
+            for j in range(16):
+                scale_codes[s, j] = zero
+            for i in range(256):
+                codes[s, i] = -32
+            continue
+        iscale = F32(-128.0) / peak
+        for j in range(16):
+            scale_codes[s, j] = _clamp(np.rint(iscale * scales[j]), F32(-128.0), F32(127.0))
+        d[s] = one / iscale
+    return one
+
+
+@njit(**_JIT)
+def _fit_signed_scale(x, w, wx, low, high, numerators, eps, sum_lx, sum_l2, levels):
+    """make_qx_quants (rmse_type 1) on one sub-block, as k_grids._fit_signed_scale: returns the scale and leaves the
+    levels in `levels` (a sub-block whose largest magnitude is below eps: 0 and levels `low`)."""
+    zero = F32(0.0)
+    peak = _first_absmax(x)
+    if abs(peak) < eps:
+        for i in range(x.shape[0]):
+            levels[i] = low
+        return zero
+    for t in range(numerators.shape[0]):
+        iscale = numerators[t] / peak
+        for i in range(x.shape[0]):
+            level = _clamp(np.rint(x[i] * iscale), low, high)
+            lx, l2 = level * wx[i], level * w[i] * level
+            if i == 0:
+                sum_lx[t], sum_l2[t] = lx, l2
+            else:
+                sum_lx[t] += lx
+                sum_l2[t] += l2
+    scale = sum_lx[0] / sum_l2[0] if sum_l2[0] != zero else zero
+    best, best_t = scale * sum_lx[0], 0
+    for t in range(1, numerators.shape[0]):
+        if sum_l2[t] > zero and sum_lx[t] * sum_lx[t] > best * sum_l2[t]:
+            scale = sum_lx[t] / sum_l2[t]
+            best, best_t = scale * sum_lx[t], t
+    iscale = numerators[best_t] / peak
+    for i in range(x.shape[0]):
+        levels[i] = _clamp(np.rint(x[i] * iscale), low, high)
+    return scale
+
+
+# ---- rounding on a fixed K grid
+
+
+@njit(**_JIT)
+def round_k(x, d, scales, dmin, mins, sub, first_column, low, high, fallback, rtol, atol, out):
+    """k_grids.round_k on rows x [R, C] (float32; the grid's columns from `first_column` on): code =
+    clamp(rint((x + dmin * mn) / (d * sc)), low, high) per sub-block (no offset where `mins` has no columns), and
+    `fallback`'s code where the step d * sc is 0. d, dmin: float32 [R, cols // 256] (the stored fp16); scales,
+    mins: float32 codes [R, cols // sub]. Writes int8 `out` [R, C]; returns how many codes decode (d * sc * code -
+    dmin * mn) farther than atol + rtol * |x| from x (0 when rtol < 0: no check)."""
+    zero = F32(0.0)
+    has_mins, check = mins.shape[1] > 0, rtol >= zero
+    off = 0
+    for r in range(x.shape[0]):
+        for c in range(x.shape[1]):
+            column = first_column + c
+            j, s = column // sub, column // 256
+            step = d[r, s] * scales[r, j]
+            offset = dmin[r, s] * mins[r, j] if has_mins else zero
+            if step == zero:
+                code = F32(fallback[r, c])
+            else:
+                code = _clamp(np.rint((x[r, c] + offset if has_mins else x[r, c]) / step), low, high)
+            out[r, c] = np.int8(code)
+            if check and not abs(step * code - offset - x[r, c]) <= atol + rtol * abs(x[r, c]):
+                off += 1
+    return off
+
+
+# ---- IQ4_NL / IQ4_XS: the scale search without importance, and rounding on a fixed grid
+
+
+@njit(**_JIT)
+def search_iq4(blocks, trials, table_values, table_low, eps, xs, scale_codes, d):
+    """iq_grids._search without importance on super-blocks [S, super_block] (blocks of 32): each block's scale by
+    quantize_row_iq4_nl_impl's search (weights x^2; `trials`: the 16 trial grids' numerators, the first 1 / (max /
+    127) given as 0 and computed here), then for IQ4_XS (`xs`) each super-block's d = -largest / 32 and the blocks'
+    sub-scale codes ls in [0, 63]. `table_values[floor(2 * x * iscale) - table_low]` is the table value of a scaled
+    weight. Writes d [S] (float32: the search's d, the block's scale for IQ4_NL) and (xs) scale_codes [S, n] int8."""
+    zero, one, two = F32(0.0), F32(1.0), F32(2.0)
+    n_blocks = blocks.shape[1] // 32
+    scales = np.empty(n_blocks, np.float32)
+    w = np.empty(32, np.float32)
+    iscales = np.empty(trials.shape[0], np.float32)
+    for s in range(blocks.shape[0]):
+        for b in range(n_blocks):
+            x = blocks[s, b * 32:(b + 1) * 32]
+            for i in range(32):
+                w[i] = x[i] * x[i]
+            scales[b] = _fit_iq4_scale(x, w, trials, table_values, table_low, eps, iscales, two)
+        if not xs:
+            d[s] = scales[0]
+            continue
+        peak, largest = zero, zero
+        for b in range(n_blocks):
+            if abs(scales[b]) > largest:
+                peak, largest = scales[b], abs(scales[b])
+        d_s = -peak / F32(32.0)
+        inverse = one / d_s if d_s != zero else zero
+        for b in range(n_blocks):
+            scale_codes[s, b] = np.int8(_clamp(np.rint(inverse * scales[b]), F32(-32.0), F32(31.0)) + F32(32.0))
+        d[s] = d_s
+    return one
+
+
+@njit(**_JIT)
+def _fit_iq4_scale(x, w, trials, table_values, table_low, eps, iscales, two):
+    """iq_grids._fit_block_scales on one block of 32."""
+    zero, one = F32(0.0), F32(1.0)
+    peak = _first_absmax(x)
+    if abs(peak) < eps:
+        return zero
+    iscales[0] = one / (peak / F32(127.0))
+    for t in range(1, trials.shape[0]):
+        iscales[t] = trials[t] / peak
+    scale, best = zero, zero
+    for t in range(trials.shape[0]):
+        doubled = iscales[t] * two
+        sum_qx, sum_q2 = zero, zero
+        for i in range(32):
+            q = table_values[np.int64(np.floor(doubled * x[i])) - table_low]
+            wq = q * w[i]
+            sum_qx += wq * x[i]
+            sum_q2 += wq * q
+        if t == 0:
+            scale = sum_qx / sum_q2 if sum_q2 > zero else zero
+            best = scale * sum_qx
+        elif sum_q2 > zero and sum_qx * sum_qx > best * sum_q2:
+            scale = sum_qx / sum_q2
+            best = scale * sum_qx
+    return scale
+
+
+@njit(**_JIT)
+def round_iq4(x, inverse, steps, first_column, table_codes, kvalues, table_low, table_high, rtol, atol, out):
+    """iq_grids' rounding on rows x [R, C] (float32; the grid's columns from `first_column` on): the code of
+    floor(2 * x * inverse) clamped to the table, `inverse` [R, cols // 32] float32 each block's 1 / step (0 where
+    the step is 0). Writes int8 `out` [R, C]; returns how many codes decode (`steps`, each block's stored step, times
+    the table value) farther than atol + rtol * |x| from x (0 when rtol < 0: no check)."""
+    two, check = F32(2.0), rtol >= F32(0.0)
+    off = 0
+    for r in range(x.shape[0]):
+        for c in range(x.shape[1]):
+            block = (first_column + c) // 32
+            doubled = np.floor(inverse[r, block] * x[r, c] * two)
+            code = table_codes[np.int64(_clamp(doubled, F32(table_low), F32(table_high))) - table_low]
+            out[r, c] = code
+            if check and not abs(steps[r, block] * kvalues[code] - x[r, c]) <= atol + rtol * abs(x[r, c]):
+                off += 1
+    return off
+
+
+# ---- integer grids (Q8_0, Q4_0, Q4_1, Q5_x blocks): the codes of weights that hold the grid's values
+
+
+@njit(**_JIT)
+def integer_codes(x, scale, zero, group, low, high, out):
+    """export.gguf.codes' nearest codes on rows x [R, C] (float32): clamp(rint(x / scale (+ zero)), low, high) per
+    group of `group` columns, scale (and zero, where it has columns) float32 [R, C // group]. Writes int8 `out`;
+    returns how many lie a quarter of a step or more from their code (where bfloat16's rounding may have made
+    two codes one value: the caller decides those as before)."""
+    quarter = F32(0.25)
+    has_zero = zero.shape[1] > 0
+    far = 0
+    for r in range(x.shape[0]):
+        for c in range(x.shape[1]):
+            g = c // group
+            exact = x[r, c] / scale[r, g]
+            if has_zero:
+                exact = exact + zero[r, g]
+            code = _clamp(np.rint(exact), low, high)
+            out[r, c] = np.int8(code)
+            if not abs(exact - code) < quarter:
+                far += 1
+    return far
+
+
+@njit(**_JIT)
+def all_finite(x):
+    """Whether every value of the 2-D array x is finite."""
+    for r in range(x.shape[0]):
+        for c in range(x.shape[1]):
+            if not np.isfinite(x[r, c]):
+                return False
+    return True
+
+
+# ---- small helpers
+
+
+@njit(**_JIT)
+def _clamp(value, low, high):
+    if value < low:
+        return low
+    if value > high:
+        return high
+    return value
+
+
+@njit(**_JIT)
+def _first_absmax(x):
+    """The value of largest magnitude, the first of ties (ggml's `if (ax > amax)` scan)."""
+    peak, largest = x[0], abs(x[0])
+    for i in range(1, x.shape[0]):
+        if abs(x[i]) > largest:
+            peak, largest = x[i], abs(x[i])
+    return peak
