@@ -375,3 +375,40 @@ def host_facts() -> dict:
 def versions(*packages: str) -> dict[str, str]:
     """{package: its installed version}, in the order given."""
     return {package: version(package) for package in packages}
+
+
+def log_chart(lines: dict[str, list[tuple[float, float]]], path: Path, xlabel: str, ylabel: str,
+              dashed: set[str] = frozenset(), labels: dict[str, list[tuple[float, float, str]]] | None = None) -> None:
+    """A self-contained SVG: one polyline per entry of `lines` (its points sorted by x), y on a log scale, a legend;
+    lines named in `dashed` dashed, and `labels` text beside given points (a type's name)."""
+    import math
+
+    xs = [x for line in lines.values() for x, _ in line]
+    ys = [math.log10(y) for line in lines.values() for _, y in line if y > 0]
+    if not xs or not ys:
+        return
+    w, h, pad = 760, 460, 60
+    x0, x1, y0, y1 = min(xs) - 0.1, max(xs) + 0.1, math.floor(min(ys)), math.ceil(max(ys))
+    def px(x): return pad + (x - x0) / (x1 - x0) * (w - 2 * pad)
+    def py(y): return h - pad - (math.log10(y) - y0) / (y1 - y0) * (h - 2 * pad)
+    colors = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f"]
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="12">',
+             f'<rect width="{w}" height="{h}" fill="white"/>',
+             f'<line x1="{pad}" y1="{h - pad}" x2="{w - pad}" y2="{h - pad}" stroke="black"/>',
+             f'<line x1="{pad}" y1="{pad}" x2="{pad}" y2="{h - pad}" stroke="black"/>',
+             f'<text x="{w / 2}" y="{h - 15}" text-anchor="middle">{xlabel}</text>',
+             f'<text x="15" y="{h / 2}" transform="rotate(-90 15 {h / 2})" text-anchor="middle">{ylabel}</text>']
+    for e in range(y0, y1 + 1):
+        parts.append(f'<text x="{pad - 5}" y="{py(10 ** e) + 4}" text-anchor="end">1e{e}</text>')
+    for b in range(math.ceil(x0), math.floor(x1) + 1):
+        parts.append(f'<text x="{px(b)}" y="{h - pad + 16}" text-anchor="middle">{b}</text>')
+    for i, (name, line) in enumerate(sorted(lines.items())):
+        color, line = colors[i % len(colors)], sorted(p for p in line if p[1] > 0)
+        dash = ' stroke-dasharray="5,3"' if name in dashed else ""
+        coords = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in line)
+        parts.append(f'<polyline points="{coords}" fill="none" stroke="{color}" stroke-width="2"{dash}/>')
+        parts += [f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="3" fill="{color}"/>' for x, y in line]
+        parts += [f'<text x="{px(x) + 4:.1f}" y="{py(y) - 5:.1f}" font-size="9" fill="{color}">{text}</text>'
+                  for x, y, text in (labels or {}).get(name, [])]
+        parts.append(f'<text x="{w - pad - 230}" y="{pad + 16 * i}" fill="{color}">{name}</text>')
+    path.write_text("\n".join(parts + ["</svg>"]) + "\n")
