@@ -723,7 +723,7 @@ def _compiled_search(blocks: torch.Tensor, importance: torch.Tensor | None, qtyp
     does not apply (an importance, Q3_K, a device, a non-finite weight)."""
     if importance is not None or qtype not in (Q.Q2_K, Q.Q4_K, Q.Q5_K, Q.Q6_K) or not _compiled(blocks):
         return None
-    x, count = blocks.numpy(), blocks.shape[0]
+    x, count = np.ascontiguousarray(blocks.numpy()), blocks.shape[0]
     codes, d = np.empty((count, SUPER_BLOCK), np.int8), np.empty(count, np.float32)
     if qtype is Q.Q6_K:
         scale_codes = np.empty((count, 16), np.float32)
