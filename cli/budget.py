@@ -99,8 +99,9 @@ def plan(src: Path, recipe: Recipe, fmt: Format, ask: Ask, options, dtype: str, 
         ask.save_plan.write_text(text + yaml.safe_dump(chosen.recipe.to_file(), sort_keys=False, width=120))
     if ask.report is not None:
         from quantkit.budget.report import render
+        from quantkit.export.atomic import write_text
 
-        ask.report.write_text(render(chosen, f"quantkit budget plan: {src.name}, {chosen.target_bpw:.4g} bits per weight"))
+        write_text(ask.report, render(chosen, f"quantkit budget plan: {src.name}, {chosen.target_bpw:.4g} bits per weight"))
     if not quiet:
         show(chosen)
     return chosen

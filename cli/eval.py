@@ -14,6 +14,8 @@ from quantkit.cli.options import (
 )
 from quantkit.errors import GateFailedError, UsageError
 from quantkit.evaluation import artifacts
+from quantkit.evaluation import report as page
+from quantkit.evaluation.report import DIVERGENCE_COLUMNS, divergence_caption, divergence_cells
 from quantkit.export import reader_for, reader_named, readers
 from quantkit.models import sources
 from quantkit.runtime import environment as runtime
@@ -55,6 +57,11 @@ def evaluate(
     batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Windows per forward pass.")] = 1,
     tokenizer: Annotated[Optional[Path], typer.Option("--tokenizer", help="Tokenizer directory, for models saved without one.")] = None,
     json_path: JsonOpt = None,
+    report: Annotated[
+        Optional[Path], typer.Option("--report", metavar="FILE.html", show_default=False,
+                                     help="Also write the table as a web page, self-contained; a page `finalize --report` "
+                                          "wrote gets it as its Evaluation section (replacing an earlier one).")
+    ] = None,
     baseline: Annotated[
         Optional[str], typer.Option("--baseline", help="The model the gate compares against: one of MODEL (the same directory or file, however its path is written).")
     ] = None,
@@ -104,6 +111,8 @@ def evaluate(
         if not reader_for(model).single_file:
             sources.resolve_source(model)
     check_gate_options(baseline, max_ppl_increase, max_acc_drop, tasks, max_kld)
+    if report is not None:
+        page.check_path(report)
     if max_kld is not None and not kl_divergence:
         raise UsageError("--max-kld gates the KL divergence from the first MODEL; pass --kl-divergence too")
     baseline = baseline_model(models, baseline) if baseline else None
@@ -147,8 +156,13 @@ def evaluate(
     if json_path:
         gate = gate_dict(baseline, max_ppl_increase, max_acc_drop, failures, max_kld)
         write_json(json_path, "eval", {"data": data, "device": device, "results": [r.to_dict() for r in reports], "gate": gate})
+    written = None
+    if report is not None:
+        written = "the Evaluation section of its budget page" if page.write(report, reports, baseline, data) else "a page"
     if not quiet:
         print_table(reports, baseline)
+        if written:
+            out.print(f"report: {report} ({written})", highlight=False, soft_wrap=True)
     if failures:
         raise GateFailedError("; ".join(failures))
 
@@ -274,13 +288,6 @@ def results_table(reports, base, names: list[str], divergence: bool = False):
     return table
 
 
-DIVERGENCE_COLUMNS = ("KLD mean", "KLD median", "KLD p99", "top-1", "ppl ratio")
-
-
-def divergence_caption(reference: str) -> str:
-    return f"KL divergence (nats per token), top-1 agreement and perplexity ratio are relative to {reference}"
-
-
 def divergence_table(reports, names: list[str]):
     """--kl-divergence's columns alone, for a terminal too narrow to hold them beside the others."""
     from rich.table import Table
@@ -293,14 +300,6 @@ def divergence_table(reports, names: list[str]):
     for name, r in zip(names, reports):
         table.add_row(Text(name), *divergence_cells(r.kl_divergence))
     return table
-
-
-def divergence_cells(found) -> tuple[str, ...]:
-    """A row's --kl-divergence columns; the reference's (no divergence of its own) says so in the first."""
-    if found is None:
-        return ("reference",) + ("",) * (len(DIVERGENCE_COLUMNS) - 1)
-    return (f"{found.mean:.4g}", f"{found.median:.4g}", f"{found.p99:.4g}", f"{100 * found.top1_agreement:.2f}%",
-            f"{found.perplexity_ratio:.4f}")
 
 
 def format_notes(reports, tasks: bool) -> list[str]:

@@ -1,7 +1,8 @@
 """`finalize --target-bpw ... --report FILE.html`: the budget plan as one self-contained page (inline SVG and CSS,
 no script, nothing fetched): a heat map of each tensor's estimated error in each candidate type (log scale, darker
 is worse) with the chosen type outlined, the budget line (the plan's bits per weight against the target, and each
-candidate's share of the tensors), and the table of tensors with their types, sizes and errors."""
+candidate's share of the tensors), and the table of tensors with their types, sizes and errors.
+`eval --report` adds its results table to the page (`evaluation/report.py`), which it knows by its generator."""
 
 from __future__ import annotations
 
@@ -11,6 +12,9 @@ from html import escape
 from quantkit.quant import gguf_types
 
 CELL_W, CELL_H, LABEL_W, TOP = 64, 16, 260, 40
+GENERATOR = "quantkit budget report"  # the page's <meta name="generator">: how `eval --report` knows it
+STYLE = ("<style>body{font-family:sans-serif;margin:24px;color:#222}table{border-collapse:collapse;font-size:13px}"
+         "td,th{border:1px solid #ccc;padding:2px 8px;text-align:right}td:first-child{text-align:left}</style>")
 
 
 def render(plan, title: str = "quantkit budget plan") -> str:
@@ -19,10 +23,8 @@ def render(plan, title: str = "quantkit budget plan") -> str:
     names = list(plan.types)
     kinds = sorted({t for by_type in errors.values() for t in by_type}, key=gguf_types.bits_per_weight)
     return "\n".join([
-        "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">', f"<title>{escape(title)}</title>",
-        "<style>body{font-family:sans-serif;margin:24px;color:#222}table{border-collapse:collapse;font-size:13px}"
-        "td,th{border:1px solid #ccc;padding:2px 8px;text-align:right}td:first-child{text-align:left}</style>",
-        "</head><body>", f"<h1>{escape(title)}</h1>",
+        "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">', f'<meta name="generator" content="{GENERATOR}">',
+        f"<title>{escape(title)}</title>", STYLE, "</head><body>", f"<h1>{escape(title)}</h1>",
         f"<p>{plan.bits_per_weight:.3f} bits per weight planned for a target of {plan.target_bpw:.4g} "
         f"({plan.tensor_bytes:,} bytes of tensors, {plan.parameters:,} parameters); estimated KL divergence "
         f"{plan.estimated_kl:.4g} nats per token; sensitivity measured on {plan.measured.tokens:,} tokens.</p>",

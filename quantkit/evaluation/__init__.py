@@ -12,7 +12,10 @@
   extra): checks, its token ids, a window's loss, its perplexity on quantkit's windows.
 - `mlx.py`: MLX's engine, reached through its reader: an MLX directory run in mlx-lm, in the Python that has it
   (`mlx_runner.py`, a standalone script in a subprocess): checks, a window's loss, its perplexity on quantkit's windows.
+- `report.py`: `--report FILE.html`: the results table as HTML, the Evaluation section of the page `finalize --report`
+  wrote, or a page of its own; torch-free.
 
 Imports anything below it: `quantkit.finalization` (`eval -q` previews a recipe in memory), `quantkit.export`,
-`quantkit.models`, `quantkit.quant`, `quantkit.runtime`, `quantkit.data`, `quantkit.errors`.
+`quantkit.models`, `quantkit.quant`, `quantkit.runtime`, `quantkit.data`, `quantkit.errors`; and on its own floor
+`quantkit.budget.report` (the page `report.py` adds its table to).
 """

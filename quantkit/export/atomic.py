@@ -1,4 +1,4 @@
-"""Write a directory all at once: into a temporary directory beside the destination, renamed at the end. Also
+"""Write a directory (or one file) all at once: into a temporary one beside the destination, renamed at the end. Also
 what else lives beside DST: a calibrated run's work directory (DST.partial), checked here before torch loads."""
 
 from __future__ import annotations
@@ -132,6 +132,21 @@ def _with_umask_modes(root: Path) -> None:
     for path in root.rglob("*"):
         if not path.is_symlink():
             path.chmod((0o777 if path.is_dir() else 0o666) & ~mask)
+
+
+def write_text(path: str | Path, text: str) -> None:
+    """`text` (UTF-8) into the file `path` all at once: a temporary file beside it, renamed over it, so a failure or
+    Ctrl-C leaves `path` as it was, never half-written."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        os.chmod(tmp, 0o666 & ~umask())  # mkstemp's file is owner-only; a plain open() under this umask is not
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 @contextlib.contextmanager

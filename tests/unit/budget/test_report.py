@@ -67,21 +67,51 @@ def _png_pixels(data: bytes) -> list[bytes]:
     return rows
 
 
-@pytest.mark.browser
-def test_a_headless_browser_renders_the_chart(tmp_path):
-    """Chromium (Debian's, `make test-report` installs it) draws the page: the heat map's blue cells and the chosen
-    cells' black outlines are on the screenshot, where the SVG puts them."""
+def _screenshot(tmp_path, html: str, name: str = "budget") -> list[tuple[int, int, int]]:
+    """The page as Chromium (Debian's, `make test-report` installs it) draws it: rows of RGB pixels."""
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     if chromium is None:
         pytest.skip("no chromium here: make test-report installs Debian's")
-    page = tmp_path / "budget.html"
-    page.write_text(render(plan()))
-    shot = tmp_path / "shot.png"
+    page = tmp_path / f"{name}.html"
+    page.write_text(html)
+    shot = tmp_path / f"{name}.png"
     subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", f"--screenshot={shot}",
-                    "--window-size=900,700", page.as_uri()], check=True, capture_output=True, timeout=120)
-    rows = _png_pixels(shot.read_bytes())
-    pixels = [tuple(row[i:i + 3]) for row in rows for i in range(0, len(row), 3)]
+                    "--window-size=900,1100", page.as_uri()], check=True, capture_output=True, timeout=120)
+    return [[tuple(row[i:i + 3]) for i in range(0, len(row), 3)] for row in _png_pixels(shot.read_bytes())]
+
+
+def _chart_drawn(rows) -> None:
+    """The heat map's blue cells, the chosen cells' black outlines and the red target line are on the screenshot."""
+    pixels = [pixel for row in rows for pixel in row]
     blue = sum(1 for r, g, b in pixels if b > 200 and r < 200 and abs(r - g) < 8)  # the cells' rgb(s, s, 255)
     black = sum(1 for r, g, b in pixels if r < 40 and g < 40 and b < 40)
     red = sum(1 for r, g, b in pixels if r > 150 and g < 90 and b < 90)  # the target line
     assert blue > 4 * 64 * 16 * 0.5 and black > 200 and red > 50, (blue, black, red)
+
+
+def _last_drawn_row(rows) -> int:
+    return max(y for y, row in enumerate(rows) if any(pixel != (255, 255, 255) for pixel in row))
+
+
+@pytest.mark.browser
+def test_a_headless_browser_renders_the_chart(tmp_path):
+    """The SVG draws where it says: cells, outlines and the target line are on the screenshot."""
+    _chart_drawn(_screenshot(tmp_path, render(plan())))
+
+
+@pytest.mark.browser
+def test_with_evals_table_the_page_renders_the_chart_and_the_table(tmp_path):
+    """`eval --report` on the budget page: the chart as before, and under the plan's table the eval table's rows,
+    bordered (#ccc) as the plan's are."""
+    from quantkit.evaluation import report as eval_report
+    from quantkit.evaluation.evaluate import ModelReport, PerplexityResult
+
+    reports = [ModelReport(m, m, None, None, 10 << 20, PerplexityResult(10.0 + i, 2.3, 100, 1.0, 100.0, 64))
+               for i, m in enumerate(("base", "q2", "q4", "q8"))]
+    alone, rows = _screenshot(tmp_path, render(plan())), _screenshot(
+        tmp_path, eval_report.with_section(render(plan()), eval_report.section(reports)), "with-eval")
+    _chart_drawn(rows)
+    end = _last_drawn_row(alone)
+    below = [pixel for row in rows[end + 1:] for pixel in row]
+    borders = sum(1 for pixel in below if pixel == (204, 204, 204))
+    assert _last_drawn_row(rows) > end + 5 * 16 and borders > 5 * 200, (end, _last_drawn_row(rows), borders)

@@ -97,3 +97,28 @@ def test_the_artifact_has_the_umasks_modes(tmp_path, mask, directory, file):
     modes = {p.relative_to(tmp_path).as_posix(): p.stat().st_mode & 0o777 for p in [tmp_path / "out", *(tmp_path / "out").rglob("*")]}
     assert modes == {"out": directory, "out/sub": directory, "out/sub/weights.bin": file}
     assert (tmp_path / "one.gguf").stat().st_mode & 0o777 == file
+
+
+def test_a_file_is_written_all_at_once_with_the_umasks_mode(tmp_path, monkeypatch):
+    """`write_text` (reports): the file replaced whole, 0644 under umask 022 (mkstemp's is 0600), and a failed
+    rename leaves the old file and no temporary one."""
+    import os
+
+    from quantkit.export.atomic import write_text
+
+    page = tmp_path / "page.html"
+    page.write_text("old")
+    old = os.umask(0o022)
+    try:
+        write_text(page, "new é")
+    finally:
+        os.umask(old)
+    assert page.read_text(encoding="utf-8") == "new é" and page.stat().st_mode & 0o777 == 0o644
+
+    def fail(src, dst):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "replace", fail)
+    with pytest.raises(KeyboardInterrupt):
+        write_text(page, "half")
+    assert page.read_text(encoding="utf-8") == "new é" and os.listdir(tmp_path) == ["page.html"]
