@@ -397,6 +397,16 @@ def integer_codes(x, scale, zero, group, low, high, out):
 
 
 @njit(**_JIT)
+def signed_largest(x, out):
+    """qparams._largest on groups x [R, G, n] (float32): each group's value of largest magnitude, the first of ties
+    (torch's argmax of |x|). Writes float32 `out` [R, G]."""
+    for r in range(x.shape[0]):
+        for g in range(x.shape[1]):
+            out[r, g] = _first_absmax(x[r, g])
+    return 0
+
+
+@njit(**_JIT)
 def all_finite(x):
     """Whether every value of the 2-D array x is finite."""
     for r in range(x.shape[0]):

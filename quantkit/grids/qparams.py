@@ -193,8 +193,23 @@ def as_stored(scale: torch.Tensor, zero: torch.Tensor, spec: WeightSpec, dtype: 
 
 
 def _largest(groups: torch.Tensor) -> torch.Tensor:
-    """Each group's value of largest magnitude, with its sign [rows, groups]."""
-    return groups.gather(-1, groups.abs().argmax(-1, keepdim=True)).squeeze(-1).float()
+    """Each group's value of largest magnitude, with its sign [rows, groups] (float32), the first of ties; on a CPU
+    one compiled pass (`cpu_kernels.signed_largest`), a block of rows at a time."""
+    from quantkit.grids.k_grids import _compiled, _map_chunks, cpu_kernels
+
+    out = torch.empty(groups.shape[:2], dtype=torch.float32, device=groups.device)
+    per_block = max(1, (1 << 22) // max(1, groups.shape[1] * groups.shape[2]))
+
+    def largest(first: int) -> None:
+        part = groups[first:first + per_block]
+        x = part.float()
+        if _compiled(x.reshape(x.shape[0], -1)):
+            cpu_kernels().signed_largest(x.contiguous().numpy(), out[first:first + per_block].numpy())
+        else:
+            out[first:first + per_block] = part.gather(-1, part.abs().argmax(-1, keepdim=True)).squeeze(-1).float()
+
+    _map_chunks(largest, range(0, groups.shape[0], per_block), groups.device)
+    return out
 
 
 def signed_step_grid(largest: torch.Tensor, end: int) -> torch.Tensor:

@@ -113,3 +113,14 @@ def test_integer_codes_equal_torch(kind, dtype, torch_only):
     assert torch.equal(compiled, found.qdata.to(torch.int8)) or dtype is torch.bfloat16
     torch_only()
     assert torch.equal(compiled, codes(values, found.qparams))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_signed_largest_equals_torch(dtype, torch_only):
+    from quantkit.grids.qparams import _largest
+
+    groups = _weight(seed=6).to(dtype).reshape(48, -1, 32)
+    groups[5, 3] = torch.tensor([-2.0, 2.0] * 16, dtype=dtype)  # a tie: the first
+    compiled = _largest(groups)
+    torch_only()
+    assert torch.equal(compiled, _largest(groups))
