@@ -124,6 +124,28 @@ def test_a_mixture_is_llama_cpps_calibrated_by_gptq(k_model_dir, text_file, tmp_
     assert field(fields, "general.file_type") == gguf.LlamaFileType.MOSTLY_Q4_K_M
 
 
+def test_the_token_embedding_of_a_calibrated_mixture_takes_llama_cpps_search_under_a_unit_importance(k_model_dir, text_file,
+                                                                                               tmp_path):
+    """No calibration reaches token_embd (a lookup, not a matrix product). Calibrated, it takes llama.cpp's search
+    with an importance matrix of ones (each weight weighted by sqrt(sigma2 + x^2)); without data, llama.cpp's
+    reference quantizer, byte for byte as llama-quantize without an imatrix. The two differ on this model."""
+    from quantkit.grids.k_grids import quantize_k
+    from quantkit.models.loading import load_model
+
+    weight = load_model(k_model_dir).get_input_embeddings().weight.detach().float()
+    unit, reference = (quantize_k(weight, gguf.GGMLQuantizationType.Q4_K, imp).ggml_blocks().tobytes()
+                       for imp in (torch.ones(weight.shape[1]), None))
+    assert unit != reference
+    options = CalibrationOptions(data=str(text_file), num_samples=4, seq_len=32)
+    calibrated, plain = tmp_path / "gptq.gguf", tmp_path / "rtn.gguf"
+    finalize(k_model_dir, calibrated, registry.resolve("gguf-q4-k-m"), calibration=options)
+    rtn = registry.parse_recipe("rtn", {**registry.resolve("gguf-q4-k-m").to_file(), "algorithm": {"name": "rtn"},
+                                        "calibration": None})
+    finalize(k_model_dir, plain, rtn)
+    assert read(calibrated)[1]["token_embd.weight"].data.tobytes() == unit
+    assert read(plain)[1]["token_embd.weight"].data.tobytes() == reference
+
+
 @pytest.mark.parametrize("qtype, fallback", [("Q4_K", "Q5_0"), ("Q6_K", "Q8_0"), ("Q3_K", "Q4_0"), ("Q5_K", "Q5_1")])
 def test_k_quants_fall_back_where_rows_are_not_whole_super_blocks(wide_model_dir, tmp_path, qtype, fallback):
     """As llama.cpp's tensor_type_fallback: a 128-wide input takes blocks of 32, reported; the file dequantizes to
