@@ -598,7 +598,7 @@ class StreamWriter:
     def _spill(self, name: str, qtype, data: np.ndarray) -> None:
         data = np.ascontiguousarray(data)
         self.tensors.append(_Spilled(name, qtype, self.spill.tell(), tuple(data.shape)))
-        self.spill.write(data.tobytes())
+        self.spill.write(memoryview(data.reshape(-1).view(np.uint8)))  # no copy of the bytes (tobytes would make one)
 
     def finish(self) -> None:
         """Header, metadata, tokenizer and tensors into FILENAME; the spill file removed."""
@@ -623,10 +623,11 @@ class StreamWriter:
         writer.write_ti_data_to_file()
         for tensor in small.values():
             writer.write_tensor_data(tensor)
-        with open(self.spill_path, "rb") as spill:  # one tensor's bytes in memory at a time (no mapping of the
-            for t in spilled:                      # whole spill file, whose pages would count as the process's)
-                spill.seek(t.offset)
-                writer.write_tensor_data(np.fromfile(spill, np.uint8, int(np.prod(t.shape))).reshape(t.shape))
+        for t in spilled:  # one tensor's bytes mapped at a time (a map of the whole spill file would count its pages
+            # as the process's); mapped, not read: the bytes go from the page cache to the file without a copy here
+            tensor = np.memmap(self.spill_path, np.uint8, "r", offset=t.offset, shape=(int(np.prod(t.shape)),))
+            writer.write_tensor_data(tensor.reshape(t.shape))
+            del tensor
         writer.close()
         self.spill_path.unlink()
 
