@@ -9,7 +9,9 @@ without an imatrix (quantize_row_iq4_nl_impl with ntry = 7; ggml's quantize_row_
 ported). It is ported as k_grids ports the K-quants: float32 in ggml's order of operations, rounding half to even,
 fp16 by rounding to nearest, never dividing by a Python number (see k_grids' docstring), so its codes and bytes
 are llama.cpp's. The scale search runs on all blocks of a chunk at once, held as columns; the Python loops run over
-the 32 weights of a block and the selection among its 16 trial grids.
+the 32 weights of a block and the selection among its 16 trial grids. On a CPU the search without an importance
+matrix and the rounding onto a fixed grid run as compiled loops of the same arithmetic instead (`cpu_kernels`, bit
+for bit).
 
 GPTQ takes the two halves apart, as k_grids' `choose_k_qparams` / `round_k`: `choose_iq4_params` fixes the grid of
 some whole blocks of columns, `round_iq4` rounds columns onto it as they are updated. llama.cpp rounds the codes

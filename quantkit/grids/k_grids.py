@@ -6,7 +6,9 @@ own quantizer: `quantize_row_qN_K_ref`, or `quantize_row_qN_K_impl` given an imp
 imatrix). It is ported step by step in float32 and ggml's order of operations (sums left to right, rounding
 half to even, fp16 by rounding to nearest), so its codes and bytes are llama.cpp's. Every step is vectorised
 over the sub-blocks of a chunk of super-blocks (see `_chunk_super_blocks`), held as columns; the Python loops run
-over the search grids and the 16 or 32 weights of a sub-block. Never divide by a Python number here: torch divides a tensor by a scalar as a multiplication by the
+over the search grids and the 16 or 32 weights of a sub-block. On a CPU the reference searches (no importance) and
+the rounding onto a fixed grid run instead as compiled loops of the same arithmetic (`cpu_kernels`, bit for bit),
+which is what a CPU wants; these torch ops stay the reference, the device path and the importance-weighted search. Never divide by a Python number here: torch divides a tensor by a scalar as a multiplication by the
 scalar's reciprocal on CUDA, and a scalar by a tensor so everywhere, which is not IEEE division.
 
 GPTQ takes the two halves apart: `choose_k_qparams` on a super-block's columns fixes the grid (what llama.cpp
