@@ -391,7 +391,8 @@ def log_chart(lines: dict[str, list[tuple[float, float]]], path: Path, xlabel: s
     x0, x1, y0, y1 = min(xs) - 0.1, max(xs) + 0.1, math.floor(min(ys)), math.ceil(max(ys))
     def px(x): return pad + (x - x0) / (x1 - x0) * (w - 2 * pad)
     def py(y): return h - pad - (math.log10(y) - y0) / (y1 - y0) * (h - 2 * pad)
-    colors = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f"]
+    colors = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#17becf",
+              "#bcbd22"]
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="12">',
              f'<rect width="{w}" height="{h}" fill="white"/>',
              f'<line x1="{pad}" y1="{h - pad}" x2="{w - pad}" y2="{h - pad}" stroke="black"/>',
