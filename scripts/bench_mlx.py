@@ -485,10 +485,8 @@ def layout(folder: Path) -> str:
         return "float"
     bits = {}
     for key, value in q.items():
-        if isinstance(value, dict) and "bits" in value:
+        if isinstance(value, dict) and "bits" in value:  # (mlx_lm.awq also lists the norms, as False)
             bits[value["bits"]] = bits.get(value["bits"], 0) + 1
-        elif value is False:
-            bits["float"] = bits.get("float", 0) + 1
     dtypes = set()
     for path in folder.glob("*.safetensors"):
         with path.open("rb") as f:
