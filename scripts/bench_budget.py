@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from dataclasses import asdict
 from datetime import date
@@ -126,38 +125,14 @@ def targets(rows: list[gg.Row], models: dict[str, Path]) -> list[str]:
 
 
 def svg(rows: list[gg.Row], models: dict[str, Path], path: Path) -> None:
-    """KL divergence (log scale) against bits per weight, one polyline per model and tool."""
-    points = {}
+    """KL divergence (log scale) against bits per weight, one polyline per model and tool (`harness.log_chart`)."""
+    lines = {}
     for r in rows:
         if r.kld and r.row != "F16":
-            points.setdefault((r.model, r.tool), []).append((tensor_bpw(r, harness.parameter_count(models[r.model])), r.kld))
-    xs = [x for line in points.values() for x, _ in line]
-    ys = [math.log10(y) for line in points.values() for _, y in line]
-    if not xs:
-        return
-    w, h, pad = 720, 440, 60
-    x0, x1, y0, y1 = min(xs) - 0.1, max(xs) + 0.1, math.floor(min(ys)), math.ceil(max(ys))
-    def px(x): return pad + (x - x0) / (x1 - x0) * (w - 2 * pad)
-    def py(y): return h - pad - (math.log10(y) - y0) / (y1 - y0) * (h - 2 * pad)
-    colors = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b"]
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="12">',
-             f'<rect width="{w}" height="{h}" fill="white"/>',
-             f'<line x1="{pad}" y1="{h - pad}" x2="{w - pad}" y2="{h - pad}" stroke="black"/>',
-             f'<line x1="{pad}" y1="{pad}" x2="{pad}" y2="{h - pad}" stroke="black"/>',
-             f'<text x="{w / 2}" y="{h - 15}" text-anchor="middle">bits per weight (file tensors / parameters)</text>',
-             f'<text x="15" y="{h / 2}" transform="rotate(-90 15 {h / 2})" text-anchor="middle">mean KL divergence from F16</text>']
-    for e in range(y0, y1 + 1):
-        parts.append(f'<text x="{pad - 5}" y="{py(10 ** e) + 4}" text-anchor="end">1e{e}</text>')
-    for b in range(math.ceil(x0), math.floor(x1) + 1):
-        parts.append(f'<text x="{px(b)}" y="{h - pad + 16}" text-anchor="middle">{b}</text>')
-    for i, ((model, tool), line) in enumerate(sorted(points.items())):
-        color, line = colors[i % len(colors)], sorted(line)
-        dash = ' stroke-dasharray="5,3"' if model != "plain" else ""
-        coords = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in line)
-        parts.append(f'<polyline points="{coords}" fill="none" stroke="{color}" stroke-width="2"{dash}/>')
-        parts += [f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="3" fill="{color}"/>' for x, y in line]
-        parts.append(f'<text x="{w - pad - 200}" y="{pad + 16 * i}" fill="{color}">{tool} ({model})</text>')
-    path.write_text("\n".join(parts + ["</svg>"]) + "\n")
+            bpw = tensor_bpw(r, harness.parameter_count(models[r.model]))
+            lines.setdefault(f"{r.tool} ({r.model})", []).append((bpw, r.kld))
+    harness.log_chart(lines, path, "bits per weight (file tensors / parameters)", "mean KL divergence from F16",
+                      dashed={name for name in lines if not name.endswith("(plain)")})
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
