@@ -17,7 +17,6 @@ computes for them), then `round_k` rounds columns onto it as they are updated.
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,6 +25,7 @@ from gguf import GGMLQuantizationType
 
 from quantkit.grids.ggml_blocks import FORMATS, BlockFormat, pack, row_blocks
 from quantkit.grids.family import GridFamily
+from quantkit.grids.cpu_dispatch import compiled as _compiled, kernels as cpu_kernels, map_chunks as _map_chunks
 from quantkit.grids.qparams import QuantizedWeight
 from quantkit.grids.schemes import WeightSpec
 
@@ -197,19 +197,6 @@ def _round_k(weight: torch.Tensor, qparams: KQParams, first_column: int, fallbac
     blocks = row_blocks(*weight.shape)
     per_block = blocks[0].stop - blocks[0].start if blocks else 1
     return codes, all(_map_chunks(round_rows, range(0, weight.shape[0], per_block), weight.device))
-
-
-def cpu_kernels():
-    """`grids.cpu_kernels` (numba), imported when first needed."""
-    from quantkit.grids import cpu_kernels as kernels
-
-    return kernels
-
-
-def _compiled(x: torch.Tensor) -> bool:
-    """Whether float32 `x` (2-D) goes through the compiled CPU loops: on the CPU, every value finite (the torch ops
-    keep ggml's handling of the others)."""
-    return x.device.type == "cpu" and bool(cpu_kernels().all_finite(x.reshape(x.shape[0], -1).numpy()))
 
 
 def _f32_array(t: torch.Tensor) -> np.ndarray:
@@ -630,21 +617,6 @@ def _final_codes(blocks: torch.Tensor, grid: KQParams, search_codes: torch.Tenso
     """ggml's last pass over super-blocks [S, 256]: the codes rounded on their grid, except where a sub-block's step
     is 0 (every code decodes alike there), where llama.cpp leaves its search's."""
     return _round_k(blocks, grid, 0, search_codes)[0]
-
-
-def _map_chunks(fn, firsts: range, device: torch.device) -> list:
-    """fn on each chunk. On CPU the chunks share torch's intra-op threads as Python threads running single-threaded
-    ops (torch releases the GIL inside them): a chunk's ops are too small to split across threads well, and on a
-    busy machine each split op waits for its slowest thread. torch's thread count is 1, process-wide, meanwhile."""
-    threads = torch.get_num_threads()
-    if device.type != "cpu" or threads == 1 or len(firsts) == 1:
-        return [fn(first) for first in firsts]
-    torch.set_num_threads(1)
-    try:
-        with ThreadPoolExecutor(threads) as pool:
-            return list(pool.map(fn, firsts))
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _check(weight: torch.Tensor, qtype: GGMLQuantizationType, importance: torch.Tensor | None):

@@ -195,7 +195,7 @@ def as_stored(scale: torch.Tensor, zero: torch.Tensor, spec: WeightSpec, dtype: 
 def _largest(groups: torch.Tensor) -> torch.Tensor:
     """Each group's value of largest magnitude, with its sign [rows, groups] (float32), the first of ties; on a CPU
     one compiled pass (`cpu_kernels.signed_largest`), a block of rows at a time."""
-    from quantkit.grids.k_grids import _compiled, _map_chunks, cpu_kernels
+    from quantkit.grids.cpu_dispatch import compiled as _compiled, kernels as cpu_kernels, map_chunks as _map_chunks
 
     out = torch.empty(groups.shape[:2], dtype=torch.float32, device=groups.device)
     per_block = max(1, (1 << 22) // max(1, groups.shape[1] * groups.shape[2]))
