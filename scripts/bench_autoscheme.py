@@ -48,7 +48,7 @@ import bench_calibration as bench
 import bench_gguf as gg
 import bench_rotations
 import harness
-from harness import WIKITEXT, fmt
+from harness import fmt
 
 TARGETS = [2.75, 3.0, 3.5, 4.0, 4.5]  # the sizes (bench_budget.py adds 5.0)
 OPTIONS = "GGUF:Q2_K_S,GGUF:Q3_K_S,GGUF:Q4_K_S,GGUF:Q5_K_S,GGUF:Q6_K,GGUF:Q8_0"  # quantkit's default candidates
@@ -348,17 +348,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="sizes (a target, or a label such as \"at Q4_K_M's size\") also run with tuning")
     p.add_argument("--tune-iters", type=int, default=200, help="auto-round's default tuning steps a block")
     p.add_argument("--autoround-python", type=Path, default=AUTOROUND_PYTHON)
-    p.add_argument("--llama-cpp-bin", type=Path)
-    p.add_argument("--calib-data", type=Path, default=WIKITEXT / "valid.txt")
-    p.add_argument("--num-samples", type=int, default=64)
-    p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--eval-data", type=Path, default=WIKITEXT / "test.txt")
-    p.add_argument("--ctx", type=int, default=512)
-    p.add_argument("--chunks", type=int, default=40)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--no-repack", action="store_true", help="as bench_gguf.py's (AMX kernels that segfault in a VM)")
-    p.add_argument("--reuse", action="store_true")
-    p.add_argument("--json", type=Path)
+    bench_budget.add_judging_arguments(p)
     return p.parse_args(argv)
 
 

@@ -135,17 +135,9 @@ def svg(rows: list[gg.Row], models: dict[str, Path], path: Path) -> None:
                       dashed={name for name in lines if not name.endswith("(plain)")})
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    bench.add_model_arguments(p)
-    p.add_argument("--intermediate", type=int, default=1536)
-    p.set_defaults(train_steps=200)  # the trained model of bench_gguf.py and bench_hqq.py
-    p.add_argument("--models", nargs="+", choices=["plain", "outlier"], default=["plain", "outlier"])
-    p.add_argument("--outlier-channels", type=int, default=4)
-    p.add_argument("--outlier-factor", type=float, default=64.0)
-    p.add_argument("--targets", nargs="*", type=float, default=TARGETS)
-    p.add_argument("--mixtures", nargs="*", default=MIXTURES)
-    p.add_argument("--llama-types", nargs="*", default=LLAMA_TYPES)
+def add_judging_arguments(p: argparse.ArgumentParser) -> None:
+    """llama.cpp, the calibration and evaluation text, llama-perplexity's windows, threads and output: as this script
+    judges files (bench_autoscheme.py judges its peer the same way)."""
     p.add_argument("--llama-cpp-bin", type=Path)
     p.add_argument("--calib-data", type=Path, default=WIKITEXT / "valid.txt")
     p.add_argument("--num-samples", type=int, default=64)
@@ -157,6 +149,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-repack", action="store_true", help="as bench_gguf.py's (AMX kernels that segfault in a VM)")
     p.add_argument("--reuse", action="store_true")
     p.add_argument("--json", type=Path)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    bench.add_model_arguments(p)
+    p.add_argument("--intermediate", type=int, default=1536)
+    p.set_defaults(train_steps=200)  # the trained model of bench_gguf.py and bench_hqq.py
+    p.add_argument("--models", nargs="+", choices=["plain", "outlier"], default=["plain", "outlier"])
+    p.add_argument("--outlier-channels", type=int, default=4)
+    p.add_argument("--outlier-factor", type=float, default=64.0)
+    p.add_argument("--targets", nargs="*", type=float, default=TARGETS)
+    p.add_argument("--mixtures", nargs="*", default=MIXTURES)
+    p.add_argument("--llama-types", nargs="*", default=LLAMA_TYPES)
+    add_judging_arguments(p)
     p.add_argument("--svg", type=Path)
     return p.parse_args(argv)
 

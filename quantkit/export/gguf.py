@@ -355,7 +355,7 @@ def codes(weight: torch.Tensor, qparams: QParams) -> torch.Tensor:
     largest values to half a step only (8 significant bits), so there the nearest code may be a tie, and the
     decode picks. A block of rows at a time: float32 intermediates stay small."""
     from quantkit.grids.ggml_blocks import row_blocks
-    from quantkit.grids.k_grids import _compiled, _map_chunks, cpu_kernels
+    from quantkit.grids.cpu_dispatch import compiled as _compiled, kernels as cpu_kernels, map_chunks as _map_chunks
 
     group = weight.shape[1] // qparams.scale.shape[1]
     lo, hi = qparams.spec.dtype.qrange

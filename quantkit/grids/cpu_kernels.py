@@ -12,7 +12,7 @@ expressions. So every code, scale code and d is the torch twin's, bit for bit (t
 checks each pair on weights that take every branch), and the torch versions stay the reference and the device path.
 
 The kernels take finite float32 weights (the callers fall back to torch otherwise) and release the GIL: the
-callers run chunks of super-blocks (`k_grids._map_chunks`) or blocks of rows in threads. Compiled on first use and
+callers run chunks of super-blocks (`cpu_dispatch.map_chunks`) or blocks of rows in threads. Compiled on first use and
 cached on disk (numba's cache: beside this file, or under the user's cache directory when that is read-only).
 """
 

@@ -29,7 +29,8 @@ from gguf import GGMLQuantizationType
 
 from quantkit.grids.ggml_blocks import BlockFormat, row_blocks
 from quantkit.grids.family import GridFamily
-from quantkit.grids.k_grids import _columns, _compiled, _div, _first_absmax, _map_chunks, _sqrt, cpu_kernels
+from quantkit.grids.cpu_dispatch import compiled as _compiled, kernels as cpu_kernels, map_chunks as _map_chunks
+from quantkit.grids.k_grids import _columns, _div, _first_absmax, _sqrt
 from quantkit.grids.qparams import QuantizedWeight
 from quantkit.grids.schemes import WeightSpec
 
@@ -231,8 +232,7 @@ def _round(values: torch.Tensor, params: IQ4Params, first_column: int, decode: b
     code_table, value_table = _table(_TABLE_CODES, torch.int8, values.device), _table_values(values.device)
     rtol, atol = tolerance if tolerance is not None else (-1.0, 0.0)
 
-    def round_rows(first: int) -> bool:
-        rows = slice(first, first + per_block)
+    def round_rows(rows: slice) -> bool:
         grid, x = params.rows(rows), values[rows].float()
         if not decode and _compiled(x):
             spanned = slice(first_column // BLOCK, first_column // BLOCK + _blocks_spanned(first_column, x.shape[1]))
@@ -252,9 +252,7 @@ def _round(values: torch.Tensor, params: IQ4Params, first_column: int, decode: b
         found = grid.dequantize(codes[rows], first_column, dtype=values.dtype)
         return torch.allclose(found.float(), x, rtol=rtol, atol=atol)
 
-    blocks = row_blocks(*values.shape)
-    per_block = blocks[0].stop - blocks[0].start if blocks else 1
-    on_grid = all(_map_chunks(round_rows, range(0, values.shape[0], per_block), values.device))
+    on_grid = all(_map_chunks(round_rows, row_blocks(*values.shape), values.device))
     return codes, decoded, on_grid
 
 

@@ -175,8 +175,7 @@ def _round_k(weight: torch.Tensor, qparams: KQParams, first_column: int, fallbac
     codes = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
     rtol, atol = tolerance if tolerance is not None else (-1.0, 0.0)
 
-    def round_rows(first: int) -> bool:
-        rows = slice(first, first + per_block)
+    def round_rows(rows: slice) -> bool:
         x, grid = weight[rows].float(), qparams.rows(rows)
         substitute = fallback[rows] if fallback is not None else torch.zeros(x.shape, dtype=torch.int8, device=x.device)
         if _compiled(x):
@@ -194,9 +193,7 @@ def _round_k(weight: torch.Tensor, qparams: KQParams, first_column: int, fallbac
         decoded = grid.dequantize(codes[rows], first_column, dtype=weight.dtype)
         return torch.allclose(decoded.float(), x, rtol=rtol, atol=atol)
 
-    blocks = row_blocks(*weight.shape)
-    per_block = blocks[0].stop - blocks[0].start if blocks else 1
-    return codes, all(_map_chunks(round_rows, range(0, weight.shape[0], per_block), weight.device))
+    return codes, all(_map_chunks(round_rows, row_blocks(*weight.shape), weight.device))
 
 
 def _f32_array(t: torch.Tensor) -> np.ndarray:
