@@ -11,7 +11,7 @@ An algorithm is a subclass of `Algorithm` in its own module under `quantkit.algo
   `quantize_weight`, and the calibration layer step `quantize_step` runs it where a calibrated recipe needs it
   (after AWQ, with static activation scales);
 - `step`: the module of its calibration layer step (`quantkit.calibration.steps.<module>`), or None;
-- behaviour the pipeline and the preflight plan for (`staged`, `float_reference`, `learns_ranges`, `qat_ready`,
+- behaviour the pipeline and the preflight plan for (`staged`, `float_reference`, `calibrates_head`, `learns_ranges`, `qat_ready`,
   `qat_substitute`), and methods with defaults: `refusal` (what it refuses for a scheme), the preflight terms
   (`calibration_bytes`, `device_bytes`, `timed`, `grid_share`, `rows_per_rank`) and the summary (`summary`,
   `summary_lines`).
@@ -51,6 +51,8 @@ class Algorithm:
     rounds_to_nearest: ClassVar[bool] = False  # what a format that quantizes while loading (torchao) computes itself
     qat_substitute: ClassVar[str | None] = None  # the data-free algorithm a QAT model converts with on a grid it
     # only rounds onto (GPTQ on a K grid: llama.cpp's own rounding, which training saw)
+    calibrates_head: ClassVar[bool] = False  # its layer step also calibrates a lone Linear fed the final norm's
+    # output (lm_head, where a format quantizes it), without the layer's outputs (the logits)
     searches_blocks: ClassVar[bool] = False  # scores candidate scales on each block's inputs (AWQ)
     per_sample_terms: ClassVar[tuple[str, ...]] = ()  # its preflight memory terms that grow with the samples
 

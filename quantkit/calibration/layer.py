@@ -74,7 +74,7 @@ class Layer:
     @cached_property
     def linears(self) -> dict[str, nn.Module]:
         """This layer's Linear modules the plan quantizes, by qualified name, in module order."""
-        named = ((f"{self.prefix}.{n}", m) for n, m in self.module.named_modules())
+        named = self.module.named_modules(prefix=self.prefix)
         return {name: m for name, m in named if name in self.plan and self.plan[name].quantized}
 
     @property

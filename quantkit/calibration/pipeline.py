@@ -8,8 +8,10 @@
    move the layer back. Peak device memory is
    one layer plus the calibration activations.
 
-Modules the plan quantizes outside the decoder layers (rare: lm_head is ignored by default) are rounded to
-nearest. Works for models whose decoder layers `models.decoder_layers` finds.
+Modules the plan quantizes outside the decoder layers (lm_head, where the format quantizes it: GGUF's output, MLX) come
+last: an untied lm_head by the recipe's quantizer on its own inputs (the final norm of the last layer's outputs) where
+the quantizer can calibrate a lone Linear (`Algorithm.calibrates_head`: GPTQ, the data-free ones), the rest by the
+recipe's data-free quantizer or round to nearest. Works for models whose decoder layers `models.decoder_layers` finds.
 """
 
 from __future__ import annotations
@@ -31,8 +33,9 @@ from quantkit.calibration.resume import Resumable
 from quantkit.calibration.steps import step_of
 from quantkit.calibration.steps.kv_cache import kv_cache_step
 from quantkit.calibration.steps.static_scales import static_scales_step
-from quantkit.errors import CalibrationError, UsageError
+from quantkit.errors import CalibrationError, UnsupportedModelError, UsageError
 from quantkit.models import loading as models
+from quantkit.models.architectures import final_norm
 from quantkit.quant import kv_cache
 from quantkit.quant.plan import ModulePlan
 from quantkit.quant.registry import AlgorithmStep, Recipe
@@ -149,7 +152,8 @@ def _calibrate(model: nn.Module, plan: list[ModulePlan], recipe: Recipe, samples
     if stream is not None:
         with _timed(result, "read"):
             stream.load_rest()
-    _round_the_rest(model, plan, result, prefix)
+    with _timed(result, "head"):
+        _quantize_the_rest(model, plan, recipe, inputs, result, prefix, ctx, device)
     result.wall_seconds = time.perf_counter() - started
     return result
 
@@ -224,16 +228,76 @@ def check_layer(layer: Layer, outputs: list[torch.Tensor]) -> None:
             )
 
 
-def _round_the_rest(model: nn.Module, plan: list[ModulePlan], result: CalibrationResult, layers_prefix: str) -> None:
-    """Round to nearest the planned modules outside the decoder layers (the layers' steps quantized theirs)."""
-    nearest = algorithms.get(algorithms.DEFAULT)
-    for entry in plan:
-        if entry.quantized and entry.name not in result.qweights and not entry.name.startswith(f"{layers_prefix}."):
+def _quantize_the_rest(model: nn.Module, plan: list[ModulePlan], recipe: Recipe, inputs: list[tuple],
+                       result: CalibrationResult, layers_prefix: str, ctx: Context | None, device: torch.device) -> None:
+    """Quantize the planned modules outside the decoder layers (the layers' steps quantized theirs): lm_head by
+    the recipe's quantizer on its inputs where it can (`_head_layer`), the others (and a tied lm_head, which is
+    the token embedding too: GPTQ would fit it to the head's inputs alone) by the recipe's data-free quantizer,
+    else round to nearest."""
+    rest = [entry for entry in plan if entry.quantized and entry.name not in result.qweights
+            and not entry.name.startswith(f"{layers_prefix}.")]
+    if not rest:
+        return
+    quantizer = recipe.quantizer.algorithm
+    head = _head_layer(model, rest, recipe, inputs, result, ctx, device)
+    if head is not None:
+        head.module.to(device)
+        try:
+            step_of(quantizer)(head, recipe.quantizer.arguments)
+            check_layer(head, [])
+        finally:
+            head.module.to("cpu" if device.type == "cuda" else device)
+    data_free = quantizer if not quantizer.needs_data else algorithms.get(algorithms.DEFAULT)
+    for entry in rest:
+        if entry.name not in result.qweights:
             module = model.get_submodule(entry.name)
-            qweight = nearest.quantize_weight(module.weight.data, entry.scheme.weights, None)
+            qweight = data_free.quantize_weight(module.weight.data, entry.scheme.weights,
+                                                recipe.quantizer.arguments if data_free is quantizer else None)
             result.errors[entry.name] = relative_error(module.weight.data, qweight, None)
             module.weight.data = qweight.dequantize(module.weight.dtype)
             result.qweights[entry.name] = qweight
+
+
+class _Head(nn.Module):
+    """The final norm and lm_head as one "layer" for a layer step: called with the last decoder layer's outputs,
+    lm_head under its qualified name (a step's observers stop at its input: the logits are never computed)."""
+
+    def __init__(self, norm: nn.Module, name: str, head: nn.Module):
+        super().__init__()
+        self.final_norm = norm
+        parent = self
+        *path, last = name.split(".")
+        for part in path:
+            parent.add_module(part, nn.Module())
+            parent = getattr(parent, part)
+        parent.add_module(last, head)
+        self.head = [head]  # not a child: reached under its name above
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.head[0](self.final_norm(hidden.to(self.final_norm.weight.device)))
+
+
+def _head_layer(model: nn.Module, rest: list[ModulePlan], recipe: Recipe, inputs: list[tuple],
+                result: CalibrationResult, ctx: Context | None, device: torch.device) -> Layer | None:
+    """lm_head's turn as a `Layer` (the final norm and lm_head, fed the last decoder layer's outputs), or None where
+    the recipe's quantizer cannot calibrate it (`Algorithm.calibrates_head`), the plan leaves it alone, it is tied
+    to the token embedding, or the model has no final norm where quantkit looks."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if not recipe.quantizer.algorithm.calibrates_head or head is None or not isinstance(head, nn.Linear):
+        return None
+    if embedding is not None and head.weight is getattr(embedding, "weight", None):
+        return None
+    name = models.module_name(model, head)
+    if name not in {entry.name for entry in rest}:
+        return None
+    try:
+        norm = final_norm(getattr(model, getattr(model, "base_model_prefix", "model")))
+    except (UnsupportedModelError, AttributeError):
+        return None
+    wrapper = _Head(norm, name, head)
+    calls = [((hidden,), {}) for hidden in hidden_states(inputs)]
+    return Layer(wrapper, "", -1, calls, {entry.name: entry for entry in rest}, recipe, result, ctx)
 
 
 def outside_allocator_bytes(device: torch.device) -> int:

@@ -31,6 +31,7 @@ class GPTQ(Algorithm):
     name = "gptq"
     Arguments = GPTQArgs
     step = "gptq"
+    calibrates_head = True  # lm_head's Hessian is its inputs' alone: the layer-wise path takes it as it is
     staged = True  # one staged ("true sequential") pass per layer where the layer's wiring allows
     qat_substitute = "rtn"  # on a K grid, QAT trains on llama.cpp's own rounding and converts with it
 
