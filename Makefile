@@ -110,7 +110,7 @@ test-vllm:
 # quantkit's MLX directories read by mlx itself (tests/engines/test_mlx_lm.py, marked mlx; left out of `make test`, and
 # skipped anywhere mlx's environment is missing): mlx's CPU build and mlx-lm in their own environment outside the
 # repository (MLX_VENV, ~/.cache/quantkit/mlx-venv; MLX_SPEC; about a minute to build, once), which the tests run
-# through tests/engines/mlx_worker.py from quantkit's .venv. 38 tests, about 4 minutes on 2 busy cores.
+# through tests/engines/mlx_worker.py from quantkit's .venv. 44 tests, about 5 minutes on 2 busy cores.
 MLX_VENV ?= $(HOME)/.cache/quantkit/mlx-venv
 MLX_SPEC ?= "mlx[cpu]" mlx-lm
 .PHONY: test-mlx

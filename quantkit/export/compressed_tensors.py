@@ -39,15 +39,25 @@ from quantkit.runtime import placement
 
 def unsupported(recipe: Recipe) -> str | None:
     """What the installed compressed-tensors cannot write of this recipe (a format of a newer release), or None."""
-    if recipe.scheme.weights.scale_dtype in (ScaleDtype.FLOAT16, ScaleDtype.K_QUANT):
-        return "fp16 and k_quant scales are GGUF's grids (vLLM's kernels take scales in the model's dtype)"
-    if recipe.scheme.weights.scale_dtype is ScaleDtype.MLX_AFFINE:
-        return "mlx_affine is MLX's grid (a float bias per group, not an integer zero point)"
+    if problem := grid_refusal(recipe.scheme.weights):
+        return problem
     if recipe.mixture:
         return (f"{recipe.mixture} is llama.cpp's mixture of GGML types, which GGUF holds; per-tensor types here are "
                 "recipes' schemes (--tensor-type REGEX=RECIPE)")
     if compression_format(recipe.scheme) == "pack-quantized":
         return ct_compat.cannot_pack(recipe.scheme.weights.dtype.bits)
+    return None
+
+
+def grid_refusal(spec: WeightSpec) -> str | None:
+    """Why compressed-tensors holds no grid like `spec`'s (another format's own), or None."""
+    if spec.scale_dtype in (ScaleDtype.FLOAT16, ScaleDtype.K_QUANT):
+        return "fp16 and k_quant scales are GGUF's grids (vLLM's kernels take scales in the model's dtype)"
+    if spec.scale_dtype is ScaleDtype.MLX_AFFINE:
+        return "mlx_affine is MLX's grid (a float bias per group, not an integer zero point)"
+    if spec.scale_dtype is ScaleDtype.FLOAT8 and not spec.global_scale:
+        return ("FP8 group scales without a global scale are MLX's nvfp4 grid; compressed-tensors' NVFP4 has a "
+                "per-tensor global scale (recipe nvfp4-a16)")
     return None
 
 
@@ -80,7 +90,7 @@ def packed_zero_points_on_load():
 def compression_format(scheme: QuantScheme) -> str:
     spec = scheme.weights
     if spec.dtype is QDtype.FLOAT4:
-        return "nvfp4-pack-quantized" if spec.global_scale else "mxfp4-pack-quantized"
+        return "nvfp4-pack-quantized" if spec.scale_dtype is ScaleDtype.FLOAT8 else "mxfp4-pack-quantized"
     if spec.scale_dtype is ScaleDtype.E8M0:
         return "mxfp8-quantized"
     if spec.dtype.is_float:
@@ -103,6 +113,8 @@ def adapt_plan(plan: list[ModulePlan], recipe: Recipe, config) -> list[ModulePla
         if entry.scheme is None or entry.scheme == before.scheme:
             continue
         spec = entry.scheme.weights
+        if problem := grid_refusal(spec):
+            raise FormatError(f"{entry.name}: its tensor type's grid: {problem}")
         if spec.granularity is Granularity.GROUP and entry.in_features % spec.group_size:
             raise FormatError(f"{entry.name}: groups of {spec.group_size} do not divide its {entry.in_features} inputs; "
                               "give it a tensor type with another group size")

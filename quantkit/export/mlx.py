@@ -12,7 +12,9 @@ Two grids are held exactly. MLX's own affine grid (`scale_dtype: mlx_affine`, `g
 group) as it is. A symmetric integer grid (scale per group in the model's dtype, q in [qmin, qmax]) as code q - qmin
 and bias qmin * scale, a power of two times the scale and so exact in any float dtype: every value is the recipe's.
 An asymmetric integer grid's bias, (qmin - zero point) * scale, is not a value of the model's dtype in general: it is
-refused, naming MLX's own grid (never rounded a second time).
+refused, naming MLX's own grid (never rounded a second time). mlx's float modes hold FP4 / FP8 codes and one uint8
+scale per group, no biases: mxfp4 / mxfp8 (quantkit's MX grids as they are, E8M0 exponents) and nvfp4 (FP4 in groups
+of 16 under FP8 e4m3 scales and no global scale, `global_scale: false`: chosen as mx.quantize chooses them).
 
 Written layer by layer (`StreamWriter`) into safetensors shards (`export/shards.py`: `model.safetensors`, or
 `model-0000x-of-0000y.safetensors` with `model.safetensors.index.json`), names as mlx-lm's models name them (the
@@ -50,6 +52,7 @@ from quantkit.runtime import placement
 # Hugging Face model_type -> mlx-lm's model module; their tensors carry the Hugging Face names there
 ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 NEAREST = "recipe mlx-4bit-g64 (MLX's own affine grid: scale_dtype mlx_affine)"
+NEAREST_NVFP4 = "recipe mlx-nvfp4 (FP4 in groups of 16 under FP8 scales alone, chosen as mx.quantize chooses them)"
 
 
 # ---------------------------------------------------------------- which grids MLX holds
@@ -73,19 +76,25 @@ def _for_mlx(spec: WeightSpec) -> WeightSpec:
 
 def mode_of(spec: WeightSpec) -> str:
     """mlx's quantization mode of a grid it holds: affine (integer codes, scale and bias), mxfp4 / mxfp8 (FP4 / FP8
-    values in groups of 32 under E8M0 scales: OCP microscaling, quantkit's MX grids as they are)."""
+    values in groups of 32 under E8M0 scales: OCP microscaling, quantkit's MX grids as they are), nvfp4 (FP4 values
+    in groups of 16 under FP8 e4m3 scales and no global scale: a Linear's nvfp4 in mlx holds none)."""
     if spec.scale_dtype is ScaleDtype.E8M0 and spec.group_size == 32:
         return {QDtype.FLOAT4: "mxfp4", QDtype.FLOAT8: "mxfp8"}.get(spec.dtype, "affine")
+    if spec.scale_dtype is ScaleDtype.FLOAT8 and spec.dtype is QDtype.FLOAT4 and not spec.global_scale:
+        return "nvfp4"
     return "affine"
 
 
 def spec_refusal(spec: WeightSpec) -> str | None:
-    """Why MLX's affine mode cannot hold `spec`'s grid exactly (with the nearest it can), or None."""
-    if spec.scale_dtype is ScaleDtype.MLX_AFFINE or mode_of(spec) in ("mxfp4", "mxfp8"):
+    """Why MLX cannot hold `spec`'s grid exactly (with the nearest it can), or None."""
+    if spec.scale_dtype is ScaleDtype.MLX_AFFINE or mode_of(spec) != "affine":
         return None
+    if spec.global_scale:
+        return (f"mlx's nvfp4 mode holds FP8 group scales alone, not {spec.label()}'s under a per-tensor global scale; "
+                f"the nearest is {NEAREST_NVFP4}")
     if spec.dtype.is_float or spec.dtype.is_codebook or spec.scale_dtype not in (ScaleDtype.MODEL, ScaleDtype.FLOAT32):
-        return (f"MLX holds integer grids with scales in the model's dtype (affine) and MX grids (mxfp4, mxfp8), not "
-                f"{spec.label()}; the nearest is {NEAREST}, or mxfp4-a16 for FP4")
+        return (f"MLX holds integer grids with scales in the model's dtype (affine), MX grids (mxfp4, mxfp8) and nvfp4 "
+                f"without a global scale, not {spec.label()}; the nearest is {NEAREST}, or mxfp4-a16 / mlx-nvfp4 for FP4")
     if spec.dtype.bits not in MLX_BITS:
         return f"MLX takes {', '.join(map(str, MLX_BITS))}-bit codes, not {spec.dtype.bits}; the nearest is {NEAREST}"
     if spec.granularity is not Granularity.GROUP or spec.group_size not in MLX_GROUP_SIZES:
@@ -101,7 +110,7 @@ def unsupported(recipe: Recipe) -> str | None:
     """Why MLX cannot hold the recipe, or None: weight-only, no KV cache or online rotations, a grid it holds
     exactly (`spec_refusal`)."""
     if recipe.scheme.activations is not None:
-        return f"MLX's files are weight-only (16-bit activations); the nearest is {NEAREST}, or mxfp4-a16 for FP4"
+        return f"MLX's files are weight-only (16-bit activations); the nearest is {NEAREST}, or mxfp4-a16 / mlx-nvfp4 for FP4"
     if recipe.kv_cache is not None:
         return "mlx-lm quantizes its KV cache at run time (--kv-bits), not in the file: drop --kv-cache"
     if recipe.online_rotations:
@@ -147,7 +156,8 @@ def adapt_plan(plan: list[ModulePlan], recipe: Recipe, config) -> list[ModulePla
 
     def fitted(entry: ModulePlan) -> ModulePlan:
         spec = entry.scheme.weights if entry.quantized else None
-        if spec is None or spec.group_size in MLX_GROUP_SIZES and entry.in_features % spec.group_size == 0:
+        if spec is None or (mode_of(spec) != "affine" or spec.group_size in MLX_GROUP_SIZES) and (
+                entry.in_features % spec.group_size == 0):  # the float modes fix their groups (16, 32)
             return entry
         return replace(entry, scheme=None, note=f"MLX takes groups of {'/'.join(map(str, MLX_GROUP_SIZES))}; "
                                                 f"{entry.in_features} inputs fit none of the recipe's")
@@ -308,18 +318,20 @@ def rounding_bound(grid: AffineParams, codes: torch.Tensor) -> torch.Tensor:
 
 
 def mx_tensors(weight: torch.Tensor, qparams: QParams) -> tuple[torch.Tensor, torch.Tensor]:
-    """(codes uint8, E8M0 exponents uint8) of a Linear's weight that holds an MX grid's values: FP4 e2m1 nibbles
-    (the sign in bit 3) or FP8 e4m3 bytes, each group's power-of-two scale as its biased exponent; checked to decode
-    to the weight exactly (an FP4 / FP8 value times a power of two is exact in the model's dtype)."""
+    """(codes uint8, scales uint8) of a Linear's weight that holds an MX or nvfp4 grid's values: FP4 e2m1 nibbles
+    (the sign in bit 3) or FP8 e4m3 bytes; each group's power-of-two scale as its biased exponent (MX) or its FP8
+    e4m3 byte (nvfp4, the codes as mx.quantize writes them: a zero +0, a zero scale's group all 0); checked to decode
+    to the weight exactly (an FP4 / FP8 value times a power of two, or FP4 times FP8, is exact in the model's dtype)."""
     from quantkit.grids import float_grids
 
     spec, group = qparams.spec, qparams.spec.group_size
+    nvfp4 = mode_of(spec) == "nvfp4"
     codes = torch.empty(weight.shape, dtype=torch.uint8)
     for rows in row_blocks(*weight.shape):
         scale = qparams.scale[rows].float().repeat_interleave(group, dim=1)
         values = weight[rows].float() / scale
         if spec.dtype is QDtype.FLOAT4:
-            codes[rows] = float_grids.fp4_codes(values)
+            codes[rows] = (float_grids.mlx_fp4_codes if nvfp4 else float_grids.fp4_codes)(values)
             decoded = float_grids.fp4_values(codes[rows]) * scale
         else:
             fp8 = values.to(torch.float8_e4m3fn)
@@ -327,6 +339,8 @@ def mx_tensors(weight: torch.Tensor, qparams: QParams) -> tuple[torch.Tensor, to
             decoded = fp8.float() * scale
         if not torch.equal(decoded.to(weight.dtype), weight[rows]):
             raise ExportError("a quantized weight is not on its MX grid (a quantkit bug: please report it)")
+    if nvfp4:
+        return codes, qparams.scale.to(torch.float8_e4m3fn).view(torch.uint8)
     return codes, float_grids.mx_exponents(qparams.scale)
 
 

@@ -1,5 +1,6 @@
 """Float element grids with their scale grids: FP8 per block, FP4 (e2m1) with FP8 group scales under a per-tensor
-global scale (NVFP4), and OCP microscaling (MXFP4, MXFP8: power-of-two E8M0 group scales).
+global scale (NVFP4), and OCP microscaling (MXFP4, MXFP8: power-of-two E8M0 group scales); and MLX's nvfp4 mode (FP8
+group scales alone, chosen and rounded as mx.quantize does: `mlx_nvfp4_scales`, `mlx_fp4_codes`).
 
 Pure tensor functions with compressed-tensors' arithmetic (the library that writes these formats for vLLM, and
 that LLM Compressor calls), step for step, so the scales of an artifact are the ones LLM Compressor writes:
@@ -39,6 +40,20 @@ def fp4_values(codes: torch.Tensor) -> torch.Tensor:
     return f4_unpacked_to_f32(codes)
 
 
+_FP4_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)  # between consecutive FP4 magnitudes 0, 0.5, ..., 4, 6
+
+
+def mlx_fp4_codes(x: torch.Tensor) -> torch.Tensor:
+    """E2M1 bit patterns (uint8) as mx.quantize picks them in its nvfp4 mode (mlx's `fp_quantize`: the first entry of
+    its FP4 table nearest to x): the nearest FP4 value, a tie going to the smaller magnitude (0.75 to 0.5, where
+    `fp4_codes` rounds to even), every value that rounds to zero as +0 (code 0), and code 0 for a non-finite x (a
+    zero scale's quotient)."""
+    midpoints = torch.tensor(_FP4_MIDPOINTS, device=x.device)
+    magnitude = torch.bucketize(x.abs().float(), midpoints, out_int32=True)  # midpoints below |x|: a tie stays below
+    magnitude = torch.where(torch.isfinite(x), magnitude, 0).to(torch.uint8)
+    return magnitude | (((x < 0) & (magnitude > 0)).to(torch.uint8) << 3)
+
+
 def round_to_fp8(x: torch.Tensor) -> torch.Tensor:
     """The nearest FP8 e4m3 value, clamped to +-448, as a float8_e4m3fn tensor."""
     return x.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
@@ -58,6 +73,13 @@ def nvfp4_group_scales(absmax: torch.Tensor, global_scale: torch.Tensor) -> torc
     local = absmax / torch.tensor(FP4_MAX, dtype=absmax.dtype)
     scales = round_to_fp8(global_scale * local).float()
     return torch.where(scales == 0, torch.tensor(FP8_SCALE_EPS), scales)
+
+
+def mlx_nvfp4_scales(absmax: torch.Tensor) -> torch.Tensor:
+    """MLX's nvfp4 group scales (float32 values of FP8 e4m3) from per-group absmax in the weight's dtype, as
+    mx.quantize chooses them with no global scale: absmax / 6 in that dtype, rounded to FP8 (saturating at 448); a
+    zero scale stays zero (its group stores code 0 throughout)."""
+    return round_to_fp8(absmax / torch.tensor(FP4_MAX, dtype=absmax.dtype)).float()
 
 
 def mx_group_scales(absmax: torch.Tensor, bits: int) -> torch.Tensor:

@@ -131,12 +131,14 @@ def choose_qparams(weight: torch.Tensor, spec: WeightSpec, global_scale: torch.T
 
 def choose_float_scales(weight: torch.Tensor, spec: WeightSpec, global_scale: torch.Tensor | None) -> torch.Tensor:
     """Scales of a float grid, in the weight's dtype (their values are exact there): FP8 per block, NVFP4's FP8
-    group scales, MX's powers of two."""
+    group scales (MLX's nvfp4: without a global scale), MX's powers of two."""
     if spec.granularity is Granularity.BLOCK:
         return float_grids.fp8_block_scales(float_grids.block_absmax(weight, spec.block_shape))
     absmax = weight.reshape(weight.shape[0], -1, spec.group_size).abs().amax(-1)
     if spec.scale_dtype is ScaleDtype.E8M0:
         return float_grids.mx_group_scales(absmax, spec.dtype.bits).to(weight.dtype)
+    if not spec.global_scale:
+        return float_grids.mlx_nvfp4_scales(absmax).to(weight.dtype)
     if global_scale is None:
         raise ValueError("NVFP4 group scales need the tensor's global scale (qparams.weight_global_scale)")
     return float_grids.nvfp4_group_scales(absmax, global_scale).to(weight.dtype)
@@ -311,8 +313,17 @@ def round_float_grid(weight: torch.Tensor, spec: WeightSpec, scale: torch.Tensor
     else:
         scaled = weight / scale.repeat_interleave(spec.group_size, dim=1)
     if spec.dtype is QDtype.FLOAT4:
-        return float_grids.round_to_fp4(scaled).to(torch.float8_e4m3fn)
+        return round_fp4(scaled, spec).to(torch.float8_e4m3fn)
     return float_grids.round_to_fp8(scaled)
+
+
+def round_fp4(scaled: torch.Tensor, spec: WeightSpec) -> torch.Tensor:
+    """FP4 values (float32) of weights divided by their scales: round half to even (torchao's, as compressed-tensors
+    rounds), or as mx.quantize rounds for MLX's nvfp4 grid (FP8 scales without a global scale: a tie to the smaller
+    magnitude, a zero scale's group to zero)."""
+    if spec.scale_dtype is ScaleDtype.FLOAT8 and not spec.global_scale:
+        return float_grids.fp4_values(float_grids.mlx_fp4_codes(scaled))
+    return float_grids.round_to_fp4(scaled)
 
 
 def empty_scaled(weight: torch.Tensor, spec: WeightSpec) -> QuantizedWeight:
@@ -430,7 +441,7 @@ class ScaledColumns:
             divisor = scale.float() / self.global_scale if self.global_scale is not None else scale
             self._columns[group] = (divisor, divisor.float())
         divisor, divisor_float = self._columns[group]
-        q = float_grids.round_to_fp4(column.to(self.dtype) / divisor)
+        q = round_fp4(column.to(self.dtype) / divisor, self.spec)
         return q, q * divisor_float
 
 

@@ -74,7 +74,8 @@ class ScaleDtype(str, Enum):
     MODEL = "model"  # the dtype of the model's weights (bf16 for a bf16 model)
     FLOAT16 = "float16"  # integer grids whose scales GGUF stores as fp16 (Q4_0, Q8_0): the grid is exact in the file
     K_QUANT = "k_quant"  # llama.cpp's K-quants: integer scale (and min) codes per sub-block under fp16 ones per 256 weights
-    FLOAT8 = "float8_e4m3fn"  # NVFP4's group scales, under a per-tensor float32 global scale
+    FLOAT8 = "float8_e4m3fn"  # NVFP4's group scales: under a per-tensor float32 global scale (compressed-tensors), or
+    # alone (`global_scale: false`: MLX's nvfp4 mode, chosen and rounded as mx.quantize does, `float_grids.mlx_nvfp4_scales`)
     E8M0 = "float8_e8m0fnu"  # OCP microscaling (MX): a power of two, stored as its biased exponent (uint8)
     MLX_AFFINE = "mlx_affine"  # MLX's affine grid: a scale and a float bias per group (not an integer zero point), both
     # in the model's dtype: value = scale * code + bias, code in [0, 2^bits - 1] (`grids.mlx_grids`)
@@ -123,7 +124,8 @@ class WeightSpec:
 
     Float grids: float8_e4m3fn per channel, per `block_shape` tile (FP8 block) or per group of 32 with E8M0 scales
     (MXFP8); float4_e2m1fn per group of 16 with FP8 scales under a per-tensor global scale (NVFP4) or per group of
-    32 with E8M0 scales (MXFP4). These are the layouts compressed-tensors writes and vLLM serves."""
+    32 with E8M0 scales (MXFP4). These are the layouts compressed-tensors writes and vLLM serves. float4_e2m1fn per
+    group of 16 with FP8 scales and no global scale is MLX's nvfp4 mode (mx.quantize's choice and rounding)."""
 
     dtype: QDtype
     granularity: Granularity
@@ -166,9 +168,11 @@ class WeightSpec:
                 raise SchemeError("weights.dtype", f"{self.dtype.value} values take granularity group, group_size {group}, "
                                   "symmetric, scale_dtype k_quant (llama.cpp's sub-scales under an fp16 scale per 256)")
             return
-        nvfp4 = "float4_e2m1fn weights take group_size 16 with scale_dtype float8_e4m3fn and global_scale: true (NVFP4), or group_size 32 with scale_dtype float8_e8m0fnu (MXFP4)"
+        nvfp4 = ("float4_e2m1fn weights take group_size 16 with scale_dtype float8_e4m3fn (NVFP4: global_scale: true as "
+                 "compressed-tensors writes it, false as MLX's nvfp4 mode), or group_size 32 with scale_dtype "
+                 "float8_e8m0fnu (MXFP4)")
         if self.scale_dtype is ScaleDtype.FLOAT8:
-            if self.dtype is not QDtype.FLOAT4 or self.group_size != 16 or not self.global_scale:
+            if self.dtype is not QDtype.FLOAT4 or self.group_size != 16:
                 raise SchemeError("weights.scale_dtype", f"float8_e4m3fn scales are NVFP4's: {nvfp4}")
         elif self.scale_dtype is ScaleDtype.E8M0:
             if not self.dtype.is_float or self.group_size != 32:
@@ -281,7 +285,8 @@ class WeightSpec:
             grain = f"block {self.block_shape[0]}x{self.block_shape[1]}"
         else:
             grain = "channel"
-        scales = {ScaleDtype.FLOAT8: " fp8 scales + global", ScaleDtype.E8M0: " e8m0 scales"}.get(self.scale_dtype, "")
+        scales = {ScaleDtype.FLOAT8: " fp8 scales + global" if self.global_scale else " fp8 scales mlx",
+                  ScaleDtype.E8M0: " e8m0 scales"}.get(self.scale_dtype, "")
         if self.k_quant_type:
             return f"{self.k_quant_type.lower()} k-quant"  # its grid is the type's (K_QUANT_TYPES)
         if self.codebook_type:
@@ -359,7 +364,8 @@ def _label(spec, described: str, mse: bool) -> str:
     if family is None:
         return described
     element = described.split(" ", 1)[0]  # fp4 or fp8
-    return f"{family}{element}{'' if spec.symmetric else ' asym'}{' mse' if mse else ''}"
+    mlx = " mlx" if spec.scale_dtype is ScaleDtype.FLOAT8 and not spec.global_scale else ""  # MLX's nvfp4: no global scale
+    return f"{family}{element}{mlx}{'' if spec.symmetric else ' asym'}{' mse' if mse else ''}"
 
 
 @dataclass(frozen=True)

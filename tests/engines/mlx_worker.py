@@ -4,7 +4,8 @@ MLX directory. Imports nothing of quantkit's.
     mlx_worker.py dequantize DIR OUT.npz   every quantized tensor of DIR dequantized by mx.dequantize: its scales and
                                            biases in float32 (`NAME`), and as stored (`NAME@stored`), in float32
     mlx_worker.py quantize IN.npz OUT.npz  mx.quantize of each array (`NAME` float32, `NAME@dtype`, `NAME@bits`,
-                                           `NAME@group`): its scales, biases and codes
+                                           `NAME@group`, `NAME@mode`: affine when absent): its scales (as stored for
+                                           nvfp4 / MX: uint8), biases (affine) and codes
     mlx_worker.py logits DIR IDS OUT.npy   mlx_lm.utils.load(DIR)'s logits on the token ids IDS (comma-separated)
     mlx_worker.py wide DIR IDS OUT.npy     the same model dequantized by mlx-lm (`dequantize_model`, scales and biases
                                            widened to float32 first), its weights rounded to the file's dtype (as the
@@ -46,7 +47,13 @@ def quantize(source: str, out: str) -> None:
     result = {}
     for name in [n for n in arrays.files if "@" not in n]:
         w = mx.array(arrays[name]).astype(dtypes[str(arrays[f"{name}@dtype"])])
-        q, s, b = mx.quantize(w, group_size=int(arrays[f"{name}@group"]), bits=int(arrays[f"{name}@bits"]), mode="affine")
+        mode = str(arrays[f"{name}@mode"]) if f"{name}@mode" in arrays.files else "affine"
+        args = dict(group_size=int(arrays[f"{name}@group"]), bits=int(arrays[f"{name}@bits"]), mode=mode)
+        if mode != "affine":  # no biases; the scales' bytes as stored
+            q, s = mx.quantize(w, **args)
+            result[f"{name}.weight"], result[f"{name}.scales"] = np.array(q), np.array(s)
+            continue
+        q, s, b = mx.quantize(w, **args)
         result[f"{name}.weight"] = np.array(q)
         result[f"{name}.scales"] = np.array(s.astype(mx.float32))
         result[f"{name}.biases"] = np.array(b.astype(mx.float32))

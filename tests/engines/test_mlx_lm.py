@@ -19,7 +19,8 @@ MLP 256: every group size divides them), in float32 and bfloat16, under MLX's ow
   LOGITS_TOLERANCE of quantkit's float32 forward);
 - quantkit's round to nearest is `mx.quantize` itself: the same packed words, scales and biases for a float32 weight;
   for bfloat16 the same scales and biases, and codes no farther from the weight than mx.quantize's (mlx rounds onto its
-  float32 grid before storing it in bfloat16; quantkit onto the grid as stored).
+  float32 grid before storing it in bfloat16; quantkit onto the grid as stored); in the nvfp4 mode the same packed
+  words and scale bytes in float32, bfloat16 and float16 (mlx divides and chooses the scale in the weight's dtype).
 """
 
 from __future__ import annotations
@@ -155,6 +156,9 @@ CASES = [  # (recipe, bits, group, architecture, dtype)
     ("mxfp4-a16", None, None, "llama", "bfloat16"),  # mlx's mxfp4 mode: quantkit's MXFP4 grid as it is
     ("mxfp4-a16", None, None, "qwen3", "float32"),  # (MX artifacts are bfloat16: a float32 source is written so)
     ("mxfp8-a16", None, None, "qwen2", "bfloat16"),  # mlx's mxfp8 mode
+    ("mlx-nvfp4", None, None, "llama", "bfloat16"),  # mlx's nvfp4 mode: FP8 group scales, no global scale
+    ("mlx-nvfp4", None, None, "qwen3-tied", "float32"),  # (written in bfloat16, as the MX grids)
+    ("mlx-gptq-nvfp4", None, None, "qwen2", "bfloat16"),
     ("mlx-4bit-g64", None, None, "qwen3-tied", "bfloat16"),  # lm_head quantized: the file's embedding is its grid
     ("gptq-w4a16", None, None, "qwen2-tied", "float32"),  # lm_head ignored: mlx-lm's lm_head is the quantized embedding
 ]
@@ -271,6 +275,30 @@ def test_round_to_nearest_is_mx_quantize(bits, group, dtype, tmp_path):
     their_error = (weight.float() - grid.dequantize(mlx.unpack(packed, bits))).abs()
     our_error = (weight.float() - ours.dequantize(torch.float32)).abs()
     assert (our_error <= their_error).all()  # where the codes differ, quantkit's is the nearer one
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_nvfp4_round_to_nearest_is_mx_quantize(dtype, tmp_path):
+    """MLX's nvfp4 grid (recipe mlx-nvfp4): the packed words and the FP8 scale bytes of `mx.quantize(mode="nvfp4")`,
+    with an all-zero group, a group whose scale underflows FP8 to zero, one that saturates it, and every FP4 tie."""
+    from quantkit.export import mlx
+    from quantkit.grids import quantize_weight
+    from quantkit.quant.registry import resolve
+
+    generator = torch.Generator().manual_seed(7)
+    weight = torch.randn(64, 512, generator=generator) * 0.02
+    weight[0, :16], weight[1, :16], weight[3, :16] = 0.0, 1e-6, 1e4 * torch.randn(16, generator=generator)
+    weight[2, :16] = torch.tensor([0.25, -0.25, 0.75, -0.75, 1.25, 2.5, 3.5, 5.0, -5.0, -0.1, 0.0, -0.0, 6.0, -3.5, 1.75, -1.75])
+    weight = weight.to(dtype)
+    spec = resolve("mlx-nvfp4").scheme.weights
+    ours = quantize_weight(weight, spec)
+    codes, scales = mlx.mx_tensors(ours.dequantize(dtype), ours.qparams)
+    np.savez(tmp_path / "in.npz", w=weight.float().numpy(), **{"w@dtype": str(dtype).split(".")[1], "w@bits": 4,
+                                                                  "w@group": 16, "w@mode": mlx.mode_of(spec)})
+    worker("quantize", tmp_path / "in.npz", tmp_path / "out.npz")
+    theirs = np.load(tmp_path / "out.npz")
+    assert np.array_equal(scales.numpy(), theirs["w.scales"])
+    assert np.array_equal(mlx.pack(codes, 4).view(torch.int32).numpy(), theirs["w.weight"].view(np.int32))
 
 
 def test_eval_runs_mlx_models_in_mlx_lm(models, calib_text, tmp_path, monkeypatch):

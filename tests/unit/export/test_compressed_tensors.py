@@ -40,7 +40,8 @@ def test_write_records_the_quantization_config(tiny_model_dir, tmp_path):
 
 def test_tensor_types_are_recipes_schemes_in_compressed_tensors(wide_model_dir):
     """--tensor-type in compressed-tensors: a recipe's scheme on the tensors it matches (its own config group);
-    refused before any work: a GGML type, a scheme packed another way, and GGUF refuses a recipe name."""
+    refused before any work: a GGML type, a scheme packed another way, another format's grid (MLX's), and GGUF
+    refuses a recipe name."""
     from quantkit.errors import FormatError, UsageError
     from quantkit.finalization.finalize import prepare
     from quantkit.quant import registry
@@ -54,5 +55,9 @@ def test_tensor_types_are_recipes_schemes_in_compressed_tensors(wide_model_dir):
         prepare(wide_model_dir, registry.with_tensor_types(registry.resolve("int4-weight-only"), ["down_proj=q8_0"]))
     with pytest.raises(FormatError, match="one compression format"):
         prepare(wide_model_dir, registry.with_tensor_types(registry.resolve("int4-weight-only"), ["down_proj=fp8-block"]))
+    with pytest.raises(FormatError, match="down_proj: its tensor type's grid: mlx_affine is MLX's grid"):
+        prepare(wide_model_dir, registry.with_tensor_types(registry.resolve("int4-weight-only"), ["down_proj=mlx-4bit-g64"]))
+    with pytest.raises(FormatError, match="without a global scale are MLX's nvfp4 grid"):  # not packed as MXFP4
+        prepare(wide_model_dir, registry.with_tensor_types(registry.resolve("mxfp4-a16"), ["down_proj=mlx-nvfp4"]))
     with pytest.raises(UsageError, match="a gguf artifact holds GGML types.*use --format compressed-tensors"):
         prepare(wide_model_dir, registry.with_tensor_types(registry.resolve("gguf-q4-0"), ["down_proj=int8-weight-only"]))

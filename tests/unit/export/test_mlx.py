@@ -171,7 +171,8 @@ def test_symmetric_integer_grids_are_held_exactly():
 
 
 @pytest.mark.parametrize("name", ["gptq-w4a16", "awq-w4a16", "int4-weight-only", "mlx-4bit-g64",
-                                  "mlx-3bit-g64", "mlx-8bit-g64", "mlx-gptq-4bit-g64", "mlx-awq-4bit-g64", "mxfp4-a16"])
+                                  "mlx-3bit-g64", "mlx-8bit-g64", "mlx-gptq-4bit-g64", "mlx-awq-4bit-g64", "mxfp4-a16",
+                                  "mlx-nvfp4", "mlx-gptq-nvfp4"])
 def test_recipes_mlx_holds(name):
     check_supported(resolve(name), Format.MLX)
 
@@ -180,7 +181,10 @@ def test_recipes_mlx_holds(name):
     ("int4-asym", "integer zero point's bias .* the nearest is recipe mlx-4bit-g64"),
     ("gptq-w4a16-asym", "integer zero point"),
     ("gptq-w8a16", "MLX takes groups of 32, 64, 128, not int8 channel"),
-    ("nvfp4-a16", "and MX grids \\(mxfp4, mxfp8\\), not nvfp4"),
+    ("nvfp4-a16", "nvfp4 mode holds FP8 group scales alone, not nvfp4's under a per-tensor global scale; the nearest "
+                  "is recipe mlx-nvfp4"),
+    ("gptq-nvfp4-a16", "global scale; the nearest is recipe mlx-nvfp4"),
+    ("nvfp4", "weight-only .* mlx-nvfp4 for FP4"),
     ("mxfp4", "weight-only"),
     ("gguf-q4-0", "integer grids with scales in the model's dtype"),
     ("int8-dynamic-act-int8-weight", "weight-only"),
@@ -210,10 +214,32 @@ def test_mx_grids_are_held_as_they_are(dtype):
     assert mlx.pack(codes, spec.dtype.bits).shape == (32, 256 * spec.dtype.bits // 32)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_nvfp4_grids_are_held_as_mx_quantize_writes_them(dtype):
+    """MLX's nvfp4 (recipe mlx-nvfp4): E2M1 nibbles and each group's FP8 e4m3 scale byte, decoding to the grid's
+    values; a zero as +0 and an all-zero group's codes all 0 (mx.quantize's), config {16, 4, nvfp4}, one byte a group."""
+    from quantkit.grids import float_grids
+
+    spec = resolve("mlx-nvfp4").scheme.weights
+    w = weight(dtype=dtype)
+    w[2, :16] = torch.tensor([-0.01] + [0.0] * 14 + [6.0])  # a negative weight rounded to zero
+    q = quantize_weight(w, spec)
+    values = q.dequantize(dtype)
+    codes, scales = mlx.mx_tensors(values, q.qparams)
+    assert scales.dtype == torch.uint8 and scales.shape == (32, 256 // 16)
+    decoded = float_grids.fp4_values(codes) * scales.view(torch.float8_e4m3fn).float().repeat_interleave(16, dim=1)
+    assert torch.equal(decoded.to(dtype), values)
+    assert (codes[0, :64] == 0).all() and (scales[0, :4] == 0).all() and codes[2, 0] == 0
+    assert mlx.mode_of(spec) == "nvfp4" and mlx.spec_refusal(spec) is None
+    assert mlx.quantization_config(spec, []) == {"group_size": 16, "bits": 4, "mode": "nvfp4"}
+    assert mlx.pack(codes, 4).shape == (32, 256 * 4 // 32)
+
+
 @pytest.mark.parametrize("fmt", [Format.COMPRESSED_TENSORS, Format.TORCHAO, Format.GGUF])
-def test_other_formats_refuse_mlx_grids(fmt):
+@pytest.mark.parametrize("name", ["mlx-4bit-g64", "mlx-nvfp4"])
+def test_other_formats_refuse_mlx_grids(fmt, name):
     with pytest.raises(FormatError, match="use --format mlx"):
-        check_supported(resolve("mlx-4bit-g64"), fmt)
+        check_supported(resolve(name), fmt)
 
 
 def test_float32_scales_are_chosen_in_the_model_dtype():
@@ -391,10 +417,42 @@ def test_mixed_files_hold_the_preview_and_the_planned_bytes(mixed, wide_model_di
         assert held == mlx.weight_bytes(entry, 4), name
 
 
+def test_an_nvfp4_directory_holds_the_preview_exactly(wide_model_dir, tmp_path):
+    """mlx-nvfp4 written: mlx-lm's layout for the nvfp4 mode (uint32 codes, uint8 FP8 scales, no biases), every Linear,
+    lm_head and the token embedding quantized, each decoding to the preview's weight; `weight_bytes` its bytes."""
+    from safetensors.torch import load_file
+
+    from quantkit.finalization.checks import prepare
+    from quantkit.finalization.finalize import quantize_model
+    from quantkit.grids import float_grids
+
+    dst = tmp_path / "nvfp4"
+    finalize(wide_model_dir, dst, "mlx-nvfp4")
+    config = json.loads((dst / "config.json").read_text())
+    assert config["quantization"] == config["quantization_config"] == {"group_size": 16, "bits": 4, "mode": "nvfp4"}
+    recipe = for_format(resolve("mlx-nvfp4"), Format.MLX)
+    prepared = prepare(wide_model_dir, recipe)
+    modules = dict(quantize_model(prepared, recipe).named_modules())
+    stored = load_file(dst / "model.safetensors")
+    names = [n[: -len(".scales")] for n in stored if n.endswith(".scales")]
+    assert len(names) == 2 * 7 + 2 and not [n for n in stored if n.endswith(".biases")]
+    for name in names:
+        codes, scales = stored[f"{name}.weight"], stored[f"{name}.scales"]
+        assert codes.dtype == torch.uint32 and scales.dtype == torch.uint8
+        scale = scales.view(torch.float8_e4m3fn).float().repeat_interleave(16, dim=1)
+        values = (float_grids.fp4_values(mlx.unpack(codes, 4)) * scale).to(torch.bfloat16)  # MX / FP4 files: 16-bit
+        assert torch.equal(values, modules[name].weight.detach()), name
+    for entry in prepared.plan:
+        held = sum(stored[f"{entry.name}.{part}"].numel() * stored[f"{entry.name}.{part}"].element_size()
+                   for part in ("weight", "scales"))
+        assert held == mlx.weight_bytes(entry, 2), entry.name
+
+
 @pytest.mark.parametrize("override, error, message", [
     ("down_proj=int4-asym", FormatError, "down_proj: tensor type int4-asym: an integer zero point's bias"),
     ("down_proj=gptq-w8a16", FormatError, "MLX takes groups of 32, 64, 128, not int8 channel"),
-    ("embed_tokens=nvfp4-a16", FormatError, "the token embedding: tensor type nvfp4-a16: MLX holds integer grids"),
+    ("embed_tokens=nvfp4-a16", FormatError, "the token embedding: tensor type nvfp4-a16: mlx's nvfp4 mode holds FP8"),
+    ("embed_tokens=fp8-block", FormatError, "the token embedding: tensor type fp8-block: MLX holds integer grids"),
     ("down_proj=q6_k", QuantkitError, "Q6_K is not one \\(use --format gguf for it\\)"),
 ])
 def test_a_tensor_type_mlx_cannot_hold_is_one_line(wide_model_dir, tmp_path, override, error, message):

@@ -29,8 +29,12 @@ def test_float8_weights_are_symmetric_per_channel_per_block_or_mx_groups():
 def test_fp4_weights_are_nvfp4_or_mxfp4():
     nvfp4 = WeightSpec(QDtype.FLOAT4, Granularity.GROUP, 16, scale_dtype=ScaleDtype.FLOAT8, global_scale=True)
     assert nvfp4.describe() == "fp4 g16 fp8 scales + global" and not nvfp4.group_size_adjustable
+    assert nvfp4.label() == "nvfp4"
+    mlx = WeightSpec(QDtype.FLOAT4, Granularity.GROUP, 16, scale_dtype=ScaleDtype.FLOAT8)  # MLX's nvfp4: no global scale
+    assert mlx.describe() == "fp4 g16 fp8 scales mlx" and mlx.label() == "nvfp4 mlx" and not mlx.group_size_adjustable
+    assert mlx.qparam_bytes(8, 64, 2) == 8 * 4
     assert WeightSpec(QDtype.FLOAT4, Granularity.GROUP, 32, scale_dtype=ScaleDtype.E8M0).describe() == "fp4 g32 e8m0 scales"
-    for bad in (dict(group_size=16, scale_dtype=ScaleDtype.FLOAT8),  # no global scale
+    for bad in (dict(group_size=32, scale_dtype=ScaleDtype.FLOAT8),
                 dict(group_size=32, scale_dtype=ScaleDtype.FLOAT8, global_scale=True),
                 dict(group_size=16, scale_dtype=ScaleDtype.E8M0),
                 dict(group_size=16)):
