@@ -86,6 +86,12 @@ class Algorithm:
         """A data-free quantizer's pure function: the 2-D weight on `spec`'s grid (a `QuantizedWeight`)."""
         raise NotImplementedError(f"{self.name} needs calibration data; it has no data-free weight function")
 
+    def quantize_with_hessian(self, weight, hessian, spec, args):
+        """A quantizer that rounds through its inputs' Hessian: some rows of a weight on `spec`'s grid given the
+        (normalised) Hessian, as its layer step would round them. None where it does not use one (what a budget
+        plan's sensitivity asks, `budget.sensitivity`)."""
+        return None
+
     # ---------------------------------------------------------------- the preflight (torch-free arithmetic)
 
     def calibration_bytes(self, terms: dict[str, int], sizes: CalibrationSizes, args) -> dict[str, int]:

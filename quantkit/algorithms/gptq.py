@@ -33,7 +33,7 @@ from typing import Callable
 
 import torch
 
-from quantkit.algorithms.methods.gptq import ROW_BLOCK, GPTQArgs, row_share  # noqa: F401  (row_share: the ranks' shares)
+from quantkit.algorithms.gptq_args import ROW_BLOCK, GPTQArgs, row_share  # noqa: F401  (row_share: the ranks' shares)
 from quantkit.algorithms.factor import ALONE, Sharing, factor_, reverse_
 from quantkit.errors import QuantkitError
 from quantkit.grids import float_grids

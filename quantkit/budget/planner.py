@@ -55,7 +55,8 @@ class BudgetPlan:
                 "tensor_bytes": self.tensor_bytes, "parameters": self.parameters,
                 "estimated_kl": self.estimated_kl, "types": self.types,
                 "sensitivity": {"errors": self.measured.errors, "gains": self.measured.gains,
-                                "role_kl": self.measured.role_kl, "seconds": self.measured.seconds,
+                                "role_kl": self.measured.role_kl, "discounts": self.measured.discounts,
+                                "seconds": self.measured.seconds,
                                 "tokens": self.measured.tokens, "probe_tokens": self.measured.probe_tokens}}
 
 
@@ -138,8 +139,10 @@ def plan(src: Path, recipe: Recipe, target_bpw: float | None, options, candidate
         roles = {name: _role(name) for name in decided}
         smallest = {name: min(by_type, key=by_type.get) for name, by_type in sizes.items()}
     device = ctx.device if ctx is not None else distributed.rank_device(options.device, 0)
+    step = base.quantizer
     measured = sensitivity.measure(model, decided, roles, samples, EMBEDDING if EMBEDDING in decided else None,
-                                   members, smallest, layers, ctx, device, progress)
+                                   members, smallest, layers, ctx, device, progress,
+                                   lambda w, h, spec: step.algorithm.quantize_with_hessian(w, h, spec, step.arguments))
     choices = [solver.Choice(name, tuple(solver.Option(t, size, measured.errors[name][t]) for t, size in by_type.items()))
                for name, by_type in sizes.items()]
     chosen = solver.solve(choices, budget)

@@ -19,6 +19,16 @@ streamed model holds one decoder layer in memory; `--nproc-per-node` ranks share
    KL divergence of the model's output from the float model's is measured, and the role's gain is that KL over
    the sum of its tensors' proxies there. A tensor's estimated error in a type is its role's gain times its proxy.
 
+3. **The quantizer's discount per role** (where the recipe's quantizer uses the Hessian of its inputs: GPTQ): the
+   proxies and the gains are round to nearest's, but the file's Linears are GPTQ's, which takes a role's error
+   down by a factor that differs from role to role (most where the inputs are correlated: outlier channels),
+   while the token embedding, which no calibration reaches, keeps its rounding. Planned on round to nearest's
+   errors alone, the embedding was priced too low against the Linears (on the outlier benchmark model, the plan
+   at 3.0 bits per weight: KL 0.0136 with the embedding in Q2_K, 0.0074 with it in Q3_K at the same size). So on
+   one decoder layer (the middle one) and lm_head, the Hessian of each Linear's inputs is taken on the first
+   moment batch, and the quantizer's error over round to nearest's on the same ROWS rows in the role's smallest
+   candidate, each through that Hessian, is the role's discount; a tensor's estimated error is multiplied by it.
+
 The estimate treats errors as additive; the benchmark (docs/benchmarks.md, "Fitting a budget") measures how the
 plan it leads to does end to end.
 """
@@ -34,9 +44,11 @@ import torch
 from torch import nn
 
 from quantkit import data
-from quantkit.calibration.hooks import capture_inputs, hidden_states, run_layer, with_hidden
+from quantkit.calibration.hooks import capture_inputs, hidden_states, observe, run_layer, with_hidden
 from quantkit.evaluation.divergence import kl_divergence
 from quantkit.grids import quantize_weight
+from quantkit.grids.observers import HessianObserver
+from quantkit.grids.qparams import QuantizedWeight
 from quantkit.models import architectures as models
 from quantkit.quant import gguf_types
 from quantkit.quant.registry import tensor_type_spec as spec_of
@@ -61,6 +73,7 @@ class Sensitivity:
     seconds: dict[str, float] = field(default_factory=dict)
     probe_tokens: int = 0
     tokens: int = 0
+    discounts: dict[str, float] = field(default_factory=dict)  # role -> the quantizer's error over rounding's (3.)
 
 
 class Layers(Protocol):
@@ -94,7 +107,8 @@ class InMemory:
 def measure(model: nn.Module, candidates: dict[str, list[str]], roles: dict[str, str], samples: torch.Tensor,
             embedding: str | None = None, members: dict[str, list[str]] | None = None,
             smallest: dict[str, str] | None = None, layers: Layers | None = None, ctx: Context | None = None,
-            device: torch.device | None = None, progress: Progress = QUIET) -> Sensitivity:
+            device: torch.device | None = None, progress: Progress = QUIET,
+            quantizer: HessianQuantizer | None = None) -> Sensitivity:
     """Estimated errors of each tensor in each of its `candidates` types. A tensor is a Linear's module name, or
     `embedding` (the token embedding's name), or a name `members` maps to Linears that take one type together (an
     MoE layer's experts of one projection: GGUF stacks them into one tensor; their proxies add up, so an expert
@@ -107,21 +121,32 @@ def measure(model: nn.Module, candidates: dict[str, list[str]], roles: dict[str,
     streams (the float model's and one per role, each with that role's tensors on their smallest types) go through
     the layer on `device`; the modules outside the layers (embeddings, final norm, lm_head) are read at the start
     and the end. With a distributed `ctx`, each rank runs its share of the batches and computes its share of the
-    proxies; per-batch sums and proxies are exchanged so that every rank gets the values one process computes."""
+    proxies; per-batch sums and proxies are exchanged so that every rank gets the values one process computes.
+    `quantizer`: the recipe's, where it rounds through its inputs' Hessian (its result on some rows of a weight
+    given the Hessian, or None): the roles' discounts (the module docstring's 3.); None: no discount."""
     layers = layers or InMemory()
     device = device or torch.device("cpu")
     members = {name: (members or {}).get(name, [name]) for name in candidates}
     smallest = {name: (smallest or {}).get(name) or min(types, key=gguf_types.bits_per_weight)
                 for name, types in candidates.items()}
-    run = _Run(model, candidates, roles, members, smallest, embedding, samples, layers, ctx, device)
+    run = _Run(model, candidates, roles, members, smallest, embedding, samples, layers, ctx, device, quantizer)
     return run.measure(progress)
+
+
+class HessianQuantizer(Protocol):
+    """The recipe's quantizer on some rows of a weight given its inputs' Hessian (`Algorithm.quantize_with_hessian`
+    with the recipe's arguments), or None where it does not use one."""
+
+    def __call__(self, weight: torch.Tensor, hessian: torch.Tensor, spec) -> QuantizedWeight | None: ...
 
 
 class _Run:
     """One measurement (`measure`): its state between the layers."""
 
-    def __init__(self, model, candidates, roles, members, smallest, embedding, samples, layers, ctx, device):
+    def __init__(self, model, candidates, roles, members, smallest, embedding, samples, layers, ctx, device, quantizer):
         self.model, self.candidates, self.roles, self.members = model, candidates, roles, members
+        self.quantizer = quantizer
+        self.errors_by_role: dict[str, list[float]] = {}  # role -> [the quantizer's, rounding's] weighted errors
         self.smallest, self.embedding, self.samples, self.layers, self.ctx = smallest, embedding, samples, layers, ctx
         self.device = device
         self.decoder = models.decoder_layers(model)
@@ -192,6 +217,8 @@ class _Run:
                 layer.to(self.device)
                 here = {linear: layer.get_submodule(linear[len(f"{self.prefix}.{i}."):]) for linear in linears_of_layer.get(i, [])}
                 with self._timed("moments"):
+                    if i == len(self.decoder) // 2:
+                        self._discounts(here, layer, moment_calls[:1])
                     outputs = self._moments(layer, here, moment_calls)
                     moment_calls = with_hidden(moment_calls, outputs)
                 with self._timed("proxies"):
@@ -222,6 +249,8 @@ class _Run:
                     x = norm(call.to(self.device)).float().reshape(-1, module.in_features)
                     sums[slot] = (x * x).sum(0).double().cpu()
                 self.moments[linear] = self._reduced_mean(sums, self.moment.numel())
+            outside = {linear: model.get_submodule(linear) for linear in linears_of_layer.get(None, [])}
+            self._discounts(outside, _Tail(norm, list(outside.values())), [((h,), {}) for h in hidden_states(moment_calls)[:1]])
         with self._timed("proxies"):
             self._linear_proxies(tensors_of_layer.get(None, []))
         with self._timed("gains"):
@@ -232,8 +261,42 @@ class _Run:
                 role_kl[role] = self._kl(norm, head, hidden, streams[role] or hidden, _on_grids(model, outside, embedding))
                 proxy = sum(self.proxies[name][self.smallest[name]] for name in names)
                 gains[role] = role_kl[role] / proxy if proxy > 0 else 0.0
-        errors = {name: {t: gains[self.roles[name]] * p for t, p in by_type.items()} for name, by_type in self.proxies.items()}
-        return Sensitivity(errors, self.proxies, gains, role_kl, self.seconds, self.probe.numel(), self.moment.numel())
+        discounts = self._reduced_discounts(sorted(by_role))
+        errors = {name: {t: gains[self.roles[name]] * discounts.get(self.roles[name], 1.0) * p for t, p in by_type.items()}
+                  for name, by_type in self.proxies.items()}
+        return Sensitivity(errors, self.proxies, gains, role_kl, self.seconds, self.probe.numel(), self.moment.numel(),
+                           discounts)
+
+    def _discounts(self, linears: dict[str, nn.Module], module: nn.Module, calls: list) -> None:
+        """Add each of `linears`' weighted errors (the quantizer's, round to nearest's) to its role's, in its
+        smallest candidate, through the Hessian of its inputs on `calls` (run through `module`): on the rank that
+        holds the first moment batch (the others' sums stay 0 and are added to it, `_reduced_discounts`)."""
+        tensors = {m: name for name in self.candidates for m in self.members[name] if self.members[name] == [m]}
+        linears = {m: linear for m, linear in linears.items() if m in tensors}
+        if self.quantizer is None or not linears or not calls or 0 not in self._slots(self.moment, self.moment_batches):
+            return
+        observers = observe(linears, HessianObserver, module, calls)
+        for linear, observer in observers.items():
+            name = tensors[linear]
+            spec = spec_of(self.smallest[name])
+            if spec is None:
+                continue
+            hessian = observer.hessian().to(self.device)
+            weight = linears[linear].weight.data
+            rows = weight[:: max(1, weight.shape[0] // ROWS)].float()
+            solved = self.quantizer(rows, hessian, spec)
+            if solved is None:
+                continue
+            rounded = quantize_weight(rows, spec, importance=hessian.diagonal().clone())
+            sums = self.errors_by_role.setdefault(self.roles[name], [0.0, 0.0])
+            sums[0] += _through(rows, solved, hessian)
+            sums[1] += _through(rows, rounded, hessian)
+
+    def _reduced_discounts(self, roles: list[str]) -> dict[str, float]:
+        """role -> the quantizer's weighted error over rounding's, the same on every rank (roles not measured: none)."""
+        sums = torch.tensor([self.errors_by_role.get(role, [0.0, 0.0]) for role in roles], dtype=torch.float64)
+        distributed.all_reduce_(sums, self.ctx)
+        return {role: float(solved / rounded) for role, (solved, rounded) in zip(roles, sums.tolist()) if rounded > 0}
 
     def _outside(self, names: list[str]) -> list[str]:
         """Of `names`, the tensors outside the decoder layers (the embedding, lm_head)."""
@@ -338,6 +401,26 @@ def _shares(samples: torch.Tensor, rank: int, world: int, size: int) -> list[ran
 
 def _batches(samples: torch.Tensor, ranges: list[range]) -> list[torch.Tensor]:
     return [samples[r.start : r.stop] for r in ranges]
+
+
+def _through(weight: torch.Tensor, q, hessian: torch.Tensor) -> float:
+    """sum over rows of (w - q) H (w - q)^T: the rows' squared output error on the Hessian's inputs."""
+    delta = weight - q.dequantize(torch.float32)
+    return float(((delta @ hessian) * delta).sum())
+
+
+class _Tail(nn.Module):
+    """The final norm, then the Linears that read its output (lm_head): what `observe` runs to reach their input
+    (it stops there: no logits are computed)."""
+
+    def __init__(self, norm: nn.Module, linears: list[nn.Module]):
+        super().__init__()
+        self.norm, self.linears = norm, linears
+
+    def forward(self, hidden: torch.Tensor) -> None:
+        x = self.norm(hidden.to(self.norm.weight.device))
+        for linear in self.linears:
+            linear(x)
 
 
 def _proxy(weight: torch.Tensor, type_name: str, importance: torch.Tensor, rows: bool = False) -> float:

@@ -2,28 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from quantkit.algorithms.base import Algorithm, register
-from quantkit.grids.schemes import QDtype, QuantScheme, SchemeError
-
-
-ROW_BLOCK = 128  # weight rows solved as one unit: every GEMM's shape is fixed, however the rows are shared out
-
-
-@dataclass(frozen=True)
-class GPTQArgs:
-    block_size: int = 128  # columns updated lazily together (rounded up to a multiple of the group size)
-    dampening_frac: float = 0.01  # H += dampening_frac * mean(diag H) * I
-    actorder: bool = False  # round columns in order of decreasing H_ii (static groups)
-    static_groups: bool = False  # group qparams chosen up front from the weight, not as GPTQ reaches each group
-
-    def __post_init__(self) -> None:
-        if self.block_size < 1:
-            raise SchemeError("block_size", f"{self.block_size} is not allowed; use a positive number of columns")
-        if self.dampening_frac <= 0:
-            raise SchemeError("dampening_frac", f"{self.dampening_frac} is not allowed; use a positive fraction such as 0.01")
+from quantkit.algorithms.gptq_args import ROW_BLOCK, GPTQArgs, row_share  # noqa: F401  (where callers find them)
+from quantkit.grids.schemes import QDtype, QuantScheme
 
 
 @register
@@ -34,6 +17,11 @@ class GPTQ(Algorithm):
     calibrates_head = True  # lm_head's Hessian is its inputs' alone: the layer-wise path takes it as it is
     staged = True  # one staged ("true sequential") pass per layer where the layer's wiring allows
     qat_substitute = "rtn"  # on a K grid, QAT trains on llama.cpp's own rounding and converts with it
+
+    def quantize_with_hessian(self, weight, hessian, spec, args):
+        from quantkit.algorithms.gptq import gptq_quantize
+
+        return gptq_quantize(weight, hessian, spec, args)
 
     def refusal(self, scheme: QuantScheme) -> str | None:
         if scheme.weights.dtype is QDtype.FLOAT8:
@@ -63,11 +51,3 @@ class GPTQ(Algorithm):
     def summary_lines(self, calibration: dict[str, Any]) -> list[tuple[str, str]]:
         rows = calibration.get("gptq_rows_per_rank")
         return [("  GPTQ rows per rank", " / ".join(map(str, rows)))] if rows else []
-
-
-def row_share(rows: int, world_size: int, rank: int) -> slice:
-    """The rows of a weight this rank solves: a contiguous run of whole ROW_BLOCKs, shared out as evenly as the
-    blocks allow (the last block may be short). Over all ranks the shares cover every row once, in order."""
-    blocks = -(-rows // ROW_BLOCK)
-    first, last = blocks * rank // world_size, blocks * (rank + 1) // world_size
-    return slice(min(rows, first * ROW_BLOCK), min(rows, last * ROW_BLOCK))

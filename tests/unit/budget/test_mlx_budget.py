@@ -108,7 +108,7 @@ def test_the_cli_plans_mlx_without_a_recipe(wide_model_dir, options, tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["--candidates", "q4_k,q6_k"], "Q4_K is not a candidate for mlx, which takes recipes whose schemes it takes (mlx-3bit-g64"),
     (["--candidates", "mlx-4bit-g64,int4-asym"], "--candidates: int4-asym: an integer zero point's bias"),
-    (["--candidates", "mlx-4bit-g64,nvfp4-a16"], "--candidates: nvfp4-a16: MLX holds integer grids"),
+    (["--candidates", "mlx-4bit-g64,nvfp4-a16"], "--candidates: nvfp4-a16: mlx's nvfp4 mode holds FP8 group scales alone"),
     (["--candidates", "mlx-4bit-g64,int8-dynamic-act-int8-weight"], "MLX's files are weight-only"),
 ])
 def test_bad_mlx_candidates_are_one_line(wide_model_dir, tmp_path, args, message):

@@ -240,3 +240,21 @@ def test_a_rotated_recipe_is_measured_on_the_rotated_model(k_model_dir, options,
     changed = [name for name in unrotated if name != "token_embd"
                and streamed.measured.proxies[name]["Q4_K"] != pytest.approx(unrotated[name]["Q4_K"], rel=1e-3)]
     assert len(changed) > len(unrotated) // 2, changed
+
+
+def test_a_gptq_plan_discounts_each_roles_errors_by_what_gptq_saves(k_model_dir, options, plans):
+    """The recipe's GPTQ rounds through its inputs' Hessian: each Linear role's estimated errors are round to
+    nearest's times GPTQ's error over rounding's (measured on the middle decoder layer and lm_head, below 1); the
+    token embedding, which no calibration reaches, keeps rounding's estimate. A round-to-nearest plan has none."""
+    gptq = registry.parse_recipe("k-gptq", {**RECIPE.to_file(), "algorithm": {"name": "gptq"}})
+    plan = planner.plan(k_model_dir, gptq, 5.0, options)
+    measured, rounded = plan.measured, plans[5.0].measured
+    assert rounded.discounts == {}
+    linear_roles = set(measured.gains) - {"token_embd"}
+    assert set(measured.discounts) == linear_roles
+    assert all(0 < d < 1 for d in measured.discounts.values()), measured.discounts
+    for name, by_type in measured.errors.items():
+        role = planner._role(name)
+        expected = {t: measured.gains[role] * measured.discounts.get(role, 1.0) * p for t, p in measured.proxies[name].items()}
+        assert by_type == pytest.approx(expected, rel=1e-9), name
+    assert plan.to_dict()["sensitivity"]["discounts"] == measured.discounts
