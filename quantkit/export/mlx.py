@@ -16,6 +16,11 @@ refused, naming MLX's own grid (never rounded a second time). mlx's float modes 
 scale per group, no biases: mxfp4 / mxfp8 (quantkit's MX grids as they are, E8M0 exponents) and nvfp4 (FP4 in groups
 of 16 under FP8 e4m3 scales and no global scale, `global_scale: false`: chosen as mx.quantize chooses them).
 
+On the CPU the writer's pass over an affine grid's weight is one compiled loop (`cpu_kernels.mlx_pack`: each code
+rounded back, decoded and checked, packed), and the token embedding's quantization, decoding and packing another
+(`cpu_kernels.mlx_quantize_pack`: nothing of the embedding's size in between); `grid_tensors` and `pack` are their
+torch twins, and decide whatever the loops leave to them (a weight that is not finite, a code that does not decode).
+
 Written layer by layer (`StreamWriter`) into safetensors shards (`export/shards.py`: `model.safetensors`, or
 `model-0000x-of-0000y.safetensors` with `model.safetensors.index.json`), names as mlx-lm's models name them (the
 Hugging Face names, for the architectures in ARCHITECTURES).
@@ -27,11 +32,13 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 
 from quantkit.errors import ExportError, FormatError
 from quantkit.grids.ggml_blocks import row_blocks
+from quantkit.grids import mlx_grids
 from quantkit.grids.mlx_grids import AffineParams
 from quantkit.grids.qparams import QParams
 from quantkit.grids.schemes import (
@@ -284,22 +291,75 @@ def grid_tensors(weight: torch.Tensor, qparams: QParams) -> tuple[torch.Tensor, 
     """(codes uint8, scales, biases) of a Linear's weight that holds its grid's values: MLX's affine grid's codes
     rounded back onto it, a symmetric integer grid's as code q - qmin with bias qmin * scale; each checked to decode
     (in the model's dtype) to the weight exactly."""
-    dtype = weight.dtype
-    if isinstance(qparams.k, AffineParams):
-        grid = qparams.k
-    else:
-        spec = qparams.spec
-        if spec_refusal(spec) is not None or qparams.zero_point is not None:
-            raise ExportError(f"MLX cannot hold {spec.describe()} (a quantkit bug: the recipe should have been refused)")
-        qmin = spec.dtype.qrange[0]
-        grid = AffineParams(qparams.scale.to(dtype), (qparams.scale.float() * qmin).to(dtype), spec.dtype.bits,
-                            spec.group_size)
+    grid = affine_grid(weight.dtype, qparams)
     codes = grid.round(weight)
     for rows in row_blocks(*weight.shape):
-        decoded = grid.rows(rows).dequantize(codes[rows], dtype=dtype)
+        decoded = grid.rows(rows).dequantize(codes[rows], dtype=weight.dtype)
         if not torch.equal(decoded, weight[rows]) and not _within_rounding(decoded, weight[rows], grid.rows(rows), codes[rows]):
             raise ExportError("a quantized weight is not on its MLX grid (a quantkit bug: please report it)")
-    return codes, grid.scales.to(dtype), grid.biases.to(dtype)
+    return codes, grid.scales.to(weight.dtype), grid.biases.to(weight.dtype)
+
+
+def affine_grid(dtype: torch.dtype, qparams: QParams) -> AffineParams:
+    """The affine grid a Linear's qparams stand for: MLX's own, or a symmetric integer grid's as code q - qmin with
+    bias qmin * scale (in the model's dtype)."""
+    if isinstance(qparams.k, AffineParams):
+        return qparams.k
+    spec = qparams.spec
+    if spec_refusal(spec) is not None or qparams.zero_point is not None:
+        raise ExportError(f"MLX cannot hold {spec.describe()} (a quantkit bug: the recipe should have been refused)")
+    qmin = spec.dtype.qrange[0]
+    return AffineParams(qparams.scale.to(dtype), (qparams.scale.float() * qmin).to(dtype), spec.dtype.bits,
+                        spec.group_size)
+
+
+def packed_tensors(weight: torch.Tensor, qparams: QParams) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(packed codes uint32, scales, biases) of a Linear's weight that holds its affine grid's values (`grid_tensors`,
+    `pack`): on the CPU one compiled pass (`cpu_kernels.mlx_pack`), the torch ops where it leaves the weight to them."""
+    grid = affine_grid(weight.dtype, qparams)
+    kind = mlx_grids.compiled_kind(weight.device, weight.dtype)
+    if kind is not None and weight.shape[1] == grid.scales.shape[1] * grid.group_size:
+        from quantkit.grids.cpu_dispatch import kernels
+
+        w, packed = mlx_grids.bits_of(weight.contiguous()), _words(weight.shape, grid.bits)
+        scales, biases = (t.float().contiguous().numpy() for t in (grid.scales, grid.biases))
+        out = mlx_grids.bits_of(packed)
+        if mlx_grids.in_row_blocks(lambda rows: kernels().mlx_pack(
+                w[rows], kind, mlx_grids.float16_bits(), scales[rows], biases[rows], grid.group_size, grid.bits,
+                out[rows]), weight):
+            return packed.view(torch.uint32), grid.scales.to(weight.dtype), grid.biases.to(weight.dtype)
+    codes, scales, biases = grid_tensors(weight, qparams)
+    return pack(codes, grid.bits), scales, biases
+
+
+def quantized_packed(weight: torch.Tensor, spec: WeightSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """`packed_tensors` of the weight quantized on MLX's affine grid `spec` (round to nearest, its values decoded
+    in the weight's dtype) in one compiled pass (`cpu_kernels.mlx_quantize_pack`), or None where that loop does not
+    take it."""
+    from quantkit.grids.cpu_dispatch import kernels
+
+    kind = mlx_grids.compiled_kind(weight.device, weight.dtype)
+    if (kind is None or spec.scale_dtype is not ScaleDtype.MLX_AFFINE or weight.shape[1] % spec.group_size
+            or spec.group_size % kernels().LANES):
+        return None
+
+    bits, groups = spec.dtype.bits, (weight.shape[0], weight.shape[1] // spec.group_size)
+    w, packed = mlx_grids.bits_of(weight.contiguous()), _words(weight.shape, bits)
+    scales, biases = torch.empty(groups, dtype=torch.float32), torch.empty(groups, dtype=torch.float32)
+    out = [mlx_grids.bits_of(packed), scales.numpy(), biases.numpy()]
+    if not mlx_grids.in_row_blocks(lambda rows: kernels().mlx_quantize_pack(
+            w[rows], kind, mlx_grids.float16_bits(), spec.group_size, bits, np.float32(mlx_grids.MLX_EPS),
+            out[1][rows], out[2][rows], out[0][rows]), weight):
+        return None
+    return packed.view(torch.uint32), scales.to(weight.dtype), biases.to(weight.dtype)
+
+
+def _words(shape: torch.Size, bits: int) -> torch.Tensor:
+    """int32 [rows, cols * bits / 32]: room for `pack`'s words."""
+    rows, cols = shape
+    if cols * bits % 32:
+        raise ExportError(f"{cols} codes of {bits} bits do not fill whole 32-bit words")
+    return torch.empty((rows, cols * bits // 32), dtype=torch.int32)
 
 
 def _within_rounding(decoded: torch.Tensor, weight: torch.Tensor, grid: AffineParams, codes: torch.Tensor) -> bool:
@@ -349,8 +409,8 @@ def _linear_tensors(name: str, weight: torch.Tensor, qparams: QParams) -> dict[s
     if mode_of(qparams.spec) != "affine":
         codes, exponents = mx_tensors(weight, qparams)
         return {f"{name}.weight": pack(codes, bits), f"{name}.scales": exponents}
-    codes, scales, biases = grid_tensors(weight, qparams)
-    return {f"{name}.weight": pack(codes, bits), f"{name}.scales": scales, f"{name}.biases": biases}
+    packed, scales, biases = packed_tensors(weight, qparams)
+    return {f"{name}.weight": packed, f"{name}.scales": scales, f"{name}.biases": biases}
 
 
 class StreamWriter:
@@ -388,6 +448,8 @@ class StreamWriter:
         if key == self.embedding and self.tied and "lm_head" in self.planned:
             return _linear_tensors(module_name, value, self._qparams("lm_head", qparams))
         if key == self.embedding and self.embedding_spec is not None:
+            if (packed := quantized_packed(value, self.embedding_spec)) is not None:
+                return dict(zip((f"{module_name}.{part}" for part in ("weight", "scales", "biases")), packed))
             quantized = _quantize_embedding(value, self.embedding_spec)
             return _linear_tensors(module_name, quantized.dequantize(value.dtype), quantized.qparams)
         if module_name in self.planned and leaf == "weight":

@@ -436,3 +436,249 @@ def _first_absmax(x):
         if abs(x[i]) > largest:
             peak, largest = x[i], abs(x[i])
     return peak
+
+
+# ---- MLX's affine grid (mlx_grids, export.mlx): a weight's values as their bits, float32 computed in registers
+#
+# numba has no bfloat16 or float16: the weights come in as their bits (uint16; float32 as uint32) and each group is
+# widened into a float32 buffer; a float32 result is rounded to the model's dtype (to nearest even, as torch's casts
+# round) on its bits. `kind`: FLOAT32, BFLOAT16 or FLOAT16; `lut` [65536] uint32: each float16's float32 bits. The
+# helpers are inlined into the loops (`_INLINE`): called, they cost the loops half their speed.
+
+FLOAT32, BFLOAT16, FLOAT16 = 0, 1, 2
+_INLINE = dict(_JIT, inline="always")
+
+
+@njit(**_JIT)
+def mlx_quantize(w, kind, lut, group, n_bins, eps, codes, scales, biases):
+    """mlx_grids.quantize_mlx on rows `w` [R, C] (bits): each group's scale and bias chosen as `choose`, stored in
+    the model's dtype, the codes rounded onto them. Writes uint8 `codes` [R, C], float32 `scales`, `biases`
+    [R, C // group] (the stored values). Returns 0, or 1 where a weight is not finite or a stored step is 0 (the
+    torch ops decide those)."""
+    x, xbits = _group_buffer(group)
+    pair, pair_bits = _group_buffer(2)
+    lanes = np.empty((2, LANES), np.float32)
+    top = F32(n_bins)
+    for r in range(w.shape[0]):
+        for g in range(w.shape[1] // group):
+            first = g * group
+            if not _widen(w, r, first, kind, lut, xbits):
+                return 1
+            pair[0], pair[1] = _mlx_choose(x, top, eps, lanes)
+            _narrow(pair_bits, kind, lut)
+            step, bias = pair[0], pair[1]
+            if step == F32(0.0):
+                return 1
+            scales[r, g], biases[r, g] = step, bias
+            for i in range(group):
+                codes[r, first + i] = np.uint8(_mlx_code(x[i], step, bias, top))
+    return 0
+
+
+@njit(**_JIT)
+def mlx_dequantize(codes, scales, biases, group, kind, lut, out):
+    """AffineParams.dequantize on rows: scale * code + bias in float32, rounded to the model's dtype. Writes `out`
+    [R, C] (the dtype's bits: uint16, or uint32 for float32); returns 0, or 1 where a value is NaN (a grid that is
+    not finite: the torch ops decide)."""
+    x, xbits = _group_buffer(group)
+    for r in range(codes.shape[0]):
+        for g in range(codes.shape[1] // group):
+            first, step, bias = g * group, scales[r, g], biases[r, g]
+            nan = False
+            for i in range(group):
+                x[i] = F32(codes[r, first + i]) * step + bias
+                nan |= x[i] != x[i]
+            if nan:
+                return 1
+            for i in range(group):
+                out[r, first + i] = _dtype_bits(np.int64(xbits[i]), kind)
+    return 0
+
+
+@njit(**_JIT)
+def mlx_pack(w, kind, lut, scales, biases, group, bits, packed):
+    """export.mlx's writer on rows `w` [R, C] (bits) that hold their grid's values: each code rounded back onto the
+    stored grid (float32 `scales`, `biases` [R, C // group]), decoded in the model's dtype and checked to be the
+    weight, and packed as `export.mlx.pack` packs (each row one little-endian bit stream of `bits`-bit codes).
+    Writes uint32 `packed` [R, C * bits // 32]. Returns 0, or 1 where a weight is not finite or a code does not
+    decode to its weight (the torch ops decide those)."""
+    x, xbits = _group_buffer(group)
+    decoded, decoded_bits = _group_buffer(group)
+    codes = np.empty(group, np.int64)
+    top = F32((1 << bits) - 1)
+    for r in range(w.shape[0]):
+        for g in range(w.shape[1] // group):
+            if not _widen(w, r, g * group, kind, lut, xbits):
+                return 1
+            if not _codes_decoding_to(x, scales[r, g], biases[r, g], top, kind, lut, codes, decoded, decoded_bits):
+                return 1
+            _pack_group(codes, bits, packed, r, g * group * bits // 32)
+    return 0
+
+
+@njit(**_JIT)
+def mlx_quantize_pack(w, kind, lut, group, bits, eps, scales, biases, packed):
+    """`mlx_quantize`, its values decoded in the model's dtype (`mlx_dequantize`) and those written (`mlx_pack`)
+    in one pass, nothing of the weight's size in between (export.mlx's token embedding). Writes float32 `scales`,
+    `biases` and uint32 `packed`; returns 0, or 1 where either would have (the torch ops decide those)."""
+    x, xbits = _group_buffer(group)
+    pair, pair_bits = _group_buffer(2)
+    decoded, decoded_bits = _group_buffer(group)
+    codes = np.empty(group, np.int64)
+    lanes = np.empty((2, LANES), np.float32)
+    top = F32((1 << bits) - 1)
+    for r in range(w.shape[0]):
+        for g in range(w.shape[1] // group):
+            if not _widen(w, r, g * group, kind, lut, xbits):
+                return 1
+            pair[0], pair[1] = _mlx_choose(x, top, eps, lanes)
+            _narrow(pair_bits, kind, lut)
+            step, bias = pair[0], pair[1]
+            if step == F32(0.0):
+                return 1
+            scales[r, g], biases[r, g] = step, bias
+            for i in range(group):
+                x[i] = _mlx_code(x[i], step, bias, top) * step + bias
+            _narrow(xbits, kind, lut)  # the quantized weight, as the model holds it
+            if not _codes_decoding_to(x, step, bias, top, kind, lut, codes, decoded, decoded_bits):
+                return 1
+            _pack_group(codes, bits, packed, r, g * group * bits // 32)
+    return 0
+
+
+@njit(**_INLINE)
+def _mlx_choose(x, n_bins, eps, lanes):
+    """mlx_grids.choose on one group (its size a multiple of LANES): (scale, bias) in float32. The group's least
+    and largest values in LANES independent chains (`lanes` [2, LANES]: room for them)."""
+    for j in range(LANES):
+        lanes[0, j] = lanes[1, j] = x[j]
+    for k in range(LANES, x.shape[0], LANES):
+        for j in range(LANES):
+            v = x[k + j]
+            lanes[0, j] = v if v < lanes[0, j] else lanes[0, j]
+            lanes[1, j] = v if v > lanes[1, j] else lanes[1, j]
+    low, high = lanes[0, 0], lanes[1, 0]
+    for j in range(1, LANES):
+        low = lanes[0, j] if lanes[0, j] < low else low
+        high = lanes[1, j] if lanes[1, j] > high else high
+    scale = (high - low) / n_bins
+    if scale < eps:
+        scale = eps
+    edge = low
+    if not abs(low) > abs(high):
+        scale, edge = -scale, high
+    q0 = np.rint(edge / scale)
+    if q0 != F32(0.0):
+        return edge / q0, edge
+    return scale, F32(0.0)
+
+
+@njit(**_INLINE)
+def _mlx_code(x, step, bias, n_bins):
+    """AffineParams.round of one value: clamp(rint((x - bias) / step), 0, n_bins), a float32."""
+    q = np.rint((x - bias) / step)
+    q = F32(0.0) if q < F32(0.0) else q
+    return n_bins if q > n_bins else q
+
+
+@njit(**_INLINE)
+def _codes_decoding_to(x, step, bias, n_bins, kind, lut, codes, decoded, decoded_bits):
+    """A group's codes on the grid (into int64 `codes`), and whether each decodes in the model's dtype to its value."""
+    for i in range(x.shape[0]):
+        q = _mlx_code(x[i], step, bias, n_bins)
+        codes[i] = np.int64(q)
+        decoded[i] = q * step + bias
+    _narrow(decoded_bits, kind, lut)
+    off = False
+    for i in range(x.shape[0]):
+        off |= decoded[i] != x[i]
+    return not off
+
+
+@njit(**_INLINE)
+def _pack_group(codes, bits, packed, r, first_word):
+    """A group's codes into row r's words from `first_word` on: a little-endian bit stream."""
+    if 32 % bits == 0:  # 2, 4, 8 bits: whole codes to a word
+        per_word = 32 // bits
+        for k in range(codes.shape[0] // per_word):
+            word = np.int64(0)
+            for j in range(per_word):
+                word |= codes[k * per_word + j] << (j * bits)
+            packed[r, first_word + k] = np.uint32(word)
+        return
+    acc, filled, word = np.int64(0), 0, first_word
+    for i in range(codes.shape[0]):
+        acc |= codes[i] << filled
+        filled += bits
+        if filled >= 32:
+            packed[r, word] = np.uint32(acc & 0xFFFFFFFF)
+            acc >>= 32
+            filled -= 32
+            word += 1
+
+
+@njit(**_INLINE)
+def _group_buffer(n):
+    """A float32 buffer of n values and its uint32 bits (one memory)."""
+    bits = np.empty(n, np.uint32)
+    return bits.view(np.float32), bits
+
+
+@njit(**_INLINE)
+def _widen(w, r, first, kind, lut, xbits):
+    """Row r's values from column `first` on (bits of `kind`) into `xbits` (float32 bits); whether all are finite."""
+    n = xbits.shape[0]
+    if kind == BFLOAT16:
+        for i in range(n):
+            xbits[i] = np.uint32(w[r, first + i]) << np.uint32(16)
+    elif kind == FLOAT16:
+        for i in range(n):
+            xbits[i] = lut[w[r, first + i]]
+    else:
+        for i in range(n):
+            xbits[i] = np.uint32(w[r, first + i])
+    exponent = np.uint32(0x7F800000)
+    lowest = exponent
+    for i in range(n):
+        lowest = min(lowest, ~xbits[i] & exponent)  # 0 where the exponent's bits are all ones: inf or NaN
+    return lowest != np.uint32(0)
+
+
+@njit(**_INLINE)
+def _narrow(xbits, kind, lut):
+    """Round finite float32 values (their bits, in place) to `kind`, and back to float32 bits."""
+    if kind == FLOAT32:
+        return
+    for i in range(xbits.shape[0]):
+        h = _dtype_bits(np.int64(xbits[i]), kind)
+        xbits[i] = np.uint32(h << 16) if kind == BFLOAT16 else lut[h]
+
+
+@njit(**_INLINE)
+def _dtype_bits(f, kind):
+    """`kind`'s bits of the finite float32 of bits f, rounded to nearest even (torch's casts)."""
+    if kind == BFLOAT16:
+        return (f + 0x7FFF + ((f >> 16) & 1)) >> 16
+    if kind == FLOAT16:
+        return _float16_bits(f)
+    return f
+
+
+@njit(**_JIT)
+def _float16_bits(f):
+    """float16's bits of the finite float32 of bits f, rounded to nearest even (beyond float16's range: inf)."""
+    sign, exponent, mantissa = (f >> 16) & 0x8000, (f >> 23) & 0xFF, f & 0x7FFFFF
+    if exponent >= 143:  # |x| >= 2^16
+        return sign | 0x7C00
+    if exponent <= 112:  # below 2^-14: a subnormal float16 (or 0), in units of 2^-24
+        if exponent < 102:
+            return sign
+        m, shift = mantissa | 0x800000, 126 - exponent
+        q, rest, half = m >> shift, m & ((1 << shift) - 1), 1 << (shift - 1)
+        if rest > half or (rest == half and (q & 1) == 1):
+            q += 1
+        return sign | q
+    q, rest = mantissa >> 13, mantissa & 0x1FFF
+    if rest > 0x1000 or (rest == 0x1000 and (q & 1) == 1):
+        q += 1
+    return sign | (((exponent - 112) << 10) + q)  # a carry out of the mantissa raises the exponent (to inf past 65504)

@@ -8,12 +8,18 @@ codes onto the grid as stored. mlx itself rounds the codes onto its float32 scal
 so for a bfloat16 or float16 model a few codes differ from `mx.quantize`'s; here the file holds exactly the grid the
 codes were chosen on (for a float32 model the two agree bit for bit). A value is computed in float32 (scale * code,
 then + bias) and rounded once to the model's dtype: what mx.dequantize computes from the same tensors in float32.
+
+On the CPU, for float32, bfloat16 and float16 weights, quantizing and dequantizing are compiled loops
+(`cpu_kernels.mlx_quantize`, `mlx_dequantize`: one pass, a group at a time in registers); the torch ops below are
+their twins, bit for bit (tests/unit/grids/test_mlx_kernels.py), and run on GPUs and for non-finite weights.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 
+import numpy as np
 import torch
 
 from quantkit.grids.family import GridFamily
@@ -28,6 +34,38 @@ def _blocks(x: torch.Tensor) -> list[slice]:
     from quantkit.grids.ggml_blocks import row_blocks
 
     return row_blocks(*x.shape)
+
+
+# ---------------------------------------------------------------- the compiled loops' side (cpu_kernels)
+
+_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # cpu_kernels.FLOAT32, BFLOAT16, FLOAT16
+
+
+def compiled_kind(device: torch.device, dtype: torch.dtype) -> int | None:
+    """cpu_kernels' kind of `dtype` where the compiled loops take it (on the CPU; float32, bfloat16, float16), or
+    None."""
+    return _KINDS.get(dtype) if device.type == "cpu" else None
+
+
+def bits_of(x: torch.Tensor) -> np.ndarray:
+    """x's values as their bits (uint16; uint32 for float32), sharing its memory (contiguous x)."""
+    wide = x.element_size() == 4
+    return x.view(torch.int32 if wide else torch.int16).numpy().view(np.uint32 if wide else np.uint16)
+
+
+@cache
+def float16_bits() -> np.ndarray:
+    """uint32 [65536]: each float16's float32 bits (`cpu_kernels`' `lut`)."""
+    every = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    return every.float().view(torch.int32).numpy().view(np.uint32)
+
+
+def in_row_blocks(fn, x: torch.Tensor) -> bool:
+    """fn(rows) on each block of x's rows (`row_blocks`, in threads: `cpu_dispatch.map_chunks`); whether every
+    block's kernel returned 0 (1: a block the torch ops must decide)."""
+    from quantkit.grids.cpu_dispatch import map_chunks
+
+    return not any(map_chunks(fn, _blocks(x), x.device))
 
 
 def levels(spec: WeightSpec) -> int:
@@ -84,6 +122,8 @@ class AffineParams:
         """scale * code + bias in float32 (the product, then the sum, as mx.dequantize computes them in float32), in
         `dtype`; a block of rows at a time."""
         out = torch.empty(codes.shape, dtype=dtype, device=codes.device)
+        if self._dequantize_compiled(codes, first_column, out):
+            return out
         for rows in _blocks(codes):
             grouped = self.rows(rows)._grouped(codes[rows], first_column)
             if grouped is None:
@@ -93,6 +133,19 @@ class AffineParams:
             part, step, bias = grouped
             out[rows] = part.float().mul_(step).add_(bias).reshape(part.shape[0], -1)
         return out
+
+    def _dequantize_compiled(self, codes: torch.Tensor, first_column: int, out: torch.Tensor) -> bool:
+        """`dequantize` into `out` by `cpu_kernels.mlx_dequantize`, where it takes the codes (whole groups from
+        column 0, on the CPU, uint8, `out` float32 / bfloat16 / float16); whether it did."""
+        kind = compiled_kind(codes.device, out.dtype)
+        if kind is None or first_column or codes.dtype != torch.uint8 or codes.shape[1] != self.scales.shape[1] * self.group_size:
+            return False
+        from quantkit.grids.cpu_dispatch import kernels
+
+        codes, out_bits = codes.contiguous().numpy(), bits_of(out)
+        scales, biases = (t.float().contiguous().numpy() for t in (self.scales, self.biases))
+        return in_row_blocks(lambda rows: kernels().mlx_dequantize(
+            codes[rows], scales[rows], biases[rows], self.group_size, kind, float16_bits(), out_bits[rows]), out)
 
     def round(self, weight: torch.Tensor, first_column: int = 0) -> torch.Tensor:
         """The nearest codes (uint8) of `weight`'s columns from `first_column` on: rint((w - bias) / scale), clamped,
@@ -131,9 +184,33 @@ def quantize_mlx(weight: torch.Tensor, spec: WeightSpec) -> QuantizedWeight:
     rows, cols = weight.shape
     if cols % spec.group_size:
         raise ValueError(f"group size {spec.group_size} does not divide input size {cols}")
+    compiled = _quantize_compiled(weight, spec)
+    if compiled is not None:
+        return compiled
     scale, bias = choose(weight.reshape(rows, cols // spec.group_size, spec.group_size), levels(spec))
     grid = AffineParams(scale.to(weight.dtype), bias.to(weight.dtype), spec.dtype.bits, spec.group_size)
     return grid.result(grid.round(weight), spec)
+
+
+def _quantize_compiled(weight: torch.Tensor, spec: WeightSpec) -> QuantizedWeight | None:
+    """`quantize_mlx` by `cpu_kernels.mlx_quantize` (choose, store in the weight's dtype, round: one pass), where
+    it takes the weight; None where it does not (a GPU, another dtype, a weight that is not finite)."""
+    from quantkit.grids.cpu_dispatch import kernels
+
+    kind = compiled_kind(weight.device, weight.dtype)
+    if kind is None or spec.group_size % kernels().LANES:
+        return None
+
+    weight = weight.contiguous()
+    groups = (weight.shape[0], weight.shape[1] // spec.group_size)
+    codes = torch.empty(weight.shape, dtype=torch.uint8)
+    scales, biases = torch.empty(groups, dtype=torch.float32), torch.empty(groups, dtype=torch.float32)
+    w, out = bits_of(weight), [t.numpy() for t in (codes, scales, biases)]
+    if not in_row_blocks(lambda rows: kernels().mlx_quantize(w[rows], kind, float16_bits(), spec.group_size, levels(spec),
+                                                             np.float32(MLX_EPS), *(t[rows] for t in out)), weight):
+        return None
+    grid = AffineParams(scales.to(weight.dtype), biases.to(weight.dtype), spec.dtype.bits, spec.group_size)
+    return grid.result(codes, spec)
 
 
 @dataclass
