@@ -271,12 +271,12 @@ class _Run:
         """Add each of `linears`' weighted errors (the quantizer's, round to nearest's) to its role's, in its
         smallest candidate, through the Hessian of its inputs on `calls` (run through `module`): on the rank that
         holds the first moment batch (the others' sums stay 0 and are added to it, `_reduced_discounts`)."""
-        tensors = {m: name for name in self.candidates for m in self.members[name] if self.members[name] == [m]}
+        tensors = {m: name for name in self.candidates for m in self.members[name]}  # an MoE expert: its stack's
         linears = {m: linear for m, linear in linears.items() if m in tensors}
         if self.quantizer is None or not linears or not calls or 0 not in self._slots(self.moment, self.moment_batches):
             return
         observers = observe(linears, HessianObserver, module, calls)
-        for linear, observer in observers.items():
+        for linear, observer in observers.items():  # (experts no token of the batch reached have none)
             name = tensors[linear]
             spec = spec_of(self.smallest[name])
             if spec is None:

@@ -160,6 +160,9 @@ def test_an_moe_layers_experts_take_one_type_each_projection(tmp_path, text_file
     bits, types = file_bits(out)
     assert bits == pytest.approx(plan.bits_per_weight, abs=1e-9)
     assert types["blk.0.ffn_down_exps.weight"] == plan.types["blk.0.ffn_down_exps"]
+    gptq = registry.parse_recipe("k-gptq", {**RECIPE.to_file(), "algorithm": {"name": "gptq"}})
+    discounts = planner.plan(src, gptq, 4.0, options, ("Q2_K", "Q4_K", "Q8_0")).measured.discounts
+    assert {"ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "attn_q", "output"} <= set(discounts)  # experts too
     split = registry.with_tensor_types(RECIPE, [r"experts\.0\.down_proj=q8_0"])
     with pytest.raises(FormatError, match="blk.0.ffn_down_exps: its experts would take different types"):
         prepare(src, split, registry.Format.GGUF)
