@@ -62,8 +62,8 @@ def _gemma_refusal(config) -> str | None:
         return f"hidden_activation {config.hidden_activation}: llama.cpp's Gemma MLP is GELU's tanh approximation"
     if getattr(config, "attention_bias", False):
         return "attention_bias: llama.cpp's Gemma attention has no biases"
-    if any(t not in ("sliding_attention", "full_attention") for t in _layer_types(config)):
-        return f"layer types {sorted(set(_layer_types(config)))}: llama.cpp knows sliding and full attention"
+    if any(t not in ("sliding_attention", "full_attention") for t in layer_types(config)):
+        return f"layer types {sorted(set(layer_types(config)))}: llama.cpp knows sliding and full attention"
     return None
 
 
@@ -72,9 +72,9 @@ def _gemma2_refusal(config) -> str | None:
         return "no logit soft-capping: llama.cpp's Gemma2 graph always caps attention and final logits"
     if not config.tie_word_embeddings:
         return "an lm_head apart from the embedding: llama.cpp's Gemma2 computes logits with token_embd"
-    if "sliding_attention" not in _layer_types(config):
+    if "sliding_attention" not in layer_types(config):
         return "no sliding layer: llama.cpp's Gemma2 graph needs one (else it slides every other layer)"
-    kind = _rope_kind(rope_parameters(config))
+    kind = rope_kind(rope_parameters(config))
     if kind not in ("default", "linear"):
         return f"RoPE scaling '{kind}': quantkit describes Gemma2's default and linear RoPE to llama.cpp"
     return _gemma_refusal(config)
@@ -85,12 +85,12 @@ def _gemma3_refusal(config) -> str | None:
         return "attention logit soft-capping: llama.cpp's Gemma3 graph has none"
     if getattr(config, "use_bidirectional_attention", False):
         return "bidirectional attention: llama.cpp's Gemma3 is causal"
-    full, local = _gemma3_rope(config)
-    if _rope_kind(full) not in ("default", "linear"):
-        return (f"RoPE scaling '{_rope_kind(full)}' on the global layers: llama.cpp's Gemma3 scales them linearly "
+    full, local = gemma3_rope(config)
+    if rope_kind(full) not in ("default", "linear"):
+        return (f"RoPE scaling '{rope_kind(full)}' on the global layers: llama.cpp's Gemma3 scales them linearly "
                 "or not at all")
-    if _rope_kind(local) != "default":
-        return f"RoPE scaling '{_rope_kind(local)}' on the sliding layers: llama.cpp's Gemma3 leaves them unscaled"
+    if rope_kind(local) != "default":
+        return f"RoPE scaling '{rope_kind(local)}' on the sliding layers: llama.cpp's Gemma3 leaves them unscaled"
     return _gemma_refusal(config)
 
 
@@ -105,8 +105,8 @@ def _phi3_refusal(config) -> str | None:
     if head_dim * config.num_attention_heads != config.hidden_size:
         return f"head_dim {head_dim}: llama.cpp's Phi-3 takes hidden_size / heads"
     rope = rope_parameters(config)
-    if _rope_kind(rope) not in ("default", "longrope"):
-        return f"RoPE scaling '{_rope_kind(rope)}': quantkit describes Phi-3's default RoPE and LongRoPE to llama.cpp"
+    if rope_kind(rope) not in ("default", "longrope"):
+        return f"RoPE scaling '{rope_kind(rope)}': quantkit describes Phi-3's default RoPE and LongRoPE to llama.cpp"
     return None
 
 
@@ -123,7 +123,7 @@ def _describe_gemma(writer, config) -> None:
     writer.add_value_length(config.head_dim)
     if config.final_logit_softcapping:
         writer.add_final_logit_softcapping(float(config.final_logit_softcapping))
-    sliding = [t == "sliding_attention" for t in _layer_types(config)]
+    sliding = [t == "sliding_attention" for t in layer_types(config)]
     if any(sliding):
         writer.add_sliding_window(config.sliding_window)
         writer.add_array(SLIDING_WINDOW_PATTERN.format(arch=writer.arch), sliding)  # read before its default pattern
@@ -138,7 +138,7 @@ def _describe_gemma2(writer, config) -> None:
 
 
 def _describe_gemma3(writer, config) -> None:
-    full, local = _gemma3_rope(config)
+    full, local = gemma3_rope(config)
     writer.add_rope_freq_base(float(full.get("rope_theta", 1_000_000.0)))
     writer.add_float32(FREQ_BASE_SWA.format(arch=writer.arch), float(local.get("rope_theta", 10000.0)))
     _linear_scaling(writer, full)  # llama.cpp scales the global layers only, as Hugging Face does
@@ -151,12 +151,12 @@ def _describe_phi3(writer, config) -> None:
     writer.add_rope_dimension_count(_phi3_rope_dims(config))
     writer.add_rope_freq_base(float(rope.get("rope_theta", 10000.0)))
     writer.add_sliding_window(getattr(config, "sliding_window", None) or 0)
-    if _rope_kind(rope) == "longrope":
+    if rope_kind(rope) == "longrope":
         writer.add_rope_scaling_attn_factors(longrope_attention_factor(config))
 
 
 def _linear_scaling(writer, rope: dict) -> None:
-    if _rope_kind(rope) == "linear":
+    if rope_kind(rope) == "linear":
         import gguf
 
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
@@ -187,7 +187,7 @@ def stored_value(model_type: str, key: str, tensor: torch.Tensor) -> torch.Tenso
 def extra_tensors(config) -> dict[str, np.ndarray]:
     """Tensors llama.cpp reads that no module holds: Phi-3 LongRoPE's per-dimension factors (float32)."""
     rope = rope_parameters(config)
-    if config.model_type != "phi3" or _rope_kind(rope) != "longrope":
+    if config.model_type != "phi3" or rope_kind(rope) != "longrope":
         return {}
     return {"rope_factors_long.weight": np.asarray(rope["long_factor"], dtype=np.float32),
             "rope_factors_short.weight": np.asarray(rope["short_factor"], dtype=np.float32)}
@@ -208,12 +208,12 @@ def rope_parameters(config) -> dict:
 
 
 
-def _rope_kind(rope: dict) -> str:
+def rope_kind(rope: dict) -> str:
     kind = rope.get("rope_type") or rope.get("type") or "default"
     return "longrope" if kind == "su" else kind
 
 
-def _gemma3_rope(config) -> tuple[dict, dict]:
+def gemma3_rope(config) -> tuple[dict, dict]:
     """(the global layers' rope parameters, the sliding layers'), from either of transformers' spellings."""
     rope = rope_parameters(config)
     if "full_attention" in rope or "sliding_attention" in rope:
@@ -221,7 +221,7 @@ def _gemma3_rope(config) -> tuple[dict, dict]:
     return rope, {"rope_theta": getattr(config, "rope_local_base_freq", 10000.0)}
 
 
-def _layer_types(config) -> list[str]:
+def layer_types(config) -> list[str]:
     types = getattr(config, "layer_types", None)
     if types:
         return list(types)

@@ -23,7 +23,8 @@ torch twins, and decide whatever the loops leave to them (a weight that is not f
 
 Written layer by layer (`StreamWriter`) into safetensors shards (`export/shards.py`: `model.safetensors`, or
 `model-0000x-of-0000y.safetensors` with `model.safetensors.index.json`), names as mlx-lm's models name them (the
-Hugging Face names, for the architectures in ARCHITECTURES).
+Hugging Face names, for the architectures in ARCHITECTURES; Qwen3-MoE's experts stacked as mlx-lm's switch_mlp, and
+what Gemma2, Gemma3 and Phi-3 need in config.json: `mlx_archs`).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import torch
 from torch import nn
 
 from quantkit.errors import ExportError, FormatError
+from quantkit.export import mlx_archs
 from quantkit.grids.ggml_blocks import row_blocks
 from quantkit.grids import mlx_grids
 from quantkit.grids.mlx_grids import AffineParams
@@ -56,8 +58,11 @@ from quantkit.quant.quantized_model import QuantizedModel
 from quantkit.quant.registry import Recipe
 from quantkit.runtime import placement
 
-# Hugging Face model_type -> mlx-lm's model module; their tensors carry the Hugging Face names there
-ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+# Hugging Face model_type -> mlx-lm's model module; their tensors carry the Hugging Face names there (Qwen3-MoE's
+# experts: stacked, `mlx_archs.stacked`). Gemma 3's multimodal `gemma3` is not here: quantkit loads its text model
+# (gemma3_text) only
+ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe",
+                 "gemma2": "gemma2", "gemma3_text": "gemma3_text", "phi3": "phi3"}
 NEAREST = "recipe mlx-4bit-g64 (MLX's own affine grid: scale_dtype mlx_affine)"
 NEAREST_NVFP4 = "recipe mlx-nvfp4 (FP4 in groups of 16 under FP8 scales alone, chosen as mx.quantize chooses them)"
 
@@ -128,15 +133,20 @@ def unsupported(recipe: Recipe) -> str | None:
 
 
 def check_model(src: Path, config, skeleton: nn.Module) -> None:
-    """Refuse, before any weight is read, an architecture whose tensors mlx-lm names otherwise than quantkit knows."""
-    from quantkit.models import moe
-
+    """Refuse, before any weight is read, an architecture whose tensors mlx-lm names otherwise than quantkit knows,
+    or whose config mlx-lm's model would compute otherwise (`mlx_archs.refusal`)."""
     model_type = getattr(config, "model_type", None)
     if model_type not in ARCHITECTURES:
         raise FormatError(f"quantkit writes MLX for {', '.join(sorted(ARCHITECTURES))} models, not '{model_type}'; "
                           "use --format gguf or compressed-tensors")
-    if moe.experts_modules(skeleton):
-        raise FormatError("quantkit's MLX writer does not stack MoE experts (mlx-lm's switch_mlp) yet; use --format gguf")
+    if problem := mlx_archs.refusal(config):
+        raise FormatError(f"mlx-lm's {model_type} would compute another model: {problem}; use --format gguf or "
+                          "compressed-tensors")
+
+
+def notes(skeleton: nn.Module, recipe: Recipe) -> list[str]:
+    """The summary's caveats (`mlx_archs.notes`: where mlx-lm attends beyond a sliding window)."""
+    return mlx_archs.notes(skeleton.config)
 
 
 def adapt_plan(plan: list[ModulePlan], recipe: Recipe, config) -> list[ModulePlan]:
@@ -170,7 +180,10 @@ def adapt_plan(plan: list[ModulePlan], recipe: Recipe, config) -> list[ModulePla
                                                 f"{entry.in_features} inputs fit none of the recipe's")
     if recipe.tensor_types:
         embedding_weights(recipe, config)  # an embedding's tensor type MLX cannot hold: refused here, before any work
-    return [fitted(typed(entry)) for entry in plan]
+    adapted = [fitted(typed(entry)) for entry in plan]
+    if problem := mlx_archs.mixed_experts(adapted):
+        raise FormatError(problem)
+    return adapted
 
 
 # ---------------------------------------------------------------- the token embedding
@@ -439,7 +452,7 @@ class StreamWriter:
             prefix = self.names[module]
             for key, value in module.state_dict(prefix=f"{prefix}." if prefix else "", keep_vars=True).items():
                 tensors.update(self._tensors(key, value.detach(), qparams))
-        self.shards.add({self.stored_name(key): value for key, value in tensors.items()})
+        self.shards.add(mlx_archs.stacked({self.stored_name(key): value for key, value in tensors.items()}))
 
     def _tensors(self, key: str, value: torch.Tensor, qparams: dict[str, QParams]) -> dict[str, torch.Tensor]:
         module_name, _, leaf = key.rpartition(".")
@@ -472,9 +485,10 @@ class StreamWriter:
         config = json.loads(config_file.read_text())
         embedding = self.planned["lm_head"].scheme.weights if self.tied and "lm_head" in self.planned else self.embedding_spec
         config["quantization"] = config["quantization_config"] = quantization_config(
-            for_format(self.recipe).scheme.weights, self.planned.values(), self.stored_name,
+            for_format(self.recipe).scheme.weights, self.planned.values(),
+            lambda name: mlx_archs.switch_name(self.stored_name(name)),
             {self.embedding.rpartition(".")[0]: embedding} if embedding is not None else {})
-        config.update(rope_keys(config))
+        config.update(rope_keys(config) | mlx_archs.config_keys(self.model.config))
         config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         (self.out_dir / "README.md").write_text(model_card(self.recipe))
 

@@ -4,9 +4,9 @@ mlx runs in its own environment (mlx[cpu] and mlx-lm: `make test-mlx` builds ~/.
 names another), through tests/engines/mlx_worker.py in a subprocess; this module skips, saying so, where that Python
 is missing or cannot import mlx_lm.
 
-For tiny random models of each architecture quantkit writes for mlx-lm (Llama, Mistral, Qwen2, Qwen3; hidden 128,
-MLP 256: every group size divides them), in float32 and bfloat16, under MLX's own affine grid (2 to 8 bits, groups of
-32 to 128; round to nearest, GPTQ, AWQ) and a symmetric integer recipe (gptq-w4a16, held as code q + 8 and bias
+For tiny random models of each architecture quantkit writes for mlx-lm (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE,
+Gemma2, Gemma3, Phi-3; hidden 128, MLP 256: every group size divides them), in float32 and bfloat16, under MLX's own
+affine grid (2 to 8 bits, groups of 32 to 128; round to nearest, GPTQ, AWQ) and a symmetric integer recipe (gptq-w4a16, held as code q + 8 and bias
 -8 x scale):
 
 - every quantized tensor (Linears, lm_head, the token embedding) dequantized by `mx.dequantize` from the file (scales
@@ -47,6 +47,16 @@ LOGITS_TOLERANCE = 1e-4  # max |mlx-lm's logit - the preview's| / max |logit|, f
 BF16_LOGITS_TOLERANCE = 0.1
 PROMPT = [1, 5, 9, 20, 33, 7, 44, 61, 3, 18, 27, 90, 12, 8, 71, 40]
 SHAPES = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2)
+CONFIGS = {  # what an architecture's tiny model needs beyond SHAPES
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128, head_dim=32,
+                      norm_topk_prob=True),
+    "gemma2": dict(head_dim=32, query_pre_attn_scalar=32),
+    # a global layer after a sliding one, whose window the prompt outgrows
+    "gemma3_text": dict(head_dim=32, query_pre_attn_scalar=32, sliding_window=4,
+                        layer_types=["sliding_attention", "full_attention"]),
+    "phi3": dict(pad_token_id=0),  # Phi3Config's default pad id is beyond a tiny vocabulary
+}
+LINEARS = {"phi3": 4}  # quantized Linears a layer holds in mlx-lm (Phi-3: q/k/v and gate/up fused); else 7
 
 
 @cache
@@ -85,8 +95,8 @@ def model_dir(root: Path, model_type: str, dtype: str) -> Path:
     from conftest import make_text
 
     base, _, tied = model_type.partition("-")
-    return build_tiny_model(root / f"{model_type}-{dtype}", make_text(3000), base, dtype=dtype, **SHAPES,
-                            **({"tie_word_embeddings": True} if tied else {}))
+    return build_tiny_model(root / f"{model_type}-{dtype}", make_text(3000), base, dtype=dtype,
+                            **SHAPES | CONFIGS.get(base, {}) | ({"tie_word_embeddings": True} if tied else {}))
 
 
 @pytest.fixture(scope="module")
@@ -161,6 +171,16 @@ CASES = [  # (recipe, bits, group, architecture, dtype)
     ("mlx-gptq-nvfp4", None, None, "qwen2", "bfloat16"),
     ("mlx-4bit-g64", None, None, "qwen3-tied", "bfloat16"),  # lm_head quantized: the file's embedding is its grid
     ("gptq-w4a16", None, None, "qwen2-tied", "float32"),  # lm_head ignored: mlx-lm's lm_head is the quantized embedding
+    ("mlx-4bit-g64", None, None, "qwen3_moe", "float32"),  # experts stacked: mlx-lm's switch_mlp
+    ("mlx-gptq-4bit-g64", None, None, "qwen3_moe", "float32"),
+    ("mlx-4bit-g64", None, None, "qwen3_moe", "bfloat16"),
+    ("mxfp4-a16", None, None, "qwen3_moe", "bfloat16"),  # the experts' uint8 scales stacked too
+    ("mlx-4bit-g64", None, None, "gemma2", "float32"),  # tied: the embedding is lm_head; norms x (1 + weight)
+    # float32: mlx-lm rounds Gemma3's embedding scale sqrt(hidden) to bfloat16 in every dtype, Hugging Face to the
+    # model's (sqrt(128): 11.3125 against 11.3137; 6e-5 of the largest logit here, within LOGITS_TOLERANCE)
+    ("mlx-4bit-g64", None, None, "gemma3_text", "float32"),
+    ("mlx-4bit-g64", None, None, "gemma3_text", "bfloat16"),
+    ("mlx-4bit-g64", None, None, "phi3", "float32"),  # fused qkv_proj and gate_up_proj
 ]
 
 
@@ -176,6 +196,7 @@ MIXED = [  # (per-tensor types, base recipe, architecture, dtype): mlx-lm's mixe
     (("down_proj=mlx-8bit-g64", "v_proj=mlx-5bit-g64", "lm_head=mlx-6bit-g64"), "mlx-gptq-4bit-g64", "qwen3-tied",
      "bfloat16"),  # tied: the file's embedding is lm_head's 6-bit grid, named model.embed_tokens in the config
     (("o_proj=gptq-w4a16", "up_proj=float"), "mlx-4bit-g64", "qwen2", "float32"),  # a symmetric grid; a float layer
+    (("down_proj=mlx-8bit-g64",), "mlx-4bit-g64", "qwen3_moe", "float32"),  # one entry per stacked projection
 ]
 
 
@@ -217,7 +238,7 @@ def check_mlx_reads(recipe, src: Path, model_type: str, calib_text: Path, tmp_pa
     lm_head = "lm_head" not in recipe.ignore and not model.config.tie_word_embeddings  # tied: the embedding is lm_head
     floats = sum(1 for t in recipe.tensor_types if t.endswith("=float")) * SHAPES["num_hidden_layers"]
     assert "model.embed_tokens" in names and ("lm_head" in names) == lm_head
-    assert len(names) == 1 + lm_head + 7 * SHAPES["num_hidden_layers"] - floats
+    assert len(names) == 1 + lm_head + LINEARS.get(model_type, 7) * SHAPES["num_hidden_layers"] - floats
     if mixed:  # per-layer entries: more than one bit width, each a {group_size, bits, mode} mlx-lm passes on
         config = json.loads((out / "config.json").read_text())["quantization"]
         layers = {k: v for k, v in config.items() if isinstance(v, dict)}
@@ -226,7 +247,7 @@ def check_mlx_reads(recipe, src: Path, model_type: str, calib_text: Path, tmp_pa
     for name in names:
         spec = layer_spec(recipe, name)
         symmetric_float32 = spec.symmetric and not spec.dtype.is_float and dtype == "float32"
-        ours = modules[name].weight.detach()
+        ours = preview_weight(modules, name)
         theirs = torch.from_numpy(dequantized[name]).to(ours.dtype)
         if symmetric_float32:  # two float32 roundings of scale x code + bias: within 4 eps of the row's largest value
             bound = 4 * torch.finfo(torch.float32).eps * ours.abs().amax(1, keepdim=True)
@@ -319,6 +340,16 @@ def test_eval_runs_mlx_models_in_mlx_lm(models, calib_text, tmp_path, monkeypatc
     assert theirs.perplexity.windows_digest == ours.perplexity.windows_digest
     assert abs(theirs.perplexity.perplexity / ours.perplexity.perplexity - 1) < 1e-5
     assert theirs.kl_divergence.mean < 1e-3
+
+
+def preview_weight(modules: dict, name: str) -> torch.Tensor:
+    """The preview's weight of the module mlx-lm names `name`: an expert projection's stacked over its experts
+    (`mlp.switch_mlp.gate_proj`: `mlp.experts.{0, 1, ...}.gate_proj`)."""
+    block, switch, proj = name.rpartition(".switch_mlp.")
+    if not switch:
+        return modules[name].weight.detach()
+    experts = modules[f"{block}.experts"]
+    return torch.stack([experts.expert(e).get_submodule(proj).weight.detach() for e in range(experts.num_experts)])
 
 
 def layer_spec(recipe, name: str):

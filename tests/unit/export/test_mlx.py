@@ -336,8 +336,8 @@ def test_a_refused_recipe_writes_nothing(wide_model_dir, tmp_path):
 def test_other_architectures_are_refused_in_one_line():
     from types import SimpleNamespace
 
-    with pytest.raises(FormatError, match="not 'gemma2'; use --format gguf"):
-        exporter(Format.MLX).check_model(Path("."), SimpleNamespace(model_type="gemma2"), torch.nn.Module())
+    with pytest.raises(FormatError, match="not 'olmo2'; use --format gguf"):
+        exporter(Format.MLX).check_model(Path("."), SimpleNamespace(model_type="olmo2"), torch.nn.Module())
 
 
 def test_the_reader_detects_mlx_directories_only(written, wide_model_dir):
