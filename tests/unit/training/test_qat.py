@@ -118,6 +118,7 @@ def test_configs_use_torchao_where_it_is_exact_and_quantkit_elsewhere():
         "mlx-5bit-g64": ("NoneType", "GridFakeQuantizeConfig"),
         "mlx-6bit-g64": ("NoneType", "GridFakeQuantizeConfig"),
         "mlx-8bit-g64": ("NoneType", "GridFakeQuantizeConfig"),
+        "mlx-nvfp4": ("NoneType", "GridFakeQuantizeConfig"),  # FP4 under FP8 scales alone, mx.quantize's ties
         "gguf-q4-0": ("NoneType", "GridFakeQuantizeConfig"),  # fp16 scales: quantkit's grid exactly
         "gguf-q4-1": ("NoneType", "GridFakeQuantizeConfig"),
         "gguf-q8-0": ("NoneType", "GridFakeQuantizeConfig"),
