@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from quantkit import data
-from quantkit.calibration.hooks import capture_inputs, hidden_states, observe, run_layer, with_hidden
+from quantkit.calibration.hooks import Tail, capture_inputs, hidden_states, observe, run_layer, tail_calls, with_hidden
 from quantkit.evaluation.divergence import kl_divergence
 from quantkit.grids import quantize_weight
 from quantkit.grids.observers import HessianObserver
@@ -250,7 +250,7 @@ class _Run:
                     sums[slot] = (x * x).sum(0).double().cpu()
                 self.moments[linear] = self._reduced_mean(sums, self.moment.numel())
             outside = {linear: model.get_submodule(linear) for linear in linears_of_layer.get(None, [])}
-            self._discounts(outside, _Tail(norm, list(outside.values())), [((h,), {}) for h in hidden_states(moment_calls)[:1]])
+            self._discounts(outside, Tail(norm, outside), tail_calls(moment_calls[:1]))
         with self._timed("proxies"):
             self._linear_proxies(tensors_of_layer.get(None, []))
         with self._timed("gains"):
@@ -407,20 +407,6 @@ def _through(weight: torch.Tensor, q, hessian: torch.Tensor) -> float:
     """sum over rows of (w - q) H (w - q)^T: the rows' squared output error on the Hessian's inputs."""
     delta = weight - q.dequantize(torch.float32)
     return float(((delta @ hessian) * delta).sum())
-
-
-class _Tail(nn.Module):
-    """The final norm, then the Linears that read its output (lm_head): what `observe` runs to reach their input
-    (it stops there: no logits are computed)."""
-
-    def __init__(self, norm: nn.Module, linears: list[nn.Module]):
-        super().__init__()
-        self.norm, self.linears = norm, linears
-
-    def forward(self, hidden: torch.Tensor) -> None:
-        x = self.norm(hidden.to(self.norm.weight.device))
-        for linear in self.linears:
-            linear(x)
 
 
 def _proxy(weight: torch.Tensor, type_name: str, importance: torch.Tensor, rows: bool = False) -> float:

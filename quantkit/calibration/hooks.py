@@ -162,3 +162,30 @@ def observer_groups(observers: dict[str, Observer]) -> list[list[str]]:
         groups.setdefault(id(observer), []).append(name)
     return list(groups.values())
 
+
+class Tail(nn.Module):
+    """The final norm, then the Linears outside the decoder layers that read its output (lm_head), each under its
+    qualified name: a "layer" whose Linears a step or `observe` finds by name and reaches by a call (`observe`
+    stops at their inputs: no logits are computed). Called with the last decoder layer's outputs."""
+
+    def __init__(self, norm: nn.Module, linears: dict[str, nn.Module]):
+        super().__init__()
+        self.final_norm, self.reading = norm, list(linears.values())
+        for name, linear in linears.items():
+            parent = self
+            *path, last = name.split(".")
+            for part in path:
+                if not hasattr(parent, part):
+                    parent.add_module(part, nn.Module())
+                parent = getattr(parent, part)
+            parent.add_module(last, linear)
+
+    def forward(self, hidden: torch.Tensor) -> None:
+        x = self.final_norm(hidden.to(self.final_norm.weight.device))
+        for linear in self.reading:
+            linear(x)
+
+
+def tail_calls(calls: list[tuple]) -> list[tuple]:
+    """`Tail`'s calls: the hidden states of the last decoder layer's captured calls."""
+    return [((hidden,), {}) for hidden in hidden_states(calls)]

@@ -27,7 +27,7 @@ from quantkit import data
 from quantkit import algorithms
 from quantkit.calibration import offload
 from quantkit.calibration.experts import calibrating
-from quantkit.calibration.hooks import capture_inputs, hidden_states, run_layer_last, with_hidden
+from quantkit.calibration.hooks import Tail, capture_inputs, hidden_states, run_layer_last, tail_calls, with_hidden
 from quantkit.calibration.layer import CalibrationResult, Layer, relative_error
 from quantkit.calibration.resume import Resumable
 from quantkit.calibration.steps import step_of
@@ -246,7 +246,7 @@ def _quantize_the_rest(model: nn.Module, plan: list[ModulePlan], recipe: Recipe,
             step_of(quantizer)(head, recipe.quantizer.arguments)
             check_layer(head, [])
         finally:
-            head.module.to("cpu" if device.type == "cuda" else device)
+            head.module.to("cpu")  # where the model's modules outside the layers wait
     data_free = quantizer if not quantizer.needs_data else algorithms.get(algorithms.DEFAULT)
     for entry in rest:
         if entry.name not in result.qweights:
@@ -256,25 +256,6 @@ def _quantize_the_rest(model: nn.Module, plan: list[ModulePlan], recipe: Recipe,
             result.errors[entry.name] = relative_error(module.weight.data, qweight, None)
             module.weight.data = qweight.dequantize(module.weight.dtype)
             result.qweights[entry.name] = qweight
-
-
-class _Head(nn.Module):
-    """The final norm and lm_head as one "layer" for a layer step: called with the last decoder layer's outputs,
-    lm_head under its qualified name (a step's observers stop at its input: the logits are never computed)."""
-
-    def __init__(self, norm: nn.Module, name: str, head: nn.Module):
-        super().__init__()
-        self.final_norm = norm
-        parent = self
-        *path, last = name.split(".")
-        for part in path:
-            parent.add_module(part, nn.Module())
-            parent = getattr(parent, part)
-        parent.add_module(last, head)
-        self.head = [head]  # not a child: reached under its name above
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.head[0](self.final_norm(hidden.to(self.final_norm.weight.device)))
 
 
 def _head_layer(model: nn.Module, rest: list[ModulePlan], recipe: Recipe, inputs: list[tuple],
@@ -295,9 +276,7 @@ def _head_layer(model: nn.Module, rest: list[ModulePlan], recipe: Recipe, inputs
         norm = final_norm(getattr(model, getattr(model, "base_model_prefix", "model")))
     except (UnsupportedModelError, AttributeError):
         return None
-    wrapper = _Head(norm, name, head)
-    calls = [((hidden,), {}) for hidden in hidden_states(inputs)]
-    return Layer(wrapper, "", -1, calls, {entry.name: entry for entry in rest}, recipe, result, ctx)
+    return Layer(Tail(norm, {name: head}), "", -1, tail_calls(inputs), {entry.name: entry for entry in rest}, recipe, result, ctx)
 
 
 def outside_allocator_bytes(device: torch.device) -> int:
