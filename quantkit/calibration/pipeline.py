@@ -10,8 +10,8 @@
 
 Modules the plan quantizes outside the decoder layers (lm_head, where the format quantizes it: GGUF's output, MLX) come
 last: an untied lm_head by the recipe's quantizer on its own inputs (the final norm of the last layer's outputs) where
-the quantizer can calibrate a lone Linear (`Algorithm.calibrates_head`: GPTQ, the data-free ones), the rest by the
-recipe's data-free quantizer or round to nearest. Works for models whose decoder layers `models.decoder_layers` finds.
+the quantizer can calibrate a lone Linear (`Algorithm.calibrates_head`: GPTQ), the rest by the recipe's data-free
+quantizer (RTN, HQQ) or else round to nearest. Works for models whose decoder layers `models.decoder_layers` finds.
 """
 
 from __future__ import annotations
@@ -239,7 +239,7 @@ def _quantize_the_rest(model: nn.Module, plan: list[ModulePlan], recipe: Recipe,
     if not rest:
         return
     quantizer = recipe.quantizer.algorithm
-    head = _head_layer(model, rest, recipe, inputs, result, ctx, device)
+    head = _head_layer(model, rest, recipe, inputs, result, ctx)
     if head is not None:
         head.module.to(device)
         try:
@@ -259,7 +259,7 @@ def _quantize_the_rest(model: nn.Module, plan: list[ModulePlan], recipe: Recipe,
 
 
 def _head_layer(model: nn.Module, rest: list[ModulePlan], recipe: Recipe, inputs: list[tuple],
-                result: CalibrationResult, ctx: Context | None, device: torch.device) -> Layer | None:
+                result: CalibrationResult, ctx: Context | None) -> Layer | None:
     """lm_head's turn as a `Layer` (the final norm and lm_head, fed the last decoder layer's outputs), or None where
     the recipe's quantizer cannot calibrate it (`Algorithm.calibrates_head`), the plan leaves it alone, it is tied
     to the token embedding, or the model has no final norm where quantkit looks."""
