@@ -10,8 +10,9 @@ time and measurement, and makes and measures only the missing ones.
 1. quantkit's rows (`--quantkit`): `quantkit finalize SRC DST -q RECIPE --format mlx`, calibrated recipes on
    `--num-samples` x `--seq-len` tokens of `--calib-data`. A row is a shipped recipe name with modifiers, each
    making a user recipe file in the work dir: `:bN` N-bit codes (mlx-gptq-4bit-g64:b3 is GPTQ on MLX's affine 3-bit
-   grid), `:gN` groups of N, `+rot` fused Hadamard rotations R1 + R2 (`transforms: [{type: hadamard, rotations: [R1,
-   R2]}]`). A recipe that is not one of the mlx-* ones gets `format: mlx`, `ignore: []` and `on_indivisible: skip`,
+   grid), `:gN` groups of N, `:nN` N calibration blocks instead of `--num-samples` (mlx-awq-4bit-g64:n16 beside
+   mlx-lm's awq:4:n16; no recipe file), `+rot` fused Hadamard rotations R1 + R2 (`transforms: [{type: hadamard,
+   rotations: [R1, R2]}]`). A recipe that is not one of the mlx-* ones gets `format: mlx`, `ignore: []` and `on_indivisible: skip`,
    so it quantizes what the MLX rows quantize (every Linear, lm_head and the token embedding): autoround-w4a16:g64 is
    AutoRound on a symmetric 4-bit grid in groups of 64, which MLX's affine layout holds exactly (code q + 8, bias -8
    x scale); AutoRound does not learn on MLX's own affine grid (a float bias per group).
@@ -28,7 +29,7 @@ time and measurement, and makes and measures only the missing ones.
    into blocks of `--seq-len`), so every tool calibrates on the same text, and the samples flags ask for all of it;
 3. budgets: for each dynamic_quant file, `quantkit finalize --format mlx --target-bpw B -q mlx-gptq-4bit-g64` at
    that file's bits per weight (its tensor bytes x 8 over the float model's parameters), choosing among quantkit's
-   MLX candidates (3, 4, 5, 6, 8 bits);
+   MLX candidates (3, 4, 5, 6, 8 bits); `--quantkit budget:BPW` makes one more at BPW (a uniform file's size);
 4. the measuring (MEASURE_RUNNER, under `--mlx-python`): each file loaded by `mlx_lm.utils.load`, on the first
    `--chunks` windows of `--ctx` tokens of `--eval-data` (the whole text tokenized once by the model's tokenizer);
    perplexity by mlx_lm.perplexity's `eval_ppl` (its mean cross-entropy and ± by the delta method), and against the
@@ -351,7 +352,7 @@ def made(row: Row, cmd: list[str], env: dict[str, str], args: argparse.Namespace
 
 
 def recipe_for(spec: str, folder: Path) -> tuple[str, str]:
-    """(recipe name or file, size class) of a quantkit row spec NAME[:bN][:gN][+rot] (see the module docstring)."""
+    """(recipe name or file, size class) of a quantkit row spec NAME[:bN][:gN][:nN][+rot] (see the module docstring)."""
     import yaml
 
     from quantkit.quant.registry import resolve
@@ -363,9 +364,10 @@ def recipe_for(spec: str, folder: Path) -> tuple[str, str]:
         raise ValueError(f"row {spec!r}: unknown modifier(s) {sorted(unknown)}; known: +rot (R1+R2 rotations)")
     recipe = yaml.safe_load(Path(resolve(name).source).read_text())
     weights = recipe["scheme"]["weights"]
+    options = [option for option in options if not (option[:1] == "n" and option[1:].isdigit())]  # quantkit_row's
     for option in options:
         if len(option) < 2 or option[0] not in "bg" or not option[1:].isdigit():
-            raise ValueError(f"row {spec!r}: options are :bN (N-bit codes) and :gN (groups of N)")
+            raise ValueError(f"row {spec!r}: options are :bN (N-bit codes), :gN (groups of N), :nN (N blocks)")
         if option[0] == "b":
             weights["dtype"] = f"int{option[1:]}"
         else:
@@ -385,6 +387,9 @@ def recipe_for(spec: str, folder: Path) -> tuple[str, str]:
 def quantkit_row(model: str, src: Path, spec: str, folder: Path, args: argparse.Namespace) -> Row:
     from quantkit.quant.registry import resolve
 
+    if spec.startswith("budget:"):  # budget:BPW, a plan at a size of one's choosing (a uniform file's bits per weight)
+        target = float(spec.partition(":")[2])
+        return budget_row(model, src, target, "as asked", folder, args)
     row = Row(model, "quantkit", spec, folder / f"quantkit-{slug(spec)}")
     try:
         recipe, row.bits = recipe_for(spec, folder)
@@ -392,7 +397,9 @@ def quantkit_row(model: str, src: Path, spec: str, folder: Path, args: argparse.
     except Exception as error:  # an unknown recipe or spec: the row says so
         row.error = one_line(str(error))
         return row
-    calibration = harness.calibration_options(args.calib_data, args.num_samples, args.seq_len) if calibrated else []
+    blocks = [int(o[1:]) for o in spec.split("+")[0].split(":")[1:] if o[:1] == "n" and o[1:].isdigit()]
+    samples = blocks[-1] if blocks else args.num_samples  # :nN, as mlx-lm's awq:4:n16: N calibration blocks
+    calibration = harness.calibration_options(args.calib_data, samples, args.seq_len) if calibrated else []
     cmd = harness.finalize_command(src, row.path, recipe, args.threads, "--format", "mlx", *calibration)
     made(row, cmd, mlx_env(args), args)
     print(f"{model} quantkit {spec}: {row.error or f'{row.seconds:.0f} s'}", file=sys.stderr)
