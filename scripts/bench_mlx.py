@@ -12,8 +12,8 @@ time and measurement, and makes and measures only the missing ones.
    making a user recipe file in the work dir: `:bN` N-bit codes (mlx-gptq-4bit-g64:b3 is GPTQ on MLX's affine 3-bit
    grid), `:gN` groups of N, `:nN` N calibration blocks instead of `--num-samples` (mlx-awq-4bit-g64:n16 beside
    mlx-lm's awq:4:n16; no recipe file), `+rot` fused Hadamard rotations R1 + R2 (`transforms: [{type: hadamard,
-   rotations: [R1, R2]}]`). A recipe that is not one of the mlx-* ones gets `format: mlx`, `ignore: []` and `on_indivisible: skip`,
-   so it quantizes what the MLX rows quantize (every Linear, lm_head and the token embedding): autoround-w4a16:g64 is
+   rotations: [R1, R2]}]`). A recipe that is not one of the mlx-* ones gets `format: mlx`, `ignore: []` and
+   `on_indivisible: skip`, so it quantizes what the MLX rows quantize (every Linear, lm_head and the token embedding): autoround-w4a16:g64 is
    AutoRound on a symmetric 4-bit grid in groups of 64, which MLX's affine layout holds exactly (code q + 8, bias -8
    x scale); AutoRound does not learn on MLX's own affine grid (a float bias per group).
 2. mlx-lm's rows (`--mlx-lm`), run under `--mlx-python` (never imported here): `convert:B` (`mlx_lm.convert -q
