@@ -195,9 +195,12 @@ class _Sizing:
     def __init__(self, fmt: Format, recipe: Recipe, model: torch.nn.Module):
         from quantkit.export import exporter
 
+        from quantkit.models import moe
+
         self.recipe, self.model, self.exporter, self.registration = recipe, model, exporter(fmt), FORMATS[fmt]
         self.fmt = fmt
         self.element_size = next(model.parameters()).element_size()
+        self.routers = set(moe.gates(model)) if self.registration.vectors_float32 else set()
 
     @property
     def embedding_decided(self) -> bool:
@@ -231,9 +234,11 @@ class _Sizing:
 
         return self.exporter.weight_bytes(ModulePlan("", columns, rows, scheme), self.element_size)
 
-    def float_bytes(self, param: torch.Tensor) -> int:
-        """GGUF stores 1-D tensors in F32, matrices in their dtype; compressed-tensors everything in its dtype."""
-        return param.numel() * (4 if self.registration.vectors_float32 and param.dim() == 1 else param.element_size())
+    def float_bytes(self, name: str, param: torch.Tensor) -> int:
+        """GGUF stores 1-D tensors and MoE routers (ffn_gate_inp) in F32, other matrices in their dtype;
+        compressed-tensors everything in its dtype."""
+        float32 = self.registration.vectors_float32 and (param.dim() == 1 or name.rpartition(".")[0] in self.routers)
+        return param.numel() * (4 if float32 else param.element_size())
 
 
 def _decisions(model: torch.nn.Module, plan, recipe: Recipe, candidates: tuple[str, ...], sizing: _Sizing) -> tuple[dict, dict, int, int]:
@@ -269,13 +274,13 @@ def _decisions(model: torch.nn.Module, plan, recipe: Recipe, candidates: tuple[s
             spec = sizing.exporter.embedding_weights(recipe, model.config)  # a mixture's or an override's, in GGUF
             if tied and "lm_head" in planned and sizing.registration.tied_embedding_on_output_grid:
                 spec = planned["lm_head"].weights
-            fixed += sizing.planned_bytes(QuantScheme(spec), *param.shape) if spec else sizing.float_bytes(param)
+            fixed += sizing.planned_bytes(QuantScheme(spec), *param.shape) if spec else sizing.float_bytes(name, param)
         elif name.endswith(".weight") and owner in decided_linears:
             continue
         elif name.endswith(".weight") and owner in planned:
             fixed += sizing.planned_bytes(planned[owner], *param.shape)
         else:
-            fixed += sizing.float_bytes(param)
+            fixed += sizing.float_bytes(name, param)
     return decided, members, fixed, parameters
 
 

@@ -48,7 +48,7 @@ class Registration:
     # RECIPE (a recipe whose scheme the tensor takes, each its own config group); None: one scheme per artifact
     tensor_types: str | None = None
     budget_candidates: tuple[str, ...] = ()  # the types a budget plan (`--target-bpw`) chooses from by default
-    vectors_float32: bool = False  # 1-D tensors (norms, biases) are stored in float32, whatever the model's dtype
+    vectors_float32: bool = False  # 1-D tensors (norms, biases) and MoE routers are stored in float32, whatever the dtype
     # the recipe whose algorithm and calibration a budget plan uses when `-q` is not given (GPTQ on the format's grids)
     budget_recipe: str = "gguf-q4-k-m"
     # a tied token embedding is stored on lm_head's grid when lm_head takes a type of its own (MLX); else as the

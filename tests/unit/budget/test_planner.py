@@ -168,6 +168,25 @@ def test_an_moe_layers_experts_take_one_type_each_projection(tmp_path, text_file
         prepare(src, split, registry.Format.GGUF)
 
 
+def test_an_moe_plan_in_float16_counts_the_routers_as_the_file_stores_them(tmp_path, text_file):
+    """GGUF keeps an MoE router (ffn_gate_inp) in F32 whatever the dtype: a float16 plan counts it so, and the file
+    of a float16 run has the plan's bits per weight (counted at 2 bytes, a plan overshot its target by the routers'
+    second half: 32 KiB on a 4-layer model of 8 experts and hidden 512)."""
+    from conftest import make_text
+    from quantkit.models.tiny import build_tiny_model
+
+    src = build_tiny_model(tmp_path / "moe", make_text(2000), "qwen3_moe", num_hidden_layers=1, hidden_size=256,
+                           intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, num_experts=4,
+                           num_experts_per_tok=2, moe_intermediate_size=256, head_dim=64, norm_topk_prob=True)
+    options = CalibrationOptions(data=str(text_file), num_samples=4, seq_len=32)
+    plan = planner.plan(src, RECIPE, 4.0, options, ("Q2_K", "Q4_K", "Q8_0"), dtype="float16")
+    out = tmp_path / "moe.gguf"
+    finalize(src, out, plan.recipe, dtype="float16", calibration=options)
+    bits, types = file_bits(out)
+    assert types["blk.0.ffn_gate_inp.weight"] == "F32"
+    assert bits == pytest.approx(plan.bits_per_weight, abs=1e-9)
+
+
 def test_a_target_size_is_the_files_tensors(k_model_dir, options, tmp_path):
     """--target-size: the tensors' bytes at most the size, within one tensor's step."""
     size = 700_000
