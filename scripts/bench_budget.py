@@ -10,7 +10,9 @@ model (the trained Llama and its outlier copy):
 
 - quantkit's budget rows: `quantkit finalize SRC OUT.gguf --target-bpw B --calib-data ... --dtype float16` for each
   of `--targets` (the default algorithm: gguf-q4-k-m's GPTQ on K grids), and one more at the bits per weight of
-  each llama.cpp file of the same model ("at Q4_K_M's size": its tensors' bytes over the parameters);
+  each llama.cpp file of the same model ("at Q4_K_M's size": its tensors' bytes over the parameters), and where
+  quantkit's file of that mixture is the smaller, at its size too ("at gguf-q4-k-m's size": on an 8-expert MoE,
+  llama.cpp's rules put attn_k / attn_v in Q8_0 and attn_output in Q5_K, quantkit's mixtures keep the dense rules);
 - quantkit's fixed mixtures: the shipped gguf-q2-k, gguf-q3-k-m, gguf-q4-k-m, gguf-q5-k-m (GPTQ, llama.cpp's
   per-tensor rules);
 - llama.cpp's own: llama-quantize Q2_K, Q3_K_M, Q4_K_M, Q5_K_M with llama-imatrix's importance matrix.
@@ -22,6 +24,10 @@ The targets it checks, for each mixture: the budget row at its size is no larger
 gguf-* file of that mixture, and its KL divergence is below both (at Q4_K_M's size: below quantkit's own
 gguf-q4-k-m). `--svg` draws KL divergence
 against bits per weight, one line per tool and model (log scale), as a self-contained SVG.
+
+`--arch qwen3_moe --models plain` runs the same rows on a Qwen3-MoE trained the same way (bench_calibration.py's
+`build_init`: the Llama's attention, vocabulary and tokenizer, every MLP `--experts` experts of width
+`--moe-intermediate`, `--experts-per-token` routed per token), named qwen3-moe in the table.
 """
 
 from __future__ import annotations
@@ -76,9 +82,15 @@ def rows_of(model: str, src: Path, bin_dir: Path, runner: Path, args: argparse.N
     rows += [gg.quantkit_row(model, src, spec, folder, args) for spec in args.mixtures]
     rows += [budget_row(model, src, target, folder, args) for target in args.targets]
     parameters = harness.parameter_count(src)
+    mixtures = {r.kind: r for r in rows if r.tool == "quantkit" and not r.error}
     for peer in [r for r in rows if r.tool == "llama.cpp" and r.row != "F16" and not r.error]:
         gg.sizes(peer, parameters)
         rows.append(budget_row(model, src, tensor_bpw(peer, parameters), folder, args, f"at {peer.kind}'s size"))
+        own = mixtures.get(peer.kind)
+        if own is not None:  # where quantkit's mixture is the smaller file (llama.cpp's 8-expert rules): its size too
+            gg.sizes(own, parameters)
+            if own.tensor_bytes < peer.tensor_bytes:
+                rows.append(budget_row(model, src, tensor_bpw(own, parameters), folder, args, f"at {own.row}'s size"))
     return rows
 
 
@@ -106,20 +118,22 @@ def table(rows: list[gg.Row], models: dict[str, Path]) -> str:
 
 
 def targets(rows: list[gg.Row], models: dict[str, Path]) -> list[str]:
-    """Each "at X's size" budget row against llama.cpp's X + imatrix and quantkit's gguf-x of the same model."""
+    """Each "at X's size" budget row (X: a mixture, or quantkit's file of it) against llama.cpp's mixture + imatrix
+    and quantkit's gguf-* file of the same mixture and model."""
     found = []
     for r in rows:
         if r.tool != "quantkit budget" or not r.row.startswith("at ") or r.kld is None:
             continue
-        kind = r.row[3:].split("'")[0]
+        named = r.row[3:].split("'")[0]
+        kind = next((o.kind for o in rows if o.model == r.model and o.tool == "quantkit" and o.row == named), named)
         peers = [o for o in rows if o.model == r.model and o.kld is not None and o.tool != "quantkit budget"
-                 and (o.row == f"{kind} + imatrix" or o.row == f"gguf-{kind.lower().replace('_', '-')}")]
+                 and o.kind == kind and o.row != "F16"]
         if not peers:
             continue
         smaller = all(r.tensor_bytes <= o.tensor_bytes for o in peers)
         lower = all(r.kld < o.kld for o in peers)
         against = ", ".join(f"{o.tool} {o.row} {o.kld:.5f} ({o.tensor_bytes:,} B)" for o in peers)
-        found.append(f"{r.model} at {kind}'s size: budget {r.kld:.5f} ({r.tensor_bytes:,} B) against {against}: "
+        found.append(f"{r.model} at {named}'s size: budget {r.kld:.5f} ({r.tensor_bytes:,} B) against {against}: "
                      f"{'met' if smaller and lower else 'not met'}")
     return found
 
@@ -173,7 +187,8 @@ def main(argv: list[str] | None = None) -> None:
     bin_dir = gg.llama_cpp_bin(args)
     runner = gg.converter(bin_dir)
     src = bench.benchmark_model(args)
-    models = {"plain": src} if "plain" in args.models else {}
+    plain = "plain" if args.arch == "llama" else args.arch.replace("_", "-")  # the table's name for the trained model
+    models = {plain: src} if "plain" in args.models else {}
     if "outlier" in args.models:
         models["outlier"] = bench_rotations.outlier_model(src, args.workdir, args)
     rows = [row for model, path in models.items() for row in rows_of(model, path, bin_dir, runner, args)]

@@ -114,12 +114,20 @@ class Job:
 # ---------------------------------------------------------------- the benchmark model
 
 
-def build_init(workdir: Path, text: Path, hidden: int, intermediate: int | None = None) -> Path:
+def build_init(workdir: Path, text: Path, hidden: int, intermediate: int | None = None,
+               moe: tuple[int, int, int] | None = None) -> Path:
     """The randomly initialised float32 Llama with its tokenizer, built once (MLP width `intermediate`, default
-    2.75x hidden)."""
+    2.75x hidden); with `moe` = (experts, experts per token, expert width), a Qwen3-MoE of the same attention,
+    vocabulary and tokenizer, every layer's MLP those experts (head_dim 64, untied, top-k weights renormalised)."""
     shape = {**harness.llama_shape(hidden), **({"intermediate_size": intermediate} if intermediate else {})}
     name = f"llama-h{hidden}" + (f"-i{intermediate}" if intermediate else "")
-    return harness.build_llama(workdir / f"{name}-init", text, "float32", **shape)
+    if moe is None:
+        return harness.build_llama(workdir / f"{name}-init", text, "float32", **shape)
+    experts, per_token, width = moe
+    shape.update(num_experts=experts, num_experts_per_tok=per_token, moe_intermediate_size=width, head_dim=64,
+                 norm_topk_prob=True, tie_word_embeddings=False)
+    name = f"qwen3moe-h{hidden}-e{experts}k{per_token}-m{width}"
+    return harness.build_llama(workdir / f"{name}-init", text, "float32", model_type="qwen3_moe", **shape)
 
 
 def train_config(init: Path, text: Path, steps: int, output: Path, batch: int = 16) -> dict:
@@ -141,6 +149,11 @@ def add_model_arguments(p) -> None:
     p.add_argument("--train-steps", type=int, default=150)
     p.add_argument("--train-batch", type=int, default=16)
     p.add_argument("--train-text", type=Path, default=WIKITEXT / "valid.txt")
+    p.add_argument("--arch", choices=["llama", "qwen3_moe"], default="llama", help="qwen3_moe: the same shape with "
+                   "every MLP a mixture of experts (--experts, --experts-per-token, --moe-intermediate)")
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--experts-per-token", type=int, default=2)
+    p.add_argument("--moe-intermediate", type=int, default=384, help="each expert's MLP width")
 
 
 def add_run_arguments(p) -> None:
@@ -159,7 +172,10 @@ def benchmark_model(args) -> Path:
     runs on."""
     if args.model:
         return args.model.resolve()
-    init = build_init(args.workdir, args.train_text, args.hidden, getattr(args, "intermediate", None))
+    moe = None
+    if getattr(args, "arch", "llama") == "qwen3_moe":  # this script's own arguments have no --arch
+        moe = (args.experts, args.experts_per_token, args.moe_intermediate)
+    init = build_init(args.workdir, args.train_text, args.hidden, getattr(args, "intermediate", None), moe)
     return train_model(args.workdir, init, args.train_text, args.train_steps, args.threads, args.train_batch)
 
 

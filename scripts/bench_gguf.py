@@ -557,7 +557,7 @@ def sizes(row: Row, parameters: int) -> None:
     row.tensor_bytes = sum(int(t.n_bytes) for t in every)
     tensors = [t for t in every if t.name.startswith("blk.")]
     row.bpw_decoder = 8 * sum(int(t.n_bytes) for t in tensors) / sum(int(t.n_elements) for t in tensors)
-    kinds = Counter(t.tensor_type.name for t in tensors if len(t.shape) == 2)
+    kinds = Counter(t.tensor_type.name for t in tensors if len(t.shape) >= 2)  # 3-D: stacked MoE experts
     row.decoder_types = ", ".join(f"{kind} x{count}" for kind, count in kinds.most_common())
     outer = {t.name: t.tensor_type.name for t in every if t.name in ("token_embd.weight", "output.weight")}
     row.outer_types = f"{outer.get('token_embd.weight', '-')} / {outer.get('output.weight', 'tied')}"

@@ -150,23 +150,23 @@ def tokenizer_text(path: Path, generate_if_missing: bool = False) -> str:
 
 
 def build_llama(dst: Path, text: Path, dtype: str, generate_if_missing: bool = False, max_shard_size: str | None = None,
-                **shape: int) -> Path:
-    """A Llama of random weights (seed 0) with a tokenizer trained on `text`, built once at `dst` (into a
-    temp dir, then renamed); see `tokenizer_text` for `generate_if_missing`. Built in a child process: a
-    measured command forked from this one would otherwise count this process's memory in its peak RSS
-    (Linux's ru_maxrss includes the pages held at fork; the 1.7 GB model of bench_streaming.py made the tiny
-    model's finalize read 3696 MiB)."""
+                model_type: str = "llama", **shape: int) -> Path:
+    """A Llama (or another `model_type` of transformers' configs) of random weights (seed 0) with a tokenizer trained
+    on `text`, built once at `dst` (into a temp dir, then renamed); see `tokenizer_text` for `generate_if_missing`.
+    Built in a child process: a measured command forked from this one would otherwise count this process's memory in
+    its peak RSS (Linux's ru_maxrss includes the pages held at fork; the 1.7 GB model of bench_streaming.py made the
+    tiny model's finalize read 3696 MiB)."""
     if (dst / "config.json").is_file() and list(dst.glob("*.safetensors")):
         return dst
     import multiprocessing
 
-    from quantkit.models.tiny import build_tiny_llama
+    from quantkit.models.tiny import build_tiny_model
 
     tmp = dst.with_name(f"{dst.name}.building")
     shutil.rmtree(tmp, ignore_errors=True)
     print(f"building {dst} ...", file=sys.stderr)
     child = multiprocessing.get_context("fork").Process(
-        target=build_tiny_llama, args=(tmp, tokenizer_text(text, generate_if_missing)),
+        target=build_tiny_model, args=(tmp, tokenizer_text(text, generate_if_missing), model_type),
         kwargs=dict(seed=0, dtype=dtype, max_shard_size=max_shard_size, **shape))
     child.start()
     child.join()
