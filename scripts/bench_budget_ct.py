@@ -307,8 +307,7 @@ def autoscheme_row(model: str, src: Path, plan: Row, iters: int, calib: Path, fo
     scores), exported as compressed-tensors; its time (wall and CPU seconds of the process, the search included)
     kept beside it for `--reuse`."""
     name = f"autoscheme-{re.sub(r'[^0-9a-z.]+', '-', plan.row.lower()).strip('-')}" + (f"-i{iters}" if iters else "")
-    row = Row(model, "auto-round AutoScheme", f"at the plan {plan.row}'s size" + (f", iters {iters}" if iters else ""),
-              folder / name, size_of=plan.size_of or plan.row)
+    row = Row(model, "auto-round AutoScheme", "", folder / name, size_of=plan.size_of or plan.row)
     timing = folder / f"{name}.json"
     if not (args.reuse and row.path.is_dir() and timing.is_file()):
         runner = folder.parent / "autoscheme_ct_runner.py"
@@ -319,12 +318,13 @@ def autoscheme_row(model: str, src: Path, plan: Row, iters: int, calib: Path, fo
                                               folder / f"{name}.log")
         result = harness.last_json_line(printed)
         if run.returncode or not result:
-            row.error = gg.one_line(run.stderr_tail) or f"exit code {run.returncode}"
+            row.row, row.error = f"= plan {plan.row}", gg.one_line(run.stderr_tail) or f"exit code {run.returncode}"
             print(f"{model} AutoScheme {name}: FAILED: {row.error}", file=sys.stderr)
             return row
         timing.write_text(json.dumps({**result, "wall_s": run.seconds, "cpu_s": run.cpu_seconds}) + "\n")
     found = json.loads(timing.read_text())
     row.avg_bits, row.seconds, row.cpu_seconds = found["avg_bits"], found["wall_s"], found["cpu_s"]
+    row.row = f"avg_bits {row.avg_bits:.4g} (= plan {plan.row})" + (f", iters {iters}" if iters else "")
     print(f"{model} AutoScheme {name}: avg_bits {row.avg_bits:.4f}, {row.seconds:.0f} s", file=sys.stderr)
     return sized(row)
 
