@@ -244,16 +244,24 @@ class _Sizing:
 def _decisions(model: torch.nn.Module, plan, recipe: Recipe, candidates: tuple[str, ...], sizing: _Sizing) -> tuple[dict, dict, int, int]:
     """({tensor: its candidate types}, {tensor: its Linears}, bytes of every other tensor of the artifact, the
     parameter count). A tensor is a Linear, the token embedding (EMBEDDING, GGUF and MLX), or an MoE layer's experts of
-    one projection, named as GGUF stacks them (`blk.N.ffn_down_exps`): they take one type (in both formats)."""
-    from quantkit.models.architectures import expert_projection
+    one projection, named as GGUF stacks them (`blk.N.ffn_down_exps`): they take one type (in both formats). Where
+    the engine runs kernel-fused siblings as one layer (`fused_siblings_share_a_type`: vLLM's q/k/v and gate/up, an
+    MoE layer's experts), they are one tensor too, named by the first of them."""
+    from quantkit.models.architectures import expert_projection, kernel_fused_groups
 
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     decided, members, fixed, planned = {}, {}, 0, {}
+    fused = {}
+    if sizing.registration.fused_siblings_share_a_type:
+        fused = {m: group[0] for group in kernel_fused_groups([e.name for e in plan if e.quantized]) for m in group}
     for entry in plan:
         names = tensor_types.names_of(entry.name)
         fitting = [t for t in candidates if sizing.fits(t, entry.in_features)]
         if entry.quantized and fitting and tensor_types.type_for(names, recipe.tensor_types) is None:
-            unit = names[1] if expert_projection(entry.name) is not None else entry.name
+            unit = names[1] if expert_projection(entry.name) is not None else fused.get(entry.name, entry.name)
+            if fused and expert_projection(entry.name) is not None:  # one FusedMoE layer: its projections together
+                unit = re.sub(r"ffn_(gate|up|down)_exps$", "ffn_gate_exps", unit)
+            fitting = [t for t in decided.get(unit, fitting) if t in fitting]
             decided[unit] = fitting
             members.setdefault(unit, []).append(entry.name)
         elif entry.quantized:

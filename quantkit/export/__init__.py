@@ -54,12 +54,16 @@ class Registration:
     # a tied token embedding is stored on lm_head's grid when lm_head takes a type of its own (MLX); else as the
     # format stores an embedding
     tied_embedding_on_output_grid: bool = False
+    # the engine runs kernel-fused siblings (q/k/v, gate/up: `architectures.KERNEL_FUSED`; an MoE layer's experts) as
+    # one layer of one scheme (vLLM's merged Linears): a budget plan gives them one type together
+    fused_siblings_share_a_type: bool = False
 
 
 GGML, RECIPE = "ggml", "recipe"  # Registration.tensor_types
 FORMATS = {
     Format.COMPRESSED_TENSORS: Registration("compressed_tensors", reader="compressed_tensors_reader", tensor_types=RECIPE,
-                                            budget_candidates=("gptq-w4a16", "gptq-w8a16")),
+                                            budget_candidates=("gptq-w4a16", "gptq-w8a16"),
+                                            fused_siblings_share_a_type=True),
     Format.TORCHAO: Registration("torchao", reader="torchao_reader"),
     Format.GGUF: Registration("gguf", single_file="model.gguf", reader="gguf_reader", tensor_types=GGML,
                               budget_candidates=("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_0"), vectors_float32=True),

@@ -10,7 +10,7 @@ aligned), and names the shards as transformers names them (`model.safetensors`, 
 
 The room is sized from the first tensors' header bytes per data byte and the shard's expected size (the smaller of
 `max_shard_size` and `expected_bytes`, the preflight's estimate of the output). Where a header outgrows its room,
-or its padding is over 4 KiB and 1% of the shard, the shard is rewritten once with a header of
+or its padding is over 4 KiB and 0.1% of the shard, the shard is rewritten once with a header of
 its own size (the data copied in the kernel where it can be): the only case where bytes are written twice.
 """
 
@@ -104,7 +104,7 @@ class _Shard:
         header = json.dumps({"__metadata__": {"format": "pt"}, **self.header}, separators=(",", ":")).encode()
         header += b" " * (-len(header) % 8)  # the data section starts 8-byte aligned, as safetensors writes it
         padding = self.room - len(header)
-        if padding < 0 or padding > max(_ROOM_MIN, self.size // 100):
+        if padding < 0 or padding > max(_ROOM_MIN, self.size // 1000):
             _rewrite(self.path, header, 8 + self.room, self.size)
         else:
             with open(self.path, "r+b") as out:

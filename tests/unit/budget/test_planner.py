@@ -2,6 +2,7 @@
 average bits per weight the file then has."""
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -218,12 +219,28 @@ def test_a_compressed_tensors_plan_mixes_schemes_that_plain_transformers_loads(w
     groups = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]
     assert sorted(g["weights"]["num_bits"] for g in groups.values()) == [4, 8]
     eight = next(g for g in groups.values() if g["weights"]["num_bits"] == 8)
-    assert sorted(eight["targets"]) == sorted(n for n, t in plan.types.items() if t == "int8-weight-only")
+    assert set(eight["targets"]) >= {n for n, t in plan.types.items() if t == "int8-weight-only"}  # and siblings
     ids = torch.randint(3, 300, (1, 16), generator=torch.Generator().manual_seed(0))
     expected = quantize_model(prepare(wide_model_dir, plan.recipe), plan.recipe)
     loaded = AutoModelForCausalLM.from_pretrained(out)
     with torch.no_grad():
         assert torch.allclose(loaded(ids).logits, expected(ids).logits, atol=1e-4)
+
+
+@pytest.mark.parametrize("target", [12.25, 12.75, 13.25, 13.75])
+def test_a_compressed_tensors_plan_gives_vllms_fused_siblings_one_scheme(wide_model_dir, options, target):
+    """vLLM runs q/k/v as one layer (qkv_proj) and gate/up as one (gate_up_proj), each of one scheme: a plan decides
+    each group together, and the file's config gives its members one config group."""
+    from quantkit.models.architectures import kernel_fused_groups
+
+    plan = planner.plan(wide_model_dir, registry.resolve("int4-weight-only"), target, options,
+                        ("int4-weight-only", "int8-weight-only"))
+    planned = (text.rsplit("=", 1) for text in plan.recipe.tensor_types)  # ^escaped-name$=type, one per Linear
+    types = {re.sub(r"\\(.)", r"\1", pattern[1:-1]): kind for pattern, kind in planned}
+    linears = list(types)
+    groups = [g for g in kernel_fused_groups(linears) if len(g) > 1]
+    assert len(groups) == 4 and all({types[m] for m in group} == {types[group[0]]} for group in groups)
+    assert set(types.values()) == {"int4-weight-only", "int8-weight-only"}
 
 
 def test_the_streamed_measurement_holds_one_layer_and_measures_what_the_loaded_model_does(k_model_dir, options, plans,

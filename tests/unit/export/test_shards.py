@@ -96,16 +96,30 @@ def test_a_room_mostly_padding_is_compacted(tmp_path):
     assert path.stat().st_size - data_bytes(written(tmp_path)) - 8 == header_length(path) < 4096
 
 
-def test_large_shards_keep_their_room_padded_with_spaces(tmp_path):
-    """1 MB of data whose header needs well under 1% of it: written in place, the header padded with spaces."""
+def test_a_small_models_shard_does_not_keep_tens_of_kilobytes_of_padding(tmp_path):
+    """A tiny model's header is a large share of its shard (many small scales and norms): padding over 0.1% of the
+    shard and 4 KiB is compacted, so the file is its header, its data and at most 7 bytes of alignment."""
     torch.manual_seed(0)
-    tensors = {f"w{i}": torch.randn(256, 256) for i in range(4)}
+    tensors = {"big": torch.randn(1024, 3072), **{f"layer.{i}.scales": torch.randn(16) for i in range(600)}}
+    writer = ShardWriter(tmp_path, expected_bytes=data_bytes(tensors))
+    writer.add(tensors)
+    writer.finish()
+    path = tmp_path / "model.safetensors"
+    header = path.read_bytes()[8 : 8 + header_length(path)]
+    assert len(header) - len(header.rstrip(b" ")) < 8
+    assert path.stat().st_size == 8 + header_length(path) + data_bytes(written(tmp_path))
+
+
+def test_large_shards_keep_their_room_padded_with_spaces(tmp_path):
+    """16 MiB of data whose header needs well under 0.1% of it: written in place, the header padded with spaces."""
+    torch.manual_seed(0)
+    tensors = {f"w{i}": torch.randn(1024, 1024) for i in range(4)}
     writer = ShardWriter(tmp_path, expected_bytes=data_bytes(tensors))
     writer.add(tensors)
     writer.finish()
     raw = (tmp_path / "model.safetensors").read_bytes()
     header = raw[8 : 8 + header_length(tmp_path / "model.safetensors")]
-    assert header.endswith(b" ") and json.loads(header)["w3"]["shape"] == [256, 256]
+    assert header.endswith(b" ") and json.loads(header)["w3"]["shape"] == [1024, 1024]
     assert all(torch.equal(written(tmp_path)[k], v) for k, v in tensors.items())
 
 
