@@ -221,6 +221,15 @@ class _Sizing:
         spec = tensor_type_spec(type_name)
         return spec is not None and tensor_types.fits(spec, type_name, columns)
 
+    def fitting(self, candidates: tuple[str, ...], columns: int) -> list[str]:
+        """The candidates a Linear of `columns` inputs may take. In GGUF a K type its rows are not whole super-blocks
+        of is its llama.cpp fallback there (Q2_K / Q3_K -> Q4_0, Q4_K -> Q5_0, Q6_K -> Q8_0), as the file writes it:
+        an MoE's 384-wide experts get Q4_0 ... Q8_0, not Q8_0 alone."""
+        if self.registration.tensor_types == GGML:
+            candidates = tuple(dict.fromkeys(t if self.fits(t, columns) else (self.exporter.fallback_type(t) or t)
+                                             for t in candidates))
+        return [t for t in candidates if self.fits(t, columns)]
+
     def candidate_bytes(self, type_name: str, name: str) -> int:
         rows, columns = _shape(self.model, name)
         if name == EMBEDDING and self.registration.tensor_types == GGML:
@@ -256,7 +265,7 @@ def _decisions(model: torch.nn.Module, plan, recipe: Recipe, candidates: tuple[s
         fused = {m: group[0] for group in kernel_fused_groups([e.name for e in plan if e.quantized]) for m in group}
     for entry in plan:
         names = tensor_types.names_of(entry.name)
-        fitting = [t for t in candidates if sizing.fits(t, entry.in_features)]
+        fitting = sizing.fitting(candidates, entry.in_features)
         if entry.quantized and fitting and tensor_types.type_for(names, recipe.tensor_types) is None:
             unit = names[1] if expert_projection(entry.name) is not None else fused.get(entry.name, entry.name)
             if fused and expert_projection(entry.name) is not None:  # one FusedMoE layer: its projections together

@@ -156,6 +156,17 @@ K_FALLBACKS = {"Q2_K": (QDtype.INT4, True), "Q3_K": (QDtype.INT4, True), "Q4_K":
                **{name: (QDtype.IQ4_NL, True) for name in ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S")}}
 
 
+def fallback_type(kind: str) -> str | None:
+    """The GGML type name a K or i-quant type `kind` falls back to on rows that are not whole super-blocks
+    (K_FALLBACKS, as `adapt_plan` writes it: Q2_K -> Q4_0, Q4_K -> Q5_0, Q6_K -> Q8_0, ...), or None."""
+    fallback = K_FALLBACKS.get(kind.upper())
+    if fallback is None:
+        return None
+    found = ggml_type(WeightSpec(fallback[0], Granularity.GROUP, BLOCK, symmetric=fallback[1],
+                                 scale_dtype=ScaleDtype.FLOAT16))
+    return found.name if found is not None else None
+
+
 def adapt_plan(plan: list[ModulePlan], recipe: Recipe, config) -> list[ModulePlan]:
     """The plan as GGUF holds it: a llama.cpp mixture's per-tensor types (`gguf_mixtures`) on the Linears it names,
     then the recipe's per-tensor overrides (`tensor_types`: on any Linear but an MoE router, `ignore`d ones too;

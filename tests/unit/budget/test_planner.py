@@ -94,6 +94,25 @@ def test_a_target_below_the_smallest_candidates_is_one_line(k_model_dir, options
         planner.plan(k_model_dir, RECIPE, 4.0, CalibrationOptions())
 
 
+def test_a_k_type_falls_back_where_a_tensors_rows_are_not_whole_super_blocks(tmp_path, options):
+    """An MLP of width 384 (a Qwen3-MoE expert's, here dense): ffn_down's rows are not whole 256-weight super-blocks,
+    so a K candidate is its llama.cpp fallback there (Q2_K / Q3_K -> Q4_0, Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0),
+    as the file writes it, instead of Q8_0 alone: a low target is reached, and the file holds the plan's types."""
+    from conftest import make_text
+    from quantkit.models.tiny import build_tiny_llama
+
+    src = build_tiny_llama(tmp_path / "w384", make_text(3000), hidden_size=256, intermediate_size=384,
+                           num_attention_heads=4, num_key_value_heads=2)
+    plan = planner.plan(src, RECIPE, 3.0, options)
+    downs = {name: kind for name, kind in plan.types.items() if name.endswith("down_proj")}
+    assert downs and set(downs.values()) <= {"Q4_0", "Q5_0", "Q5_1", "Q8_0"} and "Q8_0" not in downs.values()
+    out = tmp_path / "plan.gguf"
+    finalize(src, out, plan.recipe, calibration=options)
+    bits, types = file_bits(out)
+    assert bits == pytest.approx(plan.bits_per_weight, abs=1e-9)
+    assert {types[f"blk.{n.split('.')[2]}.ffn_down.weight"] for n in downs} == set(downs.values())
+
+
 def test_the_saved_plan_repeats_the_file_without_measuring(k_model_dir, options, tmp_path, monkeypatch):
     """finalize --target-bpw --save-plan, then -q plan.yaml: the same tensors, byte for byte, and no measuring."""
     from typer.testing import CliRunner
