@@ -55,6 +55,38 @@ OPTIONS = "GGUF:Q2_K_S,GGUF:Q3_K_S,GGUF:Q4_K_S,GGUF:Q5_K_S,GGUF:Q6_K,GGUF:Q8_0" 
 AUTOROUND_PYTHON = Path.home() / ".cache" / "quantkit" / "autoround-venv" / "bin" / "python"
 FINAL_BITS = re.compile(r"AutoScheme final avg_bits: quant layers=([0-9.]+) \(target=([0-9.]+)")
 
+# The runners' calibration: quantkit's blocks as an auto-round dataset (this one's and bench_budget_ct.py's)
+CALIBRATION_BLOCKS = '''\
+ids = load_file(calib)["input_ids"]
+
+
+def quantkit_blocks(tokenizer, seqlen, **_):
+    """quantkit's blocks as they are (auto-round keeps the first `seqlen` tokens of each, in this order)."""
+    return Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": torch.ones_like(ids).tolist()})
+
+
+calib_dataset.CALIB_DATASETS["quantkit-blocks"] = quantkit_blocks
+samples, seqlen = ids.shape
+'''
+
+# The runners' bisection over AVG_BITS (this one's and bench_budget_ct.py's), each with its own planned_bytes
+BISECTION = '''\
+def smallest_reaching(goal):
+    """Bisection over AVG_BITS for the smallest plan of at least `goal` bytes: (its AVG_BITS, its bytes)."""
+    lo, hi, best = 0.0, 16.0, None
+    for _ in range(18):
+        mid = (lo + hi) / 2
+        try:
+            found = planned_bytes(mid)
+        except ValueError as error:  # outside the options' range, which AutoScheme names
+            low, high = map(float, re.search(r"range \\[([0-9.]+), ([0-9.]+)\\]", str(error)).groups())
+            lo, hi = max(lo, low), min(hi, high)
+            continue
+        lo, hi = (lo, mid) if found >= goal else (mid, hi)
+        best = min(best or (mid, found), (mid, found)) if found >= goal else best
+    return best or (hi, planned_bytes(hi))
+'''
+
 AUTOSCHEME_RUNNER = '''\
 """auto-round's AutoScheme with its GGUF export, written by scripts/bench_autoscheme.py, run under auto-round's venv:
 
@@ -89,17 +121,7 @@ STORED = {2: 84 / 256, 3: 110 / 256, 4: 144 / 256, 5: 176 / 256, 6: 210 / 256, 8
 def unknown_hash(self):
     return pre
 ''' + gg.CONVERTER_PATCH + '''
-ids = load_file(calib)["input_ids"]
-
-
-def quantkit_blocks(tokenizer, seqlen, **_):
-    """quantkit's blocks as they are (auto-round keeps the first `seqlen` tokens of each, in this order)."""
-    return Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": torch.ones_like(ids).tolist()})
-
-
-calib_dataset.CALIB_DATASETS["quantkit-blocks"] = quantkit_blocks
-samples, seqlen = ids.shape
-
+''' + CALIBRATION_BLOCKS + '''
 
 def rounder(bits):
     scheme = AutoScheme(avg_bits=bits, options=options, nsamples=samples, seqlen=seqlen, dataset="quantkit-blocks",
@@ -120,21 +142,7 @@ def planned_bytes(bits):
     return int(total)
 
 
-def smallest_reaching(goal):
-    """Bisection over AVG_BITS for the smallest plan of at least `goal` bytes: (its AVG_BITS, its bytes)."""
-    lo, hi, best = 0.0, 16.0, None
-    for _ in range(18):
-        mid = (lo + hi) / 2
-        try:
-            found = planned_bytes(mid)
-        except ValueError as error:  # outside the options' range, which AutoScheme names
-            low, high = map(float, re.search(r"range \\[([0-9.]+), ([0-9.]+)\\]", str(error)).groups())
-            lo, hi = max(lo, low), min(hi, high)
-            continue
-        lo, hi = (lo, mid) if found >= goal else (mid, hi)
-        best = min(best or (mid, found), (mid, found)) if found >= goal else best
-    return best or (hi, planned_bytes(hi))
-
+''' + BISECTION + '''
 
 if avg_bits.startswith("bytes:"):
     bits, found = smallest_reaching(int(avg_bits[6:]))

@@ -87,16 +87,7 @@ from auto_round import AutoRound
 from auto_round.auto_scheme.gen_auto_scheme import AutoScheme
 from datasets import Dataset
 
-ids = load_file(calib)["input_ids"]
-
-
-def quantkit_blocks(tokenizer, seqlen, **_):
-    return Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": torch.ones_like(ids).tolist()})
-
-
-calib_dataset.CALIB_DATASETS["quantkit-blocks"] = quantkit_blocks
-samples, seqlen = ids.shape
-
+''' + bench_autoscheme.CALIBRATION_BLOCKS + '''
 
 def rounder(bits):
     scheme = AutoScheme(avg_bits=bits, options=options.split(","), nsamples=samples, seqlen=seqlen,
@@ -122,20 +113,7 @@ def planned_bytes(bits):
     return int(total)
 
 
-def smallest_reaching(goal):
-    lo, hi, best = 0.0, 16.0, None
-    for _ in range(16):
-        mid = (lo + hi) / 2
-        try:
-            found = planned_bytes(mid)
-        except ValueError as error:  # outside the options' range, which AutoScheme names
-            low, high = map(float, re.search(r"range \\[([0-9.]+), ([0-9.]+)\\]", str(error)).groups())
-            lo, hi = max(lo, low), min(hi, high)
-            continue
-        lo, hi = (lo, mid) if found >= goal else (mid, hi)
-        best = min(best or (mid, found), (mid, found)) if found >= goal else best
-    return best or (hi, planned_bytes(hi))
-
+''' + bench_autoscheme.BISECTION + '''
 
 began = time.perf_counter()
 result = {}
