@@ -156,14 +156,19 @@ K_FALLBACKS = {"Q2_K": (QDtype.INT4, True), "Q3_K": (QDtype.INT4, True), "Q4_K":
                **{name: (QDtype.IQ4_NL, True) for name in ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S")}}
 
 
-def fallback_type(kind: str) -> str | None:
-    """The GGML type name a K or i-quant type `kind` falls back to on rows that are not whole super-blocks
-    (K_FALLBACKS, as `adapt_plan` writes it: Q2_K -> Q4_0, Q4_K -> Q5_0, Q6_K -> Q8_0, ...), or None."""
+def _fallback_spec(kind: str) -> WeightSpec | None:
+    """The grid of blocks of 32 a K or i-quant type `kind` falls back to (K_FALLBACKS), or None."""
     fallback = K_FALLBACKS.get(kind.upper())
     if fallback is None:
         return None
-    found = ggml_type(WeightSpec(fallback[0], Granularity.GROUP, BLOCK, symmetric=fallback[1],
-                                 scale_dtype=ScaleDtype.FLOAT16))
+    return WeightSpec(fallback[0], Granularity.GROUP, BLOCK, symmetric=fallback[1], scale_dtype=ScaleDtype.FLOAT16)
+
+
+def fallback_type(kind: str) -> str | None:
+    """The GGML type name a K or i-quant type `kind` falls back to on rows that are not whole super-blocks
+    (K_FALLBACKS, as `adapt_plan` writes it: Q2_K -> Q4_0, Q4_K -> Q5_0, Q6_K -> Q8_0, ...), or None."""
+    spec = _fallback_spec(kind)
+    found = ggml_type(spec) if spec is not None else None
     return found.name if found is not None else None
 
 
@@ -190,11 +195,10 @@ def adapt_plan(plan: list[ModulePlan], recipe: Recipe, config) -> list[ModulePla
         spec = entry.scheme.weights if entry.quantized else None
         if spec is None or not spec.super_block or entry.in_features % spec.super_block == 0:
             return entry
-        fallback = K_FALLBACKS.get(spec.block_type)
-        if fallback is None or entry.in_features % BLOCK:
+        weights = _fallback_spec(spec.block_type)
+        if weights is None or entry.in_features % BLOCK:
             return replace(entry, scheme=None, note=f"{spec.block_type} takes rows of whole {K_SUPER_BLOCK}-weight "
                                                     f"super-blocks ({entry.in_features} inputs), and no fallback fits")
-        weights = WeightSpec(fallback[0], Granularity.GROUP, BLOCK, symmetric=fallback[1], scale_dtype=ScaleDtype.FLOAT16)
         note = f"{spec.block_type} -> {ggml_type(weights).name}: {entry.in_features} inputs are not whole {K_SUPER_BLOCK}-weight super-blocks"
         return replace(entry, scheme=QuantScheme(weights, entry.scheme.activations), note=note)
 
